@@ -1,0 +1,45 @@
+# Two commands on a fresh machine with only Python 3:
+#   make demo   - build the small synthetic model and run the swarm on it
+#   make test   - run the test suite
+# Both create .venv and install what they need on first use (llama-cpp-python compiles from
+# source, about 5 minutes on 2 cores; pip caches the wheel for next time).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kvasir-installed
+MODELS := models
+DEMO_MODEL := $(MODELS)/small-qwen3moe-q4_k.gguf
+DEMO_PROMPT ?= Once upon a time, in a swarm of small machines,
+
+export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: demo test install clean bench
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
+	@echo "installing kvasir-bus with the backbone and test extras (llama-cpp-python builds from source the first time: ~5 min)"
+	$(BIN)/python -m pip install --quiet -e '.[backbone,test]'
+	touch $@
+
+$(DEMO_MODEL): | $(STAMP)
+	@mkdir -p $(MODELS)
+	$(BIN)/kvasir synth --arch qwen3moe --preset small --type q4_k --seed 0 -o $@
+
+demo: $(STAMP) $(DEMO_MODEL)
+	$(BIN)/kvasir generate --model $(DEMO_MODEL) --prompt "$(DEMO_PROMPT)" -n 24 --greedy
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/kernel.py
+
+clean:
+	rm -rf $(MODELS) .pytest_cache build *.egg-info

@@ -1,0 +1,169 @@
+"""``kvasir generate`` and ``kvasir verify``: the backbone on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_VERIFY_PROMPT = (
+    "The swarm splits a mixture-of-experts model into single experts, so that a phone can carry "
+    "a real share of a frontier model while the backbone keeps every expert as its fallback."
+)
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="generate text with an MoE GGUF model",
+        description="Generate text with an MoE GGUF model: on this node alone, or with the expert "
+        "workers on a NATS bus (--nats).")
+    p.add_argument("--model", required=True, metavar="FILE", help="the GGUF model")
+    p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text")
+    p.add_argument("-n", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="always take the most likely token (default)")
+    mode.add_argument("--temperature", type=float, default=None, metavar="T", help="sample at this temperature")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass (default 1.0)")
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed (default 0)")
+    p.add_argument("--ctx", type=int, default=None, metavar="N", help="context size (default: the model's)")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-sequence token")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--dump-logits", metavar="FILE.npy",
+                   help="save the logits of every position (prompt and generated) as float32")
+    add_bus_flags(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
+        "verify", help="compare our engine's logits with llama.cpp's on the same tokens",
+        description="Run llama.cpp and our engine on the same tokens (the prompt, then N greedy "
+        "steps of our engine) and report how closely the logits agree.")
+    p.add_argument("--model", required=True, metavar="FILE", help="the GGUF model")
+    p.add_argument("--prompt", default=DEFAULT_VERIFY_PROMPT, metavar="TEXT",
+                   help="the prompt (default: a built-in paragraph)")
+    p.add_argument("--decode", type=int, default=16, metavar="N", help="greedy steps after the prompt (default 16)")
+    p.add_argument("--json", action="store_true", help="print JSON with positions, max_abs_diff, min_cosine, "
+                   "argmax_agreement")
+    p.set_defaults(func=cmd_verify)
+
+
+def add_bus_flags(p: argparse.ArgumentParser) -> None:
+    """Flags for running against expert workers; filled in by the sharding milestone."""
+    p.add_argument("--nats", metavar="URL", default=None,
+                   help="dispatch experts to the workers on this NATS bus (default: all local; "
+                   "NATS_URL is not read here so that a plain run stays local)")
+    p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
+                   help="per-expert reply timeout (default: adaptive from observed latency)")
+    p.add_argument("--wire-dtype", choices=("float32", "float16"), default="float32",
+                   help="rounding of rows on the wire, applied to local experts too (default float32)")
+
+
+def _sampler(args):
+    from backbone.sampling import Sampler, SamplerConfig
+
+    if args.temperature is None:
+        return Sampler(SamplerConfig())
+    return Sampler(SamplerConfig(temperature=args.temperature, top_p=args.top_p, seed=args.seed))
+
+
+def cmd_generate(args) -> int:
+    import numpy as np
+
+    from backbone.generate import generate
+    from backbone.model import Engine
+    from backbone.tokenizer import StreamDecoder, Tokenizer
+    from kvasir_bus.errors import UsageError
+
+    if args.n < 0:
+        raise UsageError(f"-n must be >= 0, got {args.n}")
+    sampler = _sampler(args)
+    tok = Tokenizer(args.model)
+    with _experts_for(args) as (experts, report):
+        engine = Engine(args.model, n_ctx=args.ctx, experts=experts, wire_dtype=args.wire_dtype)
+        if experts is not None and hasattr(experts, "attach"):
+            experts.attach(engine)
+        prompt = tok.encode(args.prompt)
+        if len(prompt) + args.n > engine.n_ctx:
+            raise UsageError(f"the prompt is {len(prompt)} tokens; with -n {args.n} that exceeds "
+                             f"the context of {engine.n_ctx} tokens")
+        stream = None if args.json else StreamDecoder(tok)
+
+        def on_token(t: int) -> None:
+            if stream is not None:
+                sys.stdout.write(stream.push(t))
+                sys.stdout.flush()
+
+        gen = generate(engine, prompt, args.n, sampler, stop_on_eos=not args.no_stop,
+                       keep_logits=bool(args.dump_logits), on_token=on_token)
+        stats = report()
+    if args.dump_logits:
+        np.save(args.dump_logits, gen.logits_array())
+    from workers.kernels import backend_name
+
+    result = {
+        "text": tok.decode(gen.tokens),
+        "tokens": gen.tokens,
+        "prompt_tokens": gen.prompt,
+        "stop_reason": gen.stop_reason,
+        "prefill_tokens_per_s": round(len(prompt) / gen.prefill_s, 2) if gen.prefill_s else None,
+        "decode_tokens_per_s": round((len(gen.tokens) - 1) / gen.decode_s, 2)
+        if gen.decode_s and len(gen.tokens) > 1 else None,
+        "kernel": backend_name(),
+    }
+    if stats:
+        result["experts"] = stats
+    if args.json:
+        print(json.dumps(result))
+    else:
+        sys.stdout.write("\n")
+        print(f"[{len(prompt)} prompt tokens, {len(gen.tokens)} generated ({gen.stop_reason}); "
+              f"prefill {result['prefill_tokens_per_s']} tok/s, decode {result['decode_tokens_per_s']} tok/s, "
+              f"kernel {result['kernel']}]", file=sys.stderr)
+    return 0
+
+
+class _LocalOnly:
+    def __enter__(self):
+        return None, lambda: None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _experts_for(args):
+    """The expert backend for this run: local, or dispatch over NATS when --nats is given."""
+    if not getattr(args, "nats", None):
+        return _LocalOnly()
+    from backbone.dispatch import remote_experts  # the sharding milestone
+
+    return remote_experts(args)
+
+
+def cmd_verify(args) -> int:
+    from backbone.generate import generate
+    from backbone.model import Engine
+    from backbone.reference import Reference, compare
+    from backbone.sampling import Sampler, SamplerConfig
+    from backbone.tokenizer import Tokenizer
+    from kvasir_bus.errors import UsageError
+
+    if args.decode < 0:
+        raise UsageError(f"--decode must be >= 0, got {args.decode}")
+    tok = Tokenizer(args.model)
+    engine = Engine(args.model)
+    prompt = tok.encode(args.prompt)
+    if len(prompt) + args.decode > engine.n_ctx:
+        raise UsageError(f"the prompt is {len(prompt)} tokens; with --decode {args.decode} that exceeds "
+                         f"the context of {engine.n_ctx} tokens")
+    gen = generate(engine, prompt, args.decode, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
+    ref = Reference(args.model, n_ctx=len(gen.all_tokens) + 8, n_batch=max(32, len(gen.all_tokens)))
+    report = compare(gen.logits_array(), ref.logits(gen.all_tokens))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"model            {args.model} ({engine.cfg.arch}, {engine.cfg.n_layer} layers, "
+              f"{engine.cfg.n_expert} experts, top-{engine.cfg.n_expert_used})")
+        print(f"positions        {report['positions']} ({len(prompt)} prompt + {len(gen.tokens)} greedy)")
+        print(f"max |diff|       {report['max_abs_diff']:.3g}")
+        print(f"min cosine       {report['min_cosine']:.9f}")
+        print(f"argmax agreement {report['argmax_agreement']:.3f}")
+    return 0

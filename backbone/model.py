@@ -1,0 +1,276 @@
+"""The backbone engine: one readable forward pass for every supported MoE architecture.
+
+    x = token_embd[ids]
+    for each layer:
+        x = x + attn(rms_norm(x) * attn_norm)          # RoPE, GQA, per-sequence KV cache
+        h = rms_norm(x) * ffn_norm
+        ids, w = route(h @ ffn_gate_inp, k)             # the router runs once, here
+        x = x + combine(experts(h rows by expert), w) + shared_expert(h)
+    logits = (rms_norm(x) * output_norm) @ output
+
+A step runs a *batch* of independent sequences (each with its own KV cache and position;
+prefill chunks and single decode tokens mixed): every dense matmul runs on all rows at once,
+and the router groups the rows of the whole batch by expert, so each selected expert is asked
+once per layer with every row that chose it. Who computes an expert is the business of the
+:class:`~backbone.experts.ExpertBackend` (all local here; remote workers in the sharded setup).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from backbone import ops
+from backbone.config import ModelConfig, read_config
+from backbone.experts import ExpertBackend, LocalExperts
+from kvasir_bus.errors import ModelFileError, UsageError
+from workers.expert import expert_ffn
+from workers.kernels import matmul
+from workers.tensors import QTensor, open_gguf, tensors_from_reader
+
+WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One transformer block; attribute names are the GGUF tensor names."""
+
+    attn_norm: np.ndarray
+    attn_q: QTensor
+    attn_k: QTensor
+    attn_v: QTensor
+    attn_output: QTensor
+    ffn_norm: np.ndarray
+    ffn_gate_inp: QTensor  # router, (D -> E), never quantized
+    ffn_gate_exps: QTensor  # (D, F, E)
+    ffn_up_exps: QTensor  # (D, F, E)
+    ffn_down_exps: QTensor  # (F, D, E)
+    attn_q_bias: np.ndarray | None = None
+    attn_k_bias: np.ndarray | None = None
+    attn_v_bias: np.ndarray | None = None
+    attn_q_norm: np.ndarray | None = None
+    attn_k_norm: np.ndarray | None = None
+    ffn_gate_inp_shexp: np.ndarray | None = None  # (D,)
+    ffn_gate_shexp: QTensor | None = None
+    ffn_up_shexp: QTensor | None = None
+    ffn_down_shexp: QTensor | None = None
+
+
+@dataclass(frozen=True)
+class Weights:
+    token_embd: QTensor
+    output_norm: np.ndarray
+    output: QTensor  # token_embd when the output head is tied
+    layers: tuple[Layer, ...]
+
+    def expert(self, layer: int, e: int) -> tuple[QTensor, QTensor, QTensor]:
+        blk = self.layers[layer]
+        return blk.ffn_gate_exps.expert(e), blk.ffn_up_exps.expert(e), blk.ffn_down_exps.expert(e)
+
+
+def load_weights(tensors: dict[str, QTensor], cfg: ModelConfig, path: str) -> Weights:
+    def get(name: str, optional: bool = False) -> QTensor | None:
+        t = tensors.get(name)
+        if t is None and not optional:
+            raise ModelFileError(f"{path}: tensor {name} is missing")
+        return t
+
+    def vec(name: str, optional: bool = False) -> np.ndarray | None:
+        t = get(name, optional)
+        return None if t is None else t.f32().reshape(-1)
+
+    layers = []
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        layers.append(Layer(
+            attn_norm=vec(b + "attn_norm.weight"),
+            attn_q=get(b + "attn_q.weight"),
+            attn_k=get(b + "attn_k.weight"),
+            attn_v=get(b + "attn_v.weight"),
+            attn_output=get(b + "attn_output.weight"),
+            ffn_norm=vec(b + "ffn_norm.weight"),
+            ffn_gate_inp=get(b + "ffn_gate_inp.weight"),
+            ffn_gate_exps=get(b + "ffn_gate_exps.weight"),
+            ffn_up_exps=get(b + "ffn_up_exps.weight"),
+            ffn_down_exps=get(b + "ffn_down_exps.weight"),
+            attn_q_bias=vec(b + "attn_q.bias", optional=not cfg.traits.qkv_bias),
+            attn_k_bias=vec(b + "attn_k.bias", optional=not cfg.traits.qkv_bias),
+            attn_v_bias=vec(b + "attn_v.bias", optional=not cfg.traits.qkv_bias),
+            attn_q_norm=vec(b + "attn_q_norm.weight", optional=not cfg.traits.qk_norm),
+            attn_k_norm=vec(b + "attn_k_norm.weight", optional=not cfg.traits.qk_norm),
+            ffn_gate_inp_shexp=vec(b + "ffn_gate_inp_shexp.weight", optional=True),
+            ffn_gate_shexp=get(b + "ffn_gate_shexp.weight", optional=not cfg.n_ff_shexp),
+            ffn_up_shexp=get(b + "ffn_up_shexp.weight", optional=not cfg.n_ff_shexp),
+            ffn_down_shexp=get(b + "ffn_down_shexp.weight", optional=not cfg.n_ff_shexp),
+        ))
+        _check_experts(layers[-1], cfg, i, path)
+    token_embd = get("token_embd.weight")
+    return Weights(
+        token_embd=token_embd,
+        output_norm=vec("output_norm.weight"),
+        output=get("output.weight", optional=True) or token_embd,
+        layers=tuple(layers),
+    )
+
+
+def _check_experts(blk: Layer, cfg: ModelConfig, i: int, path: str) -> None:
+    want = {
+        "ffn_gate_exps": (cfg.n_embd, cfg.n_ff_exp, cfg.n_expert),
+        "ffn_up_exps": (cfg.n_embd, cfg.n_ff_exp, cfg.n_expert),
+        "ffn_down_exps": (cfg.n_ff_exp, cfg.n_embd, cfg.n_expert),
+        "ffn_gate_inp": (cfg.n_embd, cfg.n_expert),
+    }
+    for name, shape in want.items():
+        got = getattr(blk, name).ne
+        if tuple(got) != shape:
+            raise ModelFileError(f"{path}: blk.{i}.{name}.weight has shape {got}, expected {shape}")
+
+
+@dataclass
+class Sequence:
+    """One sequence's KV cache: per layer K and V of shape (Hkv, capacity, Dh), float16."""
+
+    n_ctx: int
+    n_past: int = 0
+    k: list[np.ndarray] = field(default_factory=list)
+    v: list[np.ndarray] = field(default_factory=list)
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store this chunk's keys and values (L, Hkv, Dh) at positions n_past.."""
+        L = k.shape[0]
+        end = self.n_past + L
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        if end > cache_k.shape[1]:  # grow geometrically, up to the context size
+            cap = min(self.n_ctx, max(end, 2 * cache_k.shape[1], 64))
+            grow = ((0, 0), (0, cap - cache_k.shape[1]), (0, 0))
+            cache_k, cache_v = np.pad(cache_k, grow), np.pad(cache_v, grow)
+            self.k[layer], self.v[layer] = cache_k, cache_v
+        cache_k[:, self.n_past:end] = k.transpose(1, 0, 2)
+        cache_v[:, self.n_past:end] = v.transpose(1, 0, 2)
+
+
+class Engine:
+    """A whole MoE model on one node. ``experts`` decides who computes each routed expert."""
+
+    def __init__(self, model_path: str | os.PathLike, *, n_ctx: int | None = None,
+                 experts: ExpertBackend | None = None, wire_dtype: str = "float32"):
+        self.path = os.fspath(model_path)
+        self.reader = open_gguf(self.path)
+        self.cfg = read_config(self.reader, self.path)
+        self.weights = load_weights(tensors_from_reader(self.reader), self.cfg, self.path)
+        self.n_ctx = min(n_ctx or self.cfg.n_ctx_train, self.cfg.n_ctx_train)
+        if self.n_ctx <= 0:
+            raise UsageError(f"context size must be positive, got {n_ctx}")
+        if wire_dtype not in WIRE_DTYPES:
+            raise UsageError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
+        self.wire_dtype = WIRE_DTYPES[wire_dtype]
+        self.experts = experts or LocalExperts(self.weights)
+
+    def new_sequence(self) -> Sequence:
+        c = self.cfg
+        empty = lambda: np.zeros((c.n_head_kv, 0, c.head_dim), dtype=np.float16)  # noqa: E731
+        return Sequence(self.n_ctx, k=[empty() for _ in range(c.n_layer)], v=[empty() for _ in range(c.n_layer)])
+
+    # -- the forward pass -------------------------------------------------------------------
+
+    def forward(self, batch: list[tuple[Sequence, np.ndarray]], *, all_logits: bool = True) -> list[np.ndarray]:
+        """Run one step for a batch of (sequence, new token ids) and advance each sequence.
+
+        Returns per entry the logits (L_i, n_vocab) of every new token, or only of its last
+        token (1, n_vocab) when ``all_logits`` is false.
+        """
+        c, w = self.cfg, self.weights
+        lengths = [len(ids) for _, ids in batch]
+        for (seq, ids), L in zip(batch, lengths):
+            if L == 0:
+                raise UsageError("a batch entry has no tokens")
+            if seq.n_past + L > seq.n_ctx:
+                raise UsageError(f"sequence needs {seq.n_past + L} positions; the context is {seq.n_ctx}")
+            if np.any((ids < 0) | (ids >= c.n_vocab)):
+                raise UsageError(f"token id out of range 0..{c.n_vocab - 1}")
+        ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
+        positions = np.concatenate([seq.n_past + np.arange(L) for (seq, _), L in zip(batch, lengths)])
+        starts = np.cumsum([0] + lengths)
+        cos, sin = ops.rope_cache(positions, c.n_rot, c.rope_base)
+
+        x = embed(w.token_embd, ids)  # (T, D)
+        for il, blk in enumerate(w.layers):
+            h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
+            x = x + self._attention(il, blk, h, cos, sin, batch, starts)
+            h = ops.rms_norm(x, blk.ffn_norm, c.rms_eps)
+            x = x + self._moe(il, blk, h)
+        for seq, L in zip((s for s, _ in batch), lengths):
+            seq.n_past += L
+
+        if not all_logits:
+            x = x[starts[1:] - 1]
+            starts = np.arange(len(batch) + 1)
+        out = ops.rms_norm(x, w.output_norm, c.rms_eps)
+        logits = matmul(w.output, out)  # (T, V)
+        return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+    def _attention(self, il: int, blk: Layer, h: np.ndarray, cos, sin, batch, starts) -> np.ndarray:
+        c = self.cfg
+        T = h.shape[0]
+        q, k, v = matmul(blk.attn_q, h), matmul(blk.attn_k, h), matmul(blk.attn_v, h)
+        if blk.attn_q_bias is not None:
+            q, k, v = q + blk.attn_q_bias, k + blk.attn_k_bias, v + blk.attn_v_bias
+        q = q.reshape(T, c.n_head, c.head_dim)  # (T, H, Dh)
+        k = k.reshape(T, c.n_head_kv, c.head_dim)  # (T, Hkv, Dh)
+        v = v.reshape(T, c.n_head_kv, c.head_dim)
+        if blk.attn_q_norm is not None:  # per-head RMS norm before RoPE (qwen3moe)
+            q = ops.rms_norm(q, blk.attn_q_norm, c.rms_eps)
+            k = ops.rms_norm(k, blk.attn_k_norm, c.rms_eps)
+        q = ops.rope(q, cos, sin, c.traits.rope_style)
+        k = ops.rope(k, cos, sin, c.traits.rope_style)
+        k16, v16 = k.astype(np.float16), v.astype(np.float16)  # the KV cache is f16
+        out = np.empty((T, c.n_head * c.head_dim), dtype=np.float32)
+        for (seq, _), a, b in zip(batch, starts[:-1], starts[1:]):
+            seq.append(il, k16[a:b], v16[a:b])
+            end = seq.n_past + (b - a)
+            out[a:b] = ops.attention(q[a:b], seq.k[il][:, :end], seq.v[il][:, :end], seq.n_past)
+        return matmul(blk.attn_output, out)
+
+    def _moe(self, il: int, blk: Layer, h: np.ndarray) -> np.ndarray:
+        c = self.cfg
+        router_logits = matmul(blk.ffn_gate_inp, h)  # (T, E)
+        ids, weights = ops.route(router_logits, c.n_expert_used, c.traits.norm_topk)  # (T, K)
+        # Whatever rounding the wire applies to the rows, the local path applies too.
+        rows = h.astype(self.wire_dtype).astype(np.float32)
+        experts = np.unique(ids)
+        groups = [(int(e), np.nonzero(ids == e)) for e in experts]  # (row idx, slot idx) per expert
+        outs = self.experts.run_layer(il, [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups])
+        expert_out = np.empty((h.shape[0], c.n_expert_used, c.n_embd), dtype=np.float32)  # (T, K, D)
+        for (e, (r, slot)), out in zip(groups, outs):
+            expert_out[r, slot] = out
+        moe = ops.combine(expert_out, weights)
+        if blk.ffn_gate_shexp is not None:
+            shared = expert_ffn(blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp, h)
+            if blk.ffn_gate_inp_shexp is not None:
+                g = (h @ blk.ffn_gate_inp_shexp)[:, None].astype(np.float32)  # (T, 1)
+                shared = shared * ops.silu_gate(g)
+            moe = moe + shared
+        return moe
+
+
+def embed(token_embd: QTensor, ids: np.ndarray) -> np.ndarray:
+    """Rows of the token embedding, dequantised exactly: (T,) -> (T, D) float32."""
+    t = token_embd
+    if t.ggml_type == GGMLQuantizationType.F32:
+        return t.data.view(np.float32).reshape(-1, t.ne[0])[ids].copy()
+    if t.ggml_type == GGMLQuantizationType.F16:
+        return t.data.view(np.float16).reshape(-1, t.ne[0])[ids].astype(np.float32)
+    from gguf.quants import dequantize
+
+    rows = t.data.reshape(-1, t.row_bytes)[ids]
+    return dequantize(rows, t.ggml_type).reshape(len(ids), t.ne[0]).astype(np.float32, copy=False)
+
+
+def type_name(t: GGMLQuantizationType) -> str:
+    return GGMLQuantizationType(t).name.lower()
+
+
+__all__ = ["Engine", "Sequence", "Weights", "Layer", "embed", "GGML_QUANT_SIZES"]

@@ -1,0 +1,73 @@
+"""llama.cpp as the reference engine (through llama-cpp-python), for ``kvasir verify``,
+the parity tests and the benchmarks."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from kvasir_bus.errors import DependencyError, ModelFileError
+
+
+def import_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise DependencyError("this needs llama-cpp-python (pip install 'kvasir-bus[backbone]')") from None
+    return llama_cpp
+
+
+def quiet_llama(llama_cpp, path: str, **kwargs):
+    """A ``llama_cpp.Llama`` that logs nothing and fails with a one-line error."""
+    kwargs.setdefault("verbose", False)
+    try:
+        return llama_cpp.Llama(model_path=path, **kwargs)
+    except Exception as exc:
+        raise ModelFileError(f"{path}: llama.cpp cannot load it ({exc})") from None
+
+
+class Reference:
+    """llama.cpp on one model, with flash attention off (the numerics our engine reproduces)."""
+
+    def __init__(self, path: str | os.PathLike, n_ctx: int, n_threads: int | None = None, n_batch: int = 512):
+        llama_cpp = import_llama_cpp()
+        self.path = os.fspath(path)
+        self.llm = quiet_llama(llama_cpp, self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                               logits_all=True, flash_attn=False,
+                               n_threads=n_threads or os.cpu_count(), n_threads_batch=n_threads or os.cpu_count())
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        """Logits (len(tokens), n_vocab) float32 of every position, from a fresh KV cache."""
+        self.llm.reset()
+        self.llm.eval(list(tokens))
+        return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
+
+    def decode_tokens_per_s(self, prompt: list[int], n: int) -> tuple[float, float]:
+        """(prefill tokens/s, decode tokens/s) of a prompt then n single-token steps."""
+        import time
+
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(list(prompt))
+        t1 = time.perf_counter()
+        token = int(np.argmax(self.llm.scores[len(prompt) - 1]))
+        for _ in range(n):
+            self.llm.eval([token])
+            token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        t2 = time.perf_counter()
+        return len(prompt) / (t1 - t0), n / (t2 - t1)
+
+
+def compare(ours: np.ndarray, ref: np.ndarray) -> dict:
+    """The verify report: positions, max |diff|, min cosine, argmax agreement (0..1)."""
+    if ours.shape != ref.shape:
+        raise ValueError(f"logit shapes differ: ours {ours.shape}, llama.cpp {ref.shape}")
+    a, b = ours.astype(np.float64), ref.astype(np.float64)
+    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+    return {
+        "positions": int(a.shape[0]),
+        "max_abs_diff": float(np.abs(a - b).max()),
+        "min_cosine": float(cos.min()),
+        "argmax_agreement": float((a.argmax(1) == b.argmax(1)).mean()),
+    }

@@ -1,0 +1,78 @@
+"""The ``kvasir`` command: one parser, subcommands registered by each role.
+
+Each role module named in ``_ROLE_CLIS`` exposes ``register(subparsers)`` and keeps its heavy
+imports inside the command functions, so ``kvasir --help`` stays fast and a worker-only install
+can run ``kvasir worker`` without the backbone's extras.
+
+Every command function takes the parsed arguments and returns an exit status. A
+:class:`~kvasir_bus.errors.KvasirError` becomes one line on stderr and a non-zero exit; any
+other exception is reported on one line too (set ``KVASIR_DEBUG=1`` for the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from kvasir_bus import __version__
+from kvasir_bus.errors import KvasirError
+
+_ROLE_CLIS = (
+    "backbone.cli_synth",
+    "backbone.cli",
+    "workers.cli",
+    "kvasir_bus.nats_cli",
+    "market.cli",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, like every other error
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="kvasir",
+        description="Swarm inference for Mixture-of-Experts GGUF models, sharded at the grain "
+        "of single experts over NATS.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvasir {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in _ROLE_CLIS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # that role is not part of this install
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KvasirError as exc:
+        print(f"kvasir {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"kvasir {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # last resort: still one line, never a traceback
+        if os.environ.get("KVASIR_DEBUG"):
+            raise
+        print(f"kvasir {args.command}: internal error: {type(exc).__name__}: {exc} "
+              "(set KVASIR_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
