@@ -1,0 +1,158 @@
+"""``kvasir synth`` (build a synthetic MoE GGUF) and ``kvasir info`` (inspect any MoE GGUF).
+
+Heavy imports (numpy, gguf, the generator) happen inside the command functions so that
+``kvasir --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+# The choices, repeated here so the parser needs no numpy; a test checks they match
+# backbone.synth's tables.
+ARCH_CHOICES = ("qwen3moe", "qwen2moe", "mixtral")
+PRESET_CHOICES = ("tiny", "small", "122b-layer")
+TYPE_CHOICES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
+
+_SIZE_FLAGS = (
+    ("--layers", "number of transformer blocks"),
+    ("--experts", "routed experts per layer"),
+    ("--experts-used", "experts selected per token (top-k)"),
+    ("--hidden", "embedding width (n_embd)"),
+    ("--expert-ffn", "FFN width of one routed expert"),
+    ("--heads", "attention heads"),
+    ("--kv-heads", "key/value heads (GQA); must divide --heads"),
+    ("--vocab", "vocabulary size (at least 258)"),
+    ("--ctx", "training context length written to the file"),
+    ("--shared-expert-ffn", "FFN width of the shared expert (qwen2moe only)"),
+)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "synth", help="write a synthetic MoE GGUF with random weights",
+        description="Write a Mixture-of-Experts GGUF with random weights and a byte-level "
+        "tokenizer that llama.cpp loads. Presets: tiny (unit tests), small (demo, benchmarks), "
+        "122b-layer (the 122B model's per-expert shapes, 1 layer, written streaming). Size "
+        "flags override the preset. K-quant types need rows that are a multiple of 256; "
+        "matrices that do not fit fall back like llama.cpp's quantizer (with a warning).")
+    p.add_argument("--arch", choices=ARCH_CHOICES, default="qwen3moe",
+                   help="architecture family (mixtral = llama.cpp's llama with experts; default %(default)s)")
+    p.add_argument("--preset", choices=PRESET_CHOICES, default="tiny", help="sizes (default %(default)s)")
+    p.add_argument("--type", dest="qtype", choices=TYPE_CHOICES, default="f32",
+                   help="type of the weight matrices; norms and routers stay f32 (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.gguf", help="file to write")
+    sizes = p.add_argument_group("size overrides")
+    for flag, text in _SIZE_FLAGS:
+        sizes.add_argument(flag, type=int, metavar="N", help=text)
+    p.set_defaults(func=run_synth)
+
+    p = subparsers.add_parser(
+        "info", help="describe a MoE GGUF: shapes, expert slab size, types, fingerprint",
+        description="Print a MoE GGUF's architecture, sizes, bytes per expert slab (gate+up+down "
+        "of one expert in one layer), the share of the file that routed experts make up, the "
+        "model fingerprint and the type of every tensor group.")
+    p.add_argument("file", metavar="FILE.gguf")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_info)
+
+
+def run_synth(args: argparse.Namespace) -> int:
+    from backbone import synth
+
+    overrides = {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
+                 for flag, _ in _SIZE_FLAGS}
+    cfg = synth.make_config(args.arch, args.preset, args.qtype, args.seed, **overrides)
+    progress = _ProgressLine() if sys.stderr.isatty() else None
+    try:
+        report = synth.write_model(args.output, cfg, progress=progress)
+    finally:
+        if progress is not None:
+            progress.clear()
+    if report.fallbacks:
+        print(f"kvasir synth: warning: {_fallback_summary(report.fallbacks)}", file=sys.stderr)
+    layers = f"{cfg.layers} layer" + ("s" if cfg.layers != 1 else "")
+    print(f"wrote {report.path}: {_size(report.file_bytes)}, {cfg.arch} {cfg.preset} {cfg.qtype}, "
+          f"{layers} x {cfg.experts} experts (top-{cfg.experts_used}), hidden {cfg.hidden}, "
+          f"expert FFN {cfg.expert_ffn}, seed {cfg.seed}, in {report.seconds:.1f} s")
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from backbone.synth import describe_model
+
+    info = describe_model(args.file)
+    if args.json:
+        print(json.dumps(info, sort_keys=False))
+        return 0
+    used = info["experts_used"]
+    rows = [
+        ("file", f"{args.file} ({_size(info['file_bytes'])})"),
+        ("architecture", info["architecture"]),
+        ("layers", info["layers"]),
+        ("experts", f"{info['experts']}" + (f" ({used} used per token)" if used else "")),
+        ("hidden", info["hidden"]),
+        ("expert FFN", info["expert_ffn"]),
+        ("expert slab", f"{info['expert_slab_bytes']:,} bytes (gate+up+down of one expert, one layer)"
+         + (f"; up to {info['expert_slab_bytes_max']:,} in other layers"
+            if info["expert_slab_bytes_max"] != info["expert_slab_bytes"] else "")),
+        ("expert share", f"{100 * info['expert_share']:.1f}% of the file is routed experts"),
+        ("fingerprint", info["fingerprint"]),
+    ]
+    for key, value in rows:
+        print(f"{key:<13} {value}")
+    print("tensor types:")
+    for group, types in info["tensor_types"].items():
+        print(f"  {group}: " + ", ".join(f"{t} ({_count(n)})" for t, n in types.items()))
+    return 0
+
+
+def _fallback_summary(fallbacks: dict[str, tuple[str, str]]) -> str:
+    """One line: which tensor groups could not take the asked type, and what they got."""
+    from backbone.synth import tensor_group
+
+    groups: dict[tuple[str, str, str], int] = {}
+    for name, (asked, got) in fallbacks.items():
+        key = (tensor_group(name), asked, got)
+        groups[key] = groups.get(key, 0) + 1
+    parts = [f"{g} ({_count(n)}) {asked} -> {got}" for (g, asked, got), n in groups.items()]
+    return ("rows not a multiple of the type's block size, these tensors fell back: "
+            + "; ".join(parts))
+
+
+def _count(n: int) -> str:
+    return f"{n} tensor" if n == 1 else f"{n} tensors"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+class _ProgressLine:
+    """A ``\\r`` progress line on stderr, at most ten updates a second."""
+
+    def __init__(self) -> None:
+        self._last = 0.0
+        self._shown = False
+
+    def __call__(self, done: int, total: int, name: str) -> None:
+        now = time.monotonic()
+        if now - self._last < 0.1 and done < total:
+            return
+        self._last = now
+        self._shown = True
+        pct = 100 * done / total if total else 100
+        sys.stderr.write(f"\r\x1b[K{_size(done)} / {_size(total)} ({pct:.0f}%)  {name}")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self._shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()

@@ -1,0 +1,601 @@
+"""Synthetic Mixture-of-Experts GGUF models: random weights, real shapes, loadable by llama.cpp.
+
+``synth_model(path, arch, preset, qtype, seed, **overrides)`` writes a model that llama.cpp
+(llama-cpp-python) loads and runs, with a byte-level BPE tokenizer (:mod:`backbone.vocab`), so
+text prompts work end to end. Three architecture families:
+
+- ``qwen3moe``: per-head RMS norm on Q and K (``attn_q_norm``/``attn_k_norm``), untied output.
+- ``qwen2moe``: Q/K/V biases and a shared expert (``ffn_*_shexp`` gated by
+  ``ffn_gate_inp_shexp``); llama.cpp requires ``output.weight``.
+- ``mixtral``: llama.cpp's ``llama`` architecture with experts (NORM rope); the output is tied
+  (no ``output.weight``: llama.cpp falls back to ``token_embd``).
+
+The file is written streaming: the header, metadata and tensor table first, then every tensor's
+data one chunk at a time (one expert of a 3-D ``*_exps`` tensor, or a block of rows), generated
+and quantized on a few threads and written in order. Memory stays at a few chunks whatever the
+model's size, which the ``122b-layer`` preset (256 experts of 3072 x 1024) needs.
+
+Weights are normal with a per-chunk seed derived from (seed, tensor name, chunk index), so a
+file is a pure function of its config: the same seed gives identical bytes.
+
+Types: every weight matrix (token embedding, output, attention, experts, shared expert) gets
+the requested type; norms, biases and routers (``ffn_gate_inp``, ``ffn_gate_inp_shexp``) stay
+F32. F16/Q8_0/Q4_0 are made by gguf-py, K-quants by ggml's own quantizer (``ggml_quantize_chunk``
+from llama-cpp-python's bundled libggml-base, the function ``llama-quantize`` calls). A matrix
+whose rows do not fit the type's block falls back like llama.cpp's quantizer does (Q4_K->Q5_0,
+Q5_K->Q5_1, Q6_K->Q8_0, then F16) and is listed in :attr:`SynthReport.fallbacks`.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import ctypes
+import functools
+import importlib.util
+import math
+import os
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import gguf
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, LlamaFileType
+
+from backbone import vocab as vocab_mod
+from kvasir_bus.errors import DependencyError, ModelFileError, UsageError
+
+SYNTH_VERSION = 1  # bump when the same config would produce different bytes
+
+
+# --- architectures: differences are data, not branches --------------------------------------
+
+@dataclass(frozen=True)
+class ArchSpec:
+    gguf_arch: str  # general.architecture
+    qkv_bias: bool  # attn_{q,k,v}.bias
+    qk_norm: bool  # attn_{q,k}_norm per head (head_dim)
+    shared_expert: bool  # ffn_{gate,up,down}_shexp + ffn_gate_inp_shexp
+    tied_output: bool  # no output.weight: llama.cpp uses token_embd
+    expert_ffn_key: str  # where llama.cpp reads the expert FFN size
+    rms_eps: float
+    rope_base: float
+
+
+ARCHS: dict[str, ArchSpec] = {
+    "qwen3moe": ArchSpec("qwen3moe", qkv_bias=False, qk_norm=True, shared_expert=False,
+                         tied_output=False, expert_ffn_key="expert_feed_forward_length",
+                         rms_eps=1e-6, rope_base=1_000_000.0),
+    "qwen2moe": ArchSpec("qwen2moe", qkv_bias=True, qk_norm=False, shared_expert=True,
+                         tied_output=False, expert_ffn_key="expert_feed_forward_length",
+                         rms_eps=1e-6, rope_base=1_000_000.0),
+    "mixtral": ArchSpec("llama", qkv_bias=False, qk_norm=False, shared_expert=False,
+                        tied_output=True, expert_ffn_key="feed_forward_length",
+                        rms_eps=1e-5, rope_base=1_000_000.0),
+}
+
+QTYPES: dict[str, QT] = {
+    "f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
+    "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K,
+}
+K_QUANTS = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
+# What llama.cpp's quantizer uses when a row does not fit a K-quant block (then F16).
+_FALLBACK: dict[QT, QT] = {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0,
+                          QT.Q5_0: QT.F16, QT.Q5_1: QT.F16, QT.Q8_0: QT.F16, QT.Q4_0: QT.F16}
+# general.file_type: the files are uniform (every matrix one type), closest to llama.cpp's "S"
+_FILE_TYPES: dict[QT, LlamaFileType] = {
+    QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16,
+    QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0,
+    QT.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, QT.Q5_K: LlamaFileType.MOSTLY_Q5_K_S,
+    QT.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+}
+
+
+# --- presets and the config -----------------------------------------------------------------
+
+# shared_expert_ffn applies to qwen2moe only (the other two have no shared expert).
+PRESETS: dict[str, dict[str, int]] = {
+    # unit tests: builds and runs in well under a second
+    "tiny": dict(layers=2, experts=8, experts_used=2, hidden=64, expert_ffn=32, heads=4,
+                 kv_heads=2, vocab=320, ctx=256, shared_expert_ffn=64),
+    # demo and benchmarks: ~200M parameters, ~113 MB at q4_k
+    "small": dict(layers=8, experts=64, experts_used=8, hidden=512, expert_ffn=256, heads=8,
+                  kv_heads=4, vocab=1024, ctx=2048, shared_expert_ffn=512),
+    # the per-expert shapes of the 122B model; one Q4_K expert is 3 x 1,769,472 bytes
+    "122b-layer": dict(layers=1, experts=256, experts_used=8, hidden=3072, expert_ffn=1024,
+                       heads=32, kv_heads=2, vocab=1024, ctx=4096, shared_expert_ffn=1024),
+}
+# K-quant blocks hold 256 values of a row: tiny's rows are widened so the experts really are
+# K-quants (explicit overrides win, and fall back with a warning if they do not fit).
+_TINY_K_QUANT = dict(hidden=256, expert_ffn=256, shared_expert_ffn=256)
+
+SIZE_FIELDS = ("layers", "experts", "experts_used", "hidden", "expert_ffn", "heads", "kv_heads",
+               "vocab", "ctx", "shared_expert_ffn")
+
+
+@dataclass(frozen=True)
+class SynthConfig:
+    """Everything a synthetic model is a function of. ``shared_expert_ffn`` is 0 = no shared
+    expert."""
+
+    arch: str
+    preset: str
+    qtype: str
+    seed: int
+    layers: int
+    experts: int
+    experts_used: int
+    hidden: int
+    expert_ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    ctx: int
+    shared_expert_ffn: int
+
+    @property
+    def spec(self) -> ArchSpec:
+        return ARCHS[self.arch]
+
+    @property
+    def ggml_type(self) -> QT:
+        return QTYPES[self.qtype]
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32", seed: int = 0,
+                **overrides: int | None) -> SynthConfig:
+    """The config for a preset with some sizes overridden (``None`` = keep the preset's).
+
+    Raises :class:`UsageError` for anything that could not make a valid model.
+    """
+    _check_choice("architecture", arch, ARCHS)
+    _check_choice("preset", preset, PRESETS)
+    _check_choice("type", qtype, QTYPES)
+    unknown = set(overrides) - set(SIZE_FIELDS)
+    if unknown:
+        raise UsageError(f"unknown size override(s): {', '.join(sorted(unknown))} "
+                         f"(known: {', '.join(SIZE_FIELDS)})")
+    if not isinstance(seed, int) or seed < 0:
+        raise UsageError(f"--seed must be a non-negative integer, got {seed!r}")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if given.get("shared_expert_ffn") is not None and not ARCHS[arch].shared_expert:
+        raise UsageError(f"--shared-expert-ffn: architecture {arch} has no shared expert "
+                         "(only qwen2moe has one)")
+    sizes = dict(PRESETS[preset])
+    if preset == "tiny" and QTYPES[qtype] in K_QUANTS:
+        sizes.update(_TINY_K_QUANT)
+    sizes.update(given)
+    if not ARCHS[arch].shared_expert:
+        sizes["shared_expert_ffn"] = 0
+    for name in SIZE_FIELDS:
+        value = sizes[name]
+        if name == "shared_expert_ffn" and not ARCHS[arch].shared_expert:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    cfg = SynthConfig(arch=arch, preset=preset, qtype=qtype, seed=seed, **sizes)
+    _check_consistent(cfg)
+    return cfg
+
+
+def _check_choice(what: str, value: str, known: dict) -> None:
+    if value not in known:
+        raise UsageError(f"unknown {what} {value!r} (choose from {', '.join(known)})")
+
+
+def _check_consistent(cfg: SynthConfig) -> None:
+    if cfg.hidden % cfg.heads:
+        raise UsageError(f"--heads {cfg.heads} does not divide --hidden {cfg.hidden}")
+    if cfg.heads % cfg.kv_heads:
+        raise UsageError(f"--kv-heads {cfg.kv_heads} does not divide --heads {cfg.heads}")
+    if cfg.head_dim % 2:
+        raise UsageError(f"head size {cfg.head_dim} (--hidden / --heads) must be even for RoPE")
+    if cfg.experts_used > cfg.experts:
+        raise UsageError(f"--experts-used {cfg.experts_used} is more than --experts {cfg.experts}")
+    if cfg.experts > 1024:  # LLAMA_MAX_EXPERTS; llama.cpp aborts above it
+        raise UsageError(f"--experts {cfg.experts}: llama.cpp supports at most 1024")
+    if cfg.layers > 512:  # LLAMA_MAX_LAYERS
+        raise UsageError(f"--layers {cfg.layers}: llama.cpp supports at most 512")
+    if cfg.vocab < vocab_mod.MIN_VOCAB:
+        raise UsageError(f"--vocab {cfg.vocab} is too small: the byte-level tokenizer needs at "
+                         f"least {vocab_mod.MIN_VOCAB} (256 bytes, <|endoftext|>, one merge)")
+
+
+# --- the tensor plan --------------------------------------------------------------------------
+
+_CHUNK_VALUES = 1 << 22  # part of the seed scheme: changing it changes the bytes
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor to write: its numpy-order shape, its type and how its values are drawn."""
+
+    name: str
+    shape: tuple[int, ...]  # numpy order (ne reversed): (n_expert, rows, cols) for *_exps
+    ggml_type: QT
+    requested: QT  # the type asked for; differs from ggml_type after a fallback
+    std: float
+    mean: float = 0.0
+
+    @property
+    def cols(self) -> int:  # ne[0]
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        block, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        return math.prod(self.shape[:-1]) * (self.cols // block) * type_size
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """Row ranges ``[start, stop)`` over the flattened rows: one expert per chunk for the
+        3-D expert tensors, about ``_CHUNK_VALUES`` values per chunk otherwise."""
+        rows = math.prod(self.shape[:-1])
+        step = self.shape[1] if len(self.shape) == 3 else max(1, _CHUNK_VALUES // self.cols)
+        return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _matrix_type(requested: QT, cols: int) -> QT:
+    """The type a matrix with rows of ``cols`` values gets: the requested one if its blocks fit."""
+    qtype = requested
+    while cols % GGML_QUANT_SIZES[qtype][0]:
+        qtype = _FALLBACK[qtype]
+    return qtype
+
+
+def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
+    """Every tensor of the model, in file order, with the shapes llama.cpp expects."""
+    spec, want = cfg.spec, cfg.ggml_type
+    d, hd, ff, E = cfg.hidden, cfg.head_dim, cfg.expert_ffn, cfg.experts
+    q_dim, kv_dim = cfg.heads * hd, cfg.kv_heads * hd
+
+    def matrix(name: str, shape: tuple[int, ...], std: float) -> TensorPlan:
+        return TensorPlan(name, shape, _matrix_type(want, shape[-1]), want, std)
+
+    def f32(name: str, shape: tuple[int, ...], std: float, mean: float = 0.0) -> TensorPlan:
+        return TensorPlan(name, shape, QT.F32, QT.F32, std, mean)
+
+    # Scales: inputs to every projection are RMS-normalised (about unit per element), so
+    # std 1/sqrt(fan_in) keeps activations near unit; logits come out with std ~2. A tied
+    # output reuses the unit-std embedding, so its output_norm carries the 1/sqrt(d) instead.
+    out_gain = 2.0 / math.sqrt(d) if spec.tied_output else 1.0
+    plan = [matrix("token_embd.weight", (cfg.vocab, d), 1.0)]
+    plan.append(f32("output_norm.weight", (d,), 0.1 * out_gain, out_gain))
+    if not spec.tied_output:
+        plan.append(matrix("output.weight", (cfg.vocab, d), 2.0 / math.sqrt(d)))
+    for i in range(cfg.layers):
+        b = f"blk.{i}."
+        plan.append(f32(b + "attn_norm.weight", (d,), 0.1, 1.0))
+        plan.append(matrix(b + "attn_q.weight", (q_dim, d), d ** -0.5))
+        plan.append(matrix(b + "attn_k.weight", (kv_dim, d), d ** -0.5))
+        plan.append(matrix(b + "attn_v.weight", (kv_dim, d), d ** -0.5))
+        if spec.qkv_bias:
+            for x, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
+                plan.append(f32(b + f"attn_{x}.bias", (n,), 0.1))
+        if spec.qk_norm:  # one RMS norm weight per head dimension, shared by all heads
+            plan.append(f32(b + "attn_q_norm.weight", (hd,), 0.1, 1.0))
+            plan.append(f32(b + "attn_k_norm.weight", (hd,), 0.1, 1.0))
+        plan.append(matrix(b + "attn_output.weight", (d, q_dim), q_dim ** -0.5))
+        plan.append(f32(b + "ffn_norm.weight", (d,), 0.1, 1.0))
+        # router logits with std ~2: top-k differs from token to token, softmax not one-hot
+        plan.append(f32(b + "ffn_gate_inp.weight", (E, d), 2.0 / math.sqrt(d)))
+        plan.append(matrix(b + "ffn_gate_exps.weight", (E, ff, d), d ** -0.5))
+        plan.append(matrix(b + "ffn_up_exps.weight", (E, ff, d), d ** -0.5))
+        plan.append(matrix(b + "ffn_down_exps.weight", (E, d, ff), ff ** -0.5))
+        if spec.shared_expert:
+            sff = cfg.shared_expert_ffn
+            plan.append(f32(b + "ffn_gate_inp_shexp.weight", (d,), d ** -0.5))
+            plan.append(matrix(b + "ffn_gate_shexp.weight", (sff, d), d ** -0.5))
+            plan.append(matrix(b + "ffn_up_shexp.weight", (sff, d), d ** -0.5))
+            plan.append(matrix(b + "ffn_down_shexp.weight", (d, sff), sff ** -0.5))
+    return plan
+
+
+# --- metadata ----------------------------------------------------------------------------------
+
+def _add_metadata(w: gguf.GGUFWriter, cfg: SynthConfig) -> None:
+    spec = cfg.spec
+    w.add_name(f"kvasir-synth-{cfg.arch}-{cfg.preset}-{cfg.qtype}-seed{cfg.seed}")
+    w.add_file_type(int(_FILE_TYPES[cfg.ggml_type]))
+    if cfg.ggml_type not in (QT.F32, QT.F16):
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_uint32("kvasir.synth.version", SYNTH_VERSION)
+    w.add_uint64("kvasir.synth.seed", cfg.seed)
+    w.add_string("kvasir.synth.preset", cfg.preset)
+
+    w.add_vocab_size(cfg.vocab)
+    w.add_context_length(cfg.ctx)
+    w.add_embedding_length(cfg.hidden)
+    w.add_block_count(cfg.layers)
+    w.add_feed_forward_length(cfg.expert_ffn)  # llama (mixtral) reads the expert size here
+    if spec.expert_ffn_key == "expert_feed_forward_length":
+        w.add_expert_feed_forward_length(cfg.expert_ffn)
+    if spec.shared_expert:
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_ffn)
+    w.add_head_count(cfg.heads)
+    w.add_head_count_kv(cfg.kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(spec.rope_base)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_expert_count(cfg.experts)
+    w.add_expert_used_count(cfg.experts_used)
+
+    v = vocab_mod.build_vocab(cfg.vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(list(v.tokens))
+    w.add_token_types(list(v.token_types))
+    w.add_token_merges(list(v.merges))
+    w.add_bos_token_id(v.bos_id)
+    w.add_eos_token_id(v.eos_id)
+    w.add_add_bos_token(False)  # like Qwen: tokenize() adds nothing
+    w.add_add_eos_token(False)
+
+
+# --- values: generate and quantize one chunk ---------------------------------------------------
+
+def _chunk_values(t: TensorPlan, seed: int, index: int, start: int, stop: int) -> np.ndarray:
+    """Rows ``[start, stop)`` of ``t`` in float32, shape (stop - start, cols)."""
+    key = np.random.SeedSequence([seed, zlib.crc32(t.name.encode()), index])
+    x = np.random.default_rng(key).standard_normal((stop - start, t.cols), dtype=np.float32)
+    x *= np.float32(t.std)
+    if t.mean:
+        x += np.float32(t.mean)
+    return x
+
+
+def quantize_rows(x: np.ndarray, qtype: QT) -> np.ndarray:
+    """Quantize float32 rows ``x`` (rows, cols) to ``qtype``: the raw bytes as a numpy array."""
+    if qtype == QT.F32:
+        return np.ascontiguousarray(x, dtype=np.float32)
+    if qtype == QT.F16:
+        return x.astype(np.float16)
+    if qtype in K_QUANTS:
+        return _ggml_quantize(x, qtype)
+    return gguf.quants.quantize(x, qtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _ggml_quantize_chunk():
+    """``ggml_quantize_chunk`` from llama-cpp-python's bundled libggml-base (no llama import)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    lib = Path(spec.origin).parent / "lib" / "libggml-base.so" if spec and spec.origin else None
+    if lib is None or not lib.exists():
+        raise DependencyError("K-quant types (q4_k, q5_k, q6_k) are made with llama.cpp's quantizer: "
+                              "install llama-cpp-python (pip install 'kvasir-bus[backbone]')")
+    fn = ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL).ggml_quantize_chunk
+    # size_t ggml_quantize_chunk(type, const float *src, void *dst, int64 start, int64 nrows,
+    #                            int64 n_per_row, const float *imatrix)
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    return fn
+
+
+def _ggml_quantize(x: np.ndarray, qtype: QT) -> np.ndarray:
+    rows, cols = x.shape
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = np.empty(rows * (cols // block) * type_size, dtype=np.uint8)
+    written = _ggml_quantize_chunk()(int(qtype), x.ctypes.data, out.ctypes.data, 0, rows, cols, None)
+    if written != out.nbytes:
+        raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes, expected {out.nbytes}")
+    return out
+
+
+def _make_chunk(t: TensorPlan, seed: int, index: int, start: int, stop: int) -> np.ndarray:
+    return quantize_rows(_chunk_values(t, seed, index, start, stop), t.ggml_type)
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+Progress = Callable[[int, int, str], None]  # (bytes done, bytes total, tensor being written)
+
+
+@dataclass(frozen=True)
+class SynthReport:
+    path: Path
+    config: SynthConfig
+    file_bytes: int
+    seconds: float
+    fallbacks: dict[str, tuple[str, str]] = field(default_factory=dict)  # name -> (asked, got)
+
+
+def write_model(path: str | os.PathLike, cfg: SynthConfig, *, progress: Progress | None = None,
+                threads: int | None = None) -> SynthReport:
+    """Write the model ``cfg`` describes to ``path`` (atomically: a temp file, then a rename)."""
+    t0 = time.perf_counter()
+    path = Path(path)
+    _check_output_path(path)
+    if cfg.ggml_type in K_QUANTS:
+        _ggml_quantize_chunk()  # fail before writing anything if llama-cpp-python is missing
+    plan = plan_tensors(cfg)
+    tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        _write_header(tmp, cfg, plan)
+        with open(tmp, "ab") as f:
+            _write_data(f, cfg, plan, progress, threads or _default_threads())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fallbacks = {t.name: (t.requested.name.lower(), t.ggml_type.name.lower())
+                 for t in plan if t.ggml_type != t.requested}
+    return SynthReport(path, cfg, path.stat().st_size, time.perf_counter() - t0, fallbacks)
+
+
+def synth_model(path: str | os.PathLike, arch: str = "qwen3moe", preset: str = "tiny",
+                qtype: str = "f32", seed: int = 0, **overrides: int | None) -> Path:
+    """Build a synthetic model and return its path (see :func:`make_config` for the knobs)."""
+    return write_model(path, make_config(arch, preset, qtype, seed, **overrides)).path
+
+
+def _check_output_path(path: Path) -> None:
+    if path.is_dir():
+        raise UsageError(f"{path}: is a directory; give a file name, e.g. {path / 'model.gguf'}")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"{path}: directory {parent} is not writable")
+
+
+def _default_threads() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:
+        n = os.cpu_count() or 1
+    return max(1, min(n, 8))
+
+
+def _write_header(path: Path, cfg: SynthConfig, plan: list[TensorPlan]) -> None:
+    """Header, metadata and tensor table; the data section is appended by :func:`_write_data`."""
+    w = gguf.GGUFWriter(path, cfg.spec.gguf_arch)
+    _add_metadata(w, cfg)
+    for t in plan:
+        if t.ggml_type in (QT.F32, QT.F16):
+            dtype = np.float32 if t.ggml_type == QT.F32 else np.float16
+            w.add_tensor_info(t.name, t.shape, np.dtype(dtype), t.nbytes)
+        else:  # quantized: byte shape (last axis in bytes) with the raw type
+            byte_shape = gguf.quants.quant_shape_to_byte_shape(t.shape, t.ggml_type)
+            w.add_tensor_info(t.name, byte_shape, np.dtype(np.uint8), t.nbytes, raw_dtype=t.ggml_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+
+
+def _write_data(f, cfg: SynthConfig, plan: list[TensorPlan], progress: Progress | None,
+                threads: int) -> None:
+    """Every tensor's bytes in table order, each padded to the alignment, as GGUF requires."""
+    align = gguf.GGUF_DEFAULT_ALIGNMENT
+    _pad(f, align)
+    total = sum(_padded(t.nbytes, align) for t in plan)
+    jobs = [(t, i, start, stop, i == len(chunks) - 1)
+            for t in plan for chunks in [t.chunks()] for i, (start, stop) in enumerate(chunks)]
+    written = tensor_start = 0  # bytes into the data section
+    results = _ordered_map(lambda job: _make_chunk(job[0], cfg.seed, *job[1:4]), jobs, threads)
+    for (t, _, _, _, last), data in zip(jobs, results):
+        f.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+        written += data.nbytes
+        if last:
+            if written - tensor_start != t.nbytes:
+                raise RuntimeError(f"{t.name}: wrote {written - tensor_start} bytes, expected {t.nbytes}")
+            _pad(f, align)
+            written = tensor_start = _padded(written, align)
+        if progress is not None:
+            progress(written, total, t.name)
+
+
+def _padded(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def _pad(f, align: int) -> None:
+    f.write(b"\0" * (_padded(f.tell(), align) - f.tell()))
+
+
+def _ordered_map(fn, items: list, threads: int) -> Iterator:
+    """``map(fn, items)`` on ``threads`` threads, in order, with at most 2*threads results
+    waiting, so memory stays bounded however many items there are."""
+    if threads <= 1:
+        yield from map(fn, items)
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="synth") as pool:
+        pending: collections.deque = collections.deque()
+        it = iter(items)
+        try:
+            for item in it:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= 2 * threads:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+
+# --- inspection (kvasir info) ------------------------------------------------------------------
+
+def describe_model(path: str | os.PathLike) -> dict:
+    """What ``kvasir info`` shows, for any MoE GGUF (synthetic or not), as plain data.
+
+    Keys: architecture, layers, experts, experts_used, hidden, expert_ffn, expert_slab_bytes
+    (gate+up+down of one expert in the first MoE layer), expert_slab_bytes_max (the largest over
+    layers: llama.cpp's mixes such as Q4_K_M give some layers bigger types), expert_share (routed
+    expert bytes / file bytes), fingerprint, file_bytes, tensor_types ({group: {type: count}},
+    where a group is the tensor name without ``blk.N.`` and ``.weight``). Raises :class:`ModelFileError` for a
+    missing, truncated or corrupt file, or one without routed experts.
+    """
+    from kvasir_bus.fingerprint import model_fingerprint
+    from workers.tensors import open_gguf
+
+    path = Path(path)
+    reader = open_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{path}: no general.architecture key; not a model GGUF")
+    exps = [t for t in reader.tensors if "_exps" in t.name]
+    if not exps:
+        raise ModelFileError(f"{path}: architecture {arch} has no routed expert tensors "
+                             "(*_exps); not a Mixture-of-Experts model")
+    n_expert = _field(reader, f"{arch}.expert_count") or int(exps[0].shape[-1])
+    slabs: dict[int | None, int] = {}  # layer -> bytes of one expert's slab in that layer
+    for t in exps:
+        layer = _layer_of(t.name)
+        slabs[layer] = slabs.get(layer, 0) + int(t.n_bytes) // n_expert
+    down = next((t for t in exps if "ffn_down_exps" in t.name), None)
+    expert_ffn = int(down.shape[0]) if down is not None else \
+        _field(reader, f"{arch}.expert_feed_forward_length")
+    file_bytes = path.stat().st_size
+    return {
+        "architecture": arch,
+        "layers": _field(reader, f"{arch}.block_count"),
+        "experts": int(n_expert),
+        "experts_used": _field(reader, f"{arch}.expert_used_count"),
+        "hidden": _field(reader, f"{arch}.embedding_length"),
+        "expert_ffn": expert_ffn,
+        "expert_slab_bytes": next(iter(slabs.values())),
+        "expert_slab_bytes_max": max(slabs.values()),
+        "expert_share": sum(int(t.n_bytes) for t in exps) / file_bytes,
+        "fingerprint": model_fingerprint(reader),
+        "file_bytes": file_bytes,
+        "tensor_types": _tensor_types(reader),
+    }
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    value = f.contents()
+    return int(value) if isinstance(value, (np.integer,)) else value
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else None
+
+
+def tensor_group(name: str) -> str:
+    """``blk.3.ffn_down_exps.weight`` -> ``ffn_down_exps``; ``blk.0.attn_q.bias`` -> ``attn_q.bias``."""
+    if _layer_of(name) is not None:
+        name = name.split(".", 2)[2]
+    return name.removesuffix(".weight")
+
+
+def _tensor_types(reader) -> dict[str, dict[str, int]]:
+    groups: dict[str, collections.Counter] = {}
+    for t in reader.tensors:
+        type_name = QT(int(t.tensor_type)).name.lower()
+        groups.setdefault(tensor_group(t.name), collections.Counter())[type_name] += 1
+    return {g: dict(c) for g, c in groups.items()}
