@@ -77,24 +77,24 @@ def cmd_generate(args) -> int:
         raise UsageError(f"-n must be >= 0, got {args.n}")
     sampler = _sampler(args)
     tok = Tokenizer(args.model)
-    with _experts_for(args) as (experts, report):
-        engine = Engine(args.model, n_ctx=args.ctx, experts=experts, wire_dtype=args.wire_dtype)
-        if experts is not None and hasattr(experts, "attach"):
-            experts.attach(engine)
-        prompt = tok.encode(args.prompt)
-        if len(prompt) + args.n > engine.n_ctx:
-            raise UsageError(f"the prompt is {len(prompt)} tokens; with -n {args.n} that exceeds "
-                             f"the context of {engine.n_ctx} tokens")
-        stream = None if args.json else StreamDecoder(tok)
+    engine = Engine(args.model, n_ctx=args.ctx, wire_dtype=args.wire_dtype)
+    prompt = tok.encode(args.prompt)
+    if len(prompt) + args.n > engine.n_ctx:
+        raise UsageError(f"the prompt is {len(prompt)} tokens; with -n {args.n} that exceeds "
+                         f"the context of {engine.n_ctx} tokens")
+    stream = None if args.json else StreamDecoder(tok)
 
-        def on_token(t: int) -> None:
-            if stream is not None:
-                sys.stdout.write(stream.push(t))
-                sys.stdout.flush()
+    def on_token(t: int) -> None:
+        if stream is not None:
+            sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
 
+    stats = None
+    with _experts_for(args, engine) as remote:
         gen = generate(engine, prompt, args.n, sampler, stop_on_eos=not args.no_stop,
                        keep_logits=bool(args.dump_logits), on_token=on_token)
-        stats = report()
+        if remote is not None:
+            stats = remote.stats.to_dict()
     if args.dump_logits:
         np.save(args.dump_logits, gen.logits_array())
     from workers.kernels import backend_name
@@ -110,32 +110,34 @@ def cmd_generate(args) -> int:
         "kernel": backend_name(),
     }
     if stats:
-        result["experts"] = stats
+        result["dispatch"] = stats
     if args.json:
         print(json.dumps(result))
     else:
         sys.stdout.write("\n")
+        sys.stdout.flush()
         print(f"[{len(prompt)} prompt tokens, {len(gen.tokens)} generated ({gen.stop_reason}); "
               f"prefill {result['prefill_tokens_per_s']} tok/s, decode {result['decode_tokens_per_s']} tok/s, "
               f"kernel {result['kernel']}]", file=sys.stderr)
     return 0
 
 
-class _LocalOnly:
-    def __enter__(self):
-        return None, lambda: None
+def _experts_for(args, engine):
+    """Local experts, or dispatch to the workers on the bus when --nats is given."""
+    from contextlib import nullcontext
 
-    def __exit__(self, *exc):
-        return False
-
-
-def _experts_for(args):
-    """The expert backend for this run: local, or dispatch over NATS when --nats is given."""
     if not getattr(args, "nats", None):
-        return _LocalOnly()
-    from backbone.dispatch import remote_experts  # the sharding milestone
+        return nullcontext(None)
+    from backbone.dispatch import BusExperts, DispatchConfig
+    from kvasir_bus.logs import configure
 
-    return remote_experts(args)
+    configure("info")
+    if args.timeout_ms is not None and not args.timeout_ms > 0:
+        from kvasir_bus.errors import UsageError
+
+        raise UsageError(f"--timeout-ms must be positive, got {args.timeout_ms}")
+    cfg = DispatchConfig(timeout_s=args.timeout_ms / 1000 if args.timeout_ms else None)
+    return BusExperts(engine, args.nats, cfg)
 
 
 def cmd_verify(args) -> int:

@@ -3,7 +3,9 @@ the parity tests and the benchmarks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 
 import numpy as np
 
@@ -21,10 +23,30 @@ def import_llama_cpp():
 def quiet_llama(llama_cpp, path: str, **kwargs):
     """A ``llama_cpp.Llama`` that logs nothing and fails with a one-line error."""
     kwargs.setdefault("verbose", False)
+    with _stderr_silenced():  # llama.cpp prints some warnings even when not verbose
+        try:
+            return llama_cpp.Llama(model_path=path, **kwargs)
+        except Exception as exc:
+            raise ModelFileError(f"{path}: llama.cpp cannot load it ({exc})") from None
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """Point file descriptor 2 at /dev/null for the duration (C code writes there directly)."""
     try:
-        return llama_cpp.Llama(model_path=path, **kwargs)
-    except Exception as exc:
-        raise ModelFileError(f"{path}: llama.cpp cannot load it ({exc})") from None
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no real stderr (e.g. captured): nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 class Reference:

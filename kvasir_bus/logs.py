@@ -90,3 +90,5 @@ def configure(level: str = "info", json: bool | None = None) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(numeric)
+    # gguf's writer narrates every file it writes at info level: not news to an operator.
+    logging.getLogger("gguf").setLevel(max(numeric, logging.WARNING))

@@ -96,4 +96,99 @@ class _TerminalProgress:
             self.stream.flush()
 
 
-_COMMANDS = (_add_slice,)
+def _add_worker(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "worker",
+        help="serve a slice of a model's experts on a NATS bus",
+        description="Serve experts on the bus: subscribe to the dispatch subject of every expert "
+        "held, answer each request with the expert function, and heartbeat the holdings on "
+        "kvasir.<model>.coverage.<node>. Give a slice (--slice) or a model plus the experts to "
+        "cut from it at start (--model --layer --experts). The worker only dials out. SIGTERM "
+        "or Ctrl-C drains: requests in flight are answered, then it exits.",
+        epilog="examples: kvasir worker --nats nats://host:4222 --slice part.gguf\n"
+        "          kvasir worker --model model.gguf --layer all --experts 0-31",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nats", metavar="URL", default=None,
+                   help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
+    p.add_argument("--slice", metavar="SLICE.gguf", help="the mini-GGUF to serve (from kvasir slice)")
+    p.add_argument("--model", metavar="FILE", help="a whole GGUF to slice at start (with --layer/--experts)")
+    p.add_argument("--layer", action="append", default=[], metavar="L",
+                   help="with --model: layer index, range A-B, or 'all' (repeatable)")
+    p.add_argument("--experts", action="append", default=[], metavar="A-B",
+                   help="with --model: inclusive expert range, or 'all' (repeatable)")
+    p.add_argument("--node", metavar="NAME", default=None,
+                   help="node id on the bus, letters/digits/-/_ (default: HOSTNAME-PID)")
+    p.add_argument("--heartbeat", type=float, default=2.0, metavar="S",
+                   help="seconds between coverage heartbeats (default 2)")
+    p.add_argument("--queue-group", metavar="NAME", default=None,
+                   help="load-balance with other replicas in this queue group instead of racing them")
+    p.add_argument("--max-rows", type=int, default=16384, metavar="N", help="largest request in rows")
+    p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="B",
+                   help="largest request in bytes (default 8 MiB, the max_payload of deploy/nats.conf)")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=_cmd_worker)
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    import asyncio
+    import tempfile
+
+    from kvasir_bus.logs import configure
+    from kvasir_bus.subjects import check_node
+    from workers.runtime import WorkerConfig, default_node_id
+    from workers.slice_file import load_slice
+
+    configure(args.log_level)
+    if bool(args.slice) == bool(args.model):
+        raise UsageError("give either --slice SLICE.gguf or --model FILE with --layer/--experts")
+    if args.slice and (args.layer or args.experts):
+        raise UsageError("--layer/--experts go with --model, not with --slice")
+    for name, value in (("--heartbeat", args.heartbeat), ("--max-rows", args.max_rows),
+                        ("--max-request-bytes", args.max_request_bytes)):
+        if not value > 0:
+            raise UsageError(f"{name} must be positive, got {value}")
+    node = args.node or default_node_id()
+    try:
+        check_node(node)
+    except ValueError as exc:
+        raise UsageError(f"--node: {exc}") from None
+    cfg = WorkerConfig(node=node, heartbeat_s=args.heartbeat, max_rows=args.max_rows,
+                       max_bytes=args.max_request_bytes, queue_group=args.queue_group)
+    with tempfile.TemporaryDirectory(prefix="kvasir-worker-") as tmp:
+        path = args.slice
+        if args.model:
+            from workers.slicer import parse_span, plan_slice, write_slice
+
+            if not args.layer or len(args.layer) != len(args.experts):
+                raise UsageError("with --model, give --layer L --experts A-B pairs")
+            requests = [(parse_span(la, "--layer"), parse_span(ex, "--experts"))
+                        for la, ex in zip(args.layer, args.experts)]
+            path = write_slice(plan_slice(args.model, requests), f"{tmp}/slice.gguf").path
+        info = load_slice(path)
+        return asyncio.run(_serve(info, cfg, args.nats))
+
+
+async def _serve(info, cfg, url) -> int:
+    import asyncio
+    import signal
+
+    from kvasir_bus.connect import connect
+    from workers.runtime import Worker
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    nc = await connect(url, name=f"kvasir-worker-{cfg.node}")
+    worker = Worker(info, cfg)
+    try:
+        await worker.start(nc)
+        await stop.wait()
+    finally:
+        await worker.stop()
+        await nc.drain()
+    return 0
+
+
+_COMMANDS = (_add_slice, _add_worker)

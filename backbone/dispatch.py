@@ -1,0 +1,367 @@
+"""Expert dispatch over NATS with a local fallback: the sharded :class:`ExpertBackend`.
+
+Per MoE layer step the engine hands over every selected expert with all the rows that chose
+it. Each becomes one request on ``kvasir.<model>.x.<layer>.<expert>``, all sent at once:
+
+* the first reply wins (replicas on plain subscriptions race; later replies are counted and
+  dropped);
+* "no responders" (the server's instant 503) means compute locally at once, and the expert is
+  remembered as uncovered for a short while so the next steps do not even ask;
+* a timeout (fixed, or adaptive from observed latency between a floor and a ceiling) means
+  compute locally; a reply that comes after it is counted as late and dropped;
+* an error reply or an invalid one (wrong id, shape or dtype, NaN/Inf) is counted, dropped,
+  and the expert is computed locally.
+
+Local fallbacks run on the calling thread as soon as they are known, while the remote calls
+are still in flight. Whoever computes an expert, the function and its input are the same (the
+wire rounding is applied by the engine before dispatch), so the output is bit-identical.
+
+Replies come back on one wildcard inbox per backbone, matched by request id: that is how a
+late reply can be told from a racing replica's, which ``nc.request`` cannot do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import time
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import structlog
+
+from backbone.experts import LocalExperts
+from kvasir_bus import codec
+from kvasir_bus.loopthread import LoopThread
+from kvasir_bus.subjects import Subjects
+
+log = structlog.get_logger("kvasir.dispatch")
+
+_ENVELOPE_BYTES = 1024  # msgpack map, ids and headers around the rows, generously
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    timeout_s: float | None = None  # fixed per-request timeout; None: adaptive
+    timeout_floor_s: float = 0.05
+    timeout_ceiling_s: float = 2.0
+    initial_timeout_s: float = 0.5  # before any latency has been observed
+    uncovered_ttl_s: float = 1.0  # after "no responders", compute locally without asking this long
+    node: str = "backbone"
+
+
+class AdaptiveTimeout:
+    """TCP-style retransmission timeout: smoothed latency + 4 x its mean deviation, clamped."""
+
+    def __init__(self, cfg: DispatchConfig):
+        self.cfg = cfg
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = seconds, seconds / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - seconds)
+            self.srtt = 0.875 * self.srtt + 0.125 * seconds
+
+    def current(self) -> float:
+        if self.cfg.timeout_s is not None:
+            return self.cfg.timeout_s
+        if self.srtt is None:
+            return self.cfg.initial_timeout_s
+        return min(self.cfg.timeout_ceiling_s, max(self.cfg.timeout_floor_s, self.srtt + 4 * self.rttvar))
+
+
+@dataclass
+class LayerStats:
+    remote: int = 0  # expert calls answered by a worker
+    local_choice: int = 0  # computed here without asking (known uncovered)
+    no_responders: int = 0  # asked, nobody subscribed: computed here at once
+    timeouts: int = 0
+    invalid: int = 0  # error replies and replies that failed validation
+    bus_errors: int = 0  # the request could not be sent
+    late: int = 0  # replies after their timeout (dropped)
+    duplicates: int = 0  # replies from replicas that lost the race (dropped)
+    rows_remote: int = 0
+    rows_local: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    latency_sum_s: float = 0.0
+    latency_max_s: float = 0.0
+
+    @property
+    def local(self) -> int:
+        return self.local_choice + self.no_responders + self.timeouts + self.invalid + self.bus_errors
+
+
+@dataclass
+class DispatchStats:
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+    nodes: Counter = field(default_factory=Counter)  # expert calls won per worker node
+    node_rows: Counter = field(default_factory=Counter)
+
+    def layer(self, il: int) -> LayerStats:
+        return self.layers.setdefault(il, LayerStats())
+
+    def totals(self) -> LayerStats:
+        total = LayerStats()
+        for s in self.layers.values():
+            for k, v in asdict(s).items():
+                setattr(total, k, max(getattr(total, k), v) if k == "latency_max_s" else getattr(total, k) + v)
+        return total
+
+    def to_dict(self) -> dict:
+        t = self.totals()
+        calls = t.remote + t.local
+        summary = {k: v for k, v in asdict(t).items() if k != "latency_sum_s"}
+        summary["latency_mean_ms"] = round(1000 * t.latency_sum_s / t.remote, 3) if t.remote else None
+        summary["latency_max_ms"] = round(1000 * t.latency_max_s, 3)
+        summary.pop("latency_max_s")
+        summary["local"] = t.local
+        summary["calls"] = calls
+        summary["fallback_rate"] = round(1 - t.remote / calls, 4) if calls else None
+        return {
+            "totals": summary,
+            "per_node": {n: {"calls": c, "rows": self.node_rows[n]} for n, c in sorted(self.nodes.items())},
+            "per_layer": {str(il): {k: v for k, v in asdict(s).items() if not k.startswith("latency")}
+                          for il, s in sorted(self.layers.items())},
+        }
+
+
+class _NoResponders(Exception):
+    pass
+
+
+class RemoteExperts:
+    """An :class:`~backbone.experts.ExpertBackend` that asks the workers on the bus first."""
+
+    def __init__(self, bus: LoopThread, nc, model: str, local: LocalExperts, n_embd: int,
+                 cfg: DispatchConfig = DispatchConfig()):
+        self.bus, self.nc, self.local, self.n_embd, self.cfg = bus, nc, local, n_embd, cfg
+        self.subjects = Subjects(model)
+        self.model = model
+        self.stats = DispatchStats()
+        self.timeout = AdaptiveTimeout(cfg)
+        self._uncovered: dict[tuple[int, int], float] = {}  # (layer, expert) -> until (monotonic)
+        self._pending: dict[str, tuple[asyncio.Future, int, float]] = {}
+        self._finished: OrderedDict[str, tuple[str, int]] = OrderedDict()  # token -> (how, layer)
+        self._ids = itertools.count()
+        self._inbox: str | None = None
+        self._sub = None
+
+    async def start(self) -> None:
+        self._inbox = self.nc.new_inbox()
+        self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+        await self.nc.flush()
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            await self._sub.unsubscribe()
+            self._sub = None
+
+    # -- the synchronous side (the engine's thread) --------------------------------------------
+
+    def run_layer(self, layer: int, calls: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+        done: queue.Queue = queue.Queue()
+        job = self.bus.submit(self._dispatch_layer(layer, calls, done))
+        outs: list[np.ndarray | None] = [None] * len(calls)
+        for _ in range(len(calls)):
+            while True:
+                try:
+                    i, out = done.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    if job.done() and job.exception() is not None:
+                        raise job.exception()
+            if out is None:  # the fallback replica: this node
+                out = self.local.compute(layer, calls[i][0], calls[i][1])
+                self.stats.layer(layer).rows_local += len(calls[i][1])
+            outs[i] = out
+        job.result()
+        return outs
+
+    # -- the bus side (the loop thread) --------------------------------------------------------
+
+    async def _dispatch_layer(self, layer: int, calls, done: queue.Queue) -> None:
+        async def one(i: int, expert: int, rows: np.ndarray) -> None:
+            try:
+                out = await self._call(layer, expert, rows)
+            except Exception as exc:  # never leave the engine waiting
+                log.error("dispatch_failed", layer=layer, expert=expert, error=f"{type(exc).__name__}: {exc}")
+                self.stats.layer(layer).bus_errors += 1
+                out = None
+            done.put((i, out))
+
+        await asyncio.gather(*(one(i, e, rows) for i, (e, rows) in enumerate(calls)))
+
+    def _max_rows(self) -> int:
+        limit = getattr(self.nc, "max_payload", None) or codec.DEFAULT_MAX_BYTES
+        return max(1, (limit - _ENVELOPE_BYTES) // (self.n_embd * 4))
+
+    async def _call(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray | None:
+        stats = self.stats.layer(layer)
+        now = time.monotonic()
+        if self._uncovered.get((layer, expert), 0.0) > now:
+            stats.local_choice += 1
+            return None
+        step = self._max_rows()
+        chunks = [rows[a:a + step] for a in range(0, len(rows), step)]  # max_payload: split big batches
+        loop = asyncio.get_running_loop()
+        tokens, futures = [], []
+        subject = self.subjects.dispatch(layer, expert)
+        t0 = time.perf_counter()
+        try:
+            for chunk in chunks:
+                token = f"{next(self._ids):x}"
+                req = codec.DispatchRequest(model=self.model, layer=layer, expert=expert, rows=chunk,
+                                            request_id=token)
+                payload = req.encode()
+                fut = loop.create_future()
+                self._pending[token] = (fut, layer, t0)
+                tokens.append(token)
+                futures.append(fut)
+                await self.nc.publish(subject, payload, reply=f"{self._inbox}.{token}",
+                                      headers=codec.headers_for(req))
+                stats.bytes_out += len(payload)
+        except Exception as exc:
+            self._forget(tokens, "error")
+            stats.bus_errors += 1
+            log.warning("dispatch_send_failed", layer=layer, expert=expert, error=str(exc))
+            return None
+        try:
+            replies = await asyncio.wait_for(asyncio.gather(*futures), self.timeout.current())
+        except _NoResponders:
+            self._forget(tokens, "no_responders")
+            self._uncovered[(layer, expert)] = time.monotonic() + self.cfg.uncovered_ttl_s
+            stats.no_responders += 1
+            return None
+        except asyncio.TimeoutError:
+            self._forget(tokens, "timeout")
+            stats.timeouts += 1
+            log.info("dispatch_timeout", layer=layer, expert=expert, timeout_ms=round(1000 * self.timeout.current(), 1))
+            return None
+        latency = time.perf_counter() - t0
+        parts, node = [], None
+        for token, chunk, data in zip(tokens, chunks, replies):
+            stats.bytes_in += len(data)
+            part, node = self._check_reply(layer, expert, token, chunk, data)
+            if part is None:
+                stats.invalid += 1
+                return None
+            parts.append(part)
+        self.timeout.observe(latency)
+        stats.remote += 1
+        stats.rows_remote += len(rows)
+        stats.latency_sum_s += latency
+        stats.latency_max_s = max(stats.latency_max_s, latency)
+        self.stats.nodes[node] += 1
+        self.stats.node_rows[node] += len(rows)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _check_reply(self, layer, expert, token, chunk, data) -> tuple[np.ndarray | None, str | None]:
+        bound = log.bind(layer=layer, expert=expert, request_id=token)
+        try:
+            reply = codec.decode_reply(data, n_embd=self.n_embd)
+        except codec.CodecError as exc:
+            bound.warning("reply_invalid", error=str(exc))
+            return None, None
+        if isinstance(reply, codec.ErrorReply):
+            bound.warning("reply_error", node=reply.node, code=reply.code, message=reply.message)
+            return None, None
+        problem = None
+        if reply.request_id != token:
+            problem = f"request id {reply.request_id!r} does not match {token!r}"
+        elif reply.rows.shape != chunk.shape:
+            problem = f"shape {reply.rows.shape}, expected {chunk.shape}"
+        elif not codec.all_finite(reply.rows):
+            problem = "NaN or Inf in the rows"
+        if problem:
+            bound.warning("reply_invalid", node=reply.node, error=problem)
+            return None, None
+        return reply.rows, reply.node
+
+    def _forget(self, tokens: list[str], how: str) -> None:
+        for token in tokens:
+            entry = self._pending.pop(token, None)
+            layer = entry[1] if entry else -1
+            self._finished[token] = (how, layer)
+        while len(self._finished) > 65536:
+            self._finished.popitem(last=False)
+
+    async def _on_reply(self, msg) -> None:
+        token = msg.subject.rsplit(".", 1)[-1]
+        entry = self._pending.get(token)
+        if entry is None:  # after its timeout, or a replica that lost the race
+            how, layer = self._finished.get(token, ("unknown", -1))
+            if layer >= 0:
+                stats = self.stats.layer(layer)
+                if how == "timeout":
+                    stats.late += 1
+                elif how == "won":
+                    stats.duplicates += 1
+            return
+        fut = entry[0]
+        if fut.done():
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            fut.set_exception(_NoResponders())
+            return
+        self._pending.pop(token, None)
+        self._finished[token] = ("won", entry[1])
+        fut.set_result(msg.data)
+
+
+class BusExperts:
+    """Connects an engine to the workers on a bus for the duration of a ``with`` block.
+
+    Owns the loop thread, the NATS connection and the :class:`RemoteExperts`; on exit it logs
+    the dispatch summary, disconnects and gives the engine back its local experts.
+    """
+
+    def __init__(self, engine, url: str | None, cfg: DispatchConfig = DispatchConfig()):
+        self.engine, self.url, self.cfg = engine, url, cfg
+        self.bus: LoopThread | None = None
+        self.nc = None
+        self.backend: RemoteExperts | None = None
+        self._local = engine.experts
+
+    def __enter__(self) -> RemoteExperts:
+        from kvasir_bus.connect import connect
+        from kvasir_bus.fingerprint import model_fingerprint
+
+        self.bus = LoopThread()
+        try:
+            self.nc = self.bus.run(connect(self.url, name=f"kvasir-{self.cfg.node}"))
+            local = self._local if isinstance(self._local, LocalExperts) else LocalExperts(self.engine.weights)
+            self.backend = RemoteExperts(self.bus, self.nc, model_fingerprint(self.engine.reader), local,
+                                         self.engine.cfg.n_embd, self.cfg)
+            self.bus.run(self.backend.start())
+        except BaseException:
+            self.bus.stop()
+            raise
+        self.engine.experts = self.backend
+        return self.backend
+
+    def __exit__(self, *exc) -> None:
+        self.engine.experts = self._local
+        try:
+            if self.backend is not None:
+                _log_summary(self.backend)
+                self.bus.run(self.backend.close(), timeout=10)
+            if self.nc is not None:
+                self.bus.run(self.nc.drain(), timeout=10)
+        except Exception as e:  # leaving anyway
+            log.warning("disconnect_failed", error=str(e))
+        finally:
+            self.bus.stop()
+
+
+def _log_summary(backend: RemoteExperts) -> None:
+    t = backend.stats.to_dict()["totals"]
+    log.info("generation_dispatch_summary", model=backend.model, calls=t["calls"], remote=t["remote"],
+             local_choice=t["local_choice"], no_responders=t["no_responders"], timeouts=t["timeouts"],
+             invalid=t["invalid"], late=t["late"], fallback_rate=t["fallback_rate"],
+             latency_mean_ms=t["latency_mean_ms"], bytes_out=t["bytes_out"], bytes_in=t["bytes_in"])

@@ -1,0 +1,47 @@
+"""An asyncio event loop on a background thread, for synchronous code that talks to NATS.
+
+The backbone's forward pass is plain synchronous numpy; its NATS client lives on this loop.
+``run(coro)`` blocks until the coroutine is done; ``submit(coro)`` returns a
+``concurrent.futures.Future``. ``stop()`` is idempotent and joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Coroutine
+
+
+class LoopThread:
+    def __init__(self, name: str = "kvasir-bus"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.close()
+
+    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
+        return self.submit(coro).result(timeout)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+
+    def __enter__(self) -> "LoopThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,215 @@
+"""The worker runtime: serve the experts of one slice on the bus.
+
+A :class:`Worker` subscribes to exactly the dispatch subjects of the experts it holds
+(``kvasir.<model>.x.<layer>.<expert>``), answers each request with the expert function
+(:func:`workers.expert.expert_ffn`, the code the backbone runs for its own fallback), and
+announces its holdings on ``kvasir.<model>.coverage.<node>`` every few seconds.
+
+Every request is validated (model, layer, expert held, dtype, shape, size limits); a bad one
+gets an :class:`~kvasir_bus.codec.ErrorReply` and the worker keeps serving. Compute runs on a
+thread pool, so the event loop stays free to accept more requests while one is computed; many
+requests can be in flight at once. ``stop()`` drains: no new requests, in-flight ones finish and
+are answered, then the connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+
+from kvasir_bus import __version__, codec
+from kvasir_bus.subjects import Subjects, parse_dispatch
+from workers.expert import expert_ffn
+from workers.kernels import backend_name
+from workers.slice_file import SliceInfo
+
+log = structlog.get_logger("kvasir.worker")
+
+
+def default_node_id() -> str:
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
+    return f"{host or 'worker'}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    node: str
+    heartbeat_s: float = 2.0
+    max_rows: int = 16384  # rows in one request
+    max_bytes: int = codec.DEFAULT_MAX_BYTES  # bytes of one request
+    compute_threads: int = 1  # ggml already uses every core inside one call
+    queue_group: str | None = None  # None: replicas race (first reply wins); a name: load-balance
+    budget_bytes: int = 0
+    drain_timeout_s: float = 30.0
+
+
+class State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class Worker:
+    def __init__(self, slice_info: SliceInfo, cfg: WorkerConfig):
+        self.slice, self.cfg = slice_info, cfg
+        self.subjects = Subjects(slice_info.fingerprint)
+        self.state = State.NEW
+        self.served = 0
+        self.errors = 0
+        self.rows = 0
+        self._nc = None
+        self._subs = []
+        self._tasks: set[asyncio.Task] = set()
+        self._heartbeat: asyncio.Task | None = None
+        self._pool = ThreadPoolExecutor(max_workers=cfg.compute_threads, thread_name_prefix="expert")
+        self.log = log.bind(node=cfg.node, model=slice_info.fingerprint)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def start(self, nc) -> None:
+        """Subscribe to every held expert's subject, then announce coverage."""
+        if self.state is not State.NEW:
+            raise RuntimeError(f"worker already {self.state.value}")
+        self._nc = nc
+        for layer, expert in self.slice.experts():
+            subject = self.subjects.dispatch(layer, expert)
+            kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
+            self._subs.append(await nc.subscribe(subject, cb=self._on_request, **kw))
+        await nc.flush()  # subscriptions are live on the server before we say so
+        self.state = State.RUNNING
+        await self._publish_heartbeat()
+        self._heartbeat = asyncio.create_task(self._heartbeat_loop())
+        self.log.info("worker_started", experts=self.slice.n_held, holdings=len(self.slice.holdings),
+                      kernel=backend_name(), subjects=len(self._subs))
+
+    async def stop(self) -> None:
+        """Drain: stop taking requests, finish and answer the ones in flight, stop heartbeats."""
+        if self.state in (State.STOPPED, State.DRAINING):
+            return
+        was_running = self.state is State.RUNNING
+        self.state = State.DRAINING
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection may already be gone
+                pass
+        self._subs.clear()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self.cfg.drain_timeout_s)
+        if self._heartbeat:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.state = State.STOPPED
+        if was_running:
+            self.log.info("worker_stopped", served=self.served, errors=self.errors, rows=self.rows)
+
+    async def __aenter__(self) -> "Worker":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    # -- heartbeats ---------------------------------------------------------------------------
+
+    def heartbeat(self) -> codec.Heartbeat:
+        holdings = tuple(codec.Holding(h.layer, h.first, h.last + 1) for h in self.slice.holdings)
+        return codec.Heartbeat(model=self.slice.fingerprint, node=self.cfg.node, holdings=holdings,
+                               budget_bytes=self.cfg.budget_bytes or self.slice.nbytes,
+                               load=float(self.in_flight), served=self.served, version=__version__,
+                               kernel=backend_name(), sent_at=time.time())
+
+    async def _publish_heartbeat(self) -> None:
+        hb = self.heartbeat()
+        await self._nc.publish(self.subjects.coverage(self.cfg.node), hb.encode(), headers=codec.headers_for(hb))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_s)
+            try:
+                await self._publish_heartbeat()
+            except Exception as exc:  # keep serving; the next beat may get through
+                self.log.warning("heartbeat_failed", error=str(exc))
+
+    # -- requests -----------------------------------------------------------------------------
+
+    async def _on_request(self, msg) -> None:
+        # Subscription callbacks run one at a time: hand each request to its own task at once.
+        task = asyncio.create_task(self._serve(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, msg) -> None:
+        if not msg.reply:
+            self.errors += 1
+            self.log.warning("request_without_reply_subject", subject=msg.subject)
+            return
+        t0 = time.perf_counter()
+        request_id = (msg.headers or {}).get("Kvasir-Request", "")
+        try:
+            req, weights = self._validate(msg)
+            request_id = req.request_id
+            rows = np.ascontiguousarray(req.rows, dtype=np.float32)
+            loop = asyncio.get_running_loop()
+            out = await loop.run_in_executor(self._pool, expert_ffn, *weights, rows)
+            reply = codec.DispatchReply(request_id=req.request_id, node=self.cfg.node, rows=out)
+        except _Refused as exc:
+            self.errors += 1
+            reply = codec.ErrorReply(request_id=_safe_id(request_id), node=self.cfg.node, code=exc.code,
+                                     message=str(exc)[:codec.MAX_ERROR_MESSAGE])
+            self.log.warning("request_refused", subject=msg.subject, request_id=reply.request_id,
+                             code=exc.code, error=str(exc))
+        except Exception as exc:  # the kernel failed: say so, keep serving
+            self.errors += 1
+            reply = codec.ErrorReply(request_id=_safe_id(request_id), node=self.cfg.node, code=codec.ERR_INTERNAL,
+                                     message=f"{type(exc).__name__}: {exc}"[:codec.MAX_ERROR_MESSAGE])
+            self.log.error("request_failed", subject=msg.subject, error=reply.message)
+        else:
+            self.served += 1
+            self.rows += len(rows)
+            self.log.debug("served", layer=req.layer, expert=req.expert, request_id=req.request_id,
+                           rows=len(rows), ms=round(1000 * (time.perf_counter() - t0), 3))
+        try:
+            await self._nc.publish(msg.reply, reply.encode(), headers=codec.headers_for(reply))
+        except Exception as exc:
+            self.log.warning("reply_failed", request_id=request_id, error=str(exc))
+
+    def _validate(self, msg):
+        try:
+            req = codec.decode_request(msg.data, max_rows=self.cfg.max_rows, max_bytes=self.cfg.max_bytes,
+                                       n_embd=self.slice.n_embd)
+        except codec.CodecError as exc:
+            raise _Refused(codec.ERR_BAD_REQUEST, str(exc)) from None
+        if req.model != self.slice.fingerprint:
+            raise _Refused(codec.ERR_WRONG_MODEL, f"model {req.model} is not {self.slice.fingerprint}")
+        if not self.slice.holds(req.layer, req.expert):
+            raise _Refused(codec.ERR_NOT_HELD, f"layer {req.layer} expert {req.expert} is not held here")
+        try:
+            where = parse_dispatch(msg.subject)
+        except ValueError as exc:
+            raise _Refused(codec.ERR_BAD_REQUEST, str(exc)) from None
+        if (where.layer, where.expert) != (req.layer, req.expert):
+            raise _Refused(codec.ERR_BAD_REQUEST, f"payload names layer {req.layer} expert {req.expert}, "
+                           f"subject names layer {where.layer} expert {where.expert}")
+        return req, self.slice.expert_weights(req.layer, req.expert)
+
+
+class _Refused(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _safe_id(request_id: str) -> str:
+    return request_id if codec._REQUEST_ID_RE.fullmatch(request_id or "") else ""
