@@ -1,0 +1,178 @@
+"""Expert FFN throughput: our ggml path vs raw ggml with a prebuilt graph, and the numpy backend.
+
+Measures ``workers.expert.expert_ffn`` (validation + a fresh ggml context and graph per call)
+against the minimum-overhead way to run the same ops: one ggml context and graph built once,
+then only ``ggml_graph_compute`` timed. Shape: one expert of the 122b layer (n_embd 3072,
+n_ff 1024), routed (``ggml_mul_mat_id``), Q4_K and Q8_0 weights, 1/8/64/512 rows. Also times
+the numpy backend (cached float64 weights) and checks that alternating numpy (OpenBLAS) and
+ggml (OpenMP) calls does not slow ggml's 1-row call down (threads.py's spin settings).
+
+Prints one JSON object. ``python -m bench.kernel [--quick]``; about a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+
+import workers  # noqa: F401  (thread settings before numpy loads)
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from workers import ggml, kernels
+from workers.expert import expert_ffn
+from workers.tensors import QTensor
+
+N_EMBD, N_FF = 3072, 1024
+ROWS = (1, 8, 64, 512)
+
+
+def timed(fn, budget_s: float, min_reps: int = 3, max_reps: int = 200) -> float:
+    """Median seconds per call of fn() over repeats filling about budget_s (after one warm-up)."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_expert(qtype: T, seed: int) -> tuple[QTensor, QTensor, QTensor]:
+    rng = np.random.default_rng(seed)
+
+    def weight(name: str, rows: int, cols: int) -> QTensor:
+        w = (rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)
+        return QTensor(f"blk.0.ffn_{name}_exps.weight[0]", qtype, (cols, rows), ggml.quantize(w, qtype))
+
+    return weight("gate", N_FF, N_EMBD), weight("up", N_FF, N_EMBD), weight("down", N_EMBD, N_FF)
+
+
+class RawGraph:
+    """The expert FFN as one prebuilt ggml graph for a fixed n: only compute is left per call."""
+
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray):
+        lib = ggml.load()
+        self.lib = lib
+        n = x.shape[0]
+        self.keep = [x, np.zeros(n, np.int32), np.empty((n, N_EMBD), np.float32),
+                     np.empty((3, n, N_FF), np.float32), gate.data, up.data, down.data]
+        x, ids_buf, self.out, scratch = self.keep[:4]
+        params = ggml._InitParams(lib.tensor_overhead * 12 + lib.graph_overhead + 1024, None, True)
+        self.ctx = lib.ggml_init(params)
+        ctx = self.ctx
+
+        def new(t, ne, buf):
+            tensor = lib.ggml_new_tensor_3d(ctx, int(t), *ne) if len(ne) == 3 else lib.ggml_new_tensor_2d(ctx, int(t), *ne)
+            tensor.contents.data = buf.ctypes.data
+            return tensor
+
+        ids = new(T.I32, (1, n), ids_buf)
+        xt = new(T.F32, (N_EMBD, 1, n), x)
+        gw = new(gate.ggml_type, (N_EMBD, N_FF, 1), gate.data)
+        uw = new(up.ggml_type, (N_EMBD, N_FF, 1), up.data)
+        dw = new(down.ggml_type, (N_FF, N_EMBD, 1), down.data)
+        g = lib.ggml_mul_mat_id(ctx, gw, xt, ids)
+        g.contents.data = scratch[0].ctypes.data
+        u = lib.ggml_mul_mat_id(ctx, uw, xt, ids)
+        u.contents.data = scratch[1].ctypes.data
+        h = lib.ggml_swiglu_split(ctx, g, u)
+        h.contents.data = scratch[2].ctypes.data
+        y = lib.ggml_mul_mat_id(ctx, dw, h, ids)
+        y.contents.data = self.out.ctypes.data
+        self.graph = lib.ggml_new_graph_custom(ctx, ggml._GRAPH_SIZE, False)
+        lib.ggml_build_forward_expand(self.graph, y)
+        self.plan = lib.ggml_graph_plan(self.graph, ggml.n_threads(), None)
+        self.work = np.empty(max(self.plan.work_size, 1), np.uint8)
+        self.plan.work_data = self.work.ctypes.data
+        self.plan_ref = ctypes.byref(self.plan)
+
+    def __call__(self) -> np.ndarray:
+        self.lib.ggml_graph_compute(self.graph, self.plan_ref)
+        return self.out
+
+    def close(self) -> None:
+        self.lib.ggml_free(self.ctx)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter timing budgets (a smoke run)")
+    args = parser.parse_args(argv)
+    budget = 0.25 if args.quick else 1.0
+
+    if not ggml.available():
+        print(json.dumps({"error": "ggml libraries not available (llama-cpp-python not installed)"}))
+        return 1
+    started = time.perf_counter()
+    result: dict = {
+        "shape": {"n_embd": N_EMBD, "n_ff": N_FF, "op": "mul_mat_id (routed expert)"},
+        "ggml": ggml.info(),
+        "cpu_count": os.cpu_count(),
+        "env": {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT", "OMP_WAIT_POLICY",
+                                                "OPENBLAS_NUM_THREADS", "KVASIR_THREADS")},
+        "load_avg_start": os.getloadavg()[0],
+        "rows_per_s": {},
+    }
+    numpy_backend = kernels.get_backend("numpy")
+    rng = np.random.default_rng(0)
+    for qtype in (T.Q4_K, T.Q8_0):
+        gate, up, down = make_expert(qtype, seed=int(qtype))
+        per_type = {}
+        for n in ROWS:
+            x = rng.standard_normal((n, N_EMBD)).astype(np.float32)
+            raw = RawGraph(gate, up, down, x)
+            ours = expert_ffn(gate, up, down, x, backend="ggml")
+            same = bool(np.array_equal(raw(), ours))
+            t_ours = timed(lambda: expert_ffn(gate, up, down, x, backend="ggml"), budget)
+            t_raw = timed(raw, budget)
+            raw.close()
+            t_np = timed(lambda: expert_ffn(gate, up, down, x, backend="numpy"), budget / 2, min_reps=2)
+            per_type[str(n)] = {
+                "ours": round(n / t_ours, 1),
+                "raw_ggml": round(n / t_raw, 1),
+                "ours_over_raw": round(t_raw / t_ours, 3),  # rows/s ratio: 1.0 = no overhead
+                "numpy": round(n / t_np, 1),
+                "ms_per_call": {"ours": round(t_ours * 1e3, 3), "raw_ggml": round(t_raw * 1e3, 3),
+                                "numpy": round(t_np * 1e3, 3)},
+                "ours_bit_identical_to_raw": same,
+            }
+        result["rows_per_s"][qtype.name.lower()] = per_type
+        numpy_backend.cache.clear()
+
+    # Alternating numpy (OpenBLAS threads) and ggml (OpenMP threads) at 1 row.
+    gate, up, down = make_expert(T.Q4_K, seed=99)
+    x1 = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+    a = rng.standard_normal((256, 512)).astype(np.float32)
+    b = rng.standard_normal((512, 512)).astype(np.float32)
+    alone = timed(lambda: expert_ffn(gate, up, down, x1, backend="ggml"), budget)
+
+    def alternating():
+        a @ b  # a multi-threaded BLAS call between two ggml calls
+        t0 = time.perf_counter()
+        expert_ffn(gate, up, down, x1, backend="ggml")
+        return time.perf_counter() - t0
+
+    alternating()
+    inter = statistics.median(alternating() for _ in range(max(5, int(budget * 200))))
+    result["alternating_numpy_ggml_1row"] = {
+        "ggml_alone_ms": round(alone * 1e3, 3),
+        "ggml_after_blas_call_ms": round(inter * 1e3, 3),
+        "slowdown": round(inter / alone, 2),
+    }
+    result["load_avg_end"] = os.getloadavg()[0]
+    result["bench_seconds"] = round(time.perf_counter() - started, 1)
+    json.dump(result, sys.stdout, indent=1)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,553 @@
+"""ggml's CPU kernels through ctypes: llama.cpp's own quantized matmuls on the GGUF bytes.
+
+The shared libraries come from the installed ``llama_cpp`` package (``llama_cpp/lib/``); the
+package itself is never imported, so loading them costs no model machinery. Weights stay
+zero-copy: a small metadata-only ggml context (``no_alloc``) points each weight tensor's
+``data`` at the GGUF memmap slice and the activations at numpy buffers; a graph is planned and
+run with ``ggml_graph_compute`` and a per-thread work buffer. Built graphs are kept in a small
+per-thread LRU keyed by (weights, rows, threads), so a repeated call only rebinds its input
+and output. Threads share no ggml state: any number of Python threads may call at once
+(ctypes releases the GIL; with ggml's OpenMP build each calling thread gets its own team of
+``n_threads``, so concurrent callers should lower KVASIR_THREADS to avoid oversubscription).
+
+``GGML_ASSERT`` calls ``abort()``: it kills the process with no Python exception. Every public
+function therefore checks shapes, types and byte counts in Python first and raises
+``ValueError``, and sizes each context from the number of tensors it will hold.
+
+Which CPU path ggml takes (it decides the rounding, see ``workers/actquant.py``):
+``ggml_mul_mat`` uses llamafile's tinyBLAS for F32/F16/Q8_0/Q4_0/... weights when there are at
+least 2 rows, the "tiled" kernel for K-quants and most IQ types at 8 rows or more, and
+``vec_dot`` otherwise. ``ggml_mul_mat_id`` (llama.cpp's routed experts) never uses tinyBLAS:
+``vec_dot`` per row, or the tiled kernel when at least 8 rows go to the expert.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from workers.kernels import ACT_FORMAT, check_ffn, check_rows, check_weight
+from workers.tensors import QTensor
+
+T = GGMLQuantizationType
+
+ENV_LIB_DIR = "KVASIR_GGML_LIB_DIR"  # overrides the llama_cpp/lib lookup
+ENV_THREADS = "KVASIR_THREADS"
+
+# Weight types ggml's CPU backend multiplies (those with a vec_dot).
+SUPPORTED_TYPES = frozenset(ACT_FORMAT)
+
+
+class GgmlUnavailable(RuntimeError):
+    """ggml's shared libraries could not be found or loaded."""
+
+
+# --- struct layouts ---------------------------------------------------------------------------
+# Checked with offsetof() against the headers llama-cpp-python 0.3.36 installs
+# (site-packages/include/ggml.h, ggml-cpu.h; ggml 0.25.3), x86-64:
+#   ggml_init_params: sizeof 24; mem_size 0, mem_buffer 8, no_alloc 16
+#   ggml_tensor: sizeof 336; type 0, buffer 8, ne 16, nb 48, op 80, op_params 84, flags 148,
+#                src 152, view_src 232, view_offs 240, data 248, name 256, extra 320, padding 328
+#   ggml_cplan: sizeof 56; work_size 0, work_data 8, n_threads 16, threadpool 24,
+#               abort_callback 32, abort_callback_data 40, use_ref 48
+#   ggml_type_traits_cpu: sizeof 32; from_float 0, vec_dot 8, vec_dot_type 16, nrows 24
+# _load() re-checks the sizes and reads ne/nb/data back from a real tensor.
+
+class _InitParams(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+        ("extra", ctypes.c_void_p),
+        ("padding", ctypes.c_char * 8),
+    ]
+
+
+class _CPlan(ctypes.Structure):
+    _fields_ = [
+        ("work_size", ctypes.c_size_t),
+        ("work_data", ctypes.c_void_p),
+        ("n_threads", ctypes.c_int),
+        ("threadpool", ctypes.c_void_p),
+        ("abort_callback", ctypes.c_void_p),
+        ("abort_callback_data", ctypes.c_void_p),
+        ("use_ref", ctypes.c_bool),
+    ]
+
+
+_FromFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+class _TypeTraitsCpu(ctypes.Structure):
+    _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
+                ("nrows", ctypes.c_int64)]
+
+
+_LAYOUT = {
+    _InitParams: (24, {"mem_size": 0, "mem_buffer": 8, "no_alloc": 16}),
+    _Tensor: (336, {"type": 0, "buffer": 8, "ne": 16, "nb": 48, "op": 80, "op_params": 84, "flags": 148,
+                    "src": 152, "view_src": 232, "view_offs": 240, "data": 248, "name": 256, "extra": 320}),
+    _CPlan: (56, {"work_size": 0, "work_data": 8, "n_threads": 16, "threadpool": 24, "abort_callback": 32,
+                  "abort_callback_data": 40, "use_ref": 48}),
+    _TypeTraitsCpu: (32, {"from_float": 0, "vec_dot": 8, "vec_dot_type": 16, "nrows": 24}),
+}
+
+_PT = ctypes.POINTER(_Tensor)
+_GRAPH_SIZE = 16  # nodes per graph; our graphs have at most 5 ops
+
+
+def lib_dir() -> Path:
+    """Folder holding libggml-base.so and libggml-cpu.so (env KVASIR_GGML_LIB_DIR, else
+    ``llama_cpp/lib`` of the installed llama-cpp-python, located without importing it)."""
+    override = os.environ.get(ENV_LIB_DIR)
+    if override:
+        return Path(override)
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        raise GgmlUnavailable("llama_cpp is not installed (pip install 'kvasir-bus[backbone]')")
+    return Path(spec.origin).parent / "lib"
+
+
+class _Lib:
+    """The loaded libraries with their ctypes signatures."""
+
+    def __init__(self, folder: Path):
+        mode = getattr(os, "RTLD_GLOBAL", ctypes.RTLD_GLOBAL)
+        libs = []
+        for name in ("libggml-base.so", "libggml-cpu.so"):
+            path = folder / name
+            if not path.exists():
+                raise GgmlUnavailable(f"{path}: not found")
+            try:
+                libs.append(ctypes.CDLL(str(path), mode=mode))
+            except OSError as exc:
+                raise GgmlUnavailable(f"{path}: cannot load: {exc}") from None
+        self.folder = folder
+        base, cpu = libs
+
+        def fn(lib, name, restype, *argtypes):
+            try:
+                f = getattr(lib, name)
+            except AttributeError:
+                raise GgmlUnavailable(f"{folder}: ggml has no {name} (llama-cpp-python too old?)") from None
+            f.restype = restype
+            f.argtypes = list(argtypes)
+            setattr(self, name, f)
+
+        c_ctx, i64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
+        fn(base, "ggml_version", ctypes.c_char_p)
+        fn(base, "ggml_commit", ctypes.c_char_p)
+        fn(base, "ggml_init", c_ctx, _InitParams)
+        fn(base, "ggml_free", None, c_ctx)
+        fn(base, "ggml_tensor_overhead", sz)
+        fn(base, "ggml_graph_overhead_custom", sz, sz, ctypes.c_bool)
+        fn(base, "ggml_blck_size", i64, ctypes.c_int)
+        fn(base, "ggml_type_size", sz, ctypes.c_int)
+        fn(base, "ggml_row_size", sz, ctypes.c_int, i64)
+        fn(base, "ggml_new_tensor_1d", _PT, c_ctx, ctypes.c_int, i64)
+        fn(base, "ggml_new_tensor_2d", _PT, c_ctx, ctypes.c_int, i64, i64)
+        fn(base, "ggml_new_tensor_3d", _PT, c_ctx, ctypes.c_int, i64, i64, i64)
+        fn(base, "ggml_mul_mat", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_mul_mat_id", _PT, c_ctx, _PT, _PT, _PT)
+        fn(base, "ggml_swiglu_split", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_new_graph_custom", ctypes.c_void_p, c_ctx, sz, ctypes.c_bool)
+        fn(base, "ggml_build_forward_expand", None, ctypes.c_void_p, _PT)
+        fn(base, "ggml_quantize_requires_imatrix", ctypes.c_bool, ctypes.c_int)
+        fn(base, "ggml_quantize_chunk", sz, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, i64, i64, i64,
+           ctypes.c_void_p)
+        fn(cpu, "ggml_cpu_init", None)
+        fn(cpu, "ggml_get_type_traits_cpu", ctypes.POINTER(_TypeTraitsCpu), ctypes.c_int)
+        fn(cpu, "ggml_graph_plan", _CPlan, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+        fn(cpu, "ggml_graph_compute", ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_CPlan))
+
+        self.ggml_cpu_init()
+        self.version = self.ggml_version().decode()
+        self.commit = self.ggml_commit().decode()
+        self.tensor_overhead = self.ggml_tensor_overhead()
+        self.graph_overhead = self.ggml_graph_overhead_custom(_GRAPH_SIZE, False)
+        self._self_check()
+
+    def _self_check(self) -> None:
+        for struct, (size, offsets) in _LAYOUT.items():
+            if ctypes.sizeof(struct) != size or any(getattr(struct, f).offset != o for f, o in offsets.items()):
+                raise GgmlUnavailable(f"ctypes layout of {struct.__name__} does not match ggml's headers")
+        graph = _Graph(self, n_tensors=1)
+        try:
+            t = graph.tensor(T.Q8_0, (64, 3, 2))
+            ok = (list(t.contents.ne) == [64, 3, 2, 1] and t.contents.nb[0] == 34 and t.contents.nb[1] == 68
+                  and t.contents.nb[2] == 204 and t.contents.data is None and t.contents.type == int(T.Q8_0))
+        finally:
+            graph.free()
+        if not ok:
+            raise GgmlUnavailable(f"ggml {self.version} ({self.folder}): tensor struct read-back failed; "
+                                  "the ctypes layout does not match this build")
+
+
+_lib: _Lib | None = None
+_lib_error: GgmlUnavailable | None = None
+_lib_lock = threading.Lock()
+
+
+def load() -> _Lib:
+    """The loaded libraries; raises GgmlUnavailable (every time) if they cannot be loaded."""
+    global _lib, _lib_error
+    if _lib is not None:
+        return _lib
+    with _lib_lock:
+        if _lib is None and _lib_error is None:
+            try:
+                _lib = _Lib(lib_dir())
+            except GgmlUnavailable as exc:
+                _lib_error = exc
+    if _lib is None:
+        raise _lib_error
+    return _lib
+
+
+def available() -> bool:
+    try:
+        load()
+    except GgmlUnavailable:
+        return False
+    return True
+
+
+def info() -> dict:
+    lib = load()
+    return {"version": lib.version, "commit": lib.commit, "lib_dir": str(lib.folder), "threads": n_threads()}
+
+
+def n_threads() -> int:
+    """Threads per ggml call: env KVASIR_THREADS, else os.cpu_count()."""
+    value = os.environ.get(ENV_THREADS)
+    if value:
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"{ENV_THREADS}={value!r}: expected a positive integer") from None
+        if n < 1:
+            raise ValueError(f"{ENV_THREADS}={value!r}: expected a positive integer")
+        return n
+    return os.cpu_count() or 1
+
+
+# --- graphs and computation ---------------------------------------------------------------------
+
+class _Graph:
+    """A metadata-only ggml context holding one small graph, reusable for same-shaped calls.
+
+    Every tensor gets its data pointer from a numpy array: weights (the GGUF bytes), the ids
+    and the intermediates (``scratch``) are kept referenced here until the context is freed,
+    so ggml never sees a dangling pointer; the input and output are rebound on every ``run``.
+    A graph is used by one thread at a time (``run`` rewrites its data pointers).
+    """
+
+    def __init__(self, lib: _Lib, n_tensors: int):
+        self.lib = lib
+        # One object header + struct per tensor, the graph, and slack for alignment padding.
+        size = lib.tensor_overhead * (n_tensors + 2) + lib.graph_overhead + 1024
+        self.ctx = lib.ggml_init(_InitParams(size, None, True))
+        if not self.ctx:
+            raise MemoryError("ggml_init failed")
+        self.keep: list[np.ndarray] = []
+        self.scratch_bytes = 0
+
+    def tensor(self, ggml_type: int, ne: tuple[int, ...], data: np.ndarray | None = None):
+        ne = tuple(int(n) for n in ne)
+        if len(ne) == 1:
+            t = self.lib.ggml_new_tensor_1d(self.ctx, int(ggml_type), *ne)
+        elif len(ne) == 2:
+            t = self.lib.ggml_new_tensor_2d(self.ctx, int(ggml_type), *ne)
+        else:
+            t = self.lib.ggml_new_tensor_3d(self.ctx, int(ggml_type), *ne)
+        if data is not None:
+            self.bind(t, data)
+        return t
+
+    def bind(self, t, data: np.ndarray) -> None:
+        """Point tensor ``t`` at ``data`` (C-contiguous, exactly the tensor's size) for good."""
+        self.keep.append(data)
+        t.contents.data = data.ctypes.data
+
+    def intermediate(self, t) -> None:
+        """Give an op's result tensor its own float32 buffer."""
+        buf = np.empty(int(np.prod([t.contents.ne[i] for i in range(4)])), dtype=np.float32)
+        self.scratch_bytes += buf.nbytes
+        self.bind(t, buf)
+
+    def finish(self, x_t, out_t, threads: int) -> "_Graph":
+        """Build the graph ending in ``out_t`` and plan it; ``x_t``/``out_t`` are bound per run."""
+        lib = self.lib
+        self.x_t, self.out_t = x_t, out_t
+        self.graph = lib.ggml_new_graph_custom(self.ctx, _GRAPH_SIZE, False)
+        lib.ggml_build_forward_expand(self.graph, out_t)
+        self.plan = lib.ggml_graph_plan(self.graph, threads, None)
+        self.plan_ref = ctypes.byref(self.plan)
+        return self
+
+    def run(self, x: np.ndarray, out: np.ndarray) -> None:
+        """Compute with input ``x`` and result ``out`` (C-contiguous float32 of the planned shapes)."""
+        self.x_t.contents.data = x.ctypes.data
+        self.out_t.contents.data = out.ctypes.data
+        if self.plan.work_size:
+            self.plan.work_data = _work_buffer(self.plan.work_size).ctypes.data
+        status = self.lib.ggml_graph_compute(self.graph, self.plan_ref)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+
+    def free(self) -> None:
+        if self.ctx:
+            self.lib.ggml_free(self.ctx)
+            self.ctx = None
+            self.keep.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class _GraphCache:
+    """Per-thread LRU of built graphs keyed by weights (pointer, type, shape), rows and threads.
+
+    Building a context and graph costs ~25 ctypes calls (tens of microseconds, as much as a
+    1-row Q4_K expert's compute on a fast CPU); a hit only rebinds input and output. Entries
+    keep their weights' arrays alive, so a cached pointer cannot be reused for other bytes.
+    Graphs whose intermediates exceed a quarter of the byte budget are never cached.
+    """
+
+    MAX_ENTRIES = 64
+    MAX_SCRATCH_BYTES = 64 << 20
+
+    def __init__(self):
+        self.entries: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.bytes = 0
+
+    def get(self, key: tuple) -> _Graph | None:
+        graph = self.entries.get(key)
+        if graph is not None:
+            self.entries.move_to_end(key)
+        return graph
+
+    def put(self, key: tuple, graph: _Graph) -> bool:
+        if graph.scratch_bytes > self.MAX_SCRATCH_BYTES // 4:
+            return False
+        self.entries[key] = graph
+        self.bytes += graph.scratch_bytes
+        while len(self.entries) > self.MAX_ENTRIES or self.bytes > self.MAX_SCRATCH_BYTES:
+            _, old = self.entries.popitem(last=False)
+            self.bytes -= old.scratch_bytes
+            old.free()
+        return True
+
+
+_tls = threading.local()
+
+
+def _graphs() -> _GraphCache:
+    cache = getattr(_tls, "graphs", None)
+    if cache is None:
+        cache = _tls.graphs = _GraphCache()
+    return cache
+
+
+def _work_buffer(size: int) -> np.ndarray:
+    """A per-thread scratch buffer of at least ``size`` bytes, 64-byte aligned, reused across calls."""
+    buf = getattr(_tls, "work", None)
+    if buf is None or buf.nbytes < size:
+        raw = np.empty(size + 64, dtype=np.uint8)
+        start = (-raw.ctypes.data) % 64
+        buf = raw[start:start + size]
+        _tls.work = buf
+    return buf
+
+
+def _weight_key(w: QTensor) -> tuple:
+    return (w.data.ctypes.data, int(w.ggml_type), w.ne)
+
+
+def _run_cached(key: tuple, build, x: np.ndarray, out: np.ndarray) -> None:
+    cache = _graphs()
+    graph = cache.get(key)
+    if graph is None:
+        graph = build()
+        cached = cache.put(key, graph)
+    else:
+        cached = True
+    try:
+        graph.run(x, out)
+    finally:
+        if not cached:
+            graph.free()
+
+
+# --- public kernels ---------------------------------------------------------------------------
+
+def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
+    """``W`` applied to rows, as ggml computes it on this CPU.
+
+    x (n, ne0) float32 -> (n, ne1) float32. ``routed=False`` runs ``ggml_mul_mat(W, X)`` (dense
+    layers, shared experts); ``routed=True`` runs ``ggml_mul_mat_id`` with all n rows sent to
+    this one expert, the op llama.cpp uses for routed experts (it takes different CPU paths,
+    see the module docstring).
+    """
+    check_weight(w)
+    x = check_rows(x, w.ne[0], w.name)
+    n = x.shape[0]
+    lib = load()
+    threads = n_threads()
+
+    def build() -> _Graph:
+        graph = _Graph(lib, n_tensors=5)
+        try:
+            if routed:
+                wt = graph.tensor(w.ggml_type, (w.ne[0], w.ne[1], 1), w.data)
+                xt = graph.tensor(T.F32, (w.ne[0], 1, n))
+                ids = graph.tensor(T.I32, (1, n), np.zeros(n, dtype=np.int32))
+                yt = lib.ggml_mul_mat_id(graph.ctx, wt, xt, ids)  # (n, 1, ne1)
+            else:
+                wt = graph.tensor(w.ggml_type, w.ne, w.data)
+                xt = graph.tensor(T.F32, (w.ne[0], n))
+                yt = lib.ggml_mul_mat(graph.ctx, wt, xt)  # (n, ne1)
+            return graph.finish(xt, yt, threads)
+        except BaseException:
+            graph.free()
+            raise
+
+    out = np.empty((n, w.ne[1]), dtype=np.float32)
+    _run_cached(("mm", routed, n, threads, _weight_key(w)), build, x, out)
+    return out
+
+
+def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, routed: bool) -> np.ndarray:
+    """``down(silu(gate(x)) * up(x))`` as one ggml graph, as llama.cpp builds it.
+
+    x (n, n_embd) float32 -> (n, n_embd) float32. ``routed=True`` uses ``ggml_mul_mat_id``
+    (llama.cpp's ``build_moe_ffn``), ``routed=False`` ``ggml_mul_mat`` (``build_ffn``, the
+    shared expert). ``ggml_swiglu_split`` rounds silu(g)*u to float32 and the down matmul
+    quantizes that, as in llama.cpp.
+    """
+    x = check_ffn(gate, up, down, x)
+    n = x.shape[0]
+    n_embd, n_ff = gate.ne
+    lib = load()
+    threads = n_threads()
+
+    def build() -> _Graph:
+        graph = _Graph(lib, n_tensors=10)
+        try:
+            if routed:
+                ids = graph.tensor(T.I32, (1, n), np.zeros(n, dtype=np.int32))
+                xt = graph.tensor(T.F32, (n_embd, 1, n))
+                gw = graph.tensor(gate.ggml_type, (n_embd, n_ff, 1), gate.data)
+                uw = graph.tensor(up.ggml_type, (n_embd, n_ff, 1), up.data)
+                dw = graph.tensor(down.ggml_type, (n_ff, n_embd, 1), down.data)
+                g = lib.ggml_mul_mat_id(graph.ctx, gw, xt, ids)  # (n, 1, n_ff)
+                u = lib.ggml_mul_mat_id(graph.ctx, uw, xt, ids)
+            else:
+                xt = graph.tensor(T.F32, (n_embd, n))
+                gw = graph.tensor(gate.ggml_type, gate.ne, gate.data)
+                uw = graph.tensor(up.ggml_type, up.ne, up.data)
+                dw = graph.tensor(down.ggml_type, down.ne, down.data)
+                g = lib.ggml_mul_mat(graph.ctx, gw, xt)  # (n, n_ff)
+                u = lib.ggml_mul_mat(graph.ctx, uw, xt)
+            graph.intermediate(g)
+            graph.intermediate(u)
+            h = lib.ggml_swiglu_split(graph.ctx, g, u)  # silu(g) * u, float32
+            graph.intermediate(h)
+            y = lib.ggml_mul_mat_id(graph.ctx, dw, h, ids) if routed else lib.ggml_mul_mat(graph.ctx, dw, h)
+            return graph.finish(xt, y, threads)
+        except BaseException:
+            graph.free()
+            raise
+
+    out = np.empty((n, n_embd), dtype=np.float32)
+    key = ("ffn", routed, n, threads, _weight_key(gate), _weight_key(up), _weight_key(down))
+    _run_cached(key, build, x, out)
+    return out
+
+
+def quantize(x: np.ndarray, ggml_type: int, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Quantize rows with ggml's own quantizer (``ggml_quantize_chunk``), as llama-quantize does.
+
+    x (rows, n_per_row) float32 -> 1-D uint8 array of ``rows * row_size`` bytes, the tensor's
+    data as it lies in a GGUF. Works for every type ggml can quantize to, the K-quants included;
+    IQ2/IQ1 types need an ``imatrix`` of shape (n_per_row,).
+    """
+    ggml_type = T(int(ggml_type))
+    x = np.asarray(x)
+    if x.ndim != 2 or min(x.shape) < 1:
+        raise ValueError(f"expected a 2-D (rows, n_per_row) array, got shape {x.shape}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows, n_per_row = x.shape
+    if ggml_type not in SUPPORTED_TYPES:
+        raise ValueError(f"cannot quantize to {ggml_type.name}")
+    block, _ = GGML_QUANT_SIZES[ggml_type]
+    if n_per_row % block:
+        raise ValueError(f"row length {n_per_row} is not a multiple of {ggml_type.name}'s block size {block}")
+    lib = load()
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
+        if imatrix.shape != (n_per_row,):
+            raise ValueError(f"imatrix must have shape ({n_per_row},), got {imatrix.shape}")
+    elif lib.ggml_quantize_requires_imatrix(int(ggml_type)):
+        raise ValueError(f"{ggml_type.name} needs an importance matrix (imatrix=)")
+    row_size = lib.ggml_row_size(int(ggml_type), n_per_row)
+    out = np.empty(rows * row_size, dtype=np.uint8)
+    written = lib.ggml_quantize_chunk(int(ggml_type), x.ctypes.data, out.ctypes.data, 0, rows, n_per_row,
+                                      None if imatrix is None else imatrix.ctypes.data)
+    if written != out.nbytes:
+        raise RuntimeError(f"ggml_quantize_chunk wrote {written} bytes, expected {out.nbytes}")
+    return out
+
+
+def vec_dot_type(ggml_type: int) -> GGMLQuantizationType:
+    """The format ggml's CPU backend converts activations to before multiplying with weights
+    of ``ggml_type`` (``type_traits_cpu[type].vec_dot_type``)."""
+    lib = load()
+    return T(lib.ggml_get_type_traits_cpu(int(ggml_type)).contents.vec_dot_type)
+
+
+def cpu_from_float(x: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Convert rows with the CPU backend's own ``from_float`` for ``ggml_type`` (the SIMD code
+    that quantizes activations inside a matmul, e.g. x86 ``quantize_row_q8_0``, not the
+    reference quantizer ``quantize`` uses). x (rows, k) float32 -> 1-D uint8 blocks."""
+    ggml_type = T(int(ggml_type))
+    x = np.asarray(x)
+    if x.ndim != 2 or min(x.shape) < 1:
+        raise ValueError(f"expected a 2-D (rows, k) array, got shape {x.shape}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    block, _ = GGML_QUANT_SIZES[ggml_type]
+    if x.shape[1] % block:
+        raise ValueError(f"row length {x.shape[1]} is not a multiple of {ggml_type.name}'s block size {block}")
+    lib = load()
+    address = lib.ggml_get_type_traits_cpu(int(ggml_type)).contents.from_float
+    if not address:
+        raise ValueError(f"ggml's CPU backend has no from_float for {ggml_type.name}")
+    convert = _FromFloat(address)
+    row_size = lib.ggml_row_size(int(ggml_type), x.shape[1])
+    out = np.empty(x.shape[0] * row_size, dtype=np.uint8)
+    for r in range(x.shape[0]):
+        convert(x[r].ctypes.data, out.ctypes.data + r * row_size, x.shape[1])
+    return out
