@@ -32,7 +32,7 @@ $(DEMO_MODEL): | $(STAMP)
 	$(BIN)/kvasir synth --arch qwen3moe --preset small --type q4_k --seed 0 -o $@
 
 demo: $(STAMP) $(DEMO_MODEL)
-	$(BIN)/kvasir generate --model $(DEMO_MODEL) --prompt "$(DEMO_PROMPT)" -n 24 --greedy
+	$(BIN)/kvasir up --model $(DEMO_MODEL) --workers 4 --prompt "$(DEMO_PROMPT)" -n 24 --check
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -198,6 +198,8 @@ class RemoteExperts:
         await asyncio.gather(*(one(i, e, rows) for i, (e, rows) in enumerate(calls)))
 
     def _max_rows(self) -> int:
+        """Rows per message under the server's max_payload. Chunks are split evenly, so each
+        is far above the 8 rows where ggml's K-quant kernels change regime (bit-identity)."""
         limit = getattr(self.nc, "max_payload", None) or codec.DEFAULT_MAX_BYTES
         return max(1, (limit - _ENVELOPE_BYTES) // (self.n_embd * 4))
 
@@ -207,8 +209,7 @@ class RemoteExperts:
         if self._uncovered.get((layer, expert), 0.0) > now:
             stats.local_choice += 1
             return None
-        step = self._max_rows()
-        chunks = [rows[a:a + step] for a in range(0, len(rows), step)]  # max_payload: split big batches
+        chunks = np.array_split(rows, -(-len(rows) // self._max_rows()))  # max_payload: split big batches
         loop = asyncio.get_running_loop()
         tokens, futures = [], []
         subject = self.subjects.dispatch(layer, expert)

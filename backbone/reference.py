@@ -50,14 +50,21 @@ def _stderr_silenced():
 
 
 class Reference:
-    """llama.cpp on one model, with flash attention off (the numerics our engine reproduces)."""
+    """llama.cpp on one model, as its CPU backend computes by default except for two settings
+    that change the kernels, not the model: flash attention off (our engine computes attention
+    the classic way) and, with ``repack=False``, no weight repacking into interleaved layouts
+    (on AVX2 llama.cpp repacks Q4_0/Q4_K/IQ4_NL weights for other kernels that round in
+    another order; without it, llama.cpp and our ggml path run the same kernels)."""
 
-    def __init__(self, path: str | os.PathLike, n_ctx: int, n_threads: int | None = None, n_batch: int = 512):
+    def __init__(self, path: str | os.PathLike, n_ctx: int, n_threads: int | None = None, n_batch: int = 512,
+                 repack: bool = False):
         llama_cpp = import_llama_cpp()
         self.path = os.fspath(path)
-        self.llm = quiet_llama(llama_cpp, self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                               logits_all=True, flash_attn=False,
-                               n_threads=n_threads or os.cpu_count(), n_threads_batch=n_threads or os.cpu_count())
+        with _model_params(llama_cpp, use_extra_bufts=repack):
+            self.llm = quiet_llama(llama_cpp, self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
+                                   logits_all=True, flash_attn=False,
+                                   n_threads=n_threads or os.cpu_count(),
+                                   n_threads_batch=n_threads or os.cpu_count())
 
     def logits(self, tokens: list[int]) -> np.ndarray:
         """Logits (len(tokens), n_vocab) float32 of every position, from a fresh KV cache."""
@@ -79,6 +86,25 @@ class Reference:
             token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
         t2 = time.perf_counter()
         return len(prompt) / (t1 - t0), n / (t2 - t1)
+
+
+@contextlib.contextmanager
+def _model_params(llama_cpp, **fields):
+    """llama-cpp-python has no argument for some model params: set them on the defaults it reads."""
+    low = llama_cpp.llama_cpp  # the ctypes module llama_cpp.Llama reads its defaults from
+    original = low.llama_model_default_params
+
+    def patched():
+        params = original()
+        for name, value in fields.items():
+            setattr(params, name, value)
+        return params
+
+    low.llama_model_default_params = patched
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = original
 
 
 def compare(ours: np.ndarray, ref: np.ndarray) -> dict:

@@ -22,6 +22,7 @@ from kvasir_bus.errors import KvasirError
 _ROLE_CLIS = (
     "backbone.cli_synth",
     "backbone.cli",
+    "backbone.up",
     "workers.cli",
     "kvasir_bus.nats_cli",
     "market.cli",
