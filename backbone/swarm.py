@@ -50,13 +50,19 @@ class WorkerProcess:
 
 
 def spawn_worker(url: str, node: str, source_args: list[str], *, heartbeat_s: float = 1.0,
-                 log_file=None, extra: list[str] = ()) -> WorkerProcess:
+                 log_file=None, extra: list[str] = (), threads: int | None = 1) -> WorkerProcess:
     """Start ``kvasir worker`` in its own process. ``source_args`` is ``["--slice", path]`` or
-    ``["--model", path, "--layer", "all", "--experts", "0-7"]``."""
+    ``["--model", path, "--layer", "all", "--experts", "0-7"]``.
+
+    ``threads``: ggml threads per expert call (``KVASIR_THREADS``). Workers that share a machine
+    with the backbone and each other get 1 by default: OpenMP barriers on oversubscribed cores
+    spin against each other."""
     cmd = [sys.executable, "-m", "kvasir_bus.cli", "worker", "--nats", url, "--node", node,
            "--heartbeat", str(heartbeat_s), *source_args, *extra]
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
+    if threads:
+        env["KVASIR_THREADS"] = str(threads)
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file or subprocess.DEVNULL,
                             stderr=subprocess.STDOUT if log_file else subprocess.DEVNULL, env=env)
     return WorkerProcess(node, proc, getattr(log_file, "name", None))
