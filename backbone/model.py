@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from backbone import ops
+from backbone import attn_ggml, ops
 from backbone.config import ModelConfig, read_config
 from backbone.experts import ExpertBackend, LocalExperts
 from kvasir_bus.errors import ModelFileError, UsageError
 from workers.expert import expert_ffn
-from workers.kernels import matmul
+from workers.kernels import backend_name, matmul
 from workers.tensors import QTensor, open_gguf, tensors_from_reader
 
 WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -131,7 +131,10 @@ def _check_experts(blk: Layer, cfg: ModelConfig, i: int, path: str) -> None:
 
 @dataclass
 class Sequence:
-    """One sequence's KV cache: per layer K and V of shape (Hkv, capacity, Dh), float16."""
+    """One sequence's KV cache, laid out as llama.cpp's (flash attention off): per layer K of
+    shape (capacity, Hkv*Dh), one row per cell, and V transposed, (Hkv*Dh, capacity), both
+    float16 and zero in the cells not yet written. The capacity grows in whole chunks of 256
+    cells (llama.cpp pads its context the same way), up to the context size rounded up."""
 
     n_ctx: int
     n_past: int = 0
@@ -143,13 +146,22 @@ class Sequence:
         L = k.shape[0]
         end = self.n_past + L
         cache_k, cache_v = self.k[layer], self.v[layer]
-        if end > cache_k.shape[1]:  # grow geometrically, up to the context size
-            cap = min(self.n_ctx, max(end, 2 * cache_k.shape[1], 64))
-            grow = ((0, 0), (0, cap - cache_k.shape[1]), (0, 0))
-            cache_k, cache_v = np.pad(cache_k, grow), np.pad(cache_v, grow)
-            self.k[layer], self.v[layer] = cache_k, cache_v
-        cache_k[:, self.n_past:end] = k.transpose(1, 0, 2)
-        cache_v[:, self.n_past:end] = v.transpose(1, 0, 2)
+        if end > cache_k.shape[0]:  # grow geometrically, in chunks of 256 cells
+            cap = attn_ggml.cache_cells_for(max(end, 2 * cache_k.shape[0]), self.n_ctx)
+            grown_k = np.zeros((cap, cache_k.shape[1]), dtype=np.float16)
+            grown_v = np.zeros((cache_v.shape[0], cap), dtype=np.float16)
+            grown_k[:cache_k.shape[0]] = cache_k
+            grown_v[:, :cache_v.shape[1]] = cache_v
+            self.k[layer], self.v[layer] = cache_k, cache_v = grown_k, grown_v
+        cache_k[self.n_past:end] = k.reshape(L, -1)
+        cache_v[:, self.n_past:end] = v.reshape(L, -1).T
+
+    def kv_heads(self, layer: int, end: int, n_head_kv: int) -> tuple[np.ndarray, np.ndarray]:
+        """Views of cells 0..end-1 as (Hkv, end, Dh) keys and values (for ``ops.attention``)."""
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        k = cache_k[:end].reshape(end, n_head_kv, -1).transpose(1, 0, 2)
+        v = cache_v[:, :end].reshape(n_head_kv, -1, end).transpose(0, 2, 1)
+        return k, v
 
 
 class Engine:
@@ -168,11 +180,15 @@ class Engine:
             raise UsageError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
         self.experts = experts or LocalExperts(self.weights)
+        # Attention (RoPE, QK, softmax, PV) through ggml, bit-identical to llama.cpp, when the
+        # kernels are ggml's; the numpy version of the same math otherwise.
+        self.ggml_attention = backend_name() == "ggml" and attn_ggml.available()
 
     def new_sequence(self) -> Sequence:
         c = self.cfg
-        empty = lambda: np.zeros((c.n_head_kv, 0, c.head_dim), dtype=np.float16)  # noqa: E731
-        return Sequence(self.n_ctx, k=[empty() for _ in range(c.n_layer)], v=[empty() for _ in range(c.n_layer)])
+        gqa = c.n_head_kv * c.head_dim
+        return Sequence(self.n_ctx, k=[np.zeros((0, gqa), dtype=np.float16) for _ in range(c.n_layer)],
+                        v=[np.zeros((gqa, 0), dtype=np.float16) for _ in range(c.n_layer)])
 
     # -- the forward pass -------------------------------------------------------------------
 
@@ -194,12 +210,12 @@ class Engine:
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
         positions = np.concatenate([seq.n_past + np.arange(L) for (seq, _), L in zip(batch, lengths)])
         starts = np.cumsum([0] + lengths)
-        cos, sin = ops.rope_cache(positions, c.n_rot, c.rope_base)
+        rope = positions if self.ggml_attention else ops.rope_cache(positions, c.n_rot, c.rope_base)
 
         x = embed(w.token_embd, ids)  # (T, D)
         for il, blk in enumerate(w.layers):
             h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
-            x = x + self._attention(il, blk, h, cos, sin, batch, starts)
+            x = x + self._attention(il, blk, h, rope, batch, starts)
             h = ops.rms_norm(x, blk.ffn_norm, c.rms_eps)
             x = x + self._moe(il, blk, h)
         for seq, L in zip((s for s, _ in batch), lengths):
@@ -212,7 +228,8 @@ class Engine:
         logits = matmul(w.output, out)  # (T, V)
         return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]
 
-    def _attention(self, il: int, blk: Layer, h: np.ndarray, cos, sin, batch, starts) -> np.ndarray:
+    def _attention(self, il: int, blk: Layer, h: np.ndarray, rope, batch, starts) -> np.ndarray:
+        """``rope``: the positions (T,) on the ggml path, (cos, sin) from ``ops.rope_cache`` on numpy's."""
         c = self.cfg
         T = h.shape[0]
         q, k, v = matmul(blk.attn_q, h), matmul(blk.attn_k, h), matmul(blk.attn_v, h)
@@ -224,20 +241,27 @@ class Engine:
         if blk.attn_q_norm is not None:  # per-head RMS norm before RoPE (qwen3moe)
             q = ops.rms_norm(q, blk.attn_q_norm, c.rms_eps)
             k = ops.rms_norm(k, blk.attn_k_norm, c.rms_eps)
-        q = ops.rope(q, cos, sin, c.traits.rope_style)
-        k = ops.rope(k, cos, sin, c.traits.rope_style)
+        if self.ggml_attention:
+            q, k = attn_ggml.rope_qk(q, k, rope, c.n_rot, c.traits.rope_style, c.rope_base, c.n_ctx_train)
+        else:
+            q = ops.rope(q, *rope, c.traits.rope_style)
+            k = ops.rope(k, *rope, c.traits.rope_style)
         k16, v16 = k.astype(np.float16), v.astype(np.float16)  # the KV cache is f16
         out = np.empty((T, c.n_head * c.head_dim), dtype=np.float32)
         for (seq, _), a, b in zip(batch, starts[:-1], starts[1:]):
             seq.append(il, k16[a:b], v16[a:b])
-            end = seq.n_past + (b - a)
-            out[a:b] = ops.attention(q[a:b], seq.k[il][:, :end], seq.v[il][:, :end], seq.n_past)
+            if self.ggml_attention:
+                out[a:b] = attn_ggml.attention(q[a:b], seq.k[il], seq.v[il], seq.n_past)
+            else:
+                end = seq.n_past + (b - a)
+                out[a:b] = ops.attention(q[a:b], *seq.kv_heads(il, end, c.n_head_kv), seq.n_past)
         return matmul(blk.attn_output, out)
 
     def _moe(self, il: int, blk: Layer, h: np.ndarray) -> np.ndarray:
         c = self.cfg
         router_logits = matmul(blk.ffn_gate_inp, h)  # (T, E)
-        ids, weights = ops.route(router_logits, c.n_expert_used, c.traits.norm_topk)  # (T, K)
+        softmax = attn_ggml.softmax if self.ggml_attention else ops.softmax
+        ids, weights = ops.route(router_logits, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
         # Whatever rounding the wire applies to the rows, the local path applies too.
         rows = h.astype(self.wire_dtype).astype(np.float32)
         experts = np.unique(ids)
@@ -250,8 +274,11 @@ class Engine:
         if blk.ffn_gate_shexp is not None:
             shared = expert_ffn(blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp, h)
             if blk.ffn_gate_inp_shexp is not None:
-                g = (h @ blk.ffn_gate_inp_shexp)[:, None].astype(np.float32)  # (T, 1)
-                shared = shared * ops.silu_gate(g)
+                if self.ggml_attention:
+                    gate = attn_ggml.shared_expert_gate(h, blk.ffn_gate_inp_shexp)  # (T, 1)
+                else:
+                    gate = ops.silu_gate((h @ blk.ffn_gate_inp_shexp)[:, None].astype(np.float32))
+                shared = shared * gate
             moe = moe + shared
         return moe
 

@@ -30,8 +30,11 @@ def rope_cache(positions: np.ndarray, n_rot: int, base: float) -> tuple[np.ndarr
     cos = np.empty((len(positions), n_rot // 2), dtype=np.float32)
     sin = np.empty_like(cos)
     for i in range(n_rot // 2):
-        cos[:, i] = np.cos(theta)
-        sin[:, i] = np.sin(theta)
+        # Evaluate in float64 and round once (numpy's float32 SIMD cos/sin are less accurate).
+        # Not bit-exact to ggml: glibc's cosf/sinf differ from this in ~1% of values and ggml's
+        # rotation uses an FMA; the engine's ggml path uses ggml_rope_ext (attn_ggml.rope_qk).
+        cos[:, i] = np.cos(theta.astype(np.float64))
+        sin[:, i] = np.sin(theta.astype(np.float64))
         theta = theta * theta_scale
     return cos, sin
 
@@ -88,18 +91,22 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos0: int) -> np.nd
     return out.transpose(2, 0, 1, 3).reshape(L, H * Dh)
 
 
-def route(logits: np.ndarray, k: int, renormalise: bool) -> tuple[np.ndarray, np.ndarray]:
+def route(logits: np.ndarray, k: int, renormalise: bool, softmax=softmax) -> tuple[np.ndarray, np.ndarray]:
     """Router: softmax over all experts, top-k by descending probability.
 
     logits (T, E) -> ids (T, K) int64 in top-k order, weights (T, K) float32 (the selected
     probabilities, divided by their sum clamped below at 6.1e-5 when ``renormalise``).
+    ``softmax`` may be ggml's own (bit for bit llama.cpp's) instead of this module's.
     """
     probs = softmax(logits.astype(np.float32))
     ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
     weights = np.take_along_axis(probs, ids, axis=-1)
     if renormalise:
-        total = np.maximum(weights.sum(axis=-1, keepdims=True, dtype=np.float32), F16_MIN_NORMAL)
-        weights = weights / total
+        # ggml_sum_rows adds in float64, left to right, then rounds once to float32.
+        total = weights[:, :1].astype(np.float64)
+        for j in range(1, weights.shape[1]):
+            total = total + weights[:, j:j + 1]
+        weights = weights / np.maximum(total.astype(np.float32), F16_MIN_NORMAL)
     return ids, weights
 
 

@@ -414,6 +414,8 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
     """
     check_weight(w)
     x = check_rows(x, w.ne[0], w.name)
+    if not routed and x.shape[0] == 1:  # batch invariance: see _one_row
+        return _one_row(matmul, w, x, routed=False)
     n = x.shape[0]
     lib = load()
     threads = n_threads()
@@ -449,6 +451,8 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     quantizes that, as in llama.cpp.
     """
     x = check_ffn(gate, up, down, x)
+    if not routed and x.shape[0] == 1:  # batch invariance: see _one_row
+        return _one_row(expert_ffn, gate, up, down, x, routed=False)
     n = x.shape[0]
     n_embd, n_ff = gate.ne
     lib = load()
@@ -551,3 +555,15 @@ def cpu_from_float(x: np.ndarray, ggml_type: int) -> np.ndarray:
     for r in range(x.shape[0]):
         convert(x[r].ctypes.data, out.ctypes.data + r * row_size, x.shape[1])
     return out
+
+
+def _one_row(fn, *args, routed: bool):
+    """Run a one-row dense product as a two-row one and keep the first row.
+
+    ``ggml_mul_mat`` takes ``vec_dot`` for one row and llamafile's tinyBLAS from two rows on,
+    and the two sum in different orders (1 ulp apart for F32/F16 weights). Duplicating the row
+    makes a decode step compute exactly what the same row gets inside a prompt batch, so the
+    engine's results do not depend on how tokens were batched.
+    """
+    *head, x = args
+    return fn(*head, np.repeat(x, 2, axis=0), routed=routed)[:1]

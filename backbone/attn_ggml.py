@@ -1,0 +1,575 @@
+"""Attention computed by ggml itself, with the graph llama.cpp builds on CPU (flash attention off).
+
+Why: numpy computes Q·K, the softmax and P·V in float32 in its own summation order and with its
+own ``exp``; llama.cpp rounds Q and the probabilities to f16 for its f16 products and uses its
+SIMD ``expf``. Their 1-ulp differences now and then flip one of those f16 roundings, which moves
+logits by up to ~3e-3. Building the same ggml ops with the same shapes, strides and types as
+``llm_graph_context::build_attn_mha`` (src/llama-graph.cpp) makes attention bit-identical:
+
+    q   (Dh, H, L) f32 -> permute(0, 2, 1, 3)                       # (Dh, L, H)
+    k   = view of the K cache (Dh, Hkv, n_kv) -> permute(0, 2, 1, 3)  # (Dh, n_kv, Hkv), f16
+    v   = view of the V cache (n_kv, Hkv, Dh) -> permute(0, 2, 1, 3)  # (n_kv, Dh, Hkv), f16
+    kq  = mul_mat(k, q)          (prec F32; Q converted to f16)        # (n_kv, L, H)
+    kq  = soft_max_ext(kq, mask, 1/sqrt(Dh), 0)   mask F32 (n_kv, L): 0 visible, -inf masked
+    kqv = mul_mat(v, kq)         (P converted to f16)                 # (Dh, L, H)
+    out = cont_2d(permute(kqv, 0, 2, 1, 3), Dh*H, L)                   # (H*Dh, L)
+
+The caches use llama.cpp's layout (src/llama-kv-cache.cpp, ``v_trans`` = true without flash
+attention): per layer K is (kv_size, Hkv*Dh) f16 (one row of n_embd_k_gqa per cell) and V is
+transposed, (Hkv*Dh, kv_size) f16, both zero where no token was stored (masked cells must add
+exactly 0 * V). ``n_kv``, the number of cells the graph sees, decides the vector tails of the
+accumulations; llama.cpp uses ``min(kv_size, max(256, GGML_PAD(used_cells, 256)))``
+(``llama_kv_cache::get_n_kv``) and :func:`n_kv_for` reproduces it. Past a multiple of 64 the
+extra masked cells add exact zeros in the same SIMD lanes, so n_kv only has to be such a multiple
+for results to be independent of it; 256 keeps the shapes llama.cpp uses.
+
+Batch shape matters too: on x86 ``ggml_mul_mat`` uses llamafile's tinyBLAS when there are at
+least 2 query rows and ``vec_dot`` for one, and the two sum in different orders. A decode step
+(one token) is therefore computed with its query row duplicated (``min_rows=2``), which gives
+the row llama.cpp computes for that token when it evaluates the sequence in one batch (pass
+``min_rows=1`` for the row llama.cpp computes when it decodes that token alone). With 2 rows or
+more a row's result does not depend on the other rows, so long chunks run in pieces.
+
+Like ``workers/ggml.py``: ggml aborts the process on a failed assertion, so every input is
+checked in Python first; contexts are metadata-only and sized from the number of tensors;
+built graphs are kept in a per-thread LRU keyed by their shapes and only rebound per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from workers import ggml as _g
+
+N_KV_PAD = 256  # llama_kv_cache::get_n_kv pads the cells the graph sees to a multiple of this
+GGML_PREC_F32 = 10
+ROPE_MODES = {"norm": 0, "neox": 2}  # GGML_ROPE_TYPE_NORMAL / GGML_ROPE_TYPE_NEOX
+
+_F32, _F16, _I32 = 0, 1, 26  # ggml_type values
+_GRAPH_NODES = 32
+_PT = ctypes.POINTER(_g._Tensor)
+
+
+def n_kv_for(used: int, kv_size: int) -> int:
+    """The number of KV cells llama.cpp's graph sees with ``used`` cells occupied in a cache of
+    ``kv_size`` cells: ``min(kv_size, max(256, GGML_PAD(used, 256)))``."""
+    padded = -(-int(used) // N_KV_PAD) * N_KV_PAD
+    return min(int(kv_size), max(N_KV_PAD, padded))
+
+
+def cache_cells_for(used: int, n_ctx: int | None = None) -> int:
+    """Cells to allocate for ``used`` occupied ones: whole chunks of 256, as llama.cpp pads its
+    context (``GGML_PAD(n_ctx, 256)``), so that ``n_kv_for`` never exceeds the cache."""
+    cells = max(N_KV_PAD, -(-int(used) // N_KV_PAD) * N_KV_PAD)
+    if n_ctx is not None:
+        cells = min(cells, max(N_KV_PAD, -(-int(n_ctx) // N_KV_PAD) * N_KV_PAD))
+    return cells
+
+
+# --- the extra ggml functions this module needs --------------------------------------------------
+
+class _Fns:
+    def __init__(self, lib: "_g._Lib"):
+        self.lib = lib
+        mode = getattr(os, "RTLD_GLOBAL", ctypes.RTLD_GLOBAL)
+        try:
+            base = ctypes.CDLL(str(lib.folder / "libggml-base.so"), mode=mode)
+        except OSError as exc:
+            raise _g.GgmlUnavailable(f"{lib.folder}: cannot load libggml-base.so: {exc}") from None
+        c_ctx, i64, sz, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t, ctypes.c_int, ctypes.c_float
+
+        def fn(name, restype, *argtypes):
+            try:
+                f = getattr(base, name)
+            except AttributeError:
+                raise _g.GgmlUnavailable(f"{lib.folder}: ggml has no {name}") from None
+            f.restype = restype
+            f.argtypes = list(argtypes)
+            setattr(self, name, f)
+
+        fn("ggml_new_tensor_1d", _PT, c_ctx, i32, i64)
+        fn("ggml_new_tensor_2d", _PT, c_ctx, i32, i64, i64)
+        fn("ggml_new_tensor_3d", _PT, c_ctx, i32, i64, i64, i64)
+        fn("ggml_view_4d", _PT, c_ctx, _PT, i64, i64, i64, i64, sz, sz, sz, sz)
+        fn("ggml_permute", _PT, c_ctx, _PT, i32, i32, i32, i32)
+        fn("ggml_mul_mat", _PT, c_ctx, _PT, _PT)
+        fn("ggml_prec_set_acc", ctypes.c_bool, _PT, i32)
+        fn("ggml_soft_max_ext", _PT, c_ctx, _PT, _PT, f32, f32)
+        fn("ggml_cont_2d", _PT, c_ctx, _PT, i64, i64)
+        fn("ggml_rope_ext", _PT, c_ctx, _PT, _PT, _PT, i32, i32, i32, f32, f32, f32, f32, f32, f32)
+        fn("ggml_rms_norm", _PT, c_ctx, _PT, f32)
+        fn("ggml_mul", _PT, c_ctx, _PT, _PT)
+        fn("ggml_soft_max", _PT, c_ctx, _PT)
+        fn("ggml_silu", _PT, c_ctx, _PT)
+        fn("ggml_div", _PT, c_ctx, _PT, _PT)
+        fn("ggml_nbytes", sz, _PT)
+        fn("ggml_graph_overhead_custom", sz, sz, ctypes.c_bool)
+        self.graph_overhead = self.ggml_graph_overhead_custom(_GRAPH_NODES, False)
+
+
+_fns: _Fns | None = None
+_fns_lock = threading.Lock()
+
+
+def _load() -> _Fns:
+    global _fns
+    if _fns is None:
+        with _fns_lock:
+            if _fns is None:
+                _fns = _Fns(_g.load())
+    return _fns
+
+
+def available() -> bool:
+    try:
+        _load()
+    except _g.GgmlUnavailable:
+        return False
+    return True
+
+
+# --- a small graph with views, rebound per call ------------------------------------------------------
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+_CPU_COUNT = os.cpu_count() or 1
+SMALL_WORK = 1 << 21  # multiply-adds below which one thread beats waking a team (measured on 2 cores)
+MAX_KQ_BYTES = 64 << 20  # bound on the KQ scores (and their softmax) of one attention graph
+
+
+def _threads(work: int) -> int:
+    """Threads for a graph of about ``work`` multiply-adds: env KVASIR_THREADS (as
+    ``workers.ggml.n_threads``), else the CPU count; 1 for small graphs. Results do not depend on
+    it: each output element is computed by one thread in a fixed order."""
+    value = os.environ.get(_g.ENV_THREADS)
+    n = _g.n_threads() if value else _CPU_COUNT
+    return 1 if work < SMALL_WORK else n
+
+
+class _Graph:
+    """A metadata-only context holding one graph. Inputs (leaves, and the outputs) get their
+    data pointers per call, in the order they were declared; views (``view_src`` set) follow
+    their root at ``view_offs``; other op results get a buffer of their own (``scratch``)."""
+
+    def __init__(self, fns: _Fns, n_tensors: int):
+        self.fns = fns
+        lib = fns.lib
+        size = lib.tensor_overhead * (n_tensors + 2) + fns.graph_overhead + 1024
+        self.ctx = lib.ggml_init(_g._InitParams(size, None, True))
+        if not self.ctx:
+            raise MemoryError("ggml_init failed")
+        self.graph = lib.ggml_new_graph_custom(self.ctx, _GRAPH_NODES, False)
+        self.keep: list[np.ndarray] = []
+        self.scratch_bytes = 0
+        self.inputs: list[ctypes.Structure] = []  # bound per call, in this order
+        self.views: list[tuple[ctypes.Structure, int, int]] = []  # (view, index of its root input, offset)
+        self._index: dict[int, int] = {}  # tensor address -> index in inputs
+        self._fixed: set[int] = set()  # addresses of tensors with a buffer of their own
+
+    def _new(self, ggml_type: int, ne: tuple[int, ...]):
+        f = self.fns
+        new = (f.ggml_new_tensor_1d, f.ggml_new_tensor_2d, f.ggml_new_tensor_3d)[len(ne) - 1]
+        t = new(self.ctx, ggml_type, *ne)
+        if not t:
+            raise MemoryError("ggml_new_tensor failed")
+        return t
+
+    def input(self, ggml_type: int, ne: tuple[int, ...]):
+        """A new leaf tensor whose data is bound per call."""
+        t = self._new(ggml_type, ne)
+        self._index[ctypes.addressof(t.contents)] = len(self.inputs)
+        self.inputs.append(t.contents)
+        return t
+
+    def view(self, t):
+        """Register ``t`` (a view, permute, ...) so its data follows its root."""
+        if not t:
+            raise MemoryError("ggml view failed")
+        c = t.contents
+        root, offs = c.view_src, int(c.view_offs)
+        if root in self._fixed:
+            c.data = ctypes.cast(root, _PT).contents.data + offs
+        elif root in self._index:
+            self.views.append((c, self._index[root], offs))
+        else:
+            raise RuntimeError("view of an unknown tensor")
+        return t
+
+    def scratch(self, t):
+        """Give op result ``t`` a float32 buffer of its own, kept with the graph."""
+        if not t:
+            raise MemoryError("ggml op failed")
+        n = self.fns.ggml_nbytes(t)
+        buf = np.empty(max(1, (n + 3) // 4), dtype=np.float32)
+        self.keep.append(buf)
+        self.scratch_bytes += buf.nbytes
+        t.contents.data = _ptr(buf)
+        self._fixed.add(ctypes.addressof(t.contents))
+        return t
+
+    def output(self, t):
+        """Make op result ``t`` a graph output (an input in the binding order), computed after
+        everything declared before it."""
+        if not t:
+            raise MemoryError("ggml op failed")
+        self._index[ctypes.addressof(t.contents)] = len(self.inputs)
+        self.inputs.append(t.contents)
+        self.fns.lib.ggml_build_forward_expand(self.graph, t)
+        return t
+
+    def finish(self, threads: int) -> "_Graph":
+        self.plan = self.fns.lib.ggml_graph_plan(self.graph, threads, None)
+        self.plan_ref = ctypes.byref(self.plan)
+        self.n_inputs = len(self.inputs)
+        return self
+
+    def run(self, arrays) -> None:
+        """Compute with the inputs and outputs pointed at ``arrays`` (in declaration order;
+        C-contiguous and of the planned sizes: the callers check)."""
+        inputs = self.inputs
+        if len(arrays) != self.n_inputs:
+            raise ValueError(f"graph takes {self.n_inputs} arrays, got {len(arrays)}")
+        ptrs = [_ptr(a) for a in arrays]
+        for c, p in zip(inputs, ptrs):
+            c.data = p
+        for c, i, offs in self.views:
+            c.data = ptrs[i] + offs
+        if self.plan.work_size:
+            self.plan.work_data = _work_ptr(self.plan.work_size)
+        status = self.fns.lib.ggml_graph_compute(self.graph, self.plan_ref)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+
+    def free(self) -> None:
+        if self.ctx:
+            self.fns.lib.ggml_free(self.ctx)
+            self.ctx = None
+            self.keep.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.free()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+_tls = threading.local()
+
+
+def _cache() -> "_g._GraphCache":
+    cache = getattr(_tls, "graphs", None)
+    if cache is None:
+        cache = _tls.graphs = _g._GraphCache()
+    return cache
+
+
+def _work_ptr(size: int) -> int:
+    """Address of this thread's work buffer (64-byte aligned) of at least ``size`` bytes."""
+    work = getattr(_tls, "work", None)
+    if work is None or work[1] < size:
+        raw = np.empty(size + 64, dtype=np.uint8)
+        start = (-_ptr(raw)) % 64
+        work = _tls.work = (_ptr(raw) + start, size, raw)
+    return work[0]
+
+
+def _run_cached(key: tuple, build, arrays) -> None:
+    cache = _cache()
+    graph = cache.get(key)
+    cached = True
+    if graph is None:
+        graph = build()
+        cached = cache.put(key, graph)
+    try:
+        graph.run(arrays)
+    finally:
+        if not cached:
+            graph.free()
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+_masks: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
+
+
+def causal_mask(q_pos0: int, L: int, n_kv: int, rows: int | None = None) -> np.ndarray:
+    """llama.cpp's KQ mask (``llama_kv_cache::set_input_kq_mask``) for one sequence whose cells
+    0.. hold positions 0..: (rows, n_kv) float32, 0 where query i (at position q_pos0 + i) sees
+    cell j (j <= q_pos0 + i), -inf elsewhere; rows past L repeat row L-1. Read-only, cached."""
+    rows = L if rows is None else rows
+    key = (q_pos0, L, rows, n_kv)
+    m = _masks.get(key)
+    if m is None:
+        last = q_pos0 + np.minimum(np.arange(rows), L - 1)
+        m = np.where(np.arange(n_kv)[None, :] <= last[:, None], np.float32(0), np.float32(-np.inf))
+        m = m.astype(np.float32)
+        m.flags.writeable = False
+        _masks[key] = m
+        while len(_masks) > 64:
+            _masks.popitem(last=False)
+    return m
+
+
+def kq_scale(head_dim: int) -> np.float32:
+    """``1.0f/sqrtf(float(n_embd_head))``, in float32 as llama.cpp computes it."""
+    return np.float32(1.0) / np.sqrt(np.float32(head_dim))
+
+
+def _check_cache(a, what: str) -> None:
+    if not isinstance(a, np.ndarray) or a.dtype != np.float16 or a.ndim != 2 or not a.flags.c_contiguous:
+        raise ValueError(f"{what}: expected a C-contiguous 2-D float16 array, got "
+                         f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+
+
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: int, n_kv: int | None = None,
+              *, scale: float | None = None, min_rows: int = 2) -> np.ndarray:
+    """Causal GQA attention of one sequence chunk against its KV cache, as llama.cpp computes it.
+
+    q: (L, H, Dh) float32 after RoPE, query i at position ``q_pos0 + i``.
+    k_cache: (kv_size, Hkv*Dh) float16, cell j holding the key of position j (llama.cpp's K cache).
+    v_cache: (Hkv*Dh, kv_size) float16, the values transposed (llama.cpp's V cache, v_trans).
+    The cache must already hold this chunk (cells up to ``q_pos0 + L - 1``) and be zero (at
+    least finite) in the cells past it. ``n_kv``: the cells the graph sees (default
+    :func:`n_kv_for`); ``scale`` defaults to ``1/sqrt(Dh)``; with fewer than ``min_rows`` queries
+    the last one is repeated (see the module docstring) and the extra rows dropped.
+    Returns (L, H*Dh) float32.
+    """
+    if not isinstance(q, np.ndarray) or q.ndim != 3 or q.size == 0:
+        raise ValueError(f"q: expected a non-empty (L, H, Dh) array, got shape {getattr(q, 'shape', None)}")
+    L, H, Dh = q.shape
+    _check_cache(k_cache, "k_cache")
+    _check_cache(v_cache, "v_cache")
+    kv_size, n_embd_gqa = k_cache.shape
+    if n_embd_gqa % Dh or n_embd_gqa == 0:
+        raise ValueError(f"k_cache rows of {n_embd_gqa} are not a whole number of heads of {Dh}")
+    Hkv = n_embd_gqa // Dh
+    if H % Hkv:
+        raise ValueError(f"{H} query heads cannot share {Hkv} KV heads")
+    if v_cache.shape != (n_embd_gqa, kv_size):
+        raise ValueError(f"v_cache: expected shape {(n_embd_gqa, kv_size)} (transposed), got {v_cache.shape}")
+    q_pos0 = int(q_pos0)
+    used = q_pos0 + L
+    if q_pos0 < 0 or used > kv_size:
+        raise ValueError(f"positions {q_pos0}..{used - 1} do not fit a cache of {kv_size} cells")
+    n_kv = n_kv_for(used, kv_size) if n_kv is None else int(n_kv)
+    if not used <= n_kv <= kv_size:
+        raise ValueError(f"n_kv={n_kv} must lie in [{used}, {kv_size}]")
+    scale = kq_scale(Dh) if scale is None else np.float32(scale)
+
+    # Long chunks in pieces (as llama.cpp's ubatches bound its KQ): each query row's result does
+    # not depend on the other rows of its piece as long as there are at least 2.
+    max_rows = max(2, int(min_rows), MAX_KQ_BYTES // (8 * n_kv * H))  # KQ and softmax, f32
+    if L > max_rows:
+        out = np.empty((L, H * Dh), dtype=np.float32)
+        n = -(-L // max_rows)
+        a = 0
+        for i in range(n):
+            b = a + L // n + (i < L % n)
+            out[a:b] = attention(q[a:b], k_cache, v_cache, q_pos0 + a, n_kv, scale=scale, min_rows=min_rows)
+            a = b
+        return out
+
+    rows = max(L, int(min_rows))
+    if rows > L:  # repeat the last query (same position, so the same mask row)
+        qx = np.empty((rows, H, Dh), dtype=np.float32)
+        qx[:L] = q
+        qx[L:] = q[L - 1]
+    else:
+        qx = np.ascontiguousarray(q, dtype=np.float32)
+    mask = causal_mask(q_pos0, L, n_kv, rows)
+    out = np.empty((rows, H * Dh), dtype=np.float32)
+    fns = _load()
+    threads = _threads(rows * n_kv * H * Dh)
+    key = ("attn", rows, H, Hkv, Dh, n_kv, kv_size, float(scale), threads)
+    _run_cached(key, lambda: _build_attention(fns, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads),
+                (qx, k_cache, v_cache, mask, out))
+    return out[:L] if rows > L else out
+
+
+def _build_attention(fns: _Fns, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads) -> _Graph:
+    """The graph of ``build_attn_mha`` for one stream; inputs q, K cache, V cache, mask, output."""
+    g = _Graph(fns, n_tensors=20)
+    try:
+        ctx, gqa = g.ctx, Hkv * Dh
+        f16 = lambda n: fns.lib.ggml_row_size(_F16, n)  # noqa: E731  bytes of n f16 values
+        qt = g.input(_F32, (Dh, H, rows))
+        kc = g.input(_F16, (gqa, kv_size))  # llama.cpp's layers[il].k: ne = (n_embd_k_gqa, kv_size)
+        vc = g.input(_F16, (kv_size, gqa))  # layers[il].v with v_trans: ne = (kv_size, n_embd_v_gqa)
+        mt = g.input(_F32, (n_kv, rows))
+        qc = qt.contents
+        # build_attn_mha views q per stream (one here) ...
+        q = g.view(fns.ggml_view_4d(ctx, qt, Dh, H, rows, 1, qc.nb[1], qc.nb[2], qc.nb[2] * rows, 0))
+        # ... and get_k / get_v view the caches (n_kv cells, one stream) ...
+        k = g.view(fns.ggml_view_4d(ctx, kc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
+        v = g.view(fns.ggml_view_4d(ctx, vc, n_kv, Hkv, Dh, 1, f16(kv_size * Dh), f16(kv_size),
+                                    f16(kv_size * gqa), 0))
+        # ... then everything is permuted to (.., tokens or cells, heads).
+        q = g.view(fns.ggml_permute(ctx, q, 0, 2, 1, 3))
+        k = g.view(fns.ggml_permute(ctx, k, 0, 2, 1, 3))
+        v = g.view(fns.ggml_permute(ctx, v, 0, 2, 1, 3))
+        kq = g.scratch(fns.ggml_mul_mat(ctx, k, q))  # (n_kv, rows, H)
+        fns.ggml_prec_set_acc(kq, GGML_PREC_F32)
+        kq = g.scratch(fns.ggml_soft_max_ext(ctx, kq, mt, float(scale), 0.0))
+        kqv = g.scratch(fns.ggml_mul_mat(ctx, v, kq))  # (Dh, rows, H)
+        cur = g.view(fns.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, rows)
+        g.output(fns.ggml_cont_2d(ctx, cur, Dh * H, rows))
+        return g.finish(threads)
+    except BaseException:
+        g.free()
+        raise
+
+
+# --- RoPE, and RMS norm, through ggml -------------------------------------------------------------
+
+def rope_qk(q: np.ndarray, k: np.ndarray, positions: np.ndarray, n_rot: int, style: str, base: float,
+            n_ctx_orig: int = 0, **yarn) -> tuple[np.ndarray, np.ndarray]:
+    """RoPE of queries (T, H, Dh) and keys (T, Hkv, Dh) in one ggml graph, as llama.cpp calls
+    ``ggml_rope_ext`` (no frequency factors; freq_scale 1 and YaRN off: ext_factor 0, attn_factor
+    1, beta_fast 32, beta_slow 1, unless given). Not what numpy computes: glibc's ``cosf`` and
+    ``sinf`` are not always correctly rounded, and the compiler contracts ``x0*cos - x1*sin``
+    into an FMA."""
+    return _rope((q, k), positions, n_rot, style, base, n_ctx_orig, **yarn)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, style: str, base: float, n_ctx_orig: int = 0,
+         **yarn) -> np.ndarray:
+    """``ggml_rope_ext`` of (T, H, Dh) float32 rows at ``positions`` (T,); see :func:`rope_qk`."""
+    return _rope((x,), positions, n_rot, style, base, n_ctx_orig, **yarn)[0]
+
+
+def _rope(xs, positions, n_rot, style, base, n_ctx_orig=0, freq_scale=1.0, ext_factor=0.0, attn_factor=1.0,
+          beta_fast=32.0, beta_slow=1.0) -> tuple[np.ndarray, ...]:
+    xs = tuple(np.ascontiguousarray(x, dtype=np.float32) for x in xs)
+    T = xs[0].shape[0] if xs[0].ndim == 3 else -1
+    for x in xs:
+        if x.ndim != 3 or x.size == 0 or x.shape[0] != T:
+            raise ValueError(f"expected non-empty (T, heads, Dh) arrays with one T, got shape {x.shape}")
+        if n_rot <= 0 or n_rot % 2 or n_rot > x.shape[2]:
+            raise ValueError(f"n_rot={n_rot} must be even and in 2..{x.shape[2]}")
+    pos = np.ascontiguousarray(positions, dtype=np.int32)
+    if pos.shape != (T,):
+        raise ValueError(f"positions: expected shape ({T},), got {pos.shape}")
+    if style not in ROPE_MODES:
+        raise ValueError(f"unknown rope style {style!r}")
+    params = (int(n_rot), ROPE_MODES[style], int(n_ctx_orig), float(base), float(freq_scale), float(ext_factor),
+              float(attn_factor), float(beta_fast), float(beta_slow))
+    shapes = tuple(x.shape for x in xs)
+    fns = _load()
+    threads = _threads(sum(x.size for x in xs) * 16)
+
+    def build() -> _Graph:
+        g = _Graph(fns, n_tensors=2 * len(xs) + 2)
+        try:
+            pt = g.input(_I32, (T,))
+            for t, h, d in shapes:
+                xt = g.input(_F32, (d, h, t))
+                g.output(fns.ggml_rope_ext(g.ctx, xt, pt, None, *params))
+            return g.finish(threads)
+        except BaseException:
+            g.free()
+            raise
+
+    outs = tuple(np.empty_like(x) for x in xs)
+    arrays = [pos]
+    for x, y in zip(xs, outs):
+        arrays += [x, y]
+    _run_cached(("rope", shapes, params, threads), build, arrays)
+    return outs
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """``ggml_rms_norm`` over the last axis of (T, D) or (T, H, Dh) float32, times ``weight``
+    (fused RMS_NORM + MUL on CPU, as in llama.cpp's ``build_norm``). ``ops.rms_norm`` equals it
+    bit for bit (checked in the tests); this is the reference it is checked against."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim not in (2, 3) or x.size == 0:
+        raise ValueError(f"x: expected a non-empty 2-D or 3-D array, got shape {x.shape}")
+    ne = tuple(reversed(x.shape))
+    w = None if weight is None else np.ascontiguousarray(weight, dtype=np.float32)
+    if w is not None and w.shape != (ne[0],):
+        raise ValueError(f"weight: expected shape ({ne[0]},), got {w.shape}")
+    fns = _load()
+    threads = _threads(x.size * 4)
+
+    def build() -> _Graph:
+        g = _Graph(fns, n_tensors=4)
+        try:
+            xt = g.input(_F32, ne)
+            wt = None if w is None else g.input(_F32, (ne[0],))
+            y = fns.ggml_rms_norm(g.ctx, xt, float(eps))
+            if wt is not None:
+                g.scratch(y)  # unused when the CPU fuses RMS_NORM + MUL, written otherwise
+                y = fns.ggml_mul(g.ctx, y, wt)
+            g.output(y)
+            return g.finish(threads)
+        except BaseException:
+            g.free()
+            raise
+
+    out = np.empty_like(x)
+    arrays = (x, out) if w is None else (x, w, out)
+    _run_cached(("rms", ne, w is not None, float(eps), threads), build, arrays)
+    return out
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """``ggml_soft_max`` over the last axis of (T, E) float32: the router's probabilities,
+    bit for bit as llama.cpp computes them (ggml's own vectorised expf)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim != 2 or x.size == 0:
+        raise ValueError(f"x: expected a non-empty 2-D array, got shape {x.shape}")
+    T, E = x.shape
+    fns = _load()
+
+    def build() -> _Graph:
+        g = _Graph(fns, n_tensors=3)
+        try:
+            g.output(fns.ggml_soft_max(g.ctx, g.input(_F32, (E, T))))
+            return g.finish(1)
+        except BaseException:
+            g.free()
+            raise
+
+    out = np.empty_like(x)
+    _run_cached(("softmax", T, E), build, (x, out))
+    return out
+
+
+def shared_expert_gate(h: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """qwen2moe's shared-expert gate as llama.cpp builds it: ``g = mul_mat(w, h)`` with the
+    (D,) f32 weight as a (D, 1) matrix, then ``silu(g) / g``. h (T, D) -> (T, 1) float32.
+
+    One row is computed as two (the row duplicated), like every dense product here, so that a
+    decode step equals the same row inside a batch (tinyBLAS from two rows, vec_dot for one)."""
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if h.ndim != 2 or w.shape != (h.shape[1],):
+        raise ValueError(f"h {h.shape} and w {w.shape}: expected (T, D) and (D,)")
+    if h.shape[0] == 1:
+        return shared_expert_gate(np.repeat(h, 2, axis=0), w)[:1]
+    T, D = h.shape
+    fns = _load()
+
+    def build() -> _Graph:
+        g = _Graph(fns, n_tensors=6)
+        try:
+            wt = g.input(_F32, (D, 1))
+            ht = g.input(_F32, (D, T))
+            gate = g.scratch(fns.ggml_mul_mat(g.ctx, wt, ht))  # (1, T)
+            silu = g.scratch(fns.ggml_silu(g.ctx, gate))
+            g.output(fns.ggml_div(g.ctx, silu, gate))
+            return g.finish(1)
+        except BaseException:
+            g.free()
+            raise
+
+    out = np.empty((T, 1), dtype=np.float32)
+    _run_cached(("shexp_gate", T, D), build, (w, h, out))
+    return out
