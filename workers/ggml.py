@@ -24,6 +24,7 @@ least 2 rows, the "tiled" kernel for K-quants and most IQ types at 8 rows or mor
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import threading
@@ -237,18 +238,32 @@ def info() -> dict:
     return {"version": lib.version, "commit": lib.commit, "lib_dir": str(lib.folder), "threads": n_threads()}
 
 
+SMALL_WORK = 1 << 21  # multiply-adds below which one thread beats waking a team (measured on 2 cores)
+
+
+def threads_for(work: int) -> int:
+    """Threads for a call of ``work`` multiply-adds: one for small products (waking an OpenMP
+    team costs more than it saves; a 1-row expert of the small model is 0.4 M), else
+    :func:`n_threads`. The thread count never changes the result."""
+    return 1 if work < SMALL_WORK else n_threads()
+
+
+@functools.lru_cache(maxsize=None)
+def _n_threads(value: str | None) -> int:
+    if not value:
+        return os.cpu_count() or 1
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{ENV_THREADS}={value!r}: expected a positive integer") from None
+    if n < 1:
+        raise ValueError(f"{ENV_THREADS}={value!r}: expected a positive integer")
+    return n
+
+
 def n_threads() -> int:
     """Threads per ggml call: env KVASIR_THREADS, else os.cpu_count()."""
-    value = os.environ.get(ENV_THREADS)
-    if value:
-        try:
-            n = int(value)
-        except ValueError:
-            raise ValueError(f"{ENV_THREADS}={value!r}: expected a positive integer") from None
-        if n < 1:
-            raise ValueError(f"{ENV_THREADS}={value!r}: expected a positive integer")
-        return n
-    return os.cpu_count() or 1
+    return _n_threads(os.environ.get(ENV_THREADS))
 
 
 # --- graphs and computation ---------------------------------------------------------------------
@@ -271,6 +286,7 @@ class _Graph:
             raise MemoryError("ggml_init failed")
         self.keep: list[np.ndarray] = []
         self.scratch_bytes = 0
+        self.weight_ts: list = []  # rebound to the call's weights on every run
 
     def tensor(self, ggml_type: int, ne: tuple[int, ...], data: np.ndarray | None = None):
         ne = tuple(int(n) for n in ne)
@@ -282,6 +298,14 @@ class _Graph:
             t = self.lib.ggml_new_tensor_3d(self.ctx, int(ggml_type), *ne)
         if data is not None:
             self.bind(t, data)
+        return t
+
+    def weight(self, ggml_type: int, ne: tuple[int, ...], data: np.ndarray):
+        """A weight tensor: bound now, and rebound by ``run(..., weights=)`` on every call, so
+        one graph serves every expert of the same shape and type."""
+        t = self.tensor(ggml_type, ne)
+        t.contents.data = data.ctypes.data
+        self.weight_ts.append(t)
         return t
 
     def bind(self, t, data: np.ndarray) -> None:
@@ -305,8 +329,12 @@ class _Graph:
         self.plan_ref = ctypes.byref(self.plan)
         return self
 
-    def run(self, x: np.ndarray, out: np.ndarray) -> None:
-        """Compute with input ``x`` and result ``out`` (C-contiguous float32 of the planned shapes)."""
+    def run(self, x: np.ndarray, out: np.ndarray, weights: tuple[np.ndarray, ...] = ()) -> None:
+        """Compute with input ``x``, result ``out`` (C-contiguous float32 of the planned shapes)
+        and ``weights`` (the bytes of each :meth:`weight` tensor, in order). The caller keeps
+        the weights alive for the call; the graph never reads them afterwards."""
+        for t, data in zip(self.weight_ts, weights, strict=True):
+            t.contents.data = data.ctypes.data
         self.x_t.contents.data = x.ctypes.data
         self.out_t.contents.data = out.ctypes.data
         if self.plan.work_size:
@@ -384,10 +412,11 @@ def _work_buffer(size: int) -> np.ndarray:
 
 
 def _weight_key(w: QTensor) -> tuple:
-    return (w.data.ctypes.data, int(w.ggml_type), w.ne)
+    """Graphs are keyed by the weights' type and shape only: their bytes are rebound per call."""
+    return (int(w.ggml_type), w.ne)
 
 
-def _run_cached(key: tuple, build, x: np.ndarray, out: np.ndarray) -> None:
+def _run_cached(key: tuple, build, x: np.ndarray, out: np.ndarray, weights: tuple[np.ndarray, ...]) -> None:
     cache = _graphs()
     graph = cache.get(key)
     if graph is None:
@@ -396,7 +425,7 @@ def _run_cached(key: tuple, build, x: np.ndarray, out: np.ndarray) -> None:
     else:
         cached = True
     try:
-        graph.run(x, out)
+        graph.run(x, out, weights)
     finally:
         if not cached:
             graph.free()
@@ -418,18 +447,18 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
         return _one_row(matmul, w, x, routed=False)
     n = x.shape[0]
     lib = load()
-    threads = n_threads()
+    threads = threads_for(n * w.ne[0] * w.ne[1])
 
     def build() -> _Graph:
         graph = _Graph(lib, n_tensors=5)
         try:
             if routed:
-                wt = graph.tensor(w.ggml_type, (w.ne[0], w.ne[1], 1), w.data)
+                wt = graph.weight(w.ggml_type, (w.ne[0], w.ne[1], 1), w.data)
                 xt = graph.tensor(T.F32, (w.ne[0], 1, n))
                 ids = graph.tensor(T.I32, (1, n), np.zeros(n, dtype=np.int32))
                 yt = lib.ggml_mul_mat_id(graph.ctx, wt, xt, ids)  # (n, 1, ne1)
             else:
-                wt = graph.tensor(w.ggml_type, w.ne, w.data)
+                wt = graph.weight(w.ggml_type, w.ne, w.data)
                 xt = graph.tensor(T.F32, (w.ne[0], n))
                 yt = lib.ggml_mul_mat(graph.ctx, wt, xt)  # (n, ne1)
             return graph.finish(xt, yt, threads)
@@ -438,7 +467,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
             raise
 
     out = np.empty((n, w.ne[1]), dtype=np.float32)
-    _run_cached(("mm", routed, n, threads, _weight_key(w)), build, x, out)
+    _run_cached(("mm", routed, n, threads, _weight_key(w)), build, x, out, (w.data,))
     return out
 
 
@@ -456,7 +485,7 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     n = x.shape[0]
     n_embd, n_ff = gate.ne
     lib = load()
-    threads = n_threads()
+    threads = threads_for(3 * n * n_embd * n_ff)
 
     def build() -> _Graph:
         graph = _Graph(lib, n_tensors=10)
@@ -464,16 +493,16 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
             if routed:
                 ids = graph.tensor(T.I32, (1, n), np.zeros(n, dtype=np.int32))
                 xt = graph.tensor(T.F32, (n_embd, 1, n))
-                gw = graph.tensor(gate.ggml_type, (n_embd, n_ff, 1), gate.data)
-                uw = graph.tensor(up.ggml_type, (n_embd, n_ff, 1), up.data)
-                dw = graph.tensor(down.ggml_type, (n_ff, n_embd, 1), down.data)
+                gw = graph.weight(gate.ggml_type, (n_embd, n_ff, 1), gate.data)
+                uw = graph.weight(up.ggml_type, (n_embd, n_ff, 1), up.data)
+                dw = graph.weight(down.ggml_type, (n_ff, n_embd, 1), down.data)
                 g = lib.ggml_mul_mat_id(graph.ctx, gw, xt, ids)  # (n, 1, n_ff)
                 u = lib.ggml_mul_mat_id(graph.ctx, uw, xt, ids)
             else:
                 xt = graph.tensor(T.F32, (n_embd, n))
-                gw = graph.tensor(gate.ggml_type, gate.ne, gate.data)
-                uw = graph.tensor(up.ggml_type, up.ne, up.data)
-                dw = graph.tensor(down.ggml_type, down.ne, down.data)
+                gw = graph.weight(gate.ggml_type, gate.ne, gate.data)
+                uw = graph.weight(up.ggml_type, up.ne, up.data)
+                dw = graph.weight(down.ggml_type, down.ne, down.data)
                 g = lib.ggml_mul_mat(graph.ctx, gw, xt)  # (n, n_ff)
                 u = lib.ggml_mul_mat(graph.ctx, uw, xt)
             graph.intermediate(g)
@@ -488,7 +517,7 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
 
     out = np.empty((n, n_embd), dtype=np.float32)
     key = ("ffn", routed, n, threads, _weight_key(gate), _weight_key(up), _weight_key(down))
-    _run_cached(key, build, x, out)
+    _run_cached(key, build, x, out, (gate.data, up.data, down.data))
     return out
 
 
