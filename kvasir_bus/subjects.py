@@ -10,7 +10,15 @@ Layout (``<model>`` is the model fingerprint, see :mod:`kvasir_bus.fingerprint`)
     kvasir.<model>.demand                market's demand map
     kvasir.<model>.market.volunteer      request/reply: budget in, assignment out
     kvasir.<model>.routing               backbone's expert hit statistics
-    kvasir.<model>.ledger                contribution events
+    kvasir.<model>.ledger                contribution events, request/reply (acked batches)
+    kvasir.<model>.manifest              request/reply: the backbone answers with the Manifest
+    kvasir.<model>.market.status         request/reply: the market's view of one model
+    kvasir._market.status                request/reply: the market's view of every model
+
+The market serves every model at once, so it subscribes to the ``ALL_*`` wildcards below
+(``kvasir.*.coverage.*`` and so on) and reads the model back with :func:`model_of`.
+``_market`` can never be a model token (models are letters and digits only), so the overview
+subject cannot collide with any model's subjects.
 
 Tokens are checked before they reach a subject: a ``.``, ``*``, ``>`` or space inside a token
 would silently change which subscribers match, so bad input raises :class:`ValueError` naming
@@ -28,6 +36,16 @@ PREFIX = "kvasir"
 
 #: Everything Kvasir publishes, for every model: ``nats sub 'kvasir.>'``.
 ALL = f"{PREFIX}.>"
+
+#: Per-kind wildcards over every model (what the market subscribes to).
+ALL_COVERAGE = f"{PREFIX}.*.coverage.*"
+ALL_ROUTING = f"{PREFIX}.*.routing"
+ALL_LEDGER = f"{PREFIX}.*.ledger"
+ALL_VOLUNTEER = f"{PREFIX}.*.market.volunteer"
+ALL_STATUS = f"{PREFIX}.*.market.status"
+
+#: Request/reply: the market's view of every model it knows (a MarketOverview).
+MARKET_OVERVIEW = f"{PREFIX}._market.status"
 
 # A fingerprint is 16 lowercase hex digits; any short alphanumeric name is accepted so that
 # tests and hand-made models can use readable names.
@@ -126,8 +144,16 @@ class Subjects:
         return f"{self.root}.routing"
 
     def ledger(self) -> str:
-        """``kvasir.<model>.ledger``: contribution events."""
+        """``kvasir.<model>.ledger``: contribution events (request/reply: batch in, ack out)."""
         return f"{self.root}.ledger"
+
+    def manifest(self) -> str:
+        """``kvasir.<model>.manifest``: request/reply, the backbone answers with the Manifest."""
+        return f"{self.root}.manifest"
+
+    def status(self) -> str:
+        """``kvasir.<model>.market.status``: request/reply, the market's view of this model."""
+        return f"{self.root}.market.status"
 
     def everything(self) -> str:
         """``kvasir.<model>.>``: every subject of this model."""
@@ -167,5 +193,23 @@ def parse_coverage(subject: str) -> tuple[str, str]:
                          f"({PREFIX}.<model>.coverage.<node>)")
     try:
         return check_model(parts[1]), check_node(parts[3])
+    except ValueError as exc:
+        raise ValueError(f"subject {subject!r}: {exc}") from None
+
+
+def model_of(subject: str) -> str:
+    """The model token of any per-model subject ``kvasir.<model>....``; ValueError otherwise.
+
+    ``kvasir._market.status`` and other non-model subjects raise, so a wildcard subscriber can
+    tell a real model from anything else.
+    """
+    if not isinstance(subject, str):
+        raise ValueError(f"subject {subject!r} is not a string")
+    parts = subject.split(".")
+    if len(parts) < 3 or parts[0] != PREFIX:
+        raise ValueError(f"subject {subject!r} is not a per-model Kvasir subject "
+                         f"({PREFIX}.<model>.<kind>...)")
+    try:
+        return check_model(parts[1])
     except ValueError as exc:
         raise ValueError(f"subject {subject!r}: {exc}") from None

@@ -103,3 +103,29 @@ def test_subjects_is_frozen():
     s = Subjects(FP)
     with pytest.raises(AttributeError):
         s.model = "other"  # type: ignore[misc]
+
+
+def test_market_subjects():
+    s = Subjects(FP)
+    assert s.manifest() == f"kvasir.{FP}.manifest"
+    assert s.status() == f"kvasir.{FP}.market.status"
+    assert subjects.ALL_COVERAGE == "kvasir.*.coverage.*"
+    assert subjects.ALL_ROUTING == "kvasir.*.routing"
+    assert subjects.ALL_LEDGER == "kvasir.*.ledger"
+    assert subjects.ALL_VOLUNTEER == "kvasir.*.market.volunteer"
+    assert subjects.ALL_STATUS == "kvasir.*.market.status"
+    assert subjects.MARKET_OVERVIEW == "kvasir._market.status"
+
+
+def test_model_of_reads_the_model_of_any_per_model_subject():
+    s = Subjects(FP)
+    for subject in (s.dispatch(1, 2), s.coverage("n"), s.demand(), s.volunteer(), s.routing(),
+                    s.ledger(), s.manifest(), s.status()):
+        assert subjects.model_of(subject) == FP
+
+
+@pytest.mark.parametrize("subject", [subjects.MARKET_OVERVIEW, "kvasir.a-b.demand", "kvasir",
+                                     "nats.abc.demand", "kvasir.abc", "", b"kvasir.abc.x"])
+def test_model_of_rejects_anything_else(subject):
+    with pytest.raises(ValueError, match="subject"):
+        subjects.model_of(subject)

@@ -1,0 +1,580 @@
+"""The market on the bus: coverage, demand, volunteering, ledger and status for every model.
+
+``Market(nc, cfg)`` subscribes to the all-model wildcards of :mod:`kvasir_bus.subjects`:
+
+=================================  =========================================================
+``kvasir.*.coverage.*``            worker heartbeats -> the coverage map (with expiry)
+``kvasir.*.routing``               backbone routing statistics -> usage -> targets
+``kvasir.*.market.volunteer``      request: budget -> Assignment, or ErrorReply (no_fit,
+                                   no_manifest, bad_request, wrong_model)
+``kvasir.*.ledger``                request: LedgerBatch -> persisted, then LedgerAck
+``kvasir.*.market.status``         request: -> MarketStatus of that model
+``kvasir._market.status``          request: -> MarketOverview of every model
+=================================  =========================================================
+
+and publishes each model's :class:`~kvasir_bus.market_codec.DemandMap` on
+``kvasir.<model>.demand`` every ``demand_interval_s`` and as soon as any range's replicas or
+target change.
+
+A model becomes known from any message about it; the market then asks the backbone for its
+manifest on ``kvasir.<model>.manifest``, retrying with exponential backoff until it gets one.
+Until then volunteers and ledger batches get ``no_manifest`` (after waiting
+``volunteer_wait_s`` for it); the backbone keeps such batches and sends them again.
+
+Nothing on the wire can stop the market: bad payloads are dropped with a warning line, or
+answered with an ErrorReply when they were requests. A restart loses nothing that matters:
+the coverage map is rebuilt from heartbeats within one expiry, the ledger and the pending
+assignments are in the SQLite file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+import numpy as np
+import structlog
+
+from kvasir_bus import codec, market_codec as mc, subjects
+from kvasir_bus.codec import CodecError, ErrorReply
+from kvasir_bus.subjects import Subjects
+from market.assign import NoFit, choose
+from market.coverage import CoverageMap
+from market.demand import DEFAULT_RANGE_EXPERTS, Layout, Policy, RangeStats, UsageTracker, \
+    range_stats
+from market.ledger import DEFAULT_DB, Ledger
+
+log = structlog.get_logger("kvasir.market")
+
+
+@dataclass(frozen=True)
+class MarketConfig:
+    """Everything the market is tuned by, parsed once from the CLI."""
+
+    node: str = "market"                      # its id on the bus (in error replies, status)
+    db_path: str = DEFAULT_DB                 # SQLite ledger file
+    expiry_s: float = 10.0                    # a node silent this long drops out of the map
+    assign_grace_s: float = 300.0             # a pending assignment counts this long
+    range_experts: int = DEFAULT_RANGE_EXPERTS  # experts per range
+    demand_interval_s: float = 5.0            # periodic demand map
+    usage_half_life_s: float = 300.0          # decay of routing statistics
+    policy: Policy = field(default_factory=Policy)
+    models: tuple[str, ...] = ()              # fetch these manifests at start
+    manifest_timeout_s: float = 2.0           # one manifest request
+    manifest_retry_s: float = 0.25            # first pause between manifest requests
+    manifest_retry_max_s: float = 30.0        # longest pause
+    volunteer_wait_s: float = 1.0             # a request waits this long for a manifest
+    warmup_s: float | None = None             # after a restart: see Market (None: expiry_s)
+
+    def __post_init__(self) -> None:
+        subjects.check_node(self.node)
+        for name in ("expiry_s", "demand_interval_s", "usage_half_life_s",
+                     "manifest_timeout_s", "manifest_retry_s", "manifest_retry_max_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.assign_grace_s < 0 or self.volunteer_wait_s < 0 or self.range_experts < 1 \
+                or (self.warmup_s is not None and self.warmup_s < 0):
+            raise ValueError("assign_grace_s, volunteer_wait_s and warmup_s must be >= 0, "
+                             "range_experts >= 1")
+        for model in self.models:
+            subjects.check_model(model)
+
+    @property
+    def tick_s(self) -> float:
+        """How often expiry is checked and changes published."""
+        return max(0.02, min(0.5, self.expiry_s / 5))
+
+
+class State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPED = "stopped"
+
+
+async def _cancel_all(tasks: set[asyncio.Task]) -> None:
+    """Cancel tasks and wait until they are done, cancelling again if one swallowed it
+    (``asyncio.wait_for`` before Python 3.12 can, when its inner future completes at the
+    same moment, e.g. inside ``nc.request``)."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _done, pending = await asyncio.wait(pending, timeout=0.1)
+
+
+class _Model:
+    """Everything the market knows about one model."""
+
+    def __init__(self, name: str, cfg: MarketConfig) -> None:
+        self.name = name
+        self.subjects = Subjects(name)
+        self.manifest: mc.Manifest | None = None
+        self.layout: Layout | None = None
+        self.known = asyncio.Event()
+        self.coverage = CoverageMap(cfg.expiry_s, cfg.assign_grace_s)
+        self.usage = UsageTracker(cfg.usage_half_life_s)
+        self.fallback: dict[str, tuple[float, float]] = {}  # backbone -> (rate, valid until)
+        self.stats: RangeStats | None = None
+        self.copies: np.ndarray | None = None
+        self.usage_now: np.ndarray | None = None
+        self.stale = True
+        self.last_signature: tuple | None = None
+        self.last_published = float("-inf")
+        self.fetcher: asyncio.Task | None = None
+
+
+class Market:
+    """The market service. ``start()``/``stop()`` are idempotent; ``async with`` works too.
+
+    ``clock``: Unix time source (tests may pass their own).
+
+    Warm-up: a market restarted on an existing ledger file does not yet know the workers that
+    are out there; their heartbeats tell it within one expiry. For ``warmup_s`` (default
+    ``expiry_s``) after such a start, volunteer and ledger requests wait for the warm-up to
+    end if that is within ``volunteer_wait_s``, and are otherwise answered ``warming_up``
+    (ask again), so no hole is handed out twice and no event is priced on a half-known map.
+    A market started on a new ledger file has no warm-up.
+    """
+
+    def __init__(self, nc: Any, cfg: MarketConfig | None = None, *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.nc = nc
+        self.cfg = cfg or MarketConfig()
+        self.clock = clock
+        self.state = State.NEW
+        self.ledger: Ledger | None = None
+        self.models: dict[str, _Model] = {}
+        self._subs: list[Any] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._pool: ThreadPoolExecutor | None = None
+        self._ready_at = 0.0  # loop time at which the warm-up ends
+        self.log = log.bind(market=self.cfg.node)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> Market:
+        if self.state is not State.NEW:
+            return self
+        self.state = State.RUNNING
+        try:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="market-db")
+            restarted = Path(self.cfg.db_path).exists()
+            warmup = self.cfg.expiry_s if self.cfg.warmup_s is None else self.cfg.warmup_s
+            self._ready_at = asyncio.get_running_loop().time() + (warmup if restarted else 0.0)
+            self.ledger = await self._db(Ledger, self.cfg.db_path)
+            now = self.clock()
+            for model, node, holdings, budget, until in await self._db(
+                    self.ledger.assignments, now):
+                self._model(model).coverage.assign(node, holdings, budget, now, until=until)
+            for wildcard, handler in (
+                    (subjects.ALL_COVERAGE, self._on_heartbeat),
+                    (subjects.ALL_ROUTING, self._on_routing),
+                    (subjects.ALL_VOLUNTEER, self._on_volunteer),
+                    (subjects.ALL_LEDGER, self._on_ledger),
+                    (subjects.ALL_STATUS, self._on_status),
+                    (subjects.MARKET_OVERVIEW, self._on_overview)):
+                self._subs.append(await self.nc.subscribe(wildcard, cb=self._guard(handler)))
+            await self.nc.flush()
+            for model in self.cfg.models:
+                self._model(model)
+            self._spawn(self._tick_loop(), "tick")
+        except BaseException:
+            await self.stop()
+            raise
+        self.log.info("market_started", db=str(self.cfg.db_path), expiry_s=self.cfg.expiry_s,
+                      range_experts=self.cfg.range_experts)
+        return self
+
+    async def stop(self) -> None:
+        if self.state is not State.RUNNING:
+            self.state = State.STOPPED
+            return
+        self.state = State.STOPPED
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection may be gone already
+                pass
+        self._subs.clear()
+        await _cancel_all(self._tasks)
+        if self.ledger is not None:
+            await self._db(self.ledger.close)
+            self.ledger = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.log.info("market_stopped")
+
+    async def __aenter__(self) -> Market:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _spawn(self, coro: Awaitable, name: str) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        task.set_name(f"market-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _db(self, fn: Callable, *args: Any) -> Any:
+        """Run a ledger call on the one database thread (the event loop never blocks on
+        fsync)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def _guard(self, handler: Callable[[Any], Awaitable[None]]):
+        async def cb(msg: Any) -> None:
+            try:
+                await handler(msg)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the market never dies on input
+                self.log.error("handler_failed", subject=msg.subject,
+                               error=f"{type(exc).__name__}: {exc}")
+                if msg.reply:
+                    await self._reply_error(msg, mc.ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
+        return cb
+
+    async def _reply(self, msg: Any, record: Any) -> None:
+        try:
+            await self.nc.publish(msg.reply, record.encode(), headers=mc.headers_for(record))
+        except Exception as exc:
+            self.log.warning("reply_failed", subject=msg.subject, error=str(exc))
+
+    async def _reply_error(self, msg: Any, code: str, message: str) -> None:
+        await self._reply(msg, ErrorReply(request_id="", node=self.cfg.node, code=code,
+                                          message=message[:codec.MAX_ERROR_MESSAGE]))
+
+    async def _warm(self, msg: Any) -> bool:
+        """True once the warm-up is over (waiting for it if it ends within
+        ``volunteer_wait_s``); otherwise answer ``warming_up`` and return False."""
+        remaining = self._ready_at - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            return True
+        if remaining <= self.cfg.volunteer_wait_s:
+            await asyncio.sleep(remaining)
+            return True
+        await self._reply_error(msg, mc.ERR_WARMING_UP,
+                                f"the market restarted and rebuilds its coverage map from "
+                                f"heartbeats for {remaining:.1f} s more; ask again then")
+        return False
+
+    def _model(self, name: str) -> _Model:
+        ms = self.models.get(name)
+        if ms is None:
+            ms = self.models[name] = _Model(name, self.cfg)
+            ms.fetcher = self._spawn(self._fetch_manifest(ms), f"manifest-{name}")
+            self.log.info("model_seen", model=name)
+        return ms
+
+    # -- manifests --------------------------------------------------------------------------
+    async def _fetch_manifest(self, ms: _Model) -> None:
+        delay = self.cfg.manifest_retry_s
+        while ms.manifest is None and self.state is State.RUNNING:
+            try:
+                reply = await self.nc.request(ms.subjects.manifest(), b"",
+                                              timeout=self.cfg.manifest_timeout_s)
+                got = mc.decode_manifest_reply(reply.data)
+                if isinstance(got, ErrorReply):
+                    self.log.warning("manifest_refused", model=ms.name, code=got.code,
+                                     error=got.message)
+                elif got.model != ms.name:
+                    self.log.warning("manifest_wrong_model", model=ms.name, got=got.model)
+                else:
+                    self._set_manifest(ms, got)
+                    return
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError,
+                    asyncio.TimeoutError):
+                self.log.debug("manifest_unavailable", model=ms.name, retry_s=delay)
+            except CodecError as exc:
+                self.log.warning("manifest_invalid", model=ms.name, error=str(exc))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.log.warning("manifest_request_failed", model=ms.name,
+                                 error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.cfg.manifest_retry_max_s)
+
+    def _set_manifest(self, ms: _Model, manifest: mc.Manifest) -> None:
+        ms.manifest = manifest
+        ms.layout = Layout.from_manifest(manifest, self.cfg.range_experts)
+        ms.stale = True
+        ms.known.set()
+        self.log.info("manifest_received", model=ms.name, layers=len(ms.layout.layers),
+                      experts=manifest.n_expert, ranges=len(ms.layout.ranges),
+                      range_experts=ms.layout.range_experts)
+
+    # -- derived state ----------------------------------------------------------------------
+    def _refresh(self, ms: _Model, now: float) -> RangeStats | None:
+        """The model's range statistics, recomputed if anything changed since last time."""
+        if ms.layout is None:
+            return None
+        if ms.stale or ms.stats is None:
+            lay = ms.layout
+            ms.copies = ms.coverage.copies(lay.n_layer, lay.n_expert)
+            ms.usage_now = ms.usage.matrix(lay.n_layer, lay.n_expert, now)
+            ms.stats = range_stats(lay, ms.copies, ms.usage_now, self.cfg.policy)
+            ms.stale = False
+        return ms.stats
+
+    def _expire(self, ms: _Model, now: float) -> None:
+        for node in ms.coverage.expire(now):
+            ms.stale = True
+            if node not in ms.coverage:
+                self.log.info("node_expired", model=ms.name, node=node)
+
+    def demand_map(self, model: str) -> mc.DemandMap | None:
+        """The current demand map of ``model`` (None until its manifest is known)."""
+        ms = self.models.get(model)
+        if ms is None:
+            return None
+        now = self.clock()
+        stats = self._refresh(ms, now)
+        if stats is None:
+            return None
+        return mc.DemandMap(model=model, sent_at=now, entries=stats.entries(ms.layout))
+
+    async def _publish_demand(self, ms: _Model, now: float, force: bool = False) -> None:
+        stats = self._refresh(ms, now)
+        if stats is None:
+            return
+        sig = (tuple(stats.replicas.tolist()), tuple(stats.target.tolist()))
+        due = now - ms.last_published >= self.cfg.demand_interval_s
+        if not force and not due and sig == ms.last_signature:
+            return
+        dm = mc.DemandMap(model=ms.name, sent_at=now, entries=stats.entries(ms.layout))
+        try:
+            await self.nc.publish(ms.subjects.demand(), dm.encode(), headers=mc.headers_for(dm))
+        except Exception as exc:
+            self.log.warning("demand_publish_failed", model=ms.name, error=str(exc))
+            return
+        if sig != ms.last_signature:
+            self.log.debug("demand_changed", model=ms.name, holes=len(dm.holes))
+        ms.last_signature, ms.last_published = sig, now
+
+    async def _tick_loop(self) -> None:
+        while self.state is State.RUNNING:
+            now = self.clock()
+            for ms in list(self.models.values()):
+                try:
+                    self._expire(ms, now)
+                    await self._publish_demand(ms, now)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # keep ticking for the other models
+                    self.log.error("tick_failed", model=ms.name,
+                                   error=f"{type(exc).__name__}: {exc}")
+            await asyncio.sleep(self.cfg.tick_s)
+
+    # -- handlers ---------------------------------------------------------------------------
+    def _model_of(self, subject: str) -> str | None:
+        try:
+            return subjects.model_of(subject)
+        except ValueError as exc:
+            self.log.warning("bad_subject", subject=subject, error=str(exc))
+            return None
+
+    async def _on_heartbeat(self, msg: Any) -> None:
+        try:
+            model, node = subjects.parse_coverage(msg.subject)
+            hb = codec.decode_heartbeat(msg.data)
+        except (ValueError, CodecError) as exc:
+            self.log.warning("heartbeat_dropped", subject=msg.subject, error=str(exc))
+            return
+        if hb.model != model or hb.node != node:
+            self.log.warning("heartbeat_dropped", subject=msg.subject,
+                             error=f"payload names model {hb.model} node {hb.node}")
+            return
+        ms = self._model(model)
+        had_pending = bool((entry := ms.coverage.get(node)) and entry.pending)
+        if ms.coverage.observe(hb, self.clock()):
+            ms.stale = True
+        entry = ms.coverage.get(node)
+        if had_pending and entry is not None and not entry.pending:
+            self.log.info("assignment_confirmed", model=model, node=node)
+            await self._db(self.ledger.drop_assignment, model, node)
+
+    async def _on_routing(self, msg: Any) -> None:
+        model = self._model_of(msg.subject)
+        if model is None:
+            return
+        try:
+            stats = mc.decode_routing(msg.data)
+        except CodecError as exc:
+            self.log.warning("routing_dropped", subject=msg.subject, error=str(exc))
+            return
+        if stats.model != model:
+            self.log.warning("routing_dropped", subject=msg.subject,
+                             error=f"payload names model {stats.model}")
+            return
+        ms = self._model(model)
+        now = self.clock()
+        ms.usage.add(stats, now)
+        if stats.fallback_rate is not None:
+            keep = max(3 * stats.window_s, self.cfg.expiry_s)
+            ms.fallback[stats.node] = (stats.fallback_rate, now + keep)
+        ms.stale = True
+
+    async def _on_volunteer(self, msg: Any) -> None:
+        if not msg.reply:
+            self.log.warning("volunteer_without_reply_subject", subject=msg.subject)
+            return
+        model = self._model_of(msg.subject)
+        if model is None:
+            await self._reply_error(msg, mc.ERR_BAD_REQUEST, f"bad subject {msg.subject!r}")
+            return
+        try:
+            req = mc.decode_volunteer(msg.data)
+        except CodecError as exc:
+            self.log.warning("volunteer_refused", subject=msg.subject, error=str(exc))
+            await self._reply_error(msg, mc.ERR_BAD_REQUEST, str(exc))
+            return
+        if req.model != model:
+            await self._reply_error(msg, mc.ERR_WRONG_MODEL,
+                                    f"request names model {req.model}, subject {model}")
+            return
+        ms = self._model(model)
+        if not await self._warm(msg):
+            return
+        if ms.layout is None:
+            try:
+                await asyncio.wait_for(ms.known.wait(), self.cfg.volunteer_wait_s)
+            except asyncio.TimeoutError:
+                pass
+        if ms.layout is None:
+            await self._reply_error(msg, mc.ERR_NO_MANIFEST,
+                                    f"the market has no manifest for model {model} yet (the "
+                                    "backbone answers kvasir.<model>.manifest); try again")
+            return
+        # From here to the assignment being recorded there is no await: the next volunteer
+        # sees this one's assignment as a (pending) replica.
+        now = self.clock()
+        self._expire(ms, now)
+        if ms.coverage.forget(req.node):  # a volunteer starts afresh with what it is given
+            ms.stale = True
+        self._refresh(ms, now)
+        try:
+            got = choose(ms.layout, ms.copies, ms.usage_now, self.cfg.policy, req.budget_bytes)
+        except NoFit as exc:
+            self.log.info("volunteer_no_fit", model=model, node=req.node,
+                          budget=req.budget_bytes)
+            await self._reply_error(msg, mc.ERR_NO_FIT, str(exc))
+            return
+        ms.coverage.assign(req.node, got.holdings, req.budget_bytes, now)
+        ms.stale = True
+        reply = mc.Assignment(model=model, node=req.node, holdings=got.holdings,
+                              bytes=got.bytes, reward_rate=got.reward_rate)
+        self.log.info("volunteer_assigned", model=model, node=req.node,
+                      holdings=[list(h) for h in got.holdings], bytes=got.bytes,
+                      reward_rate=round(got.reward_rate, 4))
+        try:
+            await self._db(self.ledger.save_assignment, model, req.node, got.holdings,
+                           req.budget_bytes, now + self.cfg.assign_grace_s)
+        except Exception as exc:  # still valid in memory; only a restart would forget it
+            self.log.warning("assignment_not_saved", node=req.node, error=str(exc))
+        await self._reply(msg, reply)
+        await self._publish_demand(ms, now, force=True)
+
+    async def _on_ledger(self, msg: Any) -> None:
+        if not msg.reply:
+            self.log.warning("ledger_without_reply_subject", subject=msg.subject)
+            return
+        model = self._model_of(msg.subject)
+        if model is None:
+            await self._reply_error(msg, mc.ERR_BAD_REQUEST, f"bad subject {msg.subject!r}")
+            return
+        try:
+            batch = mc.decode_ledger(msg.data)
+        except CodecError as exc:
+            self.log.warning("ledger_refused", subject=msg.subject, error=str(exc))
+            await self._reply_error(msg, mc.ERR_BAD_REQUEST, str(exc))
+            return
+        if batch.model != model:
+            await self._reply_error(msg, mc.ERR_WRONG_MODEL,
+                                    f"batch names model {batch.model}, subject {model}")
+            return
+        ms = self._model(model)
+        if not await self._warm(msg):
+            return
+        if ms.layout is None:
+            try:
+                await asyncio.wait_for(ms.known.wait(), self.cfg.volunteer_wait_s)
+            except asyncio.TimeoutError:
+                pass
+        now = self.clock()
+        self._expire(ms, now)
+        stats = self._refresh(ms, now)
+        if stats is None:
+            await self._reply_error(msg, mc.ERR_NO_MANIFEST,
+                                    f"the market has no manifest for model {model} yet: keep "
+                                    "the batch and send it again")
+            return
+        priced, unknown = [], 0
+        for event in batch.events:
+            index = ms.layout.range_index(event.layer, event.expert)
+            if index is None:
+                unknown += 1
+            priced.append((event, 0.0 if index is None else float(stats.reward_rate[index])))
+        if unknown:
+            self.log.warning("ledger_unknown_experts", model=model, batch=batch.batch_id,
+                             events=unknown, note="recorded at rate 0")
+        try:
+            accepted, duplicates = await self._db(self.ledger.record, model, batch.source,
+                                                  batch.batch_id, priced, now)
+        except Exception as exc:  # not stored: the backbone keeps the batch and re-sends it
+            self.log.error("ledger_write_failed", batch=batch.batch_id, error=str(exc))
+            await self._reply_error(msg, mc.ERR_INTERNAL, f"ledger not written: {exc}")
+            return
+        self.log.info("ledger_batch", model=model, source=batch.source, batch=batch.batch_id,
+                      accepted=accepted, duplicates=duplicates)
+        await self._reply(msg, mc.LedgerAck(batch_id=batch.batch_id, accepted=accepted,
+                                            duplicates=duplicates))
+
+    async def _on_status(self, msg: Any) -> None:
+        if not msg.reply:
+            return
+        model = self._model_of(msg.subject)
+        if model is None or model not in self.models:
+            await self._reply_error(msg, mc.ERR_UNKNOWN_MODEL,
+                                    f"the market knows no model {model}; known: "
+                                    f"{', '.join(sorted(self.models)) or 'none'}")
+            return
+        await self._reply(msg, await self.status(model))
+
+    async def _on_overview(self, msg: Any) -> None:
+        if not msg.reply:
+            return
+        models = [await self.status(m) for m in sorted(self.models)]
+        await self._reply(msg, mc.MarketOverview(sent_at=self.clock(), models=tuple(models)))
+
+    # -- status -----------------------------------------------------------------------------
+    async def status(self, model: str) -> mc.MarketStatus:
+        """The market's current view of one known model."""
+        ms = self.models[model]
+        now = self.clock()
+        self._expire(ms, now)
+        stats = self._refresh(ms, now)
+        nodes = tuple(mc.NodeStatus(
+            node=e.node, holdings=e.holdings, pending=e.pending, budget_bytes=e.budget_bytes,
+            load=e.load, served=e.served,
+            age_s=None if e.seen_at is None else max(0.0, now - e.seen_at),
+            version=e.version, kernel=e.kernel) for e in ms.coverage.nodes())
+        totals = tuple(await self._db(self.ledger.totals, model))
+        rates = [rate for rate, until in ms.fallback.values() if until >= now]
+        lay = ms.layout
+        return mc.MarketStatus(
+            model=model, market=self.cfg.node, sent_at=now, manifest_known=lay is not None,
+            n_layer=lay.n_layer if lay else 0, n_expert=lay.n_expert if lay else 0,
+            range_experts=lay.range_experts if lay else self.cfg.range_experts,
+            expiry_s=self.cfg.expiry_s, nodes=nodes,
+            demand=stats.entries(lay) if stats is not None else (), totals=totals,
+            fallback_rate=sum(rates) / len(rates) if rates else None)

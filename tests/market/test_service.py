@@ -1,0 +1,508 @@
+"""The market on a real embedded NATS, with a fake backbone and fake workers (no compute).
+
+Expiry is short (0.6 s) and every wait polls the demand map or the market's answers with a
+deadline; nothing sleeps for readiness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import msgpack
+import nats.errors
+
+from kvasir_bus import market_codec as mc
+from kvasir_bus.cli import main
+from kvasir_bus.codec import ErrorReply, Holding
+from kvasir_bus.connect import connect
+from kvasir_bus.logs import capture, configure
+from kvasir_bus.subjects import MARKET_OVERVIEW, Subjects
+from market.ledger import Ledger
+from market.service import Market, MarketConfig
+from tests.market.fakes import FP, FakeBackbone, FakeWorker, heartbeat, make_manifest, wait_for
+
+EXPIRY = 0.6
+ONE_RANGE = 8 * 3600 + 1000          # fits one range of either layer, never two
+RANGES = [Holding(0, 0, 8), Holding(0, 8, 16), Holding(0, 16, 24),
+          Holding(1, 0, 8), Holding(1, 8, 16), Holding(1, 16, 24)]
+HOT, WARM = Holding(1, 8, 16), Holding(0, 16, 24)
+
+
+def config(db, **kw) -> MarketConfig:
+    fields = dict(db_path=str(db), expiry_s=EXPIRY, assign_grace_s=30.0, range_experts=8,
+                  demand_interval_s=0.5, manifest_retry_s=0.05, manifest_retry_max_s=0.2,
+                  volunteer_wait_s=1.0)
+    fields.update(kw)
+    return MarketConfig(**fields)
+
+
+def routing_hits(hot: dict[Holding, int], base: int = 10):
+    """``base`` rows for every expert, ``base x factor`` for the experts of hot ranges."""
+    hits = []
+    for r in RANGES:
+        for e in range(r.lo, r.hi):
+            hits.append((r.layer, e, base * hot.get(r, 1)))
+    return hits
+
+
+class DemandWatcher:
+    """Keeps the latest demand map published on ``kvasir.<model>.demand``."""
+
+    def __init__(self) -> None:
+        self.latest: mc.DemandMap | None = None
+        self.count = 0
+
+    async def start(self, url: str) -> DemandWatcher:
+        self.nc = await connect(url, name="demand-watcher")
+
+        async def on_demand(msg) -> None:
+            self.latest = mc.decode_demand(msg.data)
+            self.count += 1
+
+        await self.nc.subscribe(Subjects(FP).demand(), cb=on_demand)
+        await self.nc.flush()
+        return self
+
+    def holes(self) -> set[Holding] | None:
+        return None if self.latest is None else {e.holding for e in self.latest.holes}
+
+    def entry(self, r: Holding) -> mc.DemandEntry | None:
+        return None if self.latest is None else self.latest.entry(r.layer, r.lo)
+
+    async def stop(self) -> None:
+        await self.nc.close()
+
+
+class Swarm:
+    """A market, a fake backbone, a demand watcher and fake workers on one bus."""
+
+    def __init__(self, url: str, db, **cfg) -> None:
+        self.url, self.db, self.cfg = url, db, cfg
+        self.workers: list[FakeWorker] = []
+
+    async def start(self, hot: dict[Holding, int] | None = None) -> Swarm:
+        self.watch = await DemandWatcher().start(self.url)
+        self.market_nc = await connect(self.url, name="market")
+        self.market = await Market(self.market_nc, config(self.db, **self.cfg)).start()
+        self.backbone = await FakeBackbone(self.url, make_manifest()).start()
+        await self.backbone.routing(routing_hits(hot or {}), fallback_rate=0.25)
+        if hot:  # ready once the market weighs the hot range
+            first = max(hot, key=hot.get)
+            await wait_for(lambda: (e := self.watch.entry(first)) and e.target > 1,
+                           what="the hot range's target in the demand map")
+        else:
+            await wait_for(lambda: self.watch.latest, what="a demand map")
+        return self
+
+    async def worker(self, name: str, budget: int = ONE_RANGE) -> FakeWorker:
+        w = FakeWorker(self.url, FP, name, budget)
+        await w.start()
+        self.workers.append(w)
+        return w
+
+    async def restart_market(self) -> None:
+        await self.market.stop()
+        await self.market_nc.close()
+        self.market_nc = await connect(self.url, name="market-2")
+        self.market = await Market(self.market_nc, config(self.db, **self.cfg)).start()
+
+    async def stop(self) -> None:
+        for w in self.workers:
+            await w.kill()
+        await self.market.stop()
+        await self.market_nc.close()
+        await self.backbone.stop()
+        await self.watch.stop()
+
+
+async def request(url: str, subject: str, payload: bytes, decode):
+    nc = await connect(url, name="asker")
+    try:
+        msg = await nc.request(subject, payload, timeout=3.0)
+        return decode(msg.data)
+    finally:
+        await nc.close()
+
+
+# -- volunteering, self-healing, replicas ---------------------------------------------------
+
+def test_six_volunteers_take_distinct_ranges_scarcest_first_until_covered(nats_server, arun,
+                                                                          tmp_path):
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start(hot={HOT: 5})
+        try:
+            got = []
+            for i in range(6):
+                w = await swarm.worker(f"w-{i}")
+                assert len(w.holdings) == 1, w.assignment
+                got.append(w.holdings[0])
+                assert w.assignment.bytes <= ONE_RANGE
+            assert got[0] == HOT                     # the hottest hole first
+            assert sorted(got) == RANGES              # each a distinct range: all covered
+            await wait_for(lambda: swarm.watch.holes() == set(), what="full coverage")
+            assert swarm.market.demand_map(FP).holes == ()
+        finally:
+            await swarm.stop()
+
+    arun(go(), timeout=20)
+
+
+def test_dead_workers_leave_holes_that_the_next_volunteers_take_first(nats_server, arun,
+                                                                      tmp_path):
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start(hot={HOT: 5})
+        try:
+            workers = [await swarm.worker(f"w-{i}") for i in range(6)]
+            await wait_for(lambda: swarm.watch.holes() == set(), what="full coverage")
+            dead = [workers[0], workers[3]]          # the hot range's holder among them
+            lost = {w.holdings[0] for w in dead}
+            t0 = time.monotonic()
+            for w in dead:
+                await w.kill()
+            await wait_for(lambda: swarm.watch.holes() == lost, timeout=EXPIRY + 3,
+                           what="the dead workers' ranges as holes")
+            assert time.monotonic() - t0 < EXPIRY + 1.5  # within one expiry (and a tick)
+            # the hot range still wants a second replica, but holes come first
+            new = [await swarm.worker(f"new-{i}") for i in range(2)]
+            assert {w.holdings[0] for w in new} == lost
+            assert all(len(w.holdings) == 1 for w in new)
+            await wait_for(lambda: swarm.watch.holes() == set(), what="coverage healed")
+        finally:
+            await swarm.stop()
+
+    arun(go(), timeout=20)
+
+
+def test_twice_as_many_volunteers_as_ranges_give_hot_ranges_replicas_first(nats_server, arun,
+                                                                           tmp_path):
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start(hot={HOT: 5, WARM: 3})
+        try:
+            got = [(await swarm.worker(f"w-{i}")).holdings[0] for i in range(12)]
+            assert sorted(got[:6]) == RANGES          # first every hole
+            assert got[6] == HOT                      # the first second replica: the hottest
+            assert got[6:9].count(HOT) == 2 and WARM in got[6:9]
+            entries = swarm.market.demand_map(FP).entries
+            rep = {e.holding: e.replicas for e in entries}
+            cold = [rep[r] for r in RANGES if r not in (HOT, WARM)]
+            assert rep[HOT] > rep[WARM] > max(cold) >= min(cold) >= 1
+            assert sum(rep.values()) == 12
+        finally:
+            await swarm.stop()
+
+    arun(go(), timeout=25)
+
+
+def test_a_pending_assignment_blocks_its_range_until_confirmed_or_restarted(nats_server, arun,
+                                                                          tmp_path):
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start()
+        try:
+            silent = FakeWorker(nats_server.url, FP, "downloading", ONE_RANGE)
+            first = await silent.volunteer()          # never heartbeats: still downloading
+            w = await swarm.worker("w-1")
+            assert w.holdings != first.holdings       # the pending range is taken
+            await swarm.restart_market()              # the pending assignment is in the db
+            w2 = await swarm.worker("w-2")
+            assert w2.holdings[0] not in (first.holdings[0], w.holdings[0])
+            # coverage comes back from heartbeats within one expiry after the restart
+            await wait_for(lambda: {n.node for n in
+                                    swarm.market.models[FP].coverage.nodes()} >=
+                           {"downloading", "w-1", "w-2"}, timeout=EXPIRY + 2)
+            await silent.kill()
+        finally:
+            await swarm.stop()
+
+    arun(go(), timeout=20)
+
+
+def test_a_restarted_market_warms_up_before_it_assigns_or_prices(nats_server, arun, tmp_path):
+    db = tmp_path / "m.db"
+    Ledger(db).close()                               # an existing ledger: this is a restart
+
+    async def go():
+        bb = await FakeBackbone(nats_server.url, make_manifest()).start()
+        nc = await connect(nats_server.url, name="market")
+        market = await Market(nc, config(db, warmup_s=30.0, volunteer_wait_s=0.1)).start()
+        w = FakeWorker(nats_server.url, FP, "eager", ONE_RANGE)
+        try:
+            reply = await w.volunteer()
+            assert isinstance(reply, ErrorReply) and reply.code == mc.ERR_WARMING_UP
+            assert "ask again" in reply.message
+            batch = mc.LedgerBatch(FP, "backbone", "b-1",
+                                   (mc.LedgerEvent("e-1", "eager", 0, 0, 1, 1.0),))
+            got = await bb.ledger(batch)
+            assert isinstance(got, ErrorReply) and got.code == mc.ERR_WARMING_UP
+        finally:
+            await w.kill()
+            await market.stop()
+            await nc.close()
+            await bb.stop()
+
+    arun(go())
+
+
+def test_a_volunteer_before_the_manifest_gets_no_manifest_then_an_assignment(nats_server, arun,
+                                                                           tmp_path):
+    async def go():
+        nc = await connect(nats_server.url, name="market")
+        market = await Market(nc, config(tmp_path / "m.db", volunteer_wait_s=0.2)).start()
+        w = FakeWorker(nats_server.url, FP, "early", ONE_RANGE)
+        bb = None
+        try:
+            reply = await w.volunteer()
+            assert isinstance(reply, ErrorReply) and reply.code == mc.ERR_NO_MANIFEST
+            ledger = mc.LedgerBatch(FP, "backbone", "b-0",
+                                    (mc.LedgerEvent("e-0", "early", 0, 0, 1, 1.0),))
+            got = await request(nats_server.url, Subjects(FP).ledger(), ledger.encode(),
+                                mc.decode_ledger_reply)
+            assert isinstance(got, ErrorReply) and got.code == mc.ERR_NO_MANIFEST
+            bb = await FakeBackbone(nats_server.url, make_manifest()).start()
+            reply = await wait_for(lambda: _assigned(w), timeout=5, what="an assignment")
+            assert reply.holdings == (Holding(0, 0, 8),)
+            assert bb.manifest_requests >= 1
+        finally:
+            await w.kill()
+            await market.stop()
+            await nc.close()
+            if bb:
+                await bb.stop()
+
+    arun(go(), timeout=20)
+
+
+async def _assigned(w: FakeWorker):
+    reply = await w.volunteer()
+    return reply if isinstance(reply, mc.Assignment) else None
+
+
+# -- ledger ---------------------------------------------------------------------------------
+
+def test_ledger_totals_equal_rows_served_and_survive_a_market_restart(nats_server, arun,
+                                                                      tmp_path, capsys):
+    db = tmp_path / "ledger.db"
+
+    def events(lo, hi):
+        return tuple(mc.LedgerEvent(f"bb:1:{i}", f"w-{i % 3}", i % 2, i % 24, 1 + i % 5,
+                                    1.7e9 + i) for i in range(lo, hi))
+
+    sent = events(0, 60)
+    rows = {f"w-{n}": sum(e.rows for e in sent if e.node == f"w-{n}") for n in range(3)}
+
+    async def go():
+        swarm = await Swarm(nats_server.url, db).start()
+        try:
+            bb = swarm.backbone
+            ack = await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-1", events(0, 40)))
+            assert ack == mc.LedgerAck("b-1", 40, 0)
+            ack = await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-1", events(0, 40)))
+            assert ack == mc.LedgerAck("b-1", 0, 40)           # a re-send counts nothing
+            ack = await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-2", events(30, 60)))
+            assert ack == mc.LedgerAck("b-2", 20, 10)
+            st = await swarm.market.status(FP)
+            assert {t.node: t.rows for t in st.totals} == rows
+            # priced by scarcity: nothing is covered, target 1 -> 1.0 per row
+            assert {t.node: t.reward for t in st.totals} == {n: float(r) for n, r in
+                                                             rows.items()}
+            await swarm.restart_market()
+            ack = await wait_for(lambda: _acked(bb, events(0, 60)), timeout=5,
+                                 what="the restarted market's ack")
+            assert ack == mc.LedgerAck("b-3", 0, 60)           # nothing counted twice
+            st = await swarm.market.status(FP)
+            assert {t.node: t.rows for t in st.totals} == rows
+        finally:
+            await swarm.stop()
+
+    arun(go(), timeout=20)
+    capsys.readouterr()
+    assert main(["rewards", "--json", "--db", str(db)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {n["node"]: n["rows"] for n in report["nodes"]} == rows
+    assert report["total"]["rows"] == sum(e.rows for e in sent) == sum(rows.values())
+    assert report["total"]["events"] == 60
+    assert main(["rewards", "--db", str(db)]) == 0
+    text = capsys.readouterr().out
+    assert "w-0" in text and f"{sum(rows.values())}" in text
+
+
+async def _acked(bb: FakeBackbone, events):
+    """What a backbone does with an unacknowledged batch: send it again until acked."""
+    try:
+        got = await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-3", events))
+    except nats.errors.NoRespondersError:
+        # Right after the market resubscribes, a publisher connection that saw "no
+        # responders" before may still be told so for a moment (nats-server's per-client
+        # subject cache): a real backbone retries exactly like this.
+        return None
+    return got if isinstance(got, mc.LedgerAck) else None  # warming up / no manifest yet
+
+
+def test_a_scarce_range_pays_more_per_row(nats_server, arun, tmp_path):
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start(hot={HOT: 20})
+        try:
+            w = await swarm.worker("w-0")            # takes HOT: target 3, 1 replica
+            assert w.holdings == (HOT,)
+            assert w.assignment.reward_rate == 3.0
+            bb = swarm.backbone
+            batch = mc.LedgerBatch(FP, "backbone", "b-1", (
+                mc.LedgerEvent("e-1", "w-0", HOT.layer, HOT.lo, 10, 1.0),   # 3.0 per row
+                mc.LedgerEvent("e-2", "w-0", 0, 0, 10, 1.0),                # hole: 1.0
+                mc.LedgerEvent("e-3", "w-0", 7, 0, 10, 1.0)))               # no such expert
+            with capture() as lines:
+                assert await bb.ledger(batch) == mc.LedgerAck("b-1", 3, 0)
+            assert any(line["event"] == "ledger_unknown_experts" for line in lines)
+            st = await swarm.market.status(FP)
+            assert [(t.node, t.rows, t.reward) for t in st.totals] == [("w-0", 30, 40.0)]
+        finally:
+            await swarm.stop()
+
+    arun(go(), timeout=20)
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+def test_malformed_messages_are_dropped_or_refused_and_the_market_keeps_running(
+        nats_server, arun, tmp_path):
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start()
+        s = Subjects(FP)
+        nc = await connect(nats_server.url, name="vandal")
+        try:
+            with capture() as lines:
+                await nc.publish(s.coverage("w-x"), b"\x93garbage")
+                await nc.publish(s.coverage("w-x"), heartbeat(FP, "other", [(0, 0, 8)]).encode())
+                await nc.publish(s.coverage("w-x"), heartbeat("abc", "w-x", [(0, 0, 8)]).encode())
+                await nc.publish(s.routing(), msgpack.packb({"v": 1, "t": "rs"}))
+                await nc.publish(s.routing(), b"")
+                await nc.publish("kvasir._bad.routing", b"")
+                await nc.flush()
+
+                async def ask(subject, payload):
+                    msg = await nc.request(subject, payload, timeout=3.0)
+                    return mc.decode_volunteer_reply(msg.data)
+
+                for payload in (b"", b"\xc1", msgpack.packb({"v": 1, "t": "vq", "model": FP}),
+                                msgpack.packb({"v": 9, "t": "vq"}),
+                                mc.VolunteerRequest(FP, "n", 1).encode()[:-2]):
+                    reply = await ask(s.volunteer(), payload)
+                    assert isinstance(reply, ErrorReply) and reply.code == "bad_request", reply
+                    assert reply.node == "market"
+                reply = await ask(s.volunteer(), mc.VolunteerRequest("abc", "n", 10**6).encode())
+                assert reply.code == "wrong_model"
+                reply = await ask(s.volunteer(), mc.VolunteerRequest(FP, "tiny", 100).encode())
+                assert reply.code == "no_fit" and "3,000 bytes" in reply.message
+                for payload in (b"junk", mc.VolunteerRequest(FP, "n", 1).encode()):
+                    msg = await nc.request(s.ledger(), payload, timeout=3.0)
+                    got = mc.decode_ledger_reply(msg.data)
+                    assert isinstance(got, ErrorReply) and got.code == "bad_request"
+                await nc.publish(s.volunteer(), mc.VolunteerRequest(FP, "n", 1).encode())
+            events = [line["event"] for line in lines]
+            assert events.count("heartbeat_dropped") == 3
+            assert events.count("routing_dropped") == 2
+            assert "bad_subject" in events
+            # still alive: a good volunteer gets a range, status answers, no ghost node
+            w = await swarm.worker("good", ONE_RANGE)
+            assert w.holdings == (Holding(0, 0, 8),)
+            st = await swarm.market.status(FP)
+            assert [n.node for n in st.nodes] == ["good"]
+            assert swarm.market.state.value == "running"
+        finally:
+            await nc.close()
+            await swarm.stop()
+
+    arun(go(), timeout=20)
+
+
+def test_start_and_stop_are_idempotent(nats_server, arun, tmp_path):
+    async def go():
+        nc = await connect(nats_server.url, name="market")
+        market = Market(nc, config(tmp_path / "m.db"))
+        await market.stop()                          # never started: fine
+        market = Market(nc, config(tmp_path / "m.db"))
+        async with market:
+            assert await market.start() is market
+            assert market.state.value == "running"
+        await market.stop()
+        assert market.state.value == "stopped" and not market._tasks
+        await nc.close()
+
+    arun(go())
+
+
+# -- seeing it ------------------------------------------------------------------------------
+
+def test_status_and_tap_work_against_the_running_market(nats_server, arun, tmp_path, capsys):
+    configure("info")  # log lines on stderr: stdout is the commands' report
+
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start(hot={HOT: 5})
+        try:
+            for i in range(3):
+                await swarm.worker(f"w-{i}")
+            await wait_for(lambda: len(swarm.watch.holes() or ()) == 3, what="3 holes")
+
+            capsys.readouterr()
+            assert await asyncio.to_thread(main, ["status", "--nats", nats_server.url,
+                                                  "--json"]) == 0
+            report = json.loads(capsys.readouterr().out)
+            (st,) = report["models"]
+            assert st["model"] == FP and st["n_layer"] == 2 and st["n_expert"] == 24
+            assert st["holes"] == 3 and not st["covered"]
+            assert st["fallback_rate"] == 0.25
+            assert {n["node"] for n in st["nodes"]} == {"w-0", "w-1", "w-2"}
+            assert all(n["age_s"] is not None and n["age_s"] < EXPIRY for n in st["nodes"])
+            assert len(st["demand"]) == 6
+
+            assert await asyncio.to_thread(main, ["status", "--nats", nats_server.url,
+                                                  "--model", FP]) == 0
+            text = capsys.readouterr().out
+            assert "coverage: replicas per range" in text and "w-1" in text
+            assert "fallback rate: 25.0%" in text
+            assert await asyncio.to_thread(main, ["status", "--nats", nats_server.url,
+                                                  "--model", "abc"]) == 2
+            assert "knows no model abc" in capsys.readouterr().err
+
+            # tap: workers heartbeat every 0.1 s; add garbage and a volunteer exchange
+            tap = asyncio.ensure_future(asyncio.to_thread(
+                main, ["tap", "--nats", nats_server.url, "--count", "12", "--duration", "5"]))
+            nc = await connect(nats_server.url, name="noise")
+            while not tap.done():
+                await nc.publish(Subjects(FP).coverage("junk"), b"\x00\x01\x02garbage")
+                await asyncio.sleep(0.05)
+            await nc.close()
+            assert await tap == 0
+            out = capsys.readouterr().out.splitlines()
+            assert len(out) == 12
+            assert any("heartbeat node=w-" in line and f"kvasir.{FP}.coverage.w-" in line
+                       for line in out)
+            assert any("{node=w-" in line for line in out)
+            assert any("coverage.junk" in line and "bytes 000102" in line for line in out)
+        finally:
+            await swarm.stop()
+
+    arun(go(), timeout=25)
+
+
+def test_overview_of_every_model_and_status_of_an_unknown_one(nats_server, arun, tmp_path):
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start()
+        try:
+            got = await request(nats_server.url, MARKET_OVERVIEW, b"", mc.decode_status_reply)
+            assert isinstance(got, mc.MarketOverview) and [m.model for m in got.models] == [FP]
+            got = await request(nats_server.url, Subjects("abc").status(), b"",
+                                mc.decode_status_reply)
+            assert isinstance(got, ErrorReply) and got.code == mc.ERR_UNKNOWN_MODEL
+        finally:
+            await swarm.stop()
+
+    arun(go())
+
+
+def test_cli_reports_a_missing_market_or_ledger_in_one_line(nats_server, tmp_path, capsys):
+    assert main(["status", "--nats", nats_server.url]) == 2
+    assert "no market is running" in capsys.readouterr().err
+    assert main(["rewards", "--db", str(tmp_path / "none.db")]) == 2
+    assert "no ledger at" in capsys.readouterr().err
