@@ -103,10 +103,13 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
         description="Serve experts on the bus: subscribe to the dispatch subject of every expert "
         "held, answer each request with the expert function, and heartbeat the holdings on "
         "kvasir.<model>.coverage.<node>. Give a slice (--slice) or a model plus the experts to "
-        "cut from it at start (--model --layer --experts). The worker only dials out. SIGTERM "
+        "cut from it at start (--model --layer --experts), or volunteer (--budget --source): get the "
+        "scarcest range that fits from the market and download only those experts, each slab "
+        "checked against the backbone's SHA-256 manifest. The worker only dials out. SIGTERM "
         "or Ctrl-C drains: requests in flight are answered, then it exits.",
         epilog="examples: kvasir worker --nats nats://host:4222 --slice part.gguf\n"
-        "          kvasir worker --model model.gguf --layer all --experts 0-31",
+        "          kvasir worker --model model.gguf --layer all --experts 0-31\n"
+        "          kvasir worker --nats nats://host:4222 --budget 340MB --source http://host:8090/model.gguf",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nats", metavar="URL", default=None,
@@ -127,6 +130,19 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="B",
                    help="largest request in bytes (default 8 MiB, the max_payload of deploy/nats.conf)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    # M3 self-enrolment: ask the market for the scarcest range that fits, download only that
+    v = p.add_argument_group("volunteering (instead of --slice/--model)")
+    v.add_argument("--budget", metavar="SIZE", default=None,
+                   help="memory to offer for experts, e.g. 340MB, 1.5GiB, 5308416; the market "
+                   "assigns the scarcest range that fits")
+    v.add_argument("--source", metavar="PATH_OR_URL", default=None,
+                   help="where to download the assigned experts from: a GGUF path or an http(s) "
+                   "URL that supports Range requests (a HuggingFace resolve/main URL works)")
+    v.add_argument("--token", metavar="TOKEN", default=None,
+                   help="node token for the weights server (default: $KVASIR_NODE_TOKEN)")
+    v.add_argument("--cache-dir", metavar="DIR", default=None,
+                   help="where downloads and slices are kept (default: $KVASIR_CACHE_DIR, else "
+                   "~/.cache/kvasir); an interrupted download resumes from here")
     p.set_defaults(func=_cmd_worker)
 
 
@@ -140,7 +156,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from workers.slice_file import load_slice
 
     configure(args.log_level)
-    if bool(args.slice) == bool(args.model):
+    volunteering = args.budget is not None or args.source is not None
+    if volunteering and (args.slice or args.model or args.layer or args.experts):
+        raise UsageError("--budget/--source ask the market for experts: leave out --slice, --model, "
+                         "--layer and --experts")
+    if volunteering and (args.budget is None or args.source is None):
+        raise UsageError("volunteering needs both --budget SIZE and --source PATH_OR_URL")
+    if not volunteering and bool(args.slice) == bool(args.model):
         raise UsageError("give either --slice SLICE.gguf or --model FILE with --layer/--experts")
     if args.slice and (args.layer or args.experts):
         raise UsageError("--layer/--experts go with --model, not with --slice")
@@ -155,6 +177,15 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         raise UsageError(f"--node: {exc}") from None
     cfg = WorkerConfig(node=node, heartbeat_s=args.heartbeat, max_rows=args.max_rows,
                        max_bytes=args.max_request_bytes, queue_group=args.queue_group)
+    if volunteering:
+        import os
+
+        from workers.volunteer import TOKEN_ENV, VolunteerConfig, parse_size, volunteer_and_serve
+
+        vcfg = VolunteerConfig(source=args.source, budget_bytes=parse_size(args.budget), node=node,
+                               token=args.token or os.environ.get(TOKEN_ENV) or None,
+                               cache_dir=args.cache_dir or "")
+        return asyncio.run(volunteer_and_serve(vcfg, cfg, args.nats))
     with tempfile.TemporaryDirectory(prefix="kvasir-worker-") as tmp:
         path = args.slice
         if args.model:

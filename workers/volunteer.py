@@ -1,0 +1,263 @@
+"""Self-enrolment: a worker with a memory budget and a source asks the market for work.
+
+``kvasir worker --nats URL --budget 340MB --source PATH_OR_URL``::
+
+    source   -> header + fingerprint samples (ranged reads)       workers.source.identify
+    bus      -> kvasir.<model>.manifest          (the backbone)   SHA-256 of every slab
+    bus      -> kvasir.<model>.market.volunteer  (the market)     the scarcest range that fits
+    source   -> only the assigned slabs, each verified             workers.download
+    disk     -> the slice, loaded                                  workers.slice_file.load_slice
+
+then the caller serves the slice with :class:`workers.runtime.Worker`. Every way this can
+fail ends in one clear :class:`~kvasir_bus.errors.KvasirError` line: no backbone or no market
+answers for the model, the budget cannot hold one expert, the source differs from the
+backbone's model, a slab fails verification.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import sys
+import threading
+from dataclasses import dataclass, replace
+
+import nats.errors
+import structlog
+
+from kvasir_bus import market_codec
+from kvasir_bus.codec import CodecError, ErrorReply
+from kvasir_bus.errors import KvasirError, UsageError
+from kvasir_bus.market_codec import Assignment, Manifest, VolunteerRequest
+from kvasir_bus.subjects import Subjects, check_model
+from workers.download import DownloadResult, TerminalProgress, download_slice, plan_download
+from workers.slice_file import SliceInfo
+from workers.source import Identity, identify, open_source
+
+log = structlog.get_logger("kvasir.volunteer")
+
+TOKEN_ENV = "KVASIR_NODE_TOKEN"
+CACHE_ENV = "KVASIR_CACHE_DIR"
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str) -> int:
+    """``340MB`` -> 340,000,000; ``1.5GiB`` -> 1,610,612,736; ``5308416`` -> 5,308,416.
+
+    Units: B, kB/MB/GB/TB (powers of 1000; the B may be left out), KiB/MiB/GiB/TiB (powers
+    of 1024), case-insensitive.
+    """
+    m = _SIZE.match(str(text))
+    if m is None:
+        raise UsageError(f"size {text!r}: expected a number of bytes with an optional unit, "
+                         "like 340MB, 1.5GiB or 5308416")
+    number, prefix, binary, _ = m.groups()
+    if binary and not prefix:
+        raise UsageError(f"size {text!r}: 'i' needs a prefix (KiB, MiB, GiB, TiB)")
+    base = 1024 if binary else 1000
+    value = int(float(number) * base ** _POWERS[prefix.lower()])
+    if value <= 0:
+        raise UsageError(f"size {text!r} must be more than 0 bytes")
+    return value
+
+
+def default_cache_dir() -> str:
+    """``$KVASIR_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvasir``, else ``~/.cache/kvasir``."""
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "kvasir")
+
+
+@dataclass(frozen=True)
+class VolunteerConfig:
+    source: str  # a GGUF path or an http(s) URL
+    budget_bytes: int
+    node: str
+    token: str | None = None  # node token for the weights server
+    cache_dir: str = ""  # "" = default_cache_dir()
+    request_timeout_s: float = 5.0  # manifest and market requests
+    http_timeout_s: float = 30.0
+    retries: int = 5  # dropped connections retried in a row before giving up
+    # The model id, if known beforehand: the fingerprint samples are then not fetched (about
+    # 8 KiB per tensor), the source's header is checked against the manifest instead, and
+    # every slab is verified against it as always.
+    model: str | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Volunteered:
+    slice: SliceInfo
+    assignment: Assignment
+    manifest: Manifest
+    identity: Identity
+    download: DownloadResult
+    fetched: int  # every byte taken from the source: header, fingerprint samples, slabs
+
+
+class NoFitError(KvasirError):
+    """The budget cannot hold even one expert of the model."""
+
+
+def smallest_expert(manifest: Manifest) -> int:
+    return min(manifest.expert_bytes(layer) for layer in manifest.moe_layers)
+
+
+async def volunteer(nc, cfg: VolunteerConfig, *, progress=None,
+                    cancel: threading.Event | None = None) -> Volunteered:
+    """Identify the source, get the manifest and an assignment, download and load the slice."""
+    if cfg.budget_bytes <= 0:
+        raise UsageError(f"--budget must be positive, got {cfg.budget_bytes}")
+    if cfg.model is not None:
+        try:
+            check_model(cfg.model)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    cache_dir = cfg.cache_dir or default_cache_dir()
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot create the cache directory {cache_dir}: {exc.strerror or exc}") from None
+
+    source = await asyncio.to_thread(open_source, cfg.source, token=cfg.token,
+                                     timeout=cfg.http_timeout_s, node=cfg.node)
+    try:
+        identity = await asyncio.to_thread(identify, source, samples=not cfg.model)
+        model = identity.fingerprint or str(cfg.model)
+        vlog = log.bind(node=cfg.node, model=model)
+        vlog.info("source_identified", source=source.name, size=identity.size,
+                  header_bytes=identity.header_bytes, sample_bytes=identity.fetched_samples,
+                  requests=identity.requests)
+        subjects = Subjects(model)
+
+        manifest = await _ask_manifest(nc, subjects, model, cfg.request_timeout_s)
+        smallest = smallest_expert(manifest)
+        if cfg.budget_bytes < smallest:
+            raise NoFitError(_no_fit(model, cfg.budget_bytes, smallest))
+
+        assignment = await _ask_market(nc, subjects, model, cfg, smallest)
+        plan = plan_download(identity, manifest, assignment.holdings)
+        if plan.slab_bytes > cfg.budget_bytes:
+            raise KvasirError(f"the market assigned {plan.slab_bytes:,} bytes of experts of {model}, "
+                              f"over the budget of {cfg.budget_bytes:,} bytes; refusing")
+        vlog.info("assigned", holdings=[list(h) for h in assignment.holdings], bytes=plan.slab_bytes,
+                  experts=assignment.n_experts, reward_rate=assignment.reward_rate)
+
+        result = await asyncio.to_thread(download_slice, source, plan, cache_dir, cache=identity.cache,
+                                         progress=progress, retries=cfg.retries, cancel=cancel)
+    finally:
+        await asyncio.to_thread(source.close)
+    done = Volunteered(result.slice, assignment, manifest, identity, result, source.fetched)
+    vlog.info("slice_ready", path=result.path, slab_bytes=result.slab_bytes, fetched=done.fetched,
+              fetched_slabs=result.fetched, reused=result.reused, seconds=round(result.seconds, 3),
+              retries=result.retries)
+    return done
+
+
+async def _ask_manifest(nc, subjects: Subjects, model: str, timeout: float) -> Manifest:
+    subject = subjects.manifest()
+    try:
+        msg = await nc.request(subject, b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise KvasirError(f"no backbone answers for model {model} (nobody answers {subject}): "
+                          "is a backbone serving this exact model on this bus?") from None
+    except (asyncio.TimeoutError, nats.errors.TimeoutError):
+        raise KvasirError(f"no backbone answers for model {model}: {subject} got no reply within "
+                          f"{timeout:g} s") from None
+    try:
+        reply = market_codec.decode_manifest_reply(msg.data)
+    except CodecError as exc:
+        raise KvasirError(f"the backbone's manifest of {model} is malformed: {exc}") from None
+    if isinstance(reply, ErrorReply):
+        raise KvasirError(f"the backbone has no manifest for {model}: {reply.code}: {reply.message}")
+    if reply.model != model:
+        raise KvasirError(f"asked {subject}, got the manifest of model {reply.model}")
+    return reply
+
+
+async def _ask_market(nc, subjects: Subjects, model: str, cfg: VolunteerConfig,
+                      smallest: int, *, patience_s: float = 60.0, no_market_s: float = 2.0) -> Assignment:
+    """Ask for an assignment. Refusals that mean "not yet" (the market is warming up after a
+    restart, has not fetched the manifest yet, or hit an internal error) are retried with
+    backoff for up to ``patience_s``; "no responders" is retried for ``no_market_s`` (a market
+    that just resubscribed can be missed for a moment) before it counts as no market."""
+    subject = subjects.volunteer()
+    req = VolunteerRequest(model=model, node=cfg.node, budget_bytes=cfg.budget_bytes)
+    loop = asyncio.get_running_loop()
+    start, delay = loop.time(), 0.25
+    while True:
+        waited = loop.time() - start
+        try:
+            msg = await nc.request(subject, req.encode(), timeout=cfg.request_timeout_s,
+                                   headers=market_codec.headers_for(req))
+        except nats.errors.NoRespondersError:
+            if waited < no_market_s:
+                await asyncio.sleep(min(delay, 0.5))
+                delay = min(2 * delay, 2.0)
+                continue
+            raise KvasirError(f"no market answers for model {model} (nobody answers {subject}): start "
+                              "a market on this bus") from None
+        except (asyncio.TimeoutError, nats.errors.TimeoutError):
+            raise KvasirError(f"no market answers for model {model}: {subject} got no reply within "
+                              f"{cfg.request_timeout_s:g} s") from None
+        try:
+            reply = market_codec.decode_volunteer_reply(msg.data)
+        except CodecError as exc:
+            raise KvasirError(f"the market's reply is malformed: {exc}") from None
+        if isinstance(reply, ErrorReply):
+            if reply.code == market_codec.ERR_NO_FIT:
+                raise NoFitError(_no_fit(model, cfg.budget_bytes, smallest, reply.message))
+            if market_codec.should_retry(reply) and waited < patience_s:
+                log.info("market_not_ready", model=model, code=reply.code, retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+                continue
+            raise KvasirError(f"the market refused to assign experts of {model}: {reply.code}: {reply.message}")
+        if reply.model != model:
+            raise KvasirError(f"the market assigned experts of model {reply.model}, not {model}")
+        return reply
+
+
+def _no_fit(model: str, budget: int, smallest: int, why: str = "") -> str:
+    extra = f" (market: {why})" if why else ""
+    return (f"a budget of {budget:,} bytes cannot hold even one expert of model {model}: the "
+            f"smallest expert is {smallest:,} bytes ({smallest / 1e6:,.1f} MB){extra}")
+
+
+async def volunteer_and_serve(cfg: VolunteerConfig, worker_cfg, url: str | None) -> int:
+    """``kvasir worker --budget --source``: volunteer, then serve the slice until a signal."""
+    import signal
+
+    from kvasir_bus.connect import connect
+    from workers.runtime import Worker
+
+    stop = asyncio.Event()
+    cancel = threading.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        cancel.set()  # a download in progress stops at the next chunk (and resumes next time)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    nc = await connect(url, name=f"kvasir-worker-{worker_cfg.node}")
+    progress = TerminalProgress(sys.stderr) if sys.stderr.isatty() else None
+    try:
+        try:
+            got = await volunteer(nc, cfg, progress=progress, cancel=cancel)
+        finally:
+            if progress is not None:
+                progress.close()
+        worker = Worker(got.slice, replace(worker_cfg, budget_bytes=cfg.budget_bytes))
+        try:
+            await worker.start(nc)
+            await stop.wait()
+        finally:
+            await worker.stop()
+    finally:
+        await nc.drain()
+    return 0
