@@ -139,8 +139,9 @@ class RemoteExperts:
     """An :class:`~backbone.experts.ExpertBackend` that asks the workers on the bus first."""
 
     def __init__(self, bus: LoopThread, nc, model: str, local: LocalExperts, n_embd: int,
-                 cfg: DispatchConfig = DispatchConfig()):
+                 cfg: DispatchConfig = DispatchConfig(), link=None):
         self.bus, self.nc, self.local, self.n_embd, self.cfg = bus, nc, local, n_embd, cfg
+        self.link = link  # a MarketLink: routing statistics and ledger events, if a market listens
         self.subjects = Subjects(model)
         self.model = model
         self.stats = DispatchStats()
@@ -156,8 +157,12 @@ class RemoteExperts:
         self._inbox = self.nc.new_inbox()
         self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
         await self.nc.flush()
+        if self.link is not None:
+            await self.link.start()
 
     async def close(self) -> None:
+        if self.link is not None:
+            await self.link.stop()
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
@@ -176,6 +181,8 @@ class RemoteExperts:
                 except queue.Empty:
                     if job.done() and job.exception() is not None:
                         raise job.exception()
+            if self.link is not None:
+                self.link.record_call(layer, calls[i][0], len(calls[i][1]), remote=out is not None)
             if out is None:  # the fallback replica: this node
                 out = self.local.compute(layer, calls[i][0], calls[i][1])
                 self.stats.layer(layer).rows_local += len(calls[i][1])
@@ -260,6 +267,8 @@ class RemoteExperts:
         stats.latency_max_s = max(stats.latency_max_s, latency)
         self.stats.nodes[node] += 1
         self.stats.node_rows[node] += len(rows)
+        if self.link is not None:
+            self.link.record_win(node, layer, expert, len(rows))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _check_reply(self, layer, expert, token, chunk, data) -> tuple[np.ndarray | None, str | None]:
@@ -322,8 +331,10 @@ class BusExperts:
     the dispatch summary, disconnects and gives the engine back its local experts.
     """
 
-    def __init__(self, engine, url: str | None, cfg: DispatchConfig = DispatchConfig()):
+    def __init__(self, engine, url: str | None, cfg: DispatchConfig = DispatchConfig(), *,
+                 market: bool = True, market_interval_s: float = 1.0):
         self.engine, self.url, self.cfg = engine, url, cfg
+        self.market, self.market_interval_s = market, market_interval_s
         self.bus: LoopThread | None = None
         self.nc = None
         self.backend: RemoteExperts | None = None
@@ -337,8 +348,13 @@ class BusExperts:
         try:
             self.nc = self.bus.run(connect(self.url, name=f"kvasir-{self.cfg.node}"))
             local = self._local if isinstance(self._local, LocalExperts) else LocalExperts(self.engine.weights)
-            self.backend = RemoteExperts(self.bus, self.nc, model_fingerprint(self.engine.reader), local,
-                                         self.engine.cfg.n_embd, self.cfg)
+            model = model_fingerprint(self.engine.reader)
+            link = None
+            if self.market:
+                from backbone.market_link import MarketLink
+
+                link = MarketLink(self.nc, model, self.cfg.node, interval_s=self.market_interval_s)
+            self.backend = RemoteExperts(self.bus, self.nc, model, local, self.engine.cfg.n_embd, self.cfg, link)
             self.bus.run(self.backend.start())
         except BaseException:
             self.bus.stop()
