@@ -1,10 +1,12 @@
-"""``kvasir up``: the whole swarm on this machine with one command.
+"""``kvasir up``: the whole swarm on this machine with one command; ``kvasir serve``: the
+backbone alone, as a long-running service on an existing bus.
 
-Starts an embedded nats-server (unless ``--nats`` names one), N worker processes that split
-every layer's experts between them, and the backbone. With ``--prompt`` it generates, reports
-which worker computed how many expert calls, optionally checks the result against the
-monolithic run (``--check``), and stops everything; without it, it keeps the swarm up until
-Ctrl-C so that ``kvasir generate --nats URL`` can use it from another terminal.
+``up`` starts an embedded nats-server (unless ``--nats`` names one), the coverage market, the
+backbone (answering manifest requests, optionally serving its weights) and N worker processes
+that split every layer's experts between them. With ``--prompt`` it generates, reports which
+worker computed how many expert calls and what the ledger paid them, optionally checks the
+result against the monolithic run (``--check``), and stops everything; without it, it keeps the
+swarm up until Ctrl-C so that volunteers and ``kvasir generate --nats URL`` can join.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from backbone.dispatch import BusExperts, DispatchConfig
+from backbone.dispatch import DispatchConfig
+from backbone.service import BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
 from backbone.swarm import WorkerProcess, spawn_worker, split_experts, wait_for_nodes
@@ -48,8 +51,54 @@ def register(sub) -> None:
                    help="also run the model monolithically and compare tokens and logits bit for bit")
     p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
                    help="per-expert reply timeout (default: adaptive)")
+    p.add_argument("--no-market", action="store_true", help="do not start the coverage market")
+    p.add_argument("--db", metavar="FILE", default=None,
+                   help="the market's ledger file (default: a temporary one, gone at exit)")
+    add_weights_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser(
+        "serve", help="run the backbone as a service on a bus: manifest, weights, dispatch",
+        description="Run the backbone on an existing NATS bus until Ctrl-C: answer manifest "
+        "requests for the model (the market and volunteers need them) and, with --serve-weights, "
+        "serve the GGUF over HTTP with Range support so volunteers can download their experts.")
+    p.add_argument("--model", required=True, metavar="FILE", help="the GGUF model")
+    p.add_argument("--nats", metavar="URL", default=None,
+                   help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
+    add_weights_flags(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def add_weights_flags(p) -> None:
+    p.add_argument("--serve-weights", metavar="[HOST:]PORT", default=None,
+                   help="serve the model file over HTTP with Range support (port 0: any free port)")
+    p.add_argument("--token", action="append", default=[], metavar="TOKEN",
+                   help="node token required for weight downloads (repeatable; default "
+                   "$KVASIR_NODE_TOKEN if set; none: downloads are open)")
+    p.add_argument("--advertise-host", metavar="HOST", default=None,
+                   help="host name volunteers should use in the weights URL (default: the bound host)")
+
+
+def _tokens(args) -> tuple[str, ...]:
+    import os
+
+    tokens = tuple(args.token) or tuple(t for t in [os.environ.get("KVASIR_NODE_TOKEN", "")] if t)
+    return tokens
+
+
+def cmd_serve(args) -> int:
+    from kvasir_bus.logs import configure
+
+    configure("info")
+    engine = Engine(args.model)
+    with BackboneService(engine, args.nats, serve_weights=args.serve_weights, tokens=_tokens(args),
+                         advertise_host=args.advertise_host) as backbone:
+        print(f"backbone serving model {backbone.remote.model} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
+              f"{engine.cfg.n_expert} experts)" + (f"; weights at {backbone.weights_url}" if backbone.weights_url else ""),
+              flush=True)
+        _wait_for_interrupt([])
+    return 0
 
 
 def cmd_up(args) -> int:
@@ -82,6 +131,16 @@ def cmd_up(args) -> int:
         workers: list[WorkerProcess] = []
         stack.callback(lambda: [w.stop() for w in workers])
         t0 = time.perf_counter()
+        market = None
+        if not args.no_market:
+            db = args.db or str(logdir / "market.db")
+            logf = stack.enter_context(open(logdir / "market.log", "w"))
+            market = _spawn_market(url, fp, db, logf)
+            stack.callback(market.stop)
+        cfg = DispatchConfig(timeout_s=args.timeout_ms / 1000 if args.timeout_ms else None)
+        backbone = stack.enter_context(BackboneService(
+            engine, url, serve_weights=args.serve_weights, tokens=_tokens(args),
+            advertise_host=args.advertise_host, dispatch=cfg, market_interval_s=0.5))
         for i, (lo, hi) in enumerate(ranges):
             logf = stack.enter_context(open(logdir / f"worker-{i}.log", "w"))
             workers.append(spawn_worker(url, f"worker-{i}", ["--model", args.model, "--layer", "all",
@@ -93,6 +152,11 @@ def cmd_up(args) -> int:
         print(f"swarm up: {url}, model {fp} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
               f"{engine.cfg.n_expert} experts), {len(workers)} workers in {time.perf_counter() - t0:.1f} s: "
               + ", ".join(f"{w.node} experts {lo}-{hi}" for w, (lo, hi) in zip(workers, ranges)), file=out)
+        if market is not None:
+            print(f"market: kvasir status --nats {url}   (ledger {args.db or 'in a temporary file'})", file=out)
+        if backbone.weights_url:
+            print(f"weights: {backbone.weights_url}; volunteers: kvasir worker --nats {url} --budget 64MB "
+                  f"--source {backbone.weights_url}" + (" --token TOKEN" if _tokens(args) else ""), file=out)
 
         if args.prompt is None:
             print(f"serving until Ctrl-C; try: kvasir generate --nats {url} --model {args.model} "
@@ -101,17 +165,17 @@ def cmd_up(args) -> int:
             print("stopping the swarm", file=out)
             return 0
 
-        cfg = DispatchConfig(timeout_s=args.timeout_ms / 1000 if args.timeout_ms else None)
-        with BusExperts(engine, url, cfg) as remote:
-            gen = generate(engine, prompt, args.n, Sampler(SamplerConfig()), stop_on_eos=True,
-                           keep_logits=args.check)
-            stats = remote.stats.to_dict()
+        remote = backbone.remote
+        gen = generate(engine, prompt, args.n, Sampler(SamplerConfig()), stop_on_eos=True, keep_logits=args.check)
+        stats = remote.stats.to_dict()
         result = {"nats": url, "model": fp, "text": tok.decode(gen.tokens), "tokens": gen.tokens,
                   "workers": {w.node: {"experts": f"{lo}-{hi}", **stats["per_node"].get(w.node, {"calls": 0, "rows": 0})}
                               for w, (lo, hi) in zip(workers, ranges)},
                   "dispatch": stats["totals"],
                   "decode_tokens_per_s": round((len(gen.tokens) - 1) / gen.decode_s, 2)
                   if len(gen.tokens) > 1 and gen.decode_s else None}
+        if market is not None:
+            result["rewards"] = _rewards(backbone, url, fp)
         if args.check:
             mono_engine = Engine(args.model)
             mono = generate(mono_engine, prompt, args.n, Sampler(SamplerConfig()), stop_on_eos=True, keep_logits=True)
@@ -142,11 +206,59 @@ def _print_report(result: dict, n_prompt: int) -> None:
         print(f"  {node:<10} experts {w['experts']:<8} {w['calls']:>6} calls {w['rows']:>8} rows")
     print(f"  {'backbone':<10} {'fallback':<16} {t['local']:>6} calls {t['rows_local']:>8} rows "
           f"(no responders {t['no_responders']}, timeouts {t['timeouts']}, invalid {t['invalid']})")
+    if result.get("rewards"):
+        paid = ", ".join(f"{n['node']} {n['rows']} rows {n['reward']:.1f}" for n in result["rewards"]["nodes"])
+        print(f"ledger (market): {paid}")
     if "check" in result:
         c = result["check"]
         verdict = "bit-identical" if c["bit_identical"] else "DIFFERENT"
         print(f"check against the monolithic run: tokens {'equal' if c['tokens_equal'] else 'DIFFER'}; "
               f"logits of {c['positions']} positions max |diff| = {c['max_abs_diff']:g} ({verdict})")
+
+
+class _MarketProcess:
+    def __init__(self, proc):
+        self.proc = proc
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except Exception:
+                self.proc.kill()
+
+
+def _spawn_market(url: str, model: str, db: str, log_file) -> _MarketProcess:
+    import subprocess
+
+    cmd = [sys.executable, "-m", "kvasir_bus.cli", "market", "--nats", url, "--db", db, "--model", model,
+           "--expiry", "5", "--demand-interval", "2"]
+    return _MarketProcess(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file,
+                                           stderr=subprocess.STDOUT))
+
+
+def _rewards(backbone: BackboneService, url: str, model: str, timeout: float = 10.0) -> dict | None:
+    """Wait until the market acknowledged this run's ledger events, then ask it for the totals."""
+    from kvasir_bus import market_codec as mc
+    from kvasir_bus.subjects import Subjects
+    from market.show import totals_json
+
+    link = backbone.remote.link
+    deadline = time.monotonic() + timeout
+    while link is not None and link.unacked_events and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+    async def ask():
+        msg = await backbone.bus_experts.nc.request(Subjects(model).status(), b"", timeout=3)
+        return mc.decode_status_reply(msg.data)
+
+    try:
+        status = backbone.bus_experts.bus.run(ask(), timeout=5)
+    except Exception as exc:
+        log.warning("market_status_unavailable", error=f"{type(exc).__name__}: {exc}")
+        return None
+    return totals_json(status.totals) if isinstance(status, mc.MarketStatus) else None
 
 
 def _tails(workers: list[WorkerProcess]) -> str:

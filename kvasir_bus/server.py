@@ -26,6 +26,7 @@ import importlib.metadata
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,16 @@ class State(enum.Enum):
     NEW = "new"
     RUNNING = "running"
     STOPPED = "stopped"
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM it when its parent dies (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
 
 
 def _cleanup(proc: subprocess.Popen | None, tmpdir: str | None, timeout: float) -> None:
@@ -176,8 +187,11 @@ class EmbeddedNats:
             self._output = open(tmp / "output.log", "wb")
             out = self._output
         try:
+            # Own session: a Ctrl-C at the terminal reaches us, and we stop the server last,
+            # after the clients on it have drained. Dies with us if we are killed (Linux).
             self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out,
-                                          stderr=subprocess.STDOUT if out else None)
+                                          stderr=subprocess.STDOUT if out else None,
+                                          start_new_session=True, preexec_fn=_die_with_parent)
         except OSError as exc:
             self.stop()
             raise DependencyError(f"cannot run {binary}: {exc}") from None
