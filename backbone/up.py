@@ -109,7 +109,8 @@ def cmd_up(args) -> int:
     from kvasir_bus.logs import configure
     from kvasir_bus.server import EmbeddedNats
 
-    configure("warning" if args.json else "info")
+    # With a prompt the report is the output; while serving, the logs are.
+    configure("warning" if args.json or args.prompt is not None else "info")
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
     engine = Engine(args.model)
