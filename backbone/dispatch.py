@@ -6,7 +6,8 @@ it. Each becomes one request on ``kvasir.<model>.x.<layer>.<expert>``, all sent 
 * the first reply wins (replicas on plain subscriptions race; later replies are counted and
   dropped);
 * "no responders" (the server's instant 503) means compute locally at once, and the expert is
-  remembered as uncovered for a short while so the next steps do not even ask;
+  remembered as uncovered for a short while so the next steps do not even ask, until that
+  time passes or a worker's heartbeat announces the expert;
 * a timeout (fixed, or adaptive from observed latency between a floor and a ceiling) means
   compute locally; a reply that comes after it is counted as late and dropped;
 * an error reply or an invalid one (wrong id, shape or dtype, NaN/Inf) is counted, dropped,
@@ -152,10 +153,13 @@ class RemoteExperts:
         self._ids = itertools.count()
         self._inbox: str | None = None
         self._sub = None
+        self._beats = None
 
     async def start(self) -> None:
         self._inbox = self.nc.new_inbox()
         self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+        # A heartbeat announcing experts we had given up on makes us ask again at once.
+        self._beats = await self.nc.subscribe(self.subjects.coverage_all(), cb=self._on_heartbeat)
         await self.nc.flush()
         if self.link is not None:
             await self.link.start()
@@ -163,6 +167,9 @@ class RemoteExperts:
     async def close(self) -> None:
         if self.link is not None:
             await self.link.stop()
+        if self._beats is not None:
+            await self._beats.unsubscribe()
+            self._beats = None
         if self._sub is not None:
             await self._sub.unsubscribe()
             self._sub = None
@@ -300,6 +307,17 @@ class RemoteExperts:
             self._finished[token] = (how, layer)
         while len(self._finished) > 65536:
             self._finished.popitem(last=False)
+
+    async def _on_heartbeat(self, msg) -> None:
+        if not self._uncovered:
+            return
+        try:
+            hb = codec.decode_heartbeat(msg.data)
+        except codec.CodecError:
+            return  # the market logs malformed heartbeats; dispatch only needs good ones
+        for h in hb.holdings:
+            for e in h.experts:
+                self._uncovered.pop((h.layer, e), None)
 
     async def _on_reply(self, msg) -> None:
         token = msg.subject.rsplit(".", 1)[-1]

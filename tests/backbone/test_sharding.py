@@ -173,3 +173,19 @@ def test_f16_wire_rounding_is_applied_to_local_experts_too(nats_server, swarm, m
         gen = generate(engine16, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
         assert remote.stats.totals().remote > 0
     assert np.array_equal(gen.logits_array(), mono.logits_array())
+
+
+def test_a_new_replica_is_used_as_soon_as_it_heartbeats(nats_server, swarm, model, prompt, monolithic):
+    engine = Engine(model)
+    cfg = DispatchConfig(uncovered_ttl_s=600)  # only a heartbeat can end "uncovered" here
+    with BusExperts(engine, nats_server.url, cfg) as remote:
+        first = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
+        alone = remote.stats.totals()
+        assert alone.remote == 0 and alone.no_responders > 0 and alone.local_choice > 0
+        swarm([("late", model_args(model, "0-7"))])
+        second = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
+        both = remote.stats.totals()
+    assert both.local_choice == alone.local_choice and both.no_responders == alone.no_responders
+    assert both.remote > 0
+    assert np.array_equal(first.logits_array(), monolithic[1])
+    assert np.array_equal(second.logits_array(), monolithic[1])
