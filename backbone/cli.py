@@ -76,8 +76,8 @@ def cmd_generate(args) -> int:
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
     sampler = _sampler(args)
+    engine = Engine(args.model, n_ctx=args.ctx, wire_dtype=args.wire_dtype)  # validates the file first
     tok = Tokenizer(args.model)
-    engine = Engine(args.model, n_ctx=args.ctx, wire_dtype=args.wire_dtype)
     prompt = tok.encode(args.prompt)
     if len(prompt) + args.n > engine.n_ctx:
         raise UsageError(f"the prompt is {len(prompt)} tokens; with -n {args.n} that exceeds "
@@ -150,8 +150,8 @@ def cmd_verify(args) -> int:
 
     if args.decode < 0:
         raise UsageError(f"--decode must be >= 0, got {args.decode}")
+    engine = Engine(args.model)  # validates the file first
     tok = Tokenizer(args.model)
-    engine = Engine(args.model)
     prompt = tok.encode(args.prompt)
     if len(prompt) + args.decode > engine.n_ctx:
         raise UsageError(f"the prompt is {len(prompt)} tokens; with --decode {args.decode} that exceeds "

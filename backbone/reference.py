@@ -42,7 +42,9 @@ def _stderr_silenced():
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, 2)
-        yield
+        # llama-cpp-python's log callback prints through sys.stderr, which may not be fd 2.
+        with open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
+            yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)

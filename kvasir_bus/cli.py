@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed on one line
+        return int(exc.code or 0)
     try:
         return int(args.func(args) or 0)
     except KvasirError as exc:
