@@ -35,8 +35,8 @@ from typing import Any, Union
 import msgpack
 import numpy as np
 
-from kvasir_bus import subjects
-from kvasir_bus.codec import (CodecError, ErrorReply, Holding, PayloadTooLargeError,
+from kvasir_bus import codec, subjects
+from kvasir_bus.codec import (CodecError, ErrorReply, Holding, PayloadTooLargeError,  # noqa: F401 (re-exported)
                               UnsupportedVersionError, _fail, _float, _holdings, _index, _int,
                               _need, _str, _token)
 
@@ -707,33 +707,9 @@ def encode(msg: Message) -> bytes:
 # -- decoding -------------------------------------------------------------------------------
 
 def unpack(data: Any, max_bytes: int, kinds: tuple[str, ...], what: str) -> dict:
-    """Bytes -> the checked msgpack map of a message of one of ``kinds``."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise CodecError(f"{what}: payload must be bytes, got {type(data).__name__}")
-    if len(data) > max_bytes:
-        raise PayloadTooLargeError(f"{what}: payload is {len(data)} bytes, over the limit of "
-                                   f"{max_bytes}", field="payload")
-    try:
-        body = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
-    except (ValueError, TypeError, msgpack.UnpackException) as exc:
-        raise CodecError(f"{what}: payload is not valid msgpack ({type(exc).__name__}: {exc})",
-                         field="payload") from None
-    if not isinstance(body, dict):
-        raise CodecError(f"{what}: payload must be a msgpack map, got {type(body).__name__}",
-                         field="payload")
-    if "v" not in body:
-        raise _fail(what, "v", "is missing (no message version)")
-    version = body["v"]
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise _fail(what, "v", f"must be an integer, got {version!r}")
-    if version != VERSION:
-        raise UnsupportedVersionError(f"{what}: message version {version} is not supported "
-                                      f"(this build speaks version {VERSION})", field="v")
-    kind = body.get("t")
-    if kind not in kinds:
-        expected = " or ".join(repr(k) for k in kinds)
-        raise _fail(what, "t", f"is {kind!r}, expected {expected}")
-    return body
+    """Bytes -> the checked msgpack map of a message of one of ``kinds`` (the same envelope
+    and version rules as the dispatch codecs: one implementation, in codec.py)."""
+    return codec._unpack(data, max_bytes, kinds, what)
 
 
 def _array(body: dict, record: str, name: str, dtype: np.dtype, n: int,

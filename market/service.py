@@ -424,32 +424,43 @@ class Market:
             ms.fallback[stats.node] = (stats.fallback_rate, now + keep)
         ms.stale = True
 
-    async def _on_volunteer(self, msg: Any) -> None:
+    async def _accept(self, msg: Any, decode, what: str) -> tuple[Any, str, Any] | None:
+        """The common start of a request handler: a reply subject, the model from the subject,
+        a payload that decodes and names that model, a warmed-up market, and (waiting a little
+        for it) the model's manifest. Returns (model state, model, record), or None once the
+        request has been answered with an error or dropped."""
         if not msg.reply:
-            self.log.warning("volunteer_without_reply_subject", subject=msg.subject)
-            return
+            self.log.warning(f"{what}_without_reply_subject", subject=msg.subject)
+            return None
         model = self._model_of(msg.subject)
         if model is None:
             await self._reply_error(msg, mc.ERR_BAD_REQUEST, f"bad subject {msg.subject!r}")
-            return
+            return None
         try:
-            req = mc.decode_volunteer(msg.data)
+            record = decode(msg.data)
         except CodecError as exc:
-            self.log.warning("volunteer_refused", subject=msg.subject, error=str(exc))
+            self.log.warning(f"{what}_refused", subject=msg.subject, error=str(exc))
             await self._reply_error(msg, mc.ERR_BAD_REQUEST, str(exc))
-            return
-        if req.model != model:
+            return None
+        if record.model != model:
             await self._reply_error(msg, mc.ERR_WRONG_MODEL,
-                                    f"request names model {req.model}, subject {model}")
-            return
+                                    f"{what} names model {record.model}, subject {model}")
+            return None
         ms = self._model(model)
         if not await self._warm(msg):
-            return
+            return None
         if ms.layout is None:
             try:
                 await asyncio.wait_for(ms.known.wait(), self.cfg.volunteer_wait_s)
             except asyncio.TimeoutError:
                 pass
+        return ms, model, record
+
+    async def _on_volunteer(self, msg: Any) -> None:
+        accepted = await self._accept(msg, mc.decode_volunteer, "volunteer")
+        if accepted is None:
+            return
+        ms, model, req = accepted
         if ms.layout is None:
             await self._reply_error(msg, mc.ERR_NO_MANIFEST,
                                     f"the market has no manifest for model {model} yet (the "
@@ -485,31 +496,10 @@ class Market:
         await self._publish_demand(ms, now, force=True)
 
     async def _on_ledger(self, msg: Any) -> None:
-        if not msg.reply:
-            self.log.warning("ledger_without_reply_subject", subject=msg.subject)
+        accepted = await self._accept(msg, mc.decode_ledger, "ledger")
+        if accepted is None:
             return
-        model = self._model_of(msg.subject)
-        if model is None:
-            await self._reply_error(msg, mc.ERR_BAD_REQUEST, f"bad subject {msg.subject!r}")
-            return
-        try:
-            batch = mc.decode_ledger(msg.data)
-        except CodecError as exc:
-            self.log.warning("ledger_refused", subject=msg.subject, error=str(exc))
-            await self._reply_error(msg, mc.ERR_BAD_REQUEST, str(exc))
-            return
-        if batch.model != model:
-            await self._reply_error(msg, mc.ERR_WRONG_MODEL,
-                                    f"batch names model {batch.model}, subject {model}")
-            return
-        ms = self._model(model)
-        if not await self._warm(msg):
-            return
-        if ms.layout is None:
-            try:
-                await asyncio.wait_for(ms.known.wait(), self.cfg.volunteer_wait_s)
-            except asyncio.TimeoutError:
-                pass
+        ms, model, batch = accepted
         now = self.clock()
         self._expire(ms, now)
         stats = self._refresh(ms, now)

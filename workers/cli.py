@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from kvasir_bus.errors import UsageError
 
@@ -47,6 +46,7 @@ def _add_slice(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_slice(args: argparse.Namespace) -> int:
+    from workers.download import TerminalProgress
     from workers.slicer import describe_holdings, parse_span, plan_slice, write_slice
 
     if not args.layer and not args.experts:
@@ -57,7 +57,7 @@ def _cmd_slice(args: argparse.Namespace) -> int:
     requests = [(parse_span(layer, "--layer"), parse_span(experts, "--experts"))
                 for layer, experts in zip(args.layer, args.experts)]
     plan = plan_slice(args.file, requests)
-    progress = _TerminalProgress(sys.stderr) if sys.stderr.isatty() else None
+    progress = TerminalProgress(sys.stderr, 'slicing') if sys.stderr.isatty() else None
     try:
         result = write_slice(plan, args.output, progress=progress)
     finally:
@@ -67,33 +67,6 @@ def _cmd_slice(args: argparse.Namespace) -> int:
     print(f"{result.path}: {result.n_held} experts ({describe_holdings(result.holdings)}), "
           f"{result.nbytes} bytes, {result.seconds:.2f} s ({rate:.0f} MB/s)")
     return 0
-
-
-class _TerminalProgress:
-    """A ``\\r`` progress line (bytes copied / total, MB/s), redrawn at most ten times a second."""
-
-    def __init__(self, stream) -> None:
-        self.stream = stream
-        self.t0 = time.perf_counter()
-        self.last = 0.0
-        self.shown = False
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if now - self.last < 0.1 and done < total:
-            return
-        self.last = now
-        rate = done / 1e6 / max(now - self.t0, 1e-9)
-        pct = 100.0 * done / total if total else 100.0
-        self.stream.write(f"\rslicing: {done / 1e6:,.1f} / {total / 1e6:,.1f} MB  {pct:5.1f}%  "
-                          f"{rate:,.0f} MB/s ")
-        self.stream.flush()
-        self.shown = True
-
-    def close(self) -> None:
-        if self.shown:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 def _add_worker(subparsers: argparse._SubParsersAction) -> None:

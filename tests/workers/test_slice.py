@@ -250,10 +250,10 @@ def test_a_failed_write_leaves_no_file_and_keeps_the_old_output(source, tmp_path
 
 
 def test_progress_line_on_a_terminal():
-    from workers.cli import _TerminalProgress
+    from workers.download import TerminalProgress
 
     stream = io.StringIO()
-    p = _TerminalProgress(stream)
+    p = TerminalProgress(stream, "slicing")
     p(5_000_000, 10_000_000)
     p(10_000_000, 10_000_000)
     p.close()
