@@ -97,6 +97,9 @@ def main() -> None:
                     help="experts per layer of the 122b-layer model (the real model has 256)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
     args = ap.parse_args()
+    from kvasir_bus.logs import configure
+
+    configure("warning")  # logs on stderr; stdout is the JSON
     models = Path(args.models)
     models.mkdir(parents=True, exist_ok=True)
     small = models / "small-qwen3moe-q4_k.gguf"

@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="runs per engine; the best is reported")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
     args = ap.parse_args()
+    from kvasir_bus.logs import configure
+
+    configure("warning")  # logs on stderr; stdout is the JSON
 
     out = {"bench": "engine", "arch": args.arch, "preset": "small", "kernel": backend_name(),
            "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode, "results": []}
