@@ -62,6 +62,12 @@ class MarketLink:
             self._events.append(event)
 
     @property
+    def pending_hits(self) -> int:
+        """Routing counts recorded but not yet published."""
+        with self._lock:
+            return len(self._hits)
+
+    @property
     def unacked_events(self) -> int:
         with self._lock:
             return len(self._events) + sum(len(b.events) for b in self._unacked.values())

@@ -131,6 +131,20 @@ def test_volunteers_cover_the_model_heal_holes_and_get_paid(nats_server, model, 
                 beats = asyncio.run(wait_for_nodes(nats_server.url, fp, {node}, procs=[proc], timeout=120))
                 return proc, beats[node].holdings
 
+            def settle_demand():
+                """Wait until the backbone has published every routing count and the market's
+                demand map has stopped changing (two equal reads in a row)."""
+                wait_until(lambda: not backbone.remote.link.pending_hits, what="routing statistics sent")
+                last = [None]
+
+                def stable():
+                    now = [(e.layer, e.lo, e.usage, e.demand) for e in market.call(market.market.demand_map, fp).entries]
+                    same, last[0] = now == last[0], now
+                    if not same:
+                        time.sleep(0.25)
+                    return same
+                wait_until(stable, what="a settled demand map")
+
             def holes_with_max_demand():
                 demand = market.call(market.market.demand_map, fp)
                 holes = [e for e in demand.entries if e.replicas == 0]
@@ -141,7 +155,7 @@ def test_volunteers_cover_the_model_heal_holes_and_get_paid(nats_server, model, 
             taken = {}
             for i in range(6):
                 assert np.array_equal(run_generation(engine, prompt), mono_logits)
-                time.sleep(0.3)  # let this generation's routing statistics reach the market
+                settle_demand()  # this generation's routing statistics have reached the market
                 expected = holes_with_max_demand()
                 node = f"v{i}"
                 proc, holdings = volunteer(node)
