@@ -16,14 +16,14 @@ from dataclasses import dataclass
 
 from kvasir_bus import codec
 from kvasir_bus.connect import connect
-from kvasir_bus.errors import KvasirError
+from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.subjects import Subjects
 
 
 def split_experts(n_expert: int, n_workers: int) -> list[tuple[int, int]]:
     """Inclusive expert ranges that split 0..n_expert-1 as evenly as possible."""
     if not 0 < n_workers <= n_expert:
-        raise KvasirError(f"--workers must be between 1 and {n_expert} (the experts per layer), got {n_workers}")
+        raise UsageError(f"--workers must be between 0 and {n_expert} (the experts per layer), got {n_workers}")
     bounds = [round(i * n_expert / n_workers) for i in range(n_workers + 1)]
     return [(bounds[i], bounds[i + 1] - 1) for i in range(n_workers)]
 

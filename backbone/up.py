@@ -37,12 +37,14 @@ log = structlog.get_logger("kvasir.up")
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "up", help="run the whole swarm here: NATS, N expert workers and the backbone",
-        description="Start an embedded nats-server (unless --nats is given), N worker processes "
-        "that split every layer's experts between them, and the backbone. With --prompt, generate "
-        "and exit; otherwise keep the swarm up until Ctrl-C.")
+        "up", help="run the whole swarm here: NATS, the market, N expert workers and the backbone",
+        description="Start an embedded nats-server (unless --nats is given), the coverage market, "
+        "the backbone, and N worker processes that split every layer's experts between them "
+        "(--workers 0: none; volunteers can join). With --prompt, generate, report who computed "
+        "what and what the ledger paid, and exit; otherwise keep the swarm up until Ctrl-C.")
     p.add_argument("--model", required=True, metavar="FILE", help="the GGUF model")
-    p.add_argument("--workers", type=int, default=2, metavar="N", help="worker processes (default 2)")
+    p.add_argument("--workers", type=int, default=2, metavar="N",
+                   help="worker processes splitting the experts (default 2; 0: none, only volunteers)")
     p.add_argument("--nats", metavar="URL", default=None,
                    help="use this NATS server instead of starting one (default: embedded, or $NATS_URL)")
     p.add_argument("--prompt", metavar="TEXT", default=None, help="generate from this prompt, then exit")
@@ -115,7 +117,7 @@ def cmd_up(args) -> int:
         raise UsageError(f"-n must be >= 0, got {args.n}")
     engine = Engine(args.model)
     fp = model_fingerprint(engine.reader)
-    ranges = split_experts(engine.cfg.n_expert, args.workers)
+    ranges = split_experts(engine.cfg.n_expert, args.workers) if args.workers else []
     tok = Tokenizer(args.model) if args.prompt is not None else None
     prompt = tok.encode(args.prompt) if tok else []
     if args.prompt is not None and len(prompt) + args.n > engine.n_ctx:
@@ -147,7 +149,8 @@ def cmd_up(args) -> int:
             workers.append(spawn_worker(url, f"worker-{i}", ["--model", args.model, "--layer", "all",
                                                             "--experts", f"{lo}-{hi}"], log_file=logf))
         try:
-            asyncio.run(wait_for_nodes(url, fp, {w.node for w in workers}, procs=workers, timeout=300))
+            if workers:
+                asyncio.run(wait_for_nodes(url, fp, {w.node for w in workers}, procs=workers, timeout=300))
         except KvasirError as exc:
             raise KvasirError(f"{exc}; worker logs: {_tails(workers)}") from None
         print(f"swarm up: {url}, model {fp} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
