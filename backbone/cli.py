@@ -119,6 +119,12 @@ def cmd_generate(args) -> int:
         print(f"[{len(prompt)} prompt tokens, {len(gen.tokens)} generated ({gen.stop_reason}); "
               f"prefill {result['prefill_tokens_per_s']} tok/s, decode {result['decode_tokens_per_s']} tok/s, "
               f"kernel {result['kernel']}]", file=sys.stderr)
+        if stats:
+            t = stats["totals"]
+            nodes = ", ".join(f"{n} {v['calls']}" for n, v in stats["per_node"].items()) or "none"
+            print(f"[experts: {t['calls']} calls, {t['remote']} remote ({nodes}), {t['local']} local "
+                  f"(no responders {t['no_responders']}, timeouts {t['timeouts']}, invalid {t['invalid']})]",
+                  file=sys.stderr)
     return 0
 
 
