@@ -66,9 +66,16 @@ class Weights:
     output: QTensor  # token_embd when the output head is tied
     layers: tuple[Layer, ...]
 
+    _experts: dict = field(default_factory=dict, compare=False, repr=False)  # (layer, e) -> views
+
     def expert(self, layer: int, e: int) -> tuple[QTensor, QTensor, QTensor]:
-        blk = self.layers[layer]
-        return blk.ffn_gate_exps.expert(e), blk.ffn_up_exps.expert(e), blk.ffn_down_exps.expert(e)
+        """Expert ``e`` of ``layer``: 2-D views of its gate/up/down slabs (made once, then kept)."""
+        views = self._experts.get((layer, e))
+        if views is None:
+            blk = self.layers[layer]
+            views = blk.ffn_gate_exps.expert(e), blk.ffn_up_exps.expert(e), blk.ffn_down_exps.expert(e)
+            self._experts[(layer, e)] = views
+        return views
 
 
 def load_weights(tensors: dict[str, QTensor], cfg: ModelConfig, path: str) -> Weights:

@@ -51,7 +51,12 @@ ACT_FORMAT: dict[GGMLQuantizationType, str] = {t: _ACT_FORMAT_BY_NAME[t.name] fo
 # --- validation shared by both backends (ggml aborts the process on what it rejects) ----------
 
 def check_weight(w: QTensor) -> None:
-    """ValueError unless ``w`` is a 2-D weight of a supported type whose bytes match its shape."""
+    """ValueError unless ``w`` is a 2-D weight of a supported type whose bytes match its shape.
+
+    A QTensor is immutable, so one that passed is marked and not checked again (the engine
+    multiplies by the same few hundred tensors on every token)."""
+    if w.__dict__.get("_checked"):
+        return
     if w.ggml_type not in ACT_FORMAT:
         raise ValueError(f"{w.name}: cannot multiply weights of type {T(w.ggml_type).name}")
     if len(w.ne) != 2:
@@ -68,6 +73,7 @@ def check_weight(w: QTensor) -> None:
     if data.nbytes != w.nbytes:
         raise ValueError(f"{w.name}: data has {data.nbytes} bytes, {T(w.ggml_type).name} ne={w.ne} "
                          f"needs {w.nbytes}")
+    object.__setattr__(w, "_checked", True)
 
 
 def check_rows(x: np.ndarray, width: int, what: str) -> np.ndarray:
