@@ -242,7 +242,7 @@ class _Graph:
         for c, i, offs in self.views:
             c.data = ptrs[i] + offs
         if self.plan.work_size:
-            self.plan.work_data = _work_ptr(self.plan.work_size)
+            self.plan.work_data = _g._work_buffer(self.plan.work_size).ctypes.data
         status = self.fns.lib.ggml_graph_compute(self.graph, self.plan_ref)
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute failed with status {status}")
@@ -260,28 +260,9 @@ class _Graph:
             pass
 
 
-_tls = threading.local()
-
-
-def _cache() -> "_g._GraphCache":
-    cache = getattr(_tls, "graphs", None)
-    if cache is None:
-        cache = _tls.graphs = _g._GraphCache()
-    return cache
-
-
-def _work_ptr(size: int) -> int:
-    """Address of this thread's work buffer (64-byte aligned) of at least ``size`` bytes."""
-    work = getattr(_tls, "work", None)
-    if work is None or work[1] < size:
-        raw = np.empty(size + 64, dtype=np.uint8)
-        start = (-_ptr(raw)) % 64
-        work = _tls.work = (_ptr(raw) + start, size, raw)
-    return work[0]
-
-
 def _run_cached(key: tuple, build, arrays) -> None:
-    cache = _cache()
+    """Like workers.ggml's: the same per-thread graph cache and work buffer serve both."""
+    cache = _g._graphs()
     graph = cache.get(key)
     cached = True
     if graph is None:
