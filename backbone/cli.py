@@ -97,7 +97,7 @@ def cmd_generate(args) -> int:
             stats = remote.stats.to_dict()
     if args.dump_logits:
         np.save(args.dump_logits, gen.logits_array())
-    from workers.kernels import backend_name
+    from kernels.backend import backend_name
 
     result = {
         "text": tok.decode(gen.tokens),

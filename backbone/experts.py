@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from workers.expert import expert_ffn
+from kernels.expert import expert_ffn
 
 
 class ExpertBackend(Protocol):

@@ -56,8 +56,8 @@ def build_manifest(path: str | os.PathLike, *, source_url: str = "", cache: bool
     ``PATH.kvasir-manifest``); a cache whose fingerprint, size or mtime differ is rebuilt.
     An unwritable cache location is logged and otherwise ignored.
     """
-    from workers.slicer import plan_slice
-    from workers.tensors import open_gguf
+    from modelfile.slicer import plan_slice
+    from kernels.tensors import open_gguf
 
     path = os.fspath(path)
     plan = plan_slice(path, [(None, None)])  # validates the model: every expert tensor, shapes

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from backbone import attn_ggml, ops
+from kernels import dense
+from backbone import ops
 from backbone.config import ModelConfig, read_config
 from backbone.experts import ExpertBackend, LocalExperts
 from kvasir_bus.errors import ModelFileError, UsageError
-from workers.expert import expert_ffn
-from workers.kernels import backend_name, matmul
-from workers.tensors import QTensor, open_gguf, tensors_from_reader
+from kernels.expert import expert_ffn
+from kernels.backend import backend_name, matmul
+from kernels.tensors import QTensor, open_gguf, tensors_from_reader
 
 WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
 
@@ -154,7 +155,7 @@ class Sequence:
         end = self.n_past + L
         cache_k, cache_v = self.k[layer], self.v[layer]
         if end > cache_k.shape[0]:  # grow geometrically, in chunks of 256 cells
-            cap = attn_ggml.cache_cells_for(max(end, 2 * cache_k.shape[0]), self.n_ctx)
+            cap = dense.cache_cells_for(max(end, 2 * cache_k.shape[0]), self.n_ctx)
             grown_k = np.zeros((cap, cache_k.shape[1]), dtype=np.float16)
             grown_v = np.zeros((cache_v.shape[0], cap), dtype=np.float16)
             grown_k[:cache_k.shape[0]] = cache_k
@@ -189,7 +190,7 @@ class Engine:
         self.experts = experts or LocalExperts(self.weights)
         # Attention (RoPE, QK, softmax, PV) through ggml, bit-identical to llama.cpp, when the
         # kernels are ggml's; the numpy version of the same math otherwise.
-        self.ggml_attention = backend_name() == "ggml" and attn_ggml.available()
+        self.ggml_attention = backend_name() == "ggml" and dense.available()
 
     def new_sequence(self) -> Sequence:
         c = self.cfg
@@ -249,7 +250,7 @@ class Engine:
             q = ops.rms_norm(q, blk.attn_q_norm, c.rms_eps)
             k = ops.rms_norm(k, blk.attn_k_norm, c.rms_eps)
         if self.ggml_attention:
-            q, k = attn_ggml.rope_qk(q, k, rope, c.n_rot, c.traits.rope_style, c.rope_base, c.n_ctx_train)
+            q, k = dense.rope_qk(q, k, rope, c.n_rot, c.traits.rope_style, c.rope_base, c.n_ctx_train)
         else:
             q = ops.rope(q, *rope, c.traits.rope_style)
             k = ops.rope(k, *rope, c.traits.rope_style)
@@ -258,7 +259,7 @@ class Engine:
         for (seq, _), a, b in zip(batch, starts[:-1], starts[1:]):
             seq.append(il, k16[a:b], v16[a:b])
             if self.ggml_attention:
-                out[a:b] = attn_ggml.attention(q[a:b], seq.k[il], seq.v[il], seq.n_past)
+                out[a:b] = dense.attention(q[a:b], seq.k[il], seq.v[il], seq.n_past)
             else:
                 end = seq.n_past + (b - a)
                 out[a:b] = ops.attention(q[a:b], *seq.kv_heads(il, end, c.n_head_kv), seq.n_past)
@@ -267,7 +268,7 @@ class Engine:
     def _moe(self, il: int, blk: Layer, h: np.ndarray) -> np.ndarray:
         c = self.cfg
         router_logits = matmul(blk.ffn_gate_inp, h)  # (T, E)
-        softmax = attn_ggml.softmax if self.ggml_attention else ops.softmax
+        softmax = dense.softmax if self.ggml_attention else ops.softmax
         ids, weights = ops.route(router_logits, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
         # Whatever rounding the wire applies to the rows, the local path applies too.
         rows = h.astype(self.wire_dtype).astype(np.float32)
@@ -282,7 +283,7 @@ class Engine:
             shared = expert_ffn(blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp, h)
             if blk.ffn_gate_inp_shexp is not None:
                 if self.ggml_attention:
-                    gate = attn_ggml.shared_expert_gate(h, blk.ffn_gate_inp_shexp)  # (T, 1)
+                    gate = dense.shared_expert_gate(h, blk.ffn_gate_inp_shexp)  # (T, 1)
                 else:
                     gate = ops.silu_gate((h @ blk.ffn_gate_inp_shexp)[:, None].astype(np.float32))
                 shared = shared * gate

@@ -32,7 +32,7 @@ def rope_cache(positions: np.ndarray, n_rot: int, base: float) -> tuple[np.ndarr
     for i in range(n_rot // 2):
         # Evaluate in float64 and round once (numpy's float32 SIMD cos/sin are less accurate).
         # Not bit-exact to ggml: glibc's cosf/sinf differ from this in ~1% of values and ggml's
-        # rotation uses an FMA; the engine's ggml path uses ggml_rope_ext (attn_ggml.rope_qk).
+        # rotation uses an FMA; the engine's ggml path uses ggml_rope_ext (kernels.dense.rope_qk).
         cos[:, i] = np.cos(theta.astype(np.float64))
         sin[:, i] = np.sin(theta.astype(np.float64))
         theta = theta * theta_scale

@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 
 from backbone.dispatch import BusExperts, DispatchConfig  # noqa: E402
 from backbone.model import Engine  # noqa: E402
-from backbone.swarm import spawn_worker, split_experts, wait_for_nodes  # noqa: E402
-from backbone.synth import synth_model  # noqa: E402
+from launch.swarm import spawn_worker, split_experts, wait_for_nodes  # noqa: E402
+from synth.model import synth_model  # noqa: E402
 from kvasir_bus.fingerprint import model_fingerprint  # noqa: E402
 from kvasir_bus.server import EmbeddedNats  # noqa: E402
 

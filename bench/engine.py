@@ -22,8 +22,8 @@ import numpy as np  # noqa: E402
 
 from backbone.model import Engine  # noqa: E402
 from backbone.reference import Reference  # noqa: E402
-from backbone.synth import synth_model  # noqa: E402
-from workers.kernels import backend_name  # noqa: E402
+from synth.model import synth_model  # noqa: E402
+from kernels.backend import backend_name  # noqa: E402
 
 
 def ours(path: Path, prompt: np.ndarray, n: int) -> tuple[float, float]:

@@ -1,6 +1,6 @@
 """Expert FFN throughput: our ggml path vs raw ggml with a prebuilt graph, and the numpy backend.
 
-Measures ``workers.expert.expert_ffn`` (validation + a fresh ggml context and graph per call)
+Measures ``kernels.expert.expert_ffn`` (validation + a fresh ggml context and graph per call)
 against the minimum-overhead way to run the same ops: one ggml context and graph built once,
 then only ``ggml_graph_compute`` timed. Shape: one expert of the 122b layer (n_embd 3072,
 n_ff 1024), routed (``ggml_mul_mat_id``), Q4_K and Q8_0 weights, 1/8/64/512 rows. Also times
@@ -20,14 +20,14 @@ import statistics
 import sys
 import time
 
-import workers  # noqa: F401  (thread settings before numpy loads)
+import kernels  # noqa: F401  (thread settings before numpy loads)
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from workers import ggml, kernels
-from workers.expert import expert_ffn
-from workers.tensors import QTensor
+from kernels import backend, ggml
+from kernels.expert import expert_ffn
+from kernels.tensors import QTensor
 
 N_EMBD, N_FF = 3072, 1024
 ROWS = (1, 8, 64, 512)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_start": os.getloadavg()[0],
         "rows_per_s": {},
     }
-    numpy_backend = kernels.get_backend("numpy")
+    numpy_backend = backend.get_backend("numpy")
     rng = np.random.default_rng(0)
     for qtype in (T.Q4_K, T.Q8_0):
         gate, up, down = make_expert(qtype, seed=int(qtype))

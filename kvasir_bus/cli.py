@@ -1,6 +1,7 @@
 """The ``kvasir`` command: one parser, subcommands registered by each role.
 
-Each role module named in ``_ROLE_CLIS`` exposes ``register(subparsers)`` and keeps its heavy
+Subcommands come from the ``kvasir.commands`` entry points (``pyproject.toml``): each names a
+module with ``register(subparsers)``, so this package names no role. A module keeps its heavy
 imports inside the command functions, so ``kvasir --help`` stays fast and a worker-only install
 can run ``kvasir worker`` without the backbone's extras.
 
@@ -13,20 +14,21 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import os
 import sys
 
 from kvasir_bus import __version__
 from kvasir_bus.errors import KvasirError
 
-_ROLE_CLIS = (
-    "backbone.cli_synth",
-    "backbone.cli",
-    "backbone.up",
-    "workers.cli",
-    "kvasir_bus.nats_cli",
-    "market.cli",
-)
+#: The entry-point group in which each package registers its subcommands.
+COMMAND_GROUP = "kvasir.commands"
+
+
+def command_modules() -> list[str]:
+    """Module names that register subcommands, in the order their entry points are named."""
+    points = importlib.metadata.entry_points(group=COMMAND_GROUP)
+    return [point.value for point in sorted(points, key=lambda point: point.name)]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvasir {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for name in _ROLE_CLIS:
+    for name in command_modules():
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:

@@ -11,7 +11,7 @@ class ModelCache:
         self.paths = {}
 
     def __call__(self, arch: str, qtype: str, preset: str = "tiny", seed: int = 1, **overrides):
-        synth = pytest.importorskip("backbone.synth", reason="the synthetic model generator is needed")
+        synth = pytest.importorskip("synth.model", reason="the synthetic model generator is needed")
         pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
         key = (arch, qtype, preset, seed, tuple(sorted(overrides.items())))
         if key not in self.paths:

@@ -20,7 +20,7 @@ from backbone.generate import generate
 from backbone.model import Engine
 from backbone.sampling import Sampler, SamplerConfig
 from backbone.service import BackboneService
-from backbone.swarm import spawn_worker, wait_for_nodes
+from launch.swarm import spawn_worker, wait_for_nodes
 from kvasir_bus.cli import main as kvasir
 from kvasir_bus.connect import connect
 from kvasir_bus.fingerprint import model_fingerprint
@@ -36,7 +36,7 @@ N_PROMPT, N_DECODE = 32, 16
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from backbone.synth import synth_model
+    from synth.model import synth_model
 
     path = tmp_path_factory.mktemp("swarm") / "tiny3.gguf"
     return synth_model(path, arch="qwen3moe", preset="tiny", qtype="q4_k", seed=5, layers=3)

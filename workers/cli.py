@@ -6,7 +6,7 @@
 
 ``kvasir slice FILE --layer L --experts A-B [--layer L --experts A-B ...] -o SLICE.gguf``
 cuts the listed experts out of an MoE GGUF into a mini-GGUF a worker can serve
-(layout: :mod:`workers.slice_file`). Ranges are inclusive: ``--experts 0-7`` is eight experts,
+(layout: :mod:`modelfile.slice_file`). Ranges are inclusive: ``--experts 0-7`` is eight experts,
 ``--experts 5`` is one; ``--layer`` also takes a range (``0-3``) or ``all`` (every layer that
 has expert tensors), and so does ``--experts`` (``all``). Each ``--layer`` pairs with the
 ``--experts`` at the same position.
@@ -47,7 +47,7 @@ def _add_slice(subparsers: argparse._SubParsersAction) -> None:
 
 def _cmd_slice(args: argparse.Namespace) -> int:
     from workers.download import TerminalProgress
-    from workers.slicer import describe_holdings, parse_span, plan_slice, write_slice
+    from modelfile.slicer import describe_holdings, parse_span, plan_slice, write_slice
 
     if not args.layer and not args.experts:
         raise UsageError("give at least one --layer L --experts A-B pair")
@@ -126,7 +126,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from kvasir_bus.logs import configure
     from kvasir_bus.subjects import check_node
     from workers.runtime import WorkerConfig, default_node_id
-    from workers.slice_file import load_slice
+    from modelfile.slice_file import load_slice
 
     configure(args.log_level)
     volunteering = args.budget is not None or args.source is not None
@@ -162,7 +162,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvasir-worker-") as tmp:
         path = args.slice
         if args.model:
-            from workers.slicer import parse_span, plan_slice, write_slice
+            from modelfile.slicer import parse_span, plan_slice, write_slice
 
             if not args.layer or len(args.layer) != len(args.experts):
                 raise UsageError("with --model, give --layer L --experts A-B pairs")

@@ -1,7 +1,7 @@
 """Downloading a volunteer's experts: only their byte ranges, each slab verified, resumable.
 
 The market assigns half-open holdings ``(layer, lo, hi)``. :func:`plan_download` turns them
-into the slice a worker will serve (the exact layout of :mod:`workers.slice_file`, header
+into the slice a worker will serve (the exact layout of :mod:`modelfile.slice_file`, header
 written by the same code as ``kvasir slice``) and into one :class:`SlabJob` per
 (layer, expert, gate|up|down): where the slab lies in the source, its SHA-256 from the
 backbone's manifest, and where it goes in the slice file. The source's header must agree with
@@ -43,8 +43,8 @@ from gguf import GGML_QUANT_SIZES
 from kvasir_bus import codec
 from kvasir_bus.errors import KvasirError, ModelFileError, UsageError
 from kvasir_bus.market_codec import Manifest
-from workers.slice_file import KINDS, Holding, SliceInfo, load_slice, slice_tensor_name, source_tensor_name
-from workers.slicer import SlicePlan, SliceTensor, _write_header
+from modelfile.slice_file import KINDS, Holding, SliceInfo, load_slice, slice_tensor_name, source_tensor_name
+from modelfile.slicer import SlicePlan, SliceTensor, _write_header
 from workers.source import ByteCache, Identity, Source, TransientSourceError
 
 try:  # advisory locks: POSIX (Linux, Android, macOS); elsewhere two downloads must not share a dir

@@ -2,7 +2,7 @@
 
 A :class:`Worker` subscribes to exactly the dispatch subjects of the experts it holds
 (``kvasir.<model>.x.<layer>.<expert>``), answers each request with the expert function
-(:func:`workers.expert.expert_ffn`, the code the backbone runs for its own fallback), and
+(:func:`kernels.expert.expert_ffn`, the code the backbone runs for its own fallback), and
 announces its holdings on ``kvasir.<model>.coverage.<node>`` every few seconds.
 
 Every request is validated (model, layer, expert held, dtype, shape, size limits); a bad one
@@ -27,9 +27,9 @@ import structlog
 
 from kvasir_bus import __version__, codec
 from kvasir_bus.subjects import Subjects, parse_dispatch
-from workers.expert import expert_ffn
-from workers.kernels import backend_name
-from workers.slice_file import SliceInfo
+from kernels.expert import expert_ffn
+from kernels.backend import backend_name
+from modelfile.slice_file import SliceInfo
 
 log = structlog.get_logger("kvasir.worker")
 

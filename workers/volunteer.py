@@ -6,7 +6,7 @@
     bus      -> kvasir.<model>.manifest          (the backbone)   SHA-256 of every slab
     bus      -> kvasir.<model>.market.volunteer  (the market)     the scarcest range that fits
     source   -> only the assigned slabs, each verified             workers.download
-    disk     -> the slice, loaded                                  workers.slice_file.load_slice
+    disk     -> the slice, loaded                                  modelfile.slice_file.load_slice
 
 then the caller serves the slice with :class:`workers.runtime.Worker`. Every way this can
 fail ends in one clear :class:`~kvasir_bus.errors.KvasirError` line: no backbone or no market
@@ -32,7 +32,7 @@ from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.market_codec import Assignment, Manifest, VolunteerRequest
 from kvasir_bus.subjects import Subjects, check_model
 from workers.download import DownloadResult, TerminalProgress, download_slice, plan_download
-from workers.slice_file import SliceInfo
+from modelfile.slice_file import SliceInfo
 from workers.source import Identity, identify, open_source
 
 log = structlog.get_logger("kvasir.volunteer")

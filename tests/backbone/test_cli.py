@@ -15,7 +15,7 @@ pytest.importorskip("llama_cpp", reason="the backbone commands need llama.cpp's 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from backbone.synth import synth_model
+    from synth.model import synth_model
 
     return synth_model(tmp_path_factory.mktemp("cli") / "tiny.gguf", arch="mixtral", preset="tiny", qtype="q8_0", seed=4)
 

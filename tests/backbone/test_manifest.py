@@ -12,14 +12,14 @@ from kvasir_bus import market_codec
 from kvasir_bus.connect import connect
 from kvasir_bus.fingerprint import model_fingerprint
 from kvasir_bus.subjects import Subjects
-from workers.tensors import open_gguf, tensors_from_reader
+from kernels.tensors import open_gguf, tensors_from_reader
 
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from backbone.synth import synth_model
+    from synth.model import synth_model
 
     return synth_model(tmp_path_factory.mktemp("m") / "tiny.gguf", arch="qwen3moe", preset="tiny",
                        qtype="q8_0", seed=1)

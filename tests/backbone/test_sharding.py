@@ -18,7 +18,7 @@ from backbone.dispatch import BusExperts, DispatchConfig
 from backbone.generate import generate
 from backbone.model import Engine
 from backbone.sampling import Sampler, SamplerConfig
-from backbone.swarm import spawn_worker, wait_for_nodes
+from launch.swarm import spawn_worker, wait_for_nodes
 from kvasir_bus.fingerprint import model_fingerprint
 
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")

@@ -28,12 +28,12 @@ from kvasir_bus.logs import capture
 from kvasir_bus.subjects import Subjects
 from tests.model_cache import ModelCache
 from workers import download as dl
-from workers.expert import expert_ffn
+from kernels.expert import expert_ffn
 from workers.runtime import Worker, WorkerConfig
-from workers.slice_file import KINDS, load_slice
+from modelfile.slice_file import KINDS, load_slice
 from workers.source import (HEADER_FIRST, HEADER_STEP, ByteCache, NeedMore, SourceError, identify,
                             open_source, parse_header)
-from workers.tensors import tensors_from_reader
+from kernels.tensors import tensors_from_reader
 from workers.volunteer import NoFitError, VolunteerConfig, parse_size, volunteer
 
 H = codec.Holding  # half-open (layer, lo, hi), as the market assigns
@@ -114,7 +114,7 @@ def test_a_short_header_asks_for_more_and_never_past_the_header_end(tiny):
 def test_a_custom_alignment_is_honoured_and_bad_files_are_refused(tmp_path):
     from pathlib import Path
 
-    from tests.workers.test_slice import build_source
+    from tests.modelfile.test_slice import build_source
 
     path = Path(build_source(tmp_path / "aligned.gguf", alignment=64))
     with open_source(str(path)) as src:
@@ -145,7 +145,7 @@ def test_fingerprint_over_http_equals_model_fingerprint_of_the_file(which, reque
 
 
 def test_a_kvasir_slice_is_not_a_source(tiny, tmp_path):
-    from workers.slicer import plan_slice, write_slice
+    from modelfile.slicer import plan_slice, write_slice
 
     out = write_slice(plan_slice(tiny, [((0, 0), (0, 1))]), tmp_path / "s.gguf").path
     with pytest.raises(ModelFileError, match="kvasir slice"), open_source(out) as src:

@@ -12,18 +12,18 @@ import pytest
 from kvasir_bus import codec
 from kvasir_bus.connect import connect
 from kvasir_bus.subjects import Subjects
-from workers.expert import expert_ffn
+from kernels.expert import expert_ffn
 from workers.runtime import Worker, WorkerConfig
-from workers.slice_file import load_slice
-from workers.slicer import parse_span, plan_slice, write_slice
-from workers.tensors import open_gguf, tensors_from_reader
+from modelfile.slice_file import load_slice
+from modelfile.slicer import parse_span, plan_slice, write_slice
+from kernels.tensors import open_gguf, tensors_from_reader
 
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from backbone.synth import synth_model
+    from synth.model import synth_model
 
     path = tmp_path_factory.mktemp("m") / "tiny.gguf"
     return synth_model(path, arch="qwen3moe", preset="tiny", qtype="q8_0", seed=3)
@@ -146,7 +146,7 @@ def test_many_requests_in_flight_are_all_answered(nats_server, arun, slice_info,
 
 
 def test_sigterm_drains_and_exits_cleanly(nats_server, model, tmp_path):
-    from backbone.swarm import spawn_worker, wait_for_nodes
+    from launch.swarm import spawn_worker, wait_for_nodes
     from kvasir_bus.fingerprint import model_fingerprint
 
     log = open(tmp_path / "w.log", "w")

@@ -7,7 +7,7 @@ its GGUF quantization. The result is the expert's output before the router weigh
 (llama.cpp multiplies by the weight after ``down``).
 
 Rounding follows llama.cpp on CPU: each matmul rounds its input the ggml way
-(``workers/actquant.py``), ``silu(g) * u`` is rounded to float32 before ``down`` quantizes
+(``kernels/actquant.py``), ``silu(g) * u`` is rounded to float32 before ``down`` quantizes
 it. With the ggml backend the three matmuls and the SwiGLU run as one ggml graph, the same ops
 llama.cpp builds: ``ggml_mul_mat_id`` for routed experts (``build_moe_ffn``), ``ggml_mul_mat``
 for a shared expert (``build_ffn``). The two ops take different CPU paths for 2+ rows, so pick
@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from workers import kernels
-from workers.tensors import QTensor
+from kernels import backend as backends
+from kernels.tensors import QTensor
 
 
 def is_routed(w: QTensor) -> bool:
@@ -44,15 +44,15 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,
     gate/up have ne (n_embd, n_ff), down has ne (n_ff, n_embd). Pure function; the exact code
     a worker runs. ``routed``: compute as llama.cpp computes a routed expert (True) or a dense
     FFN / shared expert (False); None infers it from ``gate.name``. ``backend``: "ggml" or
-    "numpy", None for this process's default (``kernels.backend_name()``).
+    "numpy", None for this process's default (``kernels.backend.backend_name()``).
     Raises ValueError on mismatched shapes or unsupported types.
     """
-    x = kernels.check_ffn(gate, up, down, x)
+    x = backends.check_ffn(gate, up, down, x)
     if routed is None:
         routed = is_routed(gate)
-    impl = kernels.get_backend(backend)
+    impl = backends.get_backend(backend)
     if impl.name == "ggml":
-        from workers import ggml
+        from kernels import ggml
 
         return ggml.expert_ffn(gate, up, down, x, routed=routed)
     g = impl.matmul(gate, x, routed=routed)  # (n, n_ff)

@@ -30,7 +30,7 @@ the row llama.cpp computes for that token when it evaluates the sequence in one 
 ``min_rows=1`` for the row llama.cpp computes when it decodes that token alone). With 2 rows or
 more a row's result does not depend on the other rows, so long chunks run in pieces.
 
-Like ``workers/ggml.py``: ggml aborts the process on a failed assertion, so every input is
+Like ``kernels/ggml.py``: ggml aborts the process on a failed assertion, so every input is
 checked in Python first; contexts are metadata-only and sized from the number of tensors;
 built graphs are kept in a per-thread LRU keyed by their shapes and only rebound per call.
 """
@@ -44,7 +44,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from workers import ggml as _g
+from kernels import ggml as _g
 
 N_KV_PAD = 256  # llama_kv_cache::get_n_kv pads the cells the graph sees to a multiple of this
 GGML_PREC_F32 = 10
@@ -146,7 +146,7 @@ MAX_KQ_BYTES = 64 << 20  # bound on the KQ scores (and their softmax) of one att
 
 def _threads(work: int) -> int:
     """Threads for a graph of about ``work`` multiply-adds: env KVASIR_THREADS (as
-    ``workers.ggml.n_threads``), else the CPU count; 1 for small graphs. Results do not depend on
+    ``kernels.ggml.n_threads``), else the CPU count; 1 for small graphs. Results do not depend on
     it: each output element is computed by one thread in a fixed order."""
     value = os.environ.get(_g.ENV_THREADS)
     n = _g.n_threads() if value else _CPU_COUNT
@@ -261,7 +261,7 @@ class _Graph:
 
 
 def _run_cached(key: tuple, build, arrays) -> None:
-    """Like workers.ggml's: the same per-thread graph cache and work buffer serve both."""
+    """Like kernels.ggml's: the same per-thread graph cache and work buffer serve both."""
     cache = _g._graphs()
     graph = cache.get(key)
     cached = True

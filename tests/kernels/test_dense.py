@@ -1,17 +1,18 @@
-"""Attention through ggml (backbone/attn_ggml.py): the same math as ops.attention, llama.cpp's rounding."""
+"""Attention through ggml (backbone/dense.py): the same math as ops.attention, llama.cpp's rounding."""
 
 import numpy as np
 import pytest
 
-from backbone import attn_ggml, ops
+from kernels import dense
+from backbone import ops
 
-pytestmark = pytest.mark.skipif(not attn_ggml.available(), reason="ggml (llama-cpp-python) is not installed")
+pytestmark = pytest.mark.skipif(not dense.available(), reason="ggml (llama-cpp-python) is not installed")
 
 
 def make_cache(rng, S, Hkv, Dh, cells=None, garbage=False):
     """K (cells, Hkv*Dh) and transposed V (Hkv*Dh, cells) f16 caches holding S random cells, plus
     the same keys/values as (Hkv, S, Dh) for ops.attention."""
-    cells = cells or attn_ggml.cache_cells_for(S)
+    cells = cells or dense.cache_cells_for(S)
     k = rng.standard_normal((S, Hkv, Dh)).astype(np.float16)
     v = rng.standard_normal((S, Hkv, Dh)).astype(np.float16)
     fill = (lambda shape: rng.standard_normal(shape).astype(np.float16)) if garbage else \
@@ -28,7 +29,7 @@ def test_matches_numpy_attention(L, q_pos0, H, Hkv, Dh):
     rng = np.random.default_rng(L + q_pos0)
     kc, vc, k, v = make_cache(rng, q_pos0 + L, Hkv, Dh)
     q = rng.standard_normal((L, H, Dh)).astype(np.float32)
-    ours = attn_ggml.attention(q, kc, vc, q_pos0)
+    ours = dense.attention(q, kc, vc, q_pos0)
     assert ours.shape == (L, H * Dh) and ours.dtype == np.float32
     np.testing.assert_allclose(ours, ops.attention(q, k, v, q_pos0), rtol=0, atol=1e-3)
 
@@ -43,7 +44,7 @@ def test_hand_case_exact():
     vc[:, 3:] = 1000  # cells past the chunk are masked: their (finite) values must not leak
     kc[3:] = 7
     q = np.zeros((2, H, Dh), np.float32)  # all scores 0: a uniform softmax over the visible cells
-    out = attn_ggml.attention(q, kc, vc, q_pos0=0)  # rows see cells {0} and {0, 1}
+    out = dense.attention(q, kc, vc, q_pos0=0)  # rows see cells {0} and {0, 1}
     np.testing.assert_array_equal(out[0], V[0].astype(np.float32))
     np.testing.assert_array_equal(out[1], (V[0].astype(np.float32) + V[1]) / 2)
     # One key far ahead of the others: its probability is 1, the others underflow to 0.
@@ -51,7 +52,7 @@ def test_hand_case_exact():
     kc[2, 0] = 64
     q = np.zeros((1, H, Dh), np.float32)
     q[0, 0, 0] = 64  # score 64*64/4 = 1024 against 0
-    out = attn_ggml.attention(q, kc, vc, q_pos0=2)
+    out = dense.attention(q, kc, vc, q_pos0=2)
     np.testing.assert_array_equal(out[0], V[2].astype(np.float32))
 
 
@@ -59,12 +60,12 @@ def test_deterministic_and_independent_of_threads(monkeypatch):
     rng = np.random.default_rng(5)
     kc, vc, _, _ = make_cache(rng, 300, 2, 64)
     q = rng.standard_normal((20, 8, 64)).astype(np.float32)
-    first = attn_ggml.attention(q, kc, vc, 280)
-    np.testing.assert_array_equal(attn_ggml.attention(q, kc, vc, 280), first)
-    monkeypatch.setattr(attn_ggml, "SMALL_WORK", 0)
+    first = dense.attention(q, kc, vc, 280)
+    np.testing.assert_array_equal(dense.attention(q, kc, vc, 280), first)
+    monkeypatch.setattr(dense, "SMALL_WORK", 0)
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("KVASIR_THREADS", threads)
-        np.testing.assert_array_equal(attn_ggml.attention(q, kc, vc, 280), first)
+        np.testing.assert_array_equal(dense.attention(q, kc, vc, 280), first)
 
 
 def test_masked_cells_add_exact_zeros():
@@ -73,9 +74,9 @@ def test_masked_cells_add_exact_zeros():
     rng = np.random.default_rng(6)
     kc, vc, _, _ = make_cache(rng, 100, 2, 32, cells=768, garbage=True)
     q = rng.standard_normal((9, 4, 32)).astype(np.float32)
-    base = attn_ggml.attention(q, kc, vc, 91, n_kv=256)
+    base = dense.attention(q, kc, vc, 91, n_kv=256)
     for n_kv in (512, 768):
-        np.testing.assert_array_equal(attn_ggml.attention(q, kc, vc, 91, n_kv=n_kv), base)
+        np.testing.assert_array_equal(dense.attention(q, kc, vc, 91, n_kv=n_kv), base)
 
 
 def test_decode_row_equals_the_batch_row():
@@ -84,36 +85,36 @@ def test_decode_row_equals_the_batch_row():
     rng = np.random.default_rng(7)
     kc, vc, _, _ = make_cache(rng, 30, 2, 64)
     q = rng.standard_normal((12, 8, 64)).astype(np.float32)
-    batch = attn_ggml.attention(q, kc, vc, 18)
+    batch = dense.attention(q, kc, vc, 18)
     for i in (0, 5, 11):
-        np.testing.assert_array_equal(attn_ggml.attention(q[i:i + 1], kc, vc, 18 + i), batch[i:i + 1])
+        np.testing.assert_array_equal(dense.attention(q[i:i + 1], kc, vc, 18 + i), batch[i:i + 1])
 
 
 def test_long_chunks_in_pieces_give_the_same_rows(monkeypatch):
     rng = np.random.default_rng(12)
     kc, vc, _, _ = make_cache(rng, 300, 2, 32)
     q = rng.standard_normal((41, 4, 32)).astype(np.float32)
-    whole = attn_ggml.attention(q, kc, vc, 259)
+    whole = dense.attention(q, kc, vc, 259)
     for budget in (8 * 512 * 4 * 2, 8 * 512 * 4 * 7, 1):  # pieces of 2, 7 and (at least) 2 rows
-        monkeypatch.setattr(attn_ggml, "MAX_KQ_BYTES", budget)
-        np.testing.assert_array_equal(attn_ggml.attention(q, kc, vc, 259), whole)
+        monkeypatch.setattr(dense, "MAX_KQ_BYTES", budget)
+        np.testing.assert_array_equal(dense.attention(q, kc, vc, 259), whole)
 
 
 def test_n_kv_like_llama_cpp():
-    assert attn_ggml.n_kv_for(1, 256) == 256
-    assert attn_ggml.n_kv_for(256, 256) == 256
-    assert attn_ggml.n_kv_for(257, 1024) == 512
-    assert attn_ggml.n_kv_for(300, 300) == 300  # capped by the cache
-    assert attn_ggml.cache_cells_for(1) == 256
-    assert attn_ggml.cache_cells_for(600) == 768
-    assert attn_ggml.cache_cells_for(600, n_ctx=300) == 512
+    assert dense.n_kv_for(1, 256) == 256
+    assert dense.n_kv_for(256, 256) == 256
+    assert dense.n_kv_for(257, 1024) == 512
+    assert dense.n_kv_for(300, 300) == 300  # capped by the cache
+    assert dense.cache_cells_for(1) == 256
+    assert dense.cache_cells_for(600) == 768
+    assert dense.cache_cells_for(600, n_ctx=300) == 512
 
 
 def test_bad_inputs_raise_instead_of_aborting():
     rng = np.random.default_rng(8)
     kc, vc, _, _ = make_cache(rng, 10, 2, 16)
     q = rng.standard_normal((2, 4, 16)).astype(np.float32)
-    attn_ggml.attention(q, kc, vc, 8)
+    dense.attention(q, kc, vc, 8)
     bad = [
         (q, kc.astype(np.float32), vc, 8),  # K cache not f16
         (q, kc, vc.T, 8),  # V not transposed (or not contiguous)
@@ -126,9 +127,9 @@ def test_bad_inputs_raise_instead_of_aborting():
     ]
     for args in bad:
         with pytest.raises(ValueError):
-            attn_ggml.attention(*args)
+            dense.attention(*args)
     with pytest.raises(ValueError):
-        attn_ggml.attention(q, kc, vc, 8, n_kv=9)  # fewer cells than positions used
+        dense.attention(q, kc, vc, 8, n_kv=9)  # fewer cells than positions used
 
 
 def test_rope_is_ggml_and_close_to_numpy():
@@ -137,14 +138,14 @@ def test_rope_is_ggml_and_close_to_numpy():
     q = rng.standard_normal((300, 4, 64)).astype(np.float32)
     k = rng.standard_normal((300, 2, 64)).astype(np.float32)
     for style in ("neox", "norm"):
-        rq, rk = attn_ggml.rope_qk(q, k, pos, 64, style, 10000.0)
+        rq, rk = dense.rope_qk(q, k, pos, 64, style, 10000.0)
         cos, sin = ops.rope_cache(pos, 64, 10000.0)
         np.testing.assert_allclose(rq, ops.rope(q, cos, sin, style), rtol=0, atol=1e-5)
         np.testing.assert_allclose(rk, ops.rope(k, cos, sin, style), rtol=0, atol=1e-5)
         np.testing.assert_array_equal(rq[0], q[0])  # position 0 rotates by nothing
-        np.testing.assert_array_equal(attn_ggml.rope(k, pos, 64, style, 10000.0), rk)
+        np.testing.assert_array_equal(dense.rope(k, pos, 64, style, 10000.0), rk)
     # Partial rotation: the dimensions past n_rot pass through.
-    r = attn_ggml.rope(q, pos, 32, "neox", 10000.0)
+    r = dense.rope(q, pos, 32, "neox", 10000.0)
     np.testing.assert_array_equal(r[..., 32:], q[..., 32:])
 
 
@@ -153,13 +154,13 @@ def test_numpy_rms_norm_equals_ggml():
     for shape in [(40, 256), (5, 4, 64), (3, 2048)]:
         x = (rng.standard_normal(shape) * rng.uniform(1e-3, 10, shape[:-1] + (1,))).astype(np.float32)
         w = rng.standard_normal(shape[-1]).astype(np.float32)
-        np.testing.assert_array_equal(ops.rms_norm(x, w, 1e-6), attn_ggml.rms_norm(x, w, 1e-6))
+        np.testing.assert_array_equal(ops.rms_norm(x, w, 1e-6), dense.rms_norm(x, w, 1e-6))
 
 
 def test_engine_paths_agree_and_cache_layout(models):
     from backbone.model import Engine
 
-    from workers.kernels import backend_name
+    from kernels.backend import backend_name
 
     engine = Engine(models("qwen3moe", "q8_0"))
     assert engine.ggml_attention == (backend_name() == "ggml")

@@ -1,9 +1,9 @@
 """Quantized matmul ``W x`` as llama.cpp's CPU backend computes it, in two backends.
 
 - ``ggml``: llama.cpp's own kernels, called through ctypes on the GGUF bytes
-  (``workers/ggml.py``). Bit-identical to llama.cpp on this CPU. Needs llama-cpp-python.
+  (``kernels/ggml.py``). Bit-identical to llama.cpp on this CPU. Needs llama-cpp-python.
 - ``numpy``: dequantise W once (cached), round the activations the way ggml does before its
-  dot products (``workers/actquant.py``), accumulate in float64 and round to float32 once.
+  dot products (``kernels/actquant.py``), accumulate in float64 and round to float32 once.
   Matches ggml to ~1e-6 relative; a row's result does not depend on the other rows in the
   batch. Needs only numpy and gguf: what a phone worker runs.
 
@@ -25,8 +25,8 @@ from typing import Protocol
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from workers import actquant
-from workers.tensors import QTensor
+from kernels import actquant
+from kernels.tensors import QTensor
 
 T = GGMLQuantizationType
 
@@ -214,12 +214,12 @@ class NumpyBackend:
 # --- ggml backend -----------------------------------------------------------------------------
 
 class GgmlBackend:
-    """llama.cpp's CPU kernels through ctypes (``workers/ggml.py``)."""
+    """llama.cpp's CPU kernels through ctypes (``kernels/ggml.py``)."""
 
     name = "ggml"
 
     def __init__(self):
-        from workers import ggml
+        from kernels import ggml
 
         ggml.load()  # raises GgmlUnavailable
         self._ggml = ggml
@@ -244,7 +244,7 @@ def get_backend(name: str | None = None) -> Backend:
     """The backend called ``name`` ("ggml" or "numpy"), or this process's default for None.
 
     The default follows env KVASIR_KERNEL (auto | ggml | numpy), read once. Raises
-    ``workers.ggml.GgmlUnavailable`` when ggml is asked for and cannot be loaded.
+    ``kernels.ggml.GgmlUnavailable`` when ggml is asked for and cannot be loaded.
     """
     global _default
     if name is None:
@@ -271,7 +271,7 @@ def _select_default() -> Backend:
         return get_backend(choice)
     if choice != "auto":
         raise ValueError(f"{ENV_KERNEL}={choice!r}: expected auto, ggml or numpy")
-    from workers.ggml import GgmlUnavailable
+    from kernels.ggml import GgmlUnavailable
 
     try:
         return get_backend("ggml")

@@ -20,9 +20,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, GGUFReader, GGUFVa
 from kvasir_bus.cli import main  # noqa: E402
 from kvasir_bus.errors import ModelFileError  # noqa: E402
 from kvasir_bus.fingerprint import SLICE_SOURCE_KEY, compute_fingerprint, model_fingerprint  # noqa: E402
-from workers import slicer  # noqa: E402
-from workers.slice_file import KEYS, Holding, load_slice  # noqa: E402
-from workers.tensors import tensors_from_reader  # noqa: E402
+from modelfile import slicer  # noqa: E402
+from modelfile.slice_file import KEYS, Holding, load_slice  # noqa: E402
+from kernels.tensors import tensors_from_reader  # noqa: E402
 
 N_EMBD, N_FF, N_EXP = 96, 36, 8
 LAYER_TYPES = {1: (T.Q8_0, T.Q8_0, T.F32), 2: (T.F16, T.F16, T.F16)}
@@ -411,7 +411,7 @@ def test_one_q4k_expert_of_122b_shape_is_5308416_bytes(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def synth_122b_layer(tmp_path_factory) -> str:
-    synth = pytest.importorskip("backbone.synth")
+    synth = pytest.importorskip("synth.model")
     pytest.importorskip("llama_cpp")
     path = tmp_path_factory.mktemp("synth122b") / "122b-layer-q4_k.gguf"
     # the preset's per-expert shapes with 8 experts instead of 256: 42 MB, not 1.4 GB, to build

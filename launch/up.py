@@ -28,7 +28,7 @@ from backbone.dispatch import DispatchConfig
 from backbone.service import BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
-from backbone.swarm import WorkerProcess, spawn_worker, split_experts, wait_for_nodes
+from launch.swarm import WorkerProcess, spawn_worker, split_experts, wait_for_nodes
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.fingerprint import model_fingerprint
 

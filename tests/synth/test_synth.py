@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from backbone import cli_synth, synth, vocab
+from synth import cli as cli_synth, model as synth, vocab
 from kvasir_bus.cli import main
-from workers.tensors import open_gguf, tensor_from_reader, tensors_from_reader
+from kernels.tensors import open_gguf, tensor_from_reader, tensors_from_reader
 
 ARCHS = ("qwen3moe", "qwen2moe", "mixtral")
 TEXT = b"The quick brown fox jumps over the lazy dog. Hello world!"

@@ -1,7 +1,7 @@
 """Synthetic Mixture-of-Experts GGUF models: random weights, real shapes, loadable by llama.cpp.
 
 ``synth_model(path, arch, preset, qtype, seed, **overrides)`` writes a model that llama.cpp
-(llama-cpp-python) loads and runs, with a byte-level BPE tokenizer (:mod:`backbone.vocab`), so
+(llama-cpp-python) loads and runs, with a byte-level BPE tokenizer (:mod:`synth.vocab`), so
 text prompts work end to end. Three architecture families:
 
 - ``qwen3moe``: per-head RMS norm on Q and K (``attn_q_norm``/``attn_k_norm``), untied output.
@@ -45,7 +45,7 @@ import numpy as np
 import gguf
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, LlamaFileType
 
-from backbone import vocab as vocab_mod
+from synth import vocab as vocab_mod
 from kvasir_bus.errors import DependencyError, ModelFileError, UsageError
 
 SYNTH_VERSION = 1  # bump when the same config would produce different bytes
@@ -537,7 +537,7 @@ def describe_model(path: str | os.PathLike) -> dict:
     missing, truncated or corrupt file, or one without routed experts.
     """
     from kvasir_bus.fingerprint import model_fingerprint
-    from workers.tensors import open_gguf
+    from kernels.tensors import open_gguf
 
     path = Path(path)
     reader = open_gguf(path)

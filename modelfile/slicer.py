@@ -3,7 +3,7 @@
 In a GGUF the expert index is the outermost dimension of ``blk.L.ffn_{gate,up,down}_exps``,
 so experts ``A..B`` of one tensor are the single contiguous range
 ``[start + A*nb2, start + (B+1)*nb2)`` with ``nb2 = ne[1] * row_bytes``. A slice is those
-ranges copied verbatim (layout: :mod:`workers.slice_file`). The copy streams through one
+ranges copied verbatim (layout: :mod:`modelfile.slice_file`). The copy streams through one
 bounded buffer (:data:`CHUNK_BYTES`), so a source larger than RAM slices in constant memory;
 the source is read with plain ``read`` calls, not through the memory map, so the pages copied
 never count as this process' resident memory.
@@ -28,9 +28,9 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType,
 
 from kvasir_bus.errors import ModelFileError, UsageError
 from kvasir_bus.fingerprint import model_fingerprint
-from workers.slice_file import (KEYS, KINDS, SLICE_VERSION, Holding, slice_from_reader, slice_tensor_name,
+from modelfile.slice_file import (KEYS, KINDS, SLICE_VERSION, Holding, slice_from_reader, slice_tensor_name,
                                 source_tensor_name)
-from workers.tensors import open_gguf
+from kernels.tensors import open_gguf
 
 CHUNK_BYTES = 8 << 20  # the copy buffer: the most memory the byte copy ever uses
 _VERIFY_BYTES = 4096  # bytes compared with the source at each end of every tensor after writing

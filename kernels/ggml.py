@@ -14,7 +14,7 @@ and output. Threads share no ggml state: any number of Python threads may call a
 function therefore checks shapes, types and byte counts in Python first and raises
 ``ValueError``, and sizes each context from the number of tensors it will hold.
 
-Which CPU path ggml takes (it decides the rounding, see ``workers/actquant.py``):
+Which CPU path ggml takes (it decides the rounding, see ``kernels/actquant.py``):
 ``ggml_mul_mat`` uses llamafile's tinyBLAS for F32/F16/Q8_0/Q4_0/... weights when there are at
 least 2 rows, the "tiled" kernel for K-quants and most IQ types at 8 rows or more, and
 ``vec_dot`` otherwise. ``ggml_mul_mat_id`` (llama.cpp's routed experts) never uses tinyBLAS:
@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from workers.kernels import ACT_FORMAT, check_ffn, check_rows, check_weight
-from workers.tensors import QTensor
+from kernels.backend import ACT_FORMAT, check_ffn, check_rows, check_weight
+from kernels.tensors import QTensor
 
 T = GGMLQuantizationType
 

@@ -14,7 +14,7 @@ pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.c
 
 
 def test_up_runs_the_swarm_and_checks_it_against_the_monolithic_run(tmp_path):
-    from backbone.synth import synth_model
+    from synth.model import synth_model
 
     model = synth_model(tmp_path / "m.gguf", arch="qwen2moe", preset="tiny", qtype="q8_0", seed=9)
     db = tmp_path / "ledger.db"

@@ -12,7 +12,7 @@ import sys
 import time
 
 # The choices, repeated here so the parser needs no numpy; a test checks they match
-# backbone.synth's tables.
+# synth.model's tables.
 ARCH_CHOICES = ("qwen3moe", "qwen2moe", "mixtral")
 PRESET_CHOICES = ("tiny", "small", "122b-layer")
 TYPE_CHOICES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
@@ -62,7 +62,7 @@ def register(subparsers) -> None:
 
 
 def run_synth(args: argparse.Namespace) -> int:
-    from backbone import synth
+    from synth import model as synth
 
     overrides = {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
                  for flag, _ in _SIZE_FLAGS}
@@ -83,7 +83,7 @@ def run_synth(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
-    from backbone.synth import describe_model
+    from synth.model import describe_model
 
     info = describe_model(args.file)
     if args.json:
@@ -113,7 +113,7 @@ def run_info(args: argparse.Namespace) -> int:
 
 def _fallback_summary(fallbacks: dict[str, tuple[str, str]]) -> str:
     """One line: which tensor groups could not take the asked type, and what they got."""
-    from backbone.synth import tensor_group
+    from synth.model import tensor_group
 
     groups: dict[tuple[str, str, str], int] = {}
     for name, (asked, got) in fallbacks.items():

@@ -31,7 +31,7 @@ Metadata (besides ``general.architecture``, copied from the source; :data:`KEYS`
 =====================================  ======  ==============================================
 
 :func:`load_slice` memory-maps a slice, checks all of the above and hands out one expert's
-three weight matrices as 2-D :class:`~workers.tensors.QTensor` views of the mapped bytes.
+three weight matrices as 2-D :class:`~kernels.tensors.QTensor` views of the mapped bytes.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from kvasir_bus.errors import ModelFileError
 from kvasir_bus.fingerprint import SLICE_SOURCE_KEY
-from workers.tensors import QTensor, open_gguf, tensors_from_reader
+from kernels.tensors import QTensor, open_gguf, tensors_from_reader
 
 SLICE_VERSION = 1
 KINDS = ("gate", "up", "down")

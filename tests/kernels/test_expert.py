@@ -17,9 +17,9 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize as gguf_quantize
 
-import workers  # noqa: F401  (thread settings before numpy work)
-from workers.expert import expert_ffn, is_routed, silu_mul
-from workers.tensors import QTensor
+import kernels  # noqa: F401  (thread settings before numpy work)
+from kernels.expert import expert_ffn, is_routed, silu_mul
+from kernels.tensors import QTensor
 
 N_EMBD, N_FF = 512, 256
 NEAR = 2e-4
@@ -39,7 +39,7 @@ def _quantized(name: str, w: np.ndarray, t: T) -> QTensor:
     if t in (T.F16, T.Q8_0, T.Q4_0):
         data = np.ascontiguousarray(gguf_quantize(w, t)).view(np.uint8).reshape(-1)
     else:
-        from workers import ggml
+        from kernels import ggml
 
         data = ggml.quantize(w, t)
     return QTensor(name, t, (w.shape[1], w.shape[0]), data)
@@ -58,7 +58,7 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 @pytest.fixture(scope="module")
 def ggml():
     pytest.importorskip("llama_cpp", reason="ggml backend needs llama-cpp-python (pip install '.[backbone]')")
-    from workers import ggml
+    from kernels import ggml
 
     if not ggml.available():
         pytest.skip("llama_cpp is installed but its ggml libraries do not load")

@@ -19,10 +19,10 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize as gguf_quantize
 
-import workers  # noqa: F401  (thread settings before numpy work)
-from workers import actquant, kernels
-from workers.kernels import DequantCache, NumpyBackend
-from workers.tensors import QTensor
+import kernels  # noqa: F401  (thread settings before numpy work)
+from kernels import actquant, backend as backends
+from kernels.backend import DequantCache, NumpyBackend
+from kernels.tensors import QTensor
 
 REPO = Path(__file__).resolve().parents[2]
 NEAR = 2e-6  # numpy vs ggml, relative to the largest output; measured <= 3e-7
@@ -43,7 +43,7 @@ def _gguf_tensor(w: np.ndarray, t: T, name: str = "w") -> QTensor:
 
 
 def _ggml_tensor(w: np.ndarray, t: T, name: str = "w") -> QTensor:
-    from workers import ggml
+    from kernels import ggml
 
     return QTensor(name, t, (w.shape[1], w.shape[0]), ggml.quantize(w, t))
 
@@ -51,7 +51,7 @@ def _ggml_tensor(w: np.ndarray, t: T, name: str = "w") -> QTensor:
 @pytest.fixture(scope="module")
 def ggml():
     pytest.importorskip("llama_cpp", reason="ggml backend needs llama-cpp-python (pip install '.[backbone]')")
-    from workers import ggml
+    from kernels import ggml
 
     if not ggml.available():
         pytest.skip("llama_cpp is installed but its ggml libraries do not load")
@@ -146,7 +146,7 @@ def test_activation_quantizers_match_ggml_cpu_bytes(ggml):
 
 def test_activation_format_table_matches_ggml(ggml):
     names = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q8_1": T.Q8_1, "q8_K": T.Q8_K}
-    for weight_type, fmt in kernels.ACT_FORMAT.items():
+    for weight_type, fmt in backends.ACT_FORMAT.items():
         assert ggml.vec_dot_type(weight_type) == names[fmt], weight_type.name
 
 
@@ -165,10 +165,10 @@ def test_numpy_matmul_rows_do_not_depend_on_the_batch(qtype):
 
 
 def test_numpy_backend_works_without_llama_cpp():
-    code = ("import numpy as np; from workers import kernels; from workers.tensors import QTensor;"
+    code = ("import numpy as np; from kernels import backend; from kernels.tensors import QTensor;"
             "from gguf import GGMLQuantizationType as T;"
             "w = QTensor('w', T.F32, (32, 2), np.ones((2, 32), np.float32).view(np.uint8).reshape(-1));"
-            "print(kernels.backend_name(), kernels.matmul(w, np.ones((1, 32), np.float32)).tolist())")
+            "print(backend.backend_name(), backend.matmul(w, np.ones((1, 32), np.float32)).tolist())")
     env = dict(os.environ, KVASIR_GGML_LIB_DIR="/nonexistent", KVASIR_KERNEL="auto", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -176,14 +176,14 @@ def test_numpy_backend_works_without_llama_cpp():
 
 
 def test_kernel_env_rejects_unknown_backend(monkeypatch):
-    monkeypatch.setattr(kernels, "_default", None)
+    monkeypatch.setattr(backends, "_default", None)
     monkeypatch.setenv("KVASIR_KERNEL", "cuda")
     with pytest.raises(ValueError, match="KVASIR_KERNEL"):
-        kernels.backend_name()
+        backends.backend_name()
     monkeypatch.setenv("KVASIR_KERNEL", "numpy")
-    assert kernels.backend_name() == "numpy"
+    assert backends.backend_name() == "numpy"
     with pytest.raises(ValueError, match="unknown kernel backend"):
-        kernels.get_backend("blas")
+        backends.get_backend("blas")
 
 
 def test_dequant_cache_is_bounded_by_bytes():
@@ -231,19 +231,19 @@ def weights_by_type(ggml):
 def test_numpy_matches_ggml(ggml, weights_by_type, qtype, n):
     w = weights_by_type[qtype]
     x = _weights(n, 256, seed=n)
-    expected = kernels.matmul(w, x, backend="ggml")
+    expected = backends.matmul(w, x, backend="ggml")
     assert expected.shape == (n, 64) and expected.dtype == np.float32
     for routed in (False, True):
-        assert _rel(kernels.get_backend("numpy").matmul(w, x, routed=routed), expected) < NEAR
+        assert _rel(backends.get_backend("numpy").matmul(w, x, routed=routed), expected) < NEAR
 
 
 def test_activation_rounding_is_what_closes_the_gap_on_q4_k(ggml, weights_by_type):
     w = weights_by_type[T.Q4_K]
     x = _weights(7, 256, seed=7)
-    expected = kernels.matmul(w, x, backend="ggml")
+    expected = backends.matmul(w, x, backend="ggml")
     plain = x @ w.f32().T
     assert _rel(plain, expected) > 1e-3  # measured ~8e-3
-    assert _rel(kernels.matmul(w, x, backend="numpy"), expected) < NEAR
+    assert _rel(backends.matmul(w, x, backend="numpy"), expected) < NEAR
 
 
 def test_gguf_and_ggml_quantizers_agree_on_q8_0(ggml):
@@ -254,8 +254,8 @@ def test_gguf_and_ggml_quantizers_agree_on_q8_0(ggml):
 def test_ggml_is_deterministic(ggml, weights_by_type):
     x = _weights(64, 256, seed=3)
     for t in (T.Q4_K, T.F16, T.Q8_0):
-        a = kernels.matmul(weights_by_type[t], x, backend="ggml")
-        b = kernels.matmul(weights_by_type[t], x, backend="ggml")
+        a = backends.matmul(weights_by_type[t], x, backend="ggml")
+        b = backends.matmul(weights_by_type[t], x, backend="ggml")
         assert np.array_equal(a, b)
 
 
@@ -299,8 +299,8 @@ def test_expert_slab_of_a_3d_tensor_multiplies_like_a_2d_tensor(ggml):
     exps = QTensor("blk.0.ffn_up_exps.weight", T.Q4_K, (256, 64, 2), both)
     x = _weights(3, 256, seed=3)
     for backend in ("ggml", "numpy"):
-        assert np.array_equal(kernels.matmul(exps.expert(1), x, backend=backend),
-                              kernels.matmul(_ggml_tensor(w1, T.Q4_K), x, backend=backend))
+        assert np.array_equal(backends.matmul(exps.expert(1), x, backend=backend),
+                              backends.matmul(_ggml_tensor(w1, T.Q4_K), x, backend=backend))
 
 
 def test_ggml_info_reports_version(ggml):
@@ -315,7 +315,7 @@ def test_wrong_shapes_and_types_raise_value_error(backend):
     if backend == "ggml":
         pytest.importorskip("llama_cpp", reason="ggml backend needs llama-cpp-python")
     w = _gguf_tensor(_weights(64, 256), T.Q8_0)
-    mm = kernels.get_backend(backend).matmul
+    mm = backends.get_backend(backend).matmul
     with pytest.raises(ValueError, match=r"shape \(n>=1, 256\)"):
         mm(w, np.zeros((2, 128), np.float32))
     with pytest.raises(ValueError, match="shape"):
@@ -354,7 +354,7 @@ def test_ggml_graph_cache_keeps_same_shaped_weights_apart(ggml):
     assert not np.array_equal(ya, yb)
     for _ in range(2):
         assert np.array_equal(ggml.matmul(a, x), ya) and np.array_equal(ggml.matmul(b, x), yb)
-    np.testing.assert_allclose(ya, kernels.matmul(a, x, backend="numpy"), rtol=0, atol=NEAR * np.abs(ya).max())
+    np.testing.assert_allclose(ya, backends.matmul(a, x, backend="numpy"), rtol=0, atol=NEAR * np.abs(ya).max())
 
 
 def test_ggml_graph_cache_is_bounded(ggml):
