@@ -1,0 +1,190 @@
+"""Audits of remote expert replies: the backbone checks strangers with its own replica.
+
+The backbone holds every expert, so it can recompute any reply itself (BOINC's validation idea,
+with the backbone as the reference instead of a vote). Which replies are audited:
+
+* every reply of a node still on probation (its first ``probation`` replies);
+* after that, one reply chosen at random in every window of ``ceil(1 / rate)`` consecutive
+  replies of that node *on that layer* — so a node that lies on every reply of a layer is caught
+  within one window of its first lie there, whatever the layer and however long it was honest,
+  and it cannot tell which reply is the audited one;
+* ``rate = 1`` audits every reply; ``rate = 0`` audits none (probation included): a trusted
+  swarm at full speed, with no guarantee.
+
+An audited reply is *replaced* by the backbone's own result, so ``rate = 1`` is exact by
+construction. How it is compared depends on the kernel the worker announced (heartbeat and reply
+carry a label such as ``ggml-x86_64`` or ``numpy-aarch64``, see :func:`kernel_label`):
+
+* a kernel the backbone runs on the same CPU architecture (ggml or numpy): the backbone recomputes
+  the reply *with that kernel* and demands identical bits;
+* any other (ggml on ARM against an x86 backbone, a GPU kernel): the backbone recomputes with its
+  own kernel and accepts a relative L2 error up to :data:`CROSS_KERNEL_TOLERANCE` of the expert's
+  weight type. Kernels round activations alike but sum in other orders, and a value that lands on
+  a rounding boundary flips a whole quant step, so the bound must be loose (measured in
+  ``tests/backbone/test_audit.py``): a liar whose error stays below it is not caught.
+
+A failed audit quarantines the node: its replies are ignored from then on.
+
+Pure logic: no I/O, no clock; the caller computes the reference and publishes the verdicts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+#: Largest relative L2 error ``|reply - reference| / |reference|`` accepted from a worker whose
+#: kernel the backbone cannot rerun, per weight type of the expert. Measured worst case of numpy
+#: vs ggml (two kernels that sum in different orders) over the tiny and small presets, 1/3/16
+#: rows: f32 2.3e-7, f16 3.0e-5; quantized types up to 2.6e-3 (Q5_K, small), because a value on a
+#: rounding boundary of the activation quantization flips a whole quant step. Each bound is about
+#: 4x the worst measured difference or more.
+CROSS_KERNEL_TOLERANCE: dict[int, float] = {QT.F32: 1e-5, QT.F16: 2e-4, QT.BF16: 2e-4}
+#: For every quantized weight type.
+QUANTIZED_TOLERANCE = 1e-2
+
+DEFAULT_RATE = 0.1
+DEFAULT_PROBATION = 16
+
+
+@dataclass(frozen=True)
+class AuditConfig:
+    """``rate``: fraction of remote replies recomputed (0..1); ``probation``: how many first
+    replies of a node are all audited; ``seed``: for tests (None: unpredictable)."""
+
+    rate: float = DEFAULT_RATE
+    probation: int = DEFAULT_PROBATION
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.rate <= 1.0 or math.isnan(self.rate):
+            raise ValueError(f"audit rate must be between 0 and 1, got {self.rate}")
+        if self.probation < 0:
+            raise ValueError(f"audit probation must be >= 0, got {self.probation}")
+
+    @property
+    def window(self) -> int:
+        """Replies per window of a node on a layer, one of which is audited (0: never)."""
+        return math.ceil(1.0 / self.rate) if self.rate > 0 else 0
+
+    @property
+    def max_replies_to_catch(self) -> int:
+        """A node that lies on every reply of a layer is caught within this many of its lying
+        replies on that layer (probation counts as audited)."""
+        return self.window
+
+
+@dataclass
+class _Window:
+    seen: int = 0  # replies of this (node, layer) since the window started
+    pick: int = 0  # which of them is audited
+
+
+@dataclass
+class AuditStats:
+    audits: int = 0
+    failures: int = 0
+    quarantined: list[str] = field(default_factory=list)  # in the order they were caught
+
+    def to_dict(self) -> dict:
+        return {"audits": self.audits, "audit_failures": self.failures, "quarantined": list(self.quarantined)}
+
+
+def relative_error(reply: np.ndarray, reference: np.ndarray) -> float:
+    """``|reply - reference|_2 / |reference|_2`` in float64 (inf when the reply is not finite;
+    0 when both are zero)."""
+    a = reply.astype(np.float64)
+    b = reference.astype(np.float64)
+    if not np.isfinite(a).all():
+        return math.inf
+    diff = float(np.linalg.norm(a - b))
+    norm = float(np.linalg.norm(b))
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else math.inf
+    return diff / norm
+
+
+def replies_agree(reply: np.ndarray, reference: np.ndarray, *, same_kernel: bool, weight_type: int) -> bool:
+    """Whether a worker's reply passes an audit against the backbone's own result."""
+    if reply.shape != reference.shape:
+        return False
+    if same_kernel:
+        return bool(np.array_equal(reply, reference))
+    return relative_error(reply, reference) <= tolerance(weight_type)
+
+
+def tolerance(weight_type: int) -> float:
+    """The cross-kernel bound for an expert whose weights are of ``weight_type``."""
+    return CROSS_KERNEL_TOLERANCE.get(weight_type, QUANTIZED_TOLERANCE)
+
+
+def kernel_label(backend: str, machine: str | None = None) -> str:
+    """What a node announces as its kernel: the backend and the CPU architecture, because ggml's
+    dot products have one implementation per architecture (``ggml-x86_64``, ``numpy-aarch64``)."""
+    import platform
+
+    return f"{backend}-{machine or platform.machine() or 'unknown'}"
+
+
+def rerun_backend(announced: str, own_backend: str, *, machine: str | None = None) -> tuple[str, bool]:
+    """How to audit a reply of a worker that announced ``announced``: the backend to recompute it
+    with, and whether identical bits are demanded (True when that backend on this CPU
+    architecture is the announced kernel)."""
+    for backend in dict.fromkeys((own_backend, "numpy")):
+        if announced == kernel_label(backend, machine):
+            return backend, True
+    return own_backend, False
+
+
+class Auditor:
+    """Decides which replies to audit, judges them, and keeps the quarantine list.
+
+    Thread-compatible, not thread-safe: the dispatcher calls it from its one event loop.
+    """
+
+    def __init__(self, cfg: AuditConfig = AuditConfig()) -> None:
+        self.cfg = cfg
+        self._rng = random.Random(cfg.seed) if cfg.seed is not None else random.SystemRandom()
+        self._replies: dict[str, int] = {}  # node -> replies seen
+        self._windows: dict[tuple[str, int], _Window] = {}
+        self._quarantined: set[str] = set()
+        self.stats = AuditStats()
+
+    def is_quarantined(self, node: str) -> bool:
+        return node in self._quarantined
+
+    @property
+    def quarantined(self) -> frozenset[str]:
+        return frozenset(self._quarantined)
+
+    def should_audit(self, node: str, layer: int) -> bool:
+        """Called once per remote reply that would be used; True: recompute it locally."""
+        if self.cfg.rate <= 0.0:
+            return False
+        seen = self._replies.get(node, 0)
+        self._replies[node] = seen + 1
+        window = self._windows.get((node, layer))
+        if window is None:
+            window = self._windows[(node, layer)] = _Window(pick=self._rng.randrange(self.cfg.window))
+        if window.seen == self.cfg.window:
+            window.seen, window.pick = 0, self._rng.randrange(self.cfg.window)
+        audit = window.seen == window.pick or seen < self.cfg.probation or self.cfg.rate >= 1.0
+        window.seen += 1
+        return audit
+
+    def judge(self, node: str, reply: np.ndarray, reference: np.ndarray, *, exact: bool,
+              weight_type: int) -> bool:
+        """Compare an audited reply with the backbone's result (``exact``: as
+        :func:`rerun_backend` said); a failure quarantines ``node``. Returns whether it passed."""
+        self.stats.audits += 1
+        ok = replies_agree(reply, reference, same_kernel=exact, weight_type=weight_type)
+        if not ok:
+            self.stats.failures += 1
+            if node not in self._quarantined:
+                self._quarantined.add(node)
+                self.stats.quarantined.append(node)
+        return ok
