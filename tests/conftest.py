@@ -46,3 +46,11 @@ def _run(coro: Coroutine[Any, Any, Any], timeout: float = 10.0) -> Any:
 @pytest.fixture
 def arun() -> Callable[..., Any]:
     return _run
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory):
+    """models(arch, qtype, preset="tiny", seed=1, **overrides) -> path of a synthetic GGUF."""
+    from tests.model_cache import ModelCache
+
+    return ModelCache(tmp_path_factory)

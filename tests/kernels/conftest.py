@@ -1,9 +1,0 @@
-import pytest
-
-from tests.model_cache import ModelCache
-
-
-@pytest.fixture(scope="session")
-def models(tmp_path_factory):
-    """models(arch, qtype, preset="tiny", seed=1, **overrides) -> path of a synthetic GGUF."""
-    return ModelCache(tmp_path_factory)
