@@ -44,7 +44,7 @@ from kvasir_bus import codec
 from kvasir_bus.errors import KvasirError, ModelFileError, UsageError
 from kvasir_bus.market_codec import Manifest
 from modelfile.slice_file import KINDS, Holding, SliceInfo, load_slice, slice_tensor_name, source_tensor_name
-from modelfile.slicer import SlicePlan, SliceTensor, _write_header
+from modelfile.slicer import SlicePlan, SliceTensor, write_slice_header
 from workers.source import ByteCache, Identity, Source, TransientSourceError
 
 try:  # advisory locks: POSIX (Linux, Android, macOS); elsewhere two downloads must not share a dir
@@ -205,7 +205,7 @@ def slice_header_bytes(plan: SlicePlan) -> bytes:
     """The slice header ``kvasir slice`` would write for ``plan`` (through its own writer)."""
     with tempfile.TemporaryDirectory(prefix="kvasir-header-") as tmp:
         path = os.path.join(tmp, "header.gguf")
-        _write_header(plan, path)
+        write_slice_header(plan, path)
         with open(path, "rb") as f:
             return f.read()
 
