@@ -208,7 +208,7 @@ def write_slice(plan: SlicePlan, out: str | os.PathLike, *, progress: Progress |
     try:
         with open(tmp, "xb"):  # claim the name; honours the umask, unlike mkstemp's 0600
             pass
-        _write_header(plan, tmp)
+        write_slice_header(plan, tmp)
         offsets = _copy_data(plan, tmp, progress)
         _verify(plan, tmp, offsets)
         os.replace(tmp, out)
@@ -221,8 +221,10 @@ def write_slice(plan: SlicePlan, out: str | os.PathLike, *, progress: Progress |
     return SliceResult(out, plan.holdings, plan.n_held, os.path.getsize(out), time.perf_counter() - t0)
 
 
-def _write_header(plan: SlicePlan, path: str) -> None:
-    """Header, metadata and tensor infos through gguf's writer (it computes the data offsets)."""
+def write_slice_header(plan: SlicePlan, path: str) -> None:
+    """Header, metadata and tensor infos through gguf's writer (it computes the data offsets).
+
+    Public: a volunteer's download writes the same header before it fetches the slabs."""
     w = GGUFWriter(path, plan.arch)
     if plan.alignment != GGUF_DEFAULT_ALIGNMENT:
         w.add_custom_alignment(plan.alignment)

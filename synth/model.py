@@ -45,8 +45,9 @@ import numpy as np
 import gguf
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT, LlamaFileType
 
-from synth import vocab as vocab_mod
+from backbone.config import ARCHES, ArchTraits
 from kvasir_bus.errors import DependencyError, ModelFileError, UsageError
+from synth import vocab as vocab_mod
 
 SYNTH_VERSION = 1  # bump when the same config would produce different bytes
 
@@ -55,26 +56,24 @@ SYNTH_VERSION = 1  # bump when the same config would produce different bytes
 
 @dataclass(frozen=True)
 class ArchSpec:
-    gguf_arch: str  # general.architecture
-    qkv_bias: bool  # attn_{q,k,v}.bias
-    qk_norm: bool  # attn_{q,k}_norm per head (head_dim)
-    shared_expert: bool  # ffn_{gate,up,down}_shexp + ffn_gate_inp_shexp
-    tied_output: bool  # no output.weight: llama.cpp uses token_embd
-    expert_ffn_key: str  # where llama.cpp reads the expert FFN size
+    """One synthetic family: a llama.cpp architecture, whose traits in the backbone's table
+    (:data:`backbone.config.ARCHES`) decide which tensors and keys the file has, and the few
+    choices only a synthetic file makes."""
+
+    gguf_arch: str  # general.architecture, a key of backbone.config.ARCHES
+    tied_output: bool  # no output.weight: llama.cpp uses token_embd (qwen2moe requires one)
     rms_eps: float
     rope_base: float
 
+    @property
+    def traits(self) -> ArchTraits:
+        return ARCHES[self.gguf_arch]
+
 
 ARCHS: dict[str, ArchSpec] = {
-    "qwen3moe": ArchSpec("qwen3moe", qkv_bias=False, qk_norm=True, shared_expert=False,
-                         tied_output=False, expert_ffn_key="expert_feed_forward_length",
-                         rms_eps=1e-6, rope_base=1_000_000.0),
-    "qwen2moe": ArchSpec("qwen2moe", qkv_bias=True, qk_norm=False, shared_expert=True,
-                         tied_output=False, expert_ffn_key="expert_feed_forward_length",
-                         rms_eps=1e-6, rope_base=1_000_000.0),
-    "mixtral": ArchSpec("llama", qkv_bias=False, qk_norm=False, shared_expert=False,
-                        tied_output=True, expert_ffn_key="feed_forward_length",
-                        rms_eps=1e-5, rope_base=1_000_000.0),
+    "qwen3moe": ArchSpec("qwen3moe", tied_output=False, rms_eps=1e-6, rope_base=1_000_000.0),
+    "qwen2moe": ArchSpec("qwen2moe", tied_output=False, rms_eps=1e-6, rope_base=1_000_000.0),
+    "mixtral": ArchSpec("llama", tied_output=True, rms_eps=1e-5, rope_base=1_000_000.0),
 }
 
 QTYPES: dict[str, QT] = {
@@ -165,18 +164,20 @@ def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32"
     if not isinstance(seed, int) or seed < 0:
         raise UsageError(f"--seed must be a non-negative integer, got {seed!r}")
     given = {k: v for k, v in overrides.items() if v is not None}
-    if given.get("shared_expert_ffn") is not None and not ARCHS[arch].shared_expert:
+    shared_expert = ARCHS[arch].traits.shared_expert
+    if given.get("shared_expert_ffn") is not None and not shared_expert:
+        having = ", ".join(a for a, spec in ARCHS.items() if spec.traits.shared_expert)
         raise UsageError(f"--shared-expert-ffn: architecture {arch} has no shared expert "
-                         "(only qwen2moe has one)")
+                         f"(only {having} has one)")
     sizes = dict(PRESETS[preset])
     if preset == "tiny" and QTYPES[qtype] in K_QUANTS:
         sizes.update(_TINY_K_QUANT)
     sizes.update(given)
-    if not ARCHS[arch].shared_expert:
+    if not shared_expert:
         sizes["shared_expert_ffn"] = 0
     for name in SIZE_FIELDS:
         value = sizes[name]
-        if name == "shared_expert_ffn" and not ARCHS[arch].shared_expert:
+        if name == "shared_expert_ffn" and not shared_expert:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -251,7 +252,7 @@ def _matrix_type(requested: QT, cols: int) -> QT:
 
 def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
     """Every tensor of the model, in file order, with the shapes llama.cpp expects."""
-    spec, want = cfg.spec, cfg.ggml_type
+    spec, traits, want = cfg.spec, cfg.spec.traits, cfg.ggml_type
     d, hd, ff, E = cfg.hidden, cfg.head_dim, cfg.expert_ffn, cfg.experts
     q_dim, kv_dim = cfg.heads * hd, cfg.kv_heads * hd
 
@@ -275,10 +276,10 @@ def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
         plan.append(matrix(b + "attn_q.weight", (q_dim, d), d ** -0.5))
         plan.append(matrix(b + "attn_k.weight", (kv_dim, d), d ** -0.5))
         plan.append(matrix(b + "attn_v.weight", (kv_dim, d), d ** -0.5))
-        if spec.qkv_bias:
+        if traits.qkv_bias:
             for x, n in (("q", q_dim), ("k", kv_dim), ("v", kv_dim)):
                 plan.append(f32(b + f"attn_{x}.bias", (n,), 0.1))
-        if spec.qk_norm:  # one RMS norm weight per head dimension, shared by all heads
+        if traits.qk_norm:  # one RMS norm weight per head dimension, shared by all heads
             plan.append(f32(b + "attn_q_norm.weight", (hd,), 0.1, 1.0))
             plan.append(f32(b + "attn_k_norm.weight", (hd,), 0.1, 1.0))
         plan.append(matrix(b + "attn_output.weight", (d, q_dim), q_dim ** -0.5))
@@ -288,7 +289,7 @@ def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
         plan.append(matrix(b + "ffn_gate_exps.weight", (E, ff, d), d ** -0.5))
         plan.append(matrix(b + "ffn_up_exps.weight", (E, ff, d), d ** -0.5))
         plan.append(matrix(b + "ffn_down_exps.weight", (E, d, ff), ff ** -0.5))
-        if spec.shared_expert:
+        if traits.shared_expert:
             sff = cfg.shared_expert_ffn
             plan.append(f32(b + "ffn_gate_inp_shexp.weight", (d,), d ** -0.5))
             plan.append(matrix(b + "ffn_gate_shexp.weight", (sff, d), d ** -0.5))
@@ -300,7 +301,7 @@ def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
 # --- metadata ----------------------------------------------------------------------------------
 
 def _add_metadata(w: gguf.GGUFWriter, cfg: SynthConfig) -> None:
-    spec = cfg.spec
+    spec, traits = cfg.spec, cfg.spec.traits
     w.add_name(f"kvasir-synth-{cfg.arch}-{cfg.preset}-{cfg.qtype}-seed{cfg.seed}")
     w.add_file_type(int(_FILE_TYPES[cfg.ggml_type]))
     if cfg.ggml_type not in (QT.F32, QT.F16):
@@ -314,9 +315,9 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: SynthConfig) -> None:
     w.add_embedding_length(cfg.hidden)
     w.add_block_count(cfg.layers)
     w.add_feed_forward_length(cfg.expert_ffn)  # llama (mixtral) reads the expert size here
-    if spec.expert_ffn_key == "expert_feed_forward_length":
+    if traits.expert_ffn_key == "expert_feed_forward_length":
         w.add_expert_feed_forward_length(cfg.expert_ffn)
-    if spec.shared_expert:
+    if traits.shared_expert:
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_ffn)
     w.add_head_count(cfg.heads)
     w.add_head_count_kv(cfg.kv_heads)

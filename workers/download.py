@@ -20,9 +20,9 @@ the command picks up the part file. A finished slice is renamed to
 digests locally and fetches nothing. Slabs already on disk in another slice or part of the
 same model are copied (after checking their digests) instead of fetched again.
 
-Bytes fetched: the slabs, and nothing else here (the header and fingerprint samples were
-fetched by :func:`workers.source.identify`, and any of those bytes that fall inside a slab
-are taken from its cache).
+Bytes fetched: the slabs, and nothing else here (the header was fetched by
+:func:`workers.source.identify`, and any of its bytes that fall inside a slab are taken from
+its cache).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from kvasir_bus import codec
 from kvasir_bus.errors import KvasirError, ModelFileError, UsageError
 from kvasir_bus.market_codec import Manifest
 from modelfile.slice_file import KINDS, Holding, SliceInfo, load_slice, slice_tensor_name, source_tensor_name
-from modelfile.slicer import SlicePlan, SliceTensor, _write_header
+from modelfile.slicer import SlicePlan, SliceTensor, write_slice_header
 from workers.source import ByteCache, Identity, Source, TransientSourceError
 
 try:  # advisory locks: POSIX (Linux, Android, macOS); elsewhere two downloads must not share a dir
@@ -103,7 +103,7 @@ class DownloadResult:
     slice: SliceInfo
     slab_bytes: int  # bytes of expert slabs in the slice
     fetched: int  # bytes transferred from the source by this call
-    from_cache: int  # slab bytes taken from bytes fetched earlier (header/fingerprint samples)
+    from_cache: int  # slab bytes taken from bytes fetched earlier (the header reads)
     reused: int  # slab bytes found on disk (resumed part, earlier slices)
     seconds: float
     retries: int
@@ -135,7 +135,7 @@ def plan_download(identity: Identity, manifest: Manifest,
     """Check the source against the manifest and lay out the slice of ``holdings``."""
     header, name = identity.header, identity.source
     model = manifest.model
-    if identity.fingerprint and identity.fingerprint != model:
+    if identity.fingerprint != model:
         raise DownloadError(f"{name} is model {identity.fingerprint}, the manifest is for {model}")
 
     def mismatch(what: str) -> DownloadError:
@@ -205,7 +205,7 @@ def slice_header_bytes(plan: SlicePlan) -> bytes:
     """The slice header ``kvasir slice`` would write for ``plan`` (through its own writer)."""
     with tempfile.TemporaryDirectory(prefix="kvasir-header-") as tmp:
         path = os.path.join(tmp, "header.gguf")
-        _write_header(plan, path)
+        write_slice_header(plan, path)
         with open(path, "rb") as f:
             return f.read()
 
@@ -229,7 +229,7 @@ def download_slice(source: Source, plan: DownloadPlan, cache_dir: str | os.PathL
                    cancel: threading.Event | None = None) -> DownloadResult:
     """Download ``plan``'s slabs from ``source`` into a slice in ``cache_dir`` (see module doc).
 
-    ``cache``: bytes fetched earlier from the same source (header, fingerprint samples).
+    ``cache``: bytes fetched earlier from the same source (the header reads).
     ``retries``: how many times in a row a dropped connection is retried before giving up
     (the part file stays; calling again resumes). ``cancel``: set it (from another thread)
     to stop at the next chunk with a :class:`DownloadError`; the part file stays.

@@ -1,8 +1,7 @@
 """Where a volunteer's weights come from: ranged reads of a GGUF on disk or over HTTP(S).
 
 A volunteer never downloads a whole model. It reads the GGUF header (metadata and tensor
-table), the few bytes the model fingerprint samples, and then only its experts' byte ranges.
-This module does the first two:
+table), which names the model (its fingerprint), and then only its experts' byte ranges.
 
 * :func:`open_source` opens a local path or an ``http(s)://`` URL as a :class:`Source` with
   ``read(offset, length)`` and ``stream(offset, length)``. Over HTTP every read is one
@@ -10,47 +9,35 @@ This module does the first two:
   ``resolve/main/...`` URLs answer with one to a CDN), a node token is sent as
   ``Authorization: Bearer`` to the URL's own host only (never to a host a redirect points at),
   and a server that ignores ``Range`` is refused rather than read to the end.
-* :func:`parse_header` is a pure parser of the GGUF header from its first bytes. When the
-  bytes end too early it raises :class:`NeedMore` with a *lower bound* on the header's end
-  (a string array of N items needs at least 8*N more bytes, every tensor info at least 24),
-  so :func:`read_header` fetches a few precise rounds instead of guessing a size: the
-  overshoot past the header is at most ``max(HEADER_STEP, header / 32)`` bytes (and lands in
-  the first tensor's fingerprint sample, so it is not wasted).
-* :func:`identify` computes the fingerprint exactly as
-  :func:`kvasir_bus.fingerprint.compute_fingerprint` does on the whole file: the metadata
-  key/values byte for byte, the tensor table, and the first and last 4 KiB of every tensor.
-  The samples are fetched as merged ranges; they cost ``sum(min(n, 8 KiB))`` over the tensors
-  (``Identity.sample_bytes``), which is the part of a volunteer's traffic that is neither
-  header nor its own slabs. Every byte fetched is kept in a :class:`ByteCache`, so a sample
-  that lies inside an assigned slab is not fetched twice.
+* :func:`read_header` fetches the header in a few precise rounds: the pure parser
+  (:func:`modelfile.gguf_header.parse_header`) says how many bytes it needs at least when
+  the bytes end too early, so the overshoot past the header is at most
+  ``max(HEADER_STEP, header / 32)`` bytes.
+* :func:`identify` reads the header and gives the fingerprint it names, equal to
+  :func:`kvasir_bus.fingerprint.compute_fingerprint` of the whole file. Every byte fetched is
+  kept in a :class:`ByteCache`, so header bytes that a later slab read needs are not fetched
+  twice.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import http.client
 import os
 import socket
-import struct
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 from urllib.parse import parse_qsl, urlencode, urljoin, urlsplit, urlunsplit
-
-from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 
 from kvasir_bus import __version__
 from kvasir_bus.errors import KvasirError, ModelFileError, UsageError
-from kvasir_bus.fingerprint import LENGTH as FINGERPRINT_LENGTH, SLICE_SOURCE_KEY
+from kvasir_bus.fingerprint import SLICE_SOURCE_KEY
+from modelfile.gguf_header import GGUFHeader, NeedMore, parse_header
 
 HEADER_FIRST = 8 * 1024  # first header read
 HEADER_STEP = 512  # a later header read asks for max(lower bound, have + max(STEP, have / 32))
-SAMPLE = 4096  # as kvasir_bus.fingerprint: bytes sampled at each end of every tensor
-SAMPLE_MERGE_GAP = 256  # sample ranges closer than this are fetched as one (tensor padding)
 STREAM_CHUNK = 1 << 20
 MAX_REDIRECTS = 10
-GGUF_MAGIC = b"GGUF"
-SUPPORTED_VERSIONS = (2, 3)
 
 
 class SourceError(KvasirError):
@@ -474,222 +461,7 @@ def open_source(spec: str, *, token: str | None = None, timeout: float = 30.0,
     return LocalSource(spec)
 
 
-# -- the GGUF header --------------------------------------------------------------------------
-
-class NeedMore(Exception):
-    """The header continues past the bytes given; it ends at ``end`` bytes or later."""
-
-    def __init__(self, end: int) -> None:
-        super().__init__(end)
-        self.end = end
-
-
-@dataclass(frozen=True)
-class GGUFArray:
-    """A metadata array, described but not decoded (token lists are large)."""
-
-    item_type: GGUFValueType
-    count: int
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    ggml_type: GGMLQuantizationType
-    ne: tuple[int, ...]  # ggml order, innermost first
-    offset: int  # absolute offset of the data in the file
-    nbytes: int
-
-
-@dataclass(frozen=True, eq=False)
-class GGUFHeader:
-    version: int
-    metadata: dict[str, Any]  # scalars and strings decoded; arrays as GGUFArray
-    tensors: tuple[TensorInfo, ...]
-    alignment: int
-    header_end: int  # end of the tensor infos
-    data_offset: int  # start of the data section (header_end padded to the alignment)
-    kv_hash: Any = field(repr=False)  # sha256 over the fingerprint prefix and the metadata bytes
-
-    def tensor(self, name: str) -> TensorInfo:
-        for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
-
-    @property
-    def file_bytes_needed(self) -> int:
-        return max((t.offset + t.nbytes for t in self.tensors), default=self.data_offset)
-
-
-_SCALARS = {
-    GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h", GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f", GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d", GGUFValueType.BOOL: "<?",
-}
-_MIN_KV = 8 + 4 + 1  # key length, type, smallest value
-_MIN_TENSOR_INFO = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
-
-
-class _Cursor:
-    """Reads little-endian values from ``buf``; running out raises NeedMore with a bound that
-    includes ``tail``, the least the rest of the header still needs after the current item."""
-
-    def __init__(self, buf, name: str) -> None:
-        self.buf = buf
-        self.pos = 0
-        self.tail = 0
-        self.name = name
-
-    def need(self, n: int, extra: int = 0) -> None:
-        if self.pos + n > len(self.buf):
-            raise NeedMore(self.pos + n + extra + self.tail)
-
-    def take(self, n: int, extra: int = 0):
-        self.need(n, extra)
-        out = self.buf[self.pos:self.pos + n]
-        self.pos += n
-        return out
-
-    def unpack(self, fmt: str, extra: int = 0):
-        size = struct.calcsize(fmt)
-        return struct.unpack(fmt, self.take(size, extra))[0]
-
-    def string(self, what: str, extra: int = 0) -> bytes:
-        n = self.unpack("<Q", extra)
-        if n > (1 << 40):
-            raise ModelFileError(f"{self.name}: corrupt GGUF header: {what} has length {n}")
-        return bytes(self.take(n, extra))
-
-
-def parse_header(buf: bytes | bytearray | memoryview, name: str = "GGUF") -> GGUFHeader:
-    """Parse a GGUF header from the file's first bytes (pure; no I/O).
-
-    Raises :class:`NeedMore` if ``buf`` ends before the header does, and
-    :class:`ModelFileError` if the bytes are not a GGUF this reader handles (same rules as
-    gguf-py's reader: little-endian, version 2 or 3, unique keys and tensor names, a
-    power-of-two ``general.alignment`` of type uint32).
-    """
-    buf = memoryview(buf).cast("B")
-    c = _Cursor(buf, name)
-    c.need(4 + 4 + 8 + 8)
-    magic = bytes(c.take(4))
-    if magic != GGUF_MAGIC:
-        raise ModelFileError(f"{name}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
-    version = c.unpack("<I")
-    if version & 0xFFFF == 0:
-        raise ModelFileError(f"{name}: a big-endian GGUF; only little-endian files are supported")
-    if version not in SUPPORTED_VERSIONS:
-        raise ModelFileError(f"{name}: GGUF version {version} is not supported "
-                             f"(supported: {', '.join(map(str, SUPPORTED_VERSIONS))})")
-    n_tensors = c.unpack("<Q")
-    n_kv = c.unpack("<Q")
-    if n_tensors > (1 << 24) or n_kv > (1 << 24):
-        raise ModelFileError(f"{name}: corrupt GGUF header ({n_tensors} tensors, {n_kv} keys)")
-
-    h = hashlib.sha256(b"kvasir-fingerprint-v2\0")
-    metadata: dict[str, Any] = {}
-    for i in range(n_kv):
-        c.tail = (n_kv - i - 1) * _MIN_KV + n_tensors * _MIN_TENSOR_INFO
-        start = c.pos
-        key = _utf8(c.string("a metadata key"), name, "metadata key")
-        vtype = _value_type(c.unpack("<I"), name, key)
-        value = _value(c, vtype, key)
-        if key in metadata:
-            raise ModelFileError(f"{name}: metadata key {key!r} appears twice")
-        metadata[key] = value
-        if not key.startswith("GGUF."):  # compute_fingerprint skips these names
-            h.update(buf[start:c.pos])
-
-    alignment = GGUF_DEFAULT_ALIGNMENT
-    if "general.alignment" in metadata:
-        value = metadata["general.alignment"]
-        if not isinstance(value, _U32) or value == 0 or value & (value - 1):
-            raise ModelFileError(f"{name}: general.alignment must be a power-of-two uint32, got "
-                                 f"{value!r}")
-        alignment = int(value)
-
-    raw_tensors = []
-    names: set[str] = set()
-    for i in range(n_tensors):
-        c.tail = (n_tensors - i - 1) * _MIN_TENSOR_INFO
-        tname = _utf8(c.string("a tensor name"), name, "tensor name")
-        n_dims = c.unpack("<I")
-        if n_dims > 8:
-            raise ModelFileError(f"{name}: tensor {tname!r} has {n_dims} dimensions")
-        ne = tuple(c.unpack("<Q", 12) for _ in range(n_dims))
-        raw_type = c.unpack("<I", 8)
-        rel = c.unpack("<Q")
-        if tname in names:
-            raise ModelFileError(f"{name}: tensor {tname!r} appears twice")
-        names.add(tname)
-        try:
-            gtype = GGMLQuantizationType(raw_type)
-            block, type_size = GGML_QUANT_SIZES[gtype]
-        except (ValueError, KeyError):
-            raise ModelFileError(f"{name}: tensor {tname!r} has unknown ggml type {raw_type}") from None
-        n_elems = 1
-        for n in ne:
-            n_elems *= n
-        raw_tensors.append((tname, gtype, ne, rel, n_elems * type_size // block))
-    header_end = c.pos
-    data_offset = header_end + (-header_end % alignment)
-    tensors = tuple(TensorInfo(n, t, ne, data_offset + rel, nbytes) for n, t, ne, rel, nbytes in raw_tensors)
-    return GGUFHeader(version, metadata, tensors, alignment, header_end, data_offset, h)
-
-
-class _U32(int):
-    """An int that was stored as uint32 (general.alignment must be one)."""
-
-
-def _utf8(raw: bytes, name: str, what: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ModelFileError(f"{name}: corrupt GGUF header: a {what} is not UTF-8") from None
-
-
-def _value_type(raw: int, name: str, key: str) -> GGUFValueType:
-    try:
-        return GGUFValueType(raw)
-    except ValueError:
-        raise ModelFileError(f"{name}: metadata {key!r} has unknown value type {raw}") from None
-
-
-def _value(c: _Cursor, vtype: GGUFValueType, key: str):
-    if vtype == GGUFValueType.STRING:
-        return _utf8_lenient(c.string(f"metadata {key!r}"))
-    fmt = _SCALARS.get(vtype)
-    if fmt is not None:
-        value = c.unpack(fmt)
-        return _U32(value) if vtype == GGUFValueType.UINT32 else value
-    if vtype == GGUFValueType.ARRAY:
-        itype = _value_type(c.unpack("<I"), c.name, key)
-        count = c.unpack("<Q")
-        if count > (1 << 32):
-            raise ModelFileError(f"{c.name}: metadata {key!r} claims {count} items")
-        if itype == GGUFValueType.ARRAY:
-            for i in range(count):  # nested arrays: walk them (rare)
-                _value(c, itype, key)
-            return GGUFArray(itype, count)
-        if itype == GGUFValueType.STRING:
-            for i in range(count):
-                # this string's length and bytes, then at least 8 bytes per string left
-                n = c.unpack("<Q", extra=8 * (count - i - 1))
-                c.take(n, extra=8 * (count - i - 1))
-            return GGUFArray(itype, count)
-        size = struct.calcsize(_SCALARS[itype])
-        c.take(size * count)
-        return GGUFArray(itype, count)
-    raise ModelFileError(f"{c.name}: metadata {key!r} has unhandled value type {vtype.name}")
-
-
-def _utf8_lenient(raw: bytes) -> str:
-    return raw.decode("utf-8", "replace")
-
-
-# -- reading the header and fingerprinting over ranged reads ----------------------------------
+# -- reading the header over ranged reads ----------------------------------------------------
 
 @dataclass(frozen=True, eq=False)
 class Identity:
@@ -698,12 +470,10 @@ class Identity:
     source: str  # the source's name (a path, or the URL without secrets)
     size: int  # bytes of the whole file
     header: GGUFHeader
-    fingerprint: str  # "" if the samples were not read (identify(samples=False))
+    fingerprint: str  # the model the header names (kvasir_bus.fingerprint)
     cache: ByteCache = field(repr=False)  # every byte fetched so far
     header_bytes: int  # the header's length (data_offset)
-    fetched_header: int  # bytes fetched to read the header
-    fetched_samples: int  # bytes fetched for the fingerprint samples
-    sample_bytes: int  # bytes the fingerprint samples span (some may overlap the header reads)
+    fetched_header: int  # bytes fetched to read the header (a little past header_end, at most)
     requests: int
 
 
@@ -732,46 +502,15 @@ def read_header(source: Source, cache: ByteCache | None = None) -> GGUFHeader:
     return header
 
 
-def sample_ranges(header: GGUFHeader) -> list[tuple[int, int]]:
-    """The byte ranges the fingerprint samples, merged when closer than SAMPLE_MERGE_GAP."""
-    spans = []
-    for t in header.tensors:
-        spans.append((t.offset, t.offset + min(t.nbytes, SAMPLE)))
-        spans.append((t.offset + max(0, t.nbytes - SAMPLE), t.offset + t.nbytes))
-    merged: list[list[int]] = []
-    for a, b in sorted(s for s in spans if s[1] > s[0]):
-        if merged and a <= merged[-1][1] + SAMPLE_MERGE_GAP:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
-def fingerprint_from(header: GGUFHeader, cache: ByteCache | None = None) -> str:
-    """The fingerprint (``kvasir_bus.fingerprint.compute_fingerprint``) from the parsed header
-    alone: metadata and tensor table. ``cache`` is unused (kept for callers)."""
-    h = header.kv_hash.copy()
-    for t in header.tensors:
-        h.update(f"{t.name}|{int(t.ggml_type)}|{t.ne}|{t.nbytes}\n".encode())
-    return h.hexdigest()[:FINGERPRINT_LENGTH]
-
-
-def identify(source: Source, cache: ByteCache | None = None, *, samples: bool = True) -> Identity:
-    """Read the header and the fingerprint samples of ``source`` and compute its fingerprint
-    (equal to ``compute_fingerprint`` of the whole file). Refuses a kvasir slice.
-
-    ``samples=False`` reads the header only and leaves ``fingerprint`` empty: for a caller that
-    knows the model id already and verifies every byte it keeps against the manifest.
-    """
+def identify(source: Source, cache: ByteCache | None = None) -> Identity:
+    """Read the header of ``source`` and the fingerprint it names (equal to
+    ``compute_fingerprint`` of the whole file). Refuses a kvasir slice: a volunteer cuts its
+    own slice from the original model."""
     cache = cache if cache is not None else ByteCache()
     before, req0 = source.fetched, source.requests
     header = read_header(source, cache)
     if SLICE_SOURCE_KEY in header.metadata:
         raise ModelFileError(f"{source.name}: is a kvasir slice, not a whole model; volunteer from "
                              "the original GGUF")
-    fetched_header = source.fetched - before
-    ranges: list[tuple[int, int]] = []  # the fingerprint needs the header only
-    fingerprint = fingerprint_from(header)
-    return Identity(source.name, source.size, header, fingerprint, cache, header.data_offset,
-                    fetched_header, source.fetched - before - fetched_header,
-                    sum(b - a for a, b in ranges), source.requests - req0)
+    return Identity(source.name, source.size, header, header.fingerprint, cache, header.data_offset,
+                    source.fetched - before, source.requests - req0)

@@ -2,7 +2,7 @@
 
 ``kvasir worker --nats URL --budget 340MB --source PATH_OR_URL``::
 
-    source   -> header + fingerprint samples (ranged reads)       workers.source.identify
+    source   -> the header, which names the model (ranged reads)  workers.source.identify
     bus      -> kvasir.<model>.manifest          (the backbone)   SHA-256 of every slab
     bus      -> kvasir.<model>.market.volunteer  (the market)     the scarcest range that fits
     source   -> only the assigned slabs, each verified             workers.download
@@ -30,7 +30,7 @@ from kvasir_bus import market_codec
 from kvasir_bus.codec import CodecError, ErrorReply
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.market_codec import Assignment, Manifest, VolunteerRequest
-from kvasir_bus.subjects import Subjects, check_model
+from kvasir_bus.subjects import Subjects
 from workers.download import DownloadResult, TerminalProgress, download_slice, plan_download
 from modelfile.slice_file import SliceInfo
 from workers.source import Identity, identify, open_source
@@ -82,10 +82,6 @@ class VolunteerConfig:
     request_timeout_s: float = 5.0  # manifest and market requests
     http_timeout_s: float = 30.0
     retries: int = 5  # dropped connections retried in a row before giving up
-    # The model id, if known beforehand: the fingerprint samples are then not fetched (about
-    # 8 KiB per tensor), the source's header is checked against the manifest instead, and
-    # every slab is verified against it as always.
-    model: str | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,7 +91,7 @@ class Volunteered:
     manifest: Manifest
     identity: Identity
     download: DownloadResult
-    fetched: int  # every byte taken from the source: header, fingerprint samples, slabs
+    fetched: int  # every byte taken from the source: header and slabs
 
 
 class NoFitError(KvasirError):
@@ -111,11 +107,6 @@ async def volunteer(nc, cfg: VolunteerConfig, *, progress=None,
     """Identify the source, get the manifest and an assignment, download and load the slice."""
     if cfg.budget_bytes <= 0:
         raise UsageError(f"--budget must be positive, got {cfg.budget_bytes}")
-    if cfg.model is not None:
-        try:
-            check_model(cfg.model)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
     cache_dir = cfg.cache_dir or default_cache_dir()
     try:
         os.makedirs(cache_dir, exist_ok=True)
@@ -125,11 +116,11 @@ async def volunteer(nc, cfg: VolunteerConfig, *, progress=None,
     source = await asyncio.to_thread(open_source, cfg.source, token=cfg.token,
                                      timeout=cfg.http_timeout_s, node=cfg.node)
     try:
-        identity = await asyncio.to_thread(identify, source, samples=not cfg.model)
-        model = identity.fingerprint or str(cfg.model)
+        identity = await asyncio.to_thread(identify, source)
+        model = identity.fingerprint
         vlog = log.bind(node=cfg.node, model=model)
         vlog.info("source_identified", source=source.name, size=identity.size,
-                  header_bytes=identity.header_bytes, sample_bytes=identity.fetched_samples,
+                  header_bytes=identity.header_bytes, fetched=identity.fetched_header,
                   requests=identity.requests)
         subjects = Subjects(model)
 

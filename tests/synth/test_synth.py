@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
 import pytest
 
-from synth import cli as cli_synth, model as synth, vocab
+from backbone.config import read_config
 from kvasir_bus.cli import main
+from synth import cli as cli_synth, model as synth, vocab
 from kernels.tensors import open_gguf, tensor_from_reader, tensors_from_reader
 
 ARCHS = ("qwen3moe", "qwen2moe", "mixtral")
@@ -48,6 +50,19 @@ def test_cli_choices_match_the_generator_tables():
     assert cli_synth.TYPE_CHOICES == tuple(synth.QTYPES)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_family_has_the_tensors_its_backbone_traits_name(arch, tiny_models):
+    # the traits come from backbone.config.ARCHES; the backbone reads them back from the file
+    cfg = read_config(open_gguf(tiny_models[arch]))
+    assert cfg.traits is synth.ARCHS[arch].traits
+    names = {t.name for t in open_gguf(tiny_models[arch]).tensors}
+    assert ("blk.0.attn_q_norm.weight" in names) == cfg.traits.qk_norm
+    assert ("blk.0.attn_q.bias" in names) == cfg.traits.qkv_bias
+    assert ("blk.0.ffn_gate_shexp.weight" in names) == cfg.traits.shared_expert == (cfg.n_ff_shexp > 0)
+    assert cfg.n_ff_exp == synth.PRESETS["tiny"]["expert_ffn"]
+    assert cfg.tied_output == synth.ARCHS[arch].tied_output
+
+
 @pytest.mark.parametrize("size", [258, 320, 1024, 12000])
 def test_vocab_has_every_byte_then_eos_then_merges_that_make_new_tokens(size):
     v = vocab.build_vocab(size)
@@ -84,6 +99,27 @@ def test_router_top_k_differs_between_tokens(tiny_models):
 def test_same_seed_gives_identical_bytes(tmp_path, tiny_models):
     again = synth.synth_model(tmp_path / "again.gguf", "qwen3moe", "tiny", "f32", seed=1)
     assert again.read_bytes() == open(tiny_models["qwen3moe"], "rb").read()
+
+
+# sha256 of files made by the generator before its architecture table came from
+# backbone.config (computed on that code): the same arguments must keep giving the same bytes,
+# or SYNTH_VERSION must change. gguf-py writes f32 and quantizes q8_0 (numpy only), so the
+# digests do not depend on the machine's llama.cpp build.
+PINNED_SHA256 = {
+    ("qwen3moe", "f32"): "8d926d91b5618d0d071fd9528d1840936d586cf1d17d6171108975b3f3f8fbff",
+    ("qwen3moe", "q8_0"): "1259d6eb09e9bd39b6bbf58f4c9ec1348ef1a3059afc7355fdd76683d74b29a4",
+    ("qwen2moe", "f32"): "a53faf9ba0277c4ffb6eac741648c0bb41f8dbaaa58ba170102446eef3b2c298",
+    ("qwen2moe", "q8_0"): "dc9db3536b93815a26968e26a886e7dd471eaffbae3e5d5de52d453252add7e5",
+    ("mixtral", "f32"): "6486d01f81788cceca445d12f2b2fd11bc7068bce9d03e2a0ada6bb52cde52d4",
+    ("mixtral", "q8_0"): "84829a20109e191071905ef1fa0ff6d2d68a319558e1ac83e4cf2cecd6d16161",
+}
+
+
+@pytest.mark.parametrize("arch,qtype", sorted(PINNED_SHA256))
+def test_the_same_arguments_give_the_pinned_bytes(arch, qtype, tmp_path):
+    assert synth.SYNTH_VERSION == 1
+    path = synth.synth_model(tmp_path / "m.gguf", arch, "tiny", qtype, seed=3)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == PINNED_SHA256[arch, qtype]
 
 
 def test_other_seed_gives_other_weights_and_fingerprint(tmp_path, tiny_models):
