@@ -212,4 +212,4 @@ class _Refused(Exception):
 
 
 def _safe_id(request_id: str) -> str:
-    return request_id if codec._REQUEST_ID_RE.fullmatch(request_id or "") else ""
+    return request_id if codec.is_id(request_id) else ""
