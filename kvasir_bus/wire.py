@@ -259,8 +259,13 @@ class Holding(NamedTuple):
     def covers(self, layer: int, expert: int) -> bool:
         return layer == self.layer and self.lo <= expert < self.hi
 
+    @property
+    def span(self) -> str:
+        """The experts as a person reads them: ``first-last``, both included."""
+        return f"{self.lo}-{self.last}"
+
     def __str__(self) -> str:
-        return f"L{self.layer}:{self.lo}-{self.last}"
+        return f"L{self.layer}:{self.span}"
 
 
 def check_holdings(record: str, value: Any, field: str = "holdings") -> tuple[Holding, ...]:
