@@ -90,7 +90,7 @@ def build_manifest(path: str | os.PathLike, *, source_url: str = "", cache: bool
     slabs = []
     for (t, count, nb2), digests in zip(jobs, results):
         for i, digest in enumerate(digests):
-            slabs.append(SlabRef(t.holding.layer, t.holding.first + i, t.kind, t.src_offset + i * nb2,
+            slabs.append(SlabRef(t.holding.layer, t.holding.lo + i, t.kind, t.src_offset + i * nb2,
                                  nb2, digest))
     manifest = Manifest(model=plan.fingerprint, arch=plan.arch, n_layer=plan.n_layer,
                         n_expert=plan.n_expert, n_embd=plan.n_embd, n_ff=plan.n_ff,

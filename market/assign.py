@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvasir_bus.codec import Holding
+from kvasir_bus.wire import Holding
 from market.demand import Layout, Policy, RangeStats, range_stats
 
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kvasir_bus.codec import Heartbeat, Holding
+from kvasir_bus.codec import Heartbeat
+from kvasir_bus.wire import Holding
 
 
 @dataclass(frozen=True)

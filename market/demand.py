@@ -35,7 +35,7 @@ from functools import cached_property
 
 import numpy as np
 
-from kvasir_bus.codec import Holding
+from kvasir_bus.wire import Holding
 from kvasir_bus.market_codec import DemandEntry, Manifest, RoutingStats
 
 DEFAULT_RANGE_EXPERTS = 32

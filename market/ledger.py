@@ -19,7 +19,7 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
-from kvasir_bus.codec import Holding
+from kvasir_bus.wire import Holding
 from kvasir_bus.errors import KvasirError
 from kvasir_bus.market_codec import LedgerEvent, NodeTotals
 from market import DEFAULT_DB

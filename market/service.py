@@ -485,7 +485,7 @@ class Market:
         reply = mc.Assignment(model=model, node=req.node, holdings=got.holdings,
                               bytes=got.bytes, reward_rate=got.reward_rate)
         self.log.info("volunteer_assigned", model=model, node=req.node,
-                      holdings=[list(h) for h in got.holdings], bytes=got.bytes,
+                      holdings=[str(h) for h in got.holdings], bytes=got.bytes,
                       reward_rate=round(got.reward_rate, 4))
         try:
             await self._db(self.ledger.save_assignment, model, req.node, got.holdings,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvasir_bus.codec import Holding
+from kvasir_bus.wire import Holding
 from kvasir_bus.market_codec import DemandEntry, MarketStatus, NodeTotals
 
 
@@ -18,8 +18,9 @@ def size(n: float) -> str:
 
 
 def holdings_text(holdings: tuple[Holding, ...] | list, limit: int = 6) -> str:
-    """``L0:0-8 L3:16-32`` (half-open expert ranges), shortened after ``limit``."""
-    parts = [f"L{h[0]}:{h[1]}-{h[2]}" for h in holdings]
+    """``L0:0-7 L3:16-31`` (inclusive, as everywhere people read ranges), shortened after
+    ``limit``."""
+    parts = [str(Holding(*h)) for h in holdings]
     if len(parts) > limit:
         parts = parts[:limit] + [f"+{len(parts) - limit} more"]
     return " ".join(parts) or "-"
@@ -85,7 +86,8 @@ def status_text(st: MarketStatus, top: int = 8) -> str:
         layers = sorted({e.layer for e in st.demand})
         starts = sorted({(e.lo, e.hi) for e in st.demand})
         cells = {(e.layer, e.lo): e for e in st.demand}
-        rows = [["layer"] + [f"{lo}-{hi - 1}" for lo, hi in starts]]
+        # column headers in the same inclusive text as the holdings listed under "workers"
+        rows = [["layer"] + [Holding(0, lo, hi).span for lo, hi in starts]]
         for layer in layers:
             row = [str(layer)]
             for lo, _hi in starts:
@@ -106,7 +108,7 @@ def status_text(st: MarketStatus, top: int = 8) -> str:
         if wanted:
             out.append(f"demand (top {len(wanted)}):")
             rows = [["range", "replicas", "target", "usage", "demand", "reward/row"]]
-            rows += [[f"L{e.layer}:{e.lo}-{e.hi}", str(e.replicas), str(e.target),
+            rows += [[str(e.holding), str(e.replicas), str(e.target),
                       f"{100 * e.usage:.1f}%", f"{e.demand:.2f}", f"{e.reward_rate:.3f}"]
                      for e in wanted]
             out += ["  " + line for line in _table(rows, right={1, 2, 3, 4, 5})]

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgpack
 
-from kvasir_bus import codec, market_codec as mc
+from kvasir_bus import codec, market_codec as mc, wire
 from market.show import holdings_text, size
 
 _DTYPE = {"float32": "f32", "float16": "f16"}
@@ -69,7 +69,7 @@ def _summary(msg: Any) -> str:
     if isinstance(msg, mc.DemandMap):
         short = [e for e in msg.entries if e.missing]
         top = max(msg.entries, key=lambda e: (e.replicas == 0, e.demand), default=None)
-        hot = (f" top=L{top.layer}:{top.lo}-{top.hi}({top.replicas}/{top.target} "
+        hot = (f" top={top.holding}({top.replicas}/{top.target} "
                f"d={top.demand:.2f})") if top is not None and top.demand > 0 else ""
         return (f"demand ranges={len(msg.entries)} holes={len(msg.holes)} "
                 f"short={len(short)}{hot}")
@@ -88,14 +88,6 @@ def _summary(msg: Any) -> str:
 
 _BIG = 1 << 30  # tap shows what flows; size limits are the receivers' business
 
-_DECODERS: dict[str, Callable[[bytes], Any]] = {
-    "x": lambda d: codec.decode_request(d, max_bytes=_BIG),
-    "r": lambda d: codec.decode_reply(d, max_bytes=_BIG),
-    "e": lambda d: codec.decode_reply(d, max_bytes=_BIG),
-    "hb": lambda d: codec.decode_heartbeat(d, max_bytes=_BIG),
-    **{t: (lambda fn: lambda d: fn(d, max_bytes=_BIG))(fn) for t, fn in mc.DECODERS.items()},
-}
-
 
 def summarize_payload(data: bytes) -> str:
     """One-line summary of any payload; never raises."""
@@ -108,11 +100,10 @@ def summarize_payload(data: bytes) -> str:
         except Exception:
             return _raw(data)
         kind = body.get("t") if isinstance(body, dict) else None
-        decoder = _DECODERS.get(kind) if isinstance(kind, str) else None
-        if decoder is None:
+        if not isinstance(kind, str) or kind not in wire.RECORDS:
             return f"? {_raw(data)}"
         try:
-            return _summary(decoder(data))
+            return _summary(wire.decode_any(data, max_bytes=_BIG))
         except codec.CodecError as exc:
             return f"invalid {kind!r}: {_short(exc, 120)} | {_raw(data)}"
     except Exception as exc:  # a summary must never take the tap down

@@ -43,6 +43,7 @@ from typing import Iterator, NamedTuple
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from kvasir_bus.errors import ModelFileError
+from kvasir_bus.wire import Holding
 from kvasir_bus.fingerprint import SLICE_SOURCE_KEY
 from kernels.tensors import QTensor, open_gguf, tensors_from_reader
 
@@ -75,22 +76,6 @@ def source_tensor_name(layer: int, kind: str) -> str:
     return f"blk.{layer}.ffn_{kind}_exps.weight"
 
 
-class Holding(NamedTuple):
-    """One layer's inclusive range of experts held in a slice."""
-
-    layer: int
-    first: int
-    last: int
-
-    @property
-    def count(self) -> int:
-        return self.last - self.first + 1
-
-    def __str__(self) -> str:
-        span = f"{self.first}" if self.first == self.last else f"{self.first}-{self.last}"
-        return f"layer {self.layer} experts {span}"
-
-
 class ExpertTypes(NamedTuple):
     """ggml types of one layer's gate, up and down expert tensors (they may differ)."""
 
@@ -110,7 +95,7 @@ class SliceInfo:
     n_ff: int  # one expert's FFN size
     n_expert: int  # experts per layer in the source model
     n_layer: int  # layers in the source model
-    holdings: tuple[Holding, ...]
+    holdings: tuple[Holding, ...]  # half-open, like every Holding (the file stores first..last)
     types: dict[int, ExpertTypes]  # layer -> types of its gate/up/down tensors
     _weights: dict[Holding, tuple[QTensor, QTensor, QTensor]] = field(repr=False)
 
@@ -130,7 +115,7 @@ class SliceInfo:
     def experts(self) -> Iterator[tuple[int, int]]:
         """Every held ``(layer, expert)``, in file order."""
         for h in self.holdings:
-            for e in range(h.first, h.last + 1):
+            for e in h.experts:
                 yield h.layer, e
 
     def holds(self, layer: int, expert: int) -> bool:
@@ -148,7 +133,7 @@ class SliceInfo:
             held = ", ".join(str(x) for x in self.holdings if x.layer == layer) or "no experts"
             raise KeyError(f"{self.path}: holds no expert {expert} of layer {layer} "
                            f"(layer {layer}: {held})")
-        i = expert - h.first
+        i = expert - h.lo
         out = []
         for kind, t in zip(KINDS, self._weights[h]):
             nb2 = t.expert_bytes
@@ -158,7 +143,7 @@ class SliceInfo:
 
     def _holding(self, layer: int, expert: int) -> Holding | None:
         for h in self.holdings:
-            if h.layer == layer and h.first <= expert <= h.last:
+            if h.covers(layer, expert):
                 return h
         return None
 
@@ -198,13 +183,13 @@ def slice_from_reader(reader: GGUFReader, path: str) -> SliceInfo:
     if not layers:
         raise ModelFileError(f"{path}: the slice holds no experts")
 
-    holdings = tuple(Holding(int(l), int(a), int(b)) for l, a, b in zip(layers, firsts, lasts))
+    holdings = tuple(Holding.inclusive(int(l), int(a), int(b)) for l, a, b in zip(layers, firsts, lasts))
     for h in holdings:
-        if not (0 <= h.layer < n_layer and 0 <= h.first <= h.last < n_expert):
+        if not (0 <= h.layer < n_layer and 0 <= h.lo < h.hi <= n_expert):
             raise ModelFileError(f"{path}: bad holding {h} (source has {n_layer} layers of "
                                  f"{n_expert} experts)")
     for prev, h in zip(holdings, holdings[1:]):
-        if (h.layer, h.first) <= (prev.layer, prev.last):
+        if (h.layer, h.lo) < (prev.layer, prev.hi):
             raise ModelFileError(f"{path}: holdings out of order or overlapping: {prev}, {h}")
 
     tensors = tensors_from_reader(reader)
@@ -213,7 +198,7 @@ def slice_from_reader(reader: GGUFReader, path: str) -> SliceInfo:
     for h in holdings:
         triple = []
         for kind in KINDS:
-            name = slice_tensor_name(h.layer, kind, h.first, h.last)
+            name = slice_tensor_name(h.layer, kind, h.lo, h.last)
             t = tensors.get(name)
             if t is None:
                 raise ModelFileError(f"{path}: holding {h} has no tensor {name}")

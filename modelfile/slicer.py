@@ -35,7 +35,7 @@ from kernels.tensors import open_gguf
 CHUNK_BYTES = 8 << 20  # the copy buffer: the most memory the byte copy ever uses
 _VERIFY_BYTES = 4096  # bytes compared with the source at each end of every tensor after writing
 
-Span = tuple[int, int]  # inclusive (first, last)
+Span = tuple[int, int]  # inclusive (first, last), as a person types it: A-B
 Progress = Callable[[int, int], None]  # (bytes copied so far, bytes to copy in all)
 
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight$")
@@ -181,7 +181,7 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
     tensors = []
     for layer in sorted(wanted):
         for first, last in _merge(wanted[layer]):
-            h = Holding(layer, first, last)
+            h = Holding.inclusive(layer, first, last)
             holdings.append(h)
             for kind in KINDS:
                 t = layers[layer][kind]
@@ -238,7 +238,7 @@ def write_slice_header(plan: SlicePlan, path: str) -> None:
     w.add_uint32(KEYS.N_EMBD, plan.n_embd)
     w.add_uint32(KEYS.N_FF, plan.n_ff)
     for key, values in ((KEYS.LAYERS, [h.layer for h in plan.holdings]),
-                        (KEYS.EXPERT_FIRST, [h.first for h in plan.holdings]),
+                        (KEYS.EXPERT_FIRST, [h.lo for h in plan.holdings]),
                         (KEYS.EXPERT_LAST, [h.last for h in plan.holdings])):
         w.add_key_value(key, values, GGUFValueType.ARRAY, sub_type=GGUFValueType.UINT32)
     for t in plan.tensors:
@@ -350,7 +350,7 @@ def describe_holdings(holdings: Sequence[Holding]) -> str:
     ``layers 0-3 experts 0-7; layer 5 experts 2,9-11``."""
     by_layer: dict[int, list[Span]] = {}
     for h in holdings:
-        by_layer.setdefault(h.layer, []).append((h.first, h.last))
+        by_layer.setdefault(h.layer, []).append((h.lo, h.last))
     groups: list[tuple[int, int, tuple[Span, ...]]] = []
     for layer in sorted(by_layer):
         spans = tuple(by_layer[layer])

@@ -40,10 +40,10 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from gguf import GGML_QUANT_SIZES
 
-from kvasir_bus import codec
 from kvasir_bus.errors import KvasirError, ModelFileError, UsageError
 from kvasir_bus.market_codec import Manifest
-from modelfile.slice_file import KINDS, Holding, SliceInfo, load_slice, slice_tensor_name, source_tensor_name
+from kvasir_bus.wire import Holding
+from modelfile.slice_file import KINDS, SliceInfo, load_slice, slice_tensor_name, source_tensor_name
 from modelfile.slicer import SlicePlan, SliceTensor, write_slice_header
 from workers.source import ByteCache, Identity, Source, TransientSourceError
 
@@ -85,7 +85,7 @@ class SlabJob:
 @dataclass(frozen=True)
 class DownloadPlan:
     model: str
-    holdings: tuple[Holding, ...]  # inclusive, as in the slice file
+    holdings: tuple[Holding, ...]  # merged, as in the slice file
     slice_plan: SlicePlan
     header: bytes  # the slice file's header (metadata and tensor infos)
     jobs: tuple[SlabJob, ...]  # in slice-file order
@@ -111,18 +111,18 @@ class DownloadResult:
 
 # -- planning ---------------------------------------------------------------------------------
 
-def merge_holdings(holdings: Iterable[codec.Holding]) -> tuple[Holding, ...]:
-    """Half-open market holdings -> sorted, merged, inclusive slice holdings."""
+def merge_holdings(holdings: Iterable[Holding]) -> tuple[Holding, ...]:
+    """Market holdings -> sorted holdings with overlapping or touching ranges merged."""
     by_layer: dict[int, list[list[int]]] = {}
     for h in holdings:
         if h.hi <= h.lo:
-            raise UsageError(f"empty holding: layer {h.layer} experts [{h.lo}, {h.hi})")
-        by_layer.setdefault(h.layer, []).append([h.lo, h.hi - 1])
+            raise UsageError(f"empty holding: layer {h.layer} lo={h.lo} hi={h.hi} (half-open)")
+        by_layer.setdefault(h.layer, []).append([h.lo, h.hi])
     out = []
     for layer in sorted(by_layer):
         merged: list[list[int]] = []
         for a, b in sorted(by_layer[layer]):
-            if merged and a <= merged[-1][1] + 1:
+            if merged and a <= merged[-1][1]:  # overlapping or touching: [0, 4) + [4, 8)
                 merged[-1][1] = max(merged[-1][1], b)
             else:
                 merged.append([a, b])
@@ -131,7 +131,7 @@ def merge_holdings(holdings: Iterable[codec.Holding]) -> tuple[Holding, ...]:
 
 
 def plan_download(identity: Identity, manifest: Manifest,
-                  holdings: Iterable[codec.Holding]) -> DownloadPlan:
+                  holdings: Iterable[Holding]) -> DownloadPlan:
     """Check the source against the manifest and lay out the slice of ``holdings``."""
     header, name = identity.header, identity.source
     model = manifest.model
@@ -153,7 +153,7 @@ def plan_download(identity: Identity, manifest: Manifest,
     slice_tensors: list[SliceTensor] = []
     slabs: list[tuple[SliceTensor, int, object]] = []  # (slice tensor, expert, SlabRef)
     for h in held:
-        if h.layer >= manifest.n_layer or h.last >= manifest.n_expert:
+        if h.layer >= manifest.n_layer or h.hi > manifest.n_expert:
             raise DownloadError(f"assigned {h} lies outside model {model} ({manifest.n_layer} layers "
                                 f"of {manifest.n_expert} experts)")
         for kind in KINDS:
@@ -163,10 +163,10 @@ def plan_download(identity: Identity, manifest: Manifest,
             ne0, ne1, n_exp = t.ne
             block, type_size = GGML_QUANT_SIZES[t.ggml_type]
             nb2 = ne1 * (ne0 // block) * type_size
-            st = SliceTensor(slice_tensor_name(h.layer, kind, h.first, h.last), h, kind, t.ggml_type,
-                             (ne0, ne1, h.count), t.offset + h.first * nb2, h.count * nb2)
+            st = SliceTensor(slice_tensor_name(h.layer, kind, h.lo, h.last), h, kind, t.ggml_type,
+                             (ne0, ne1, h.count), t.offset + h.lo * nb2, h.count * nb2)
             slice_tensors.append(st)
-            for e in range(h.first, h.last + 1):
+            for e in h.experts:
                 try:
                     ref = next(s for s in manifest.slabs_for(h.layer, e) if s.kind == kind)
                 except (KeyError, StopIteration):
@@ -194,7 +194,7 @@ def plan_download(identity: Identity, manifest: Manifest,
     jobs = []
     for i, (st, e, ref) in enumerate(slabs):
         jobs.append(SlabJob(i, st.holding.layer, e, st.kind, ref.offset, ref.size, ref.sha256,
-                            offsets[st.name] + (e - st.holding.first) * ref.size))
+                            offsets[st.name] + (e - st.holding.lo) * ref.size))
     digest = hashlib.sha256(head)
     for j in jobs:
         digest.update(f"{j.layer},{j.expert},{j.kind},{j.src},{j.size},{j.sha256},{j.dst}\n".encode())

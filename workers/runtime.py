@@ -124,8 +124,7 @@ class Worker:
     # -- heartbeats ---------------------------------------------------------------------------
 
     def heartbeat(self) -> codec.Heartbeat:
-        holdings = tuple(codec.Holding(h.layer, h.first, h.last + 1) for h in self.slice.holdings)
-        return codec.Heartbeat(model=self.slice.fingerprint, node=self.cfg.node, holdings=holdings,
+        return codec.Heartbeat(model=self.slice.fingerprint, node=self.cfg.node, holdings=self.slice.holdings,
                                budget_bytes=self.cfg.budget_bytes or self.slice.nbytes,
                                load=float(self.in_flight), served=self.served, version=__version__,
                                kernel=backend_name(), sent_at=time.time())
@@ -212,4 +211,4 @@ class _Refused(Exception):
 
 
 def _safe_id(request_id: str) -> str:
-    return request_id if codec._REQUEST_ID_RE.fullmatch(request_id or "") else ""
+    return request_id if codec.is_id(request_id) else ""

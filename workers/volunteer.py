@@ -134,7 +134,7 @@ async def volunteer(nc, cfg: VolunteerConfig, *, progress=None,
         if plan.slab_bytes > cfg.budget_bytes:
             raise KvasirError(f"the market assigned {plan.slab_bytes:,} bytes of experts of {model}, "
                               f"over the budget of {cfg.budget_bytes:,} bytes; refusing")
-        vlog.info("assigned", holdings=[list(h) for h in assignment.holdings], bytes=plan.slab_bytes,
+        vlog.info("assigned", holdings=[str(h) for h in assignment.holdings], bytes=plan.slab_bytes,
                   experts=assignment.n_experts, reward_rate=assignment.reward_rate)
 
         result = await asyncio.to_thread(download_slice, source, plan, cache_dir, cache=identity.cache,

@@ -181,7 +181,7 @@ def test_headers_describe_every_message():
                 DemandMap(FP, 1.0, []), LedgerAck("b", 0, 0), status(), MarketOverview(1.0),
                 ErrorReply("", "m", "no_fit", "x")):
         assert mc.headers_for(msg)["Kvasir-Version"] == "1"
-    with pytest.raises(CodecError, match="not a market message"):
+    with pytest.raises(CodecError, match="not a Kvasir message"):
         mc.headers_for(object())
     with pytest.raises(CodecError, match="cannot encode"):
         mc.encode(object())

@@ -11,7 +11,7 @@ import hashlib
 import time
 
 from kvasir_bus import codec, market_codec as mc
-from kvasir_bus.codec import Holding
+from kvasir_bus.wire import Holding
 from kvasir_bus.connect import connect
 from kvasir_bus.subjects import Subjects
 

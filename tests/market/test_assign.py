@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvasir_bus.codec import Holding
+from kvasir_bus.wire import Holding
 from market.assign import NoFit, choose, merge
 from market.demand import Layout, Policy, range_stats
 from tests.market.fakes import make_manifest

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvasir_bus.codec import Holding
+from kvasir_bus.wire import Holding
 from market.coverage import CoverageMap
 from tests.market.fakes import FP, heartbeat
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvasir_bus.codec import Holding
+from kvasir_bus.wire import Holding
 from kvasir_bus.market_codec import RoutingStats
 from market.demand import (Layout, Policy, UsageTracker, demand_entries, event_rate,
                            range_stats, signature)

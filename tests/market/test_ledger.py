@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvasir_bus.codec import Holding
+from kvasir_bus.wire import Holding
 from kvasir_bus.errors import KvasirError
 from kvasir_bus.market_codec import LedgerEvent, NodeTotals
 from market.ledger import Ledger

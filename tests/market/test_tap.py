@@ -25,16 +25,16 @@ MESSAGES = [
      'error node=w-1 code=not_held id=1a "layer 3 expert 17"'),
     (codec.Heartbeat(FP, "w-1", ((0, 0, 8), (3, 16, 32)), 340 * 2**20, 1.5, 12, "0.1.0",
                      "numpy", 1.0),
-     "heartbeat node=w-1 holds L0:0-8 L3:16-32 budget=340.0 MiB load=1.5 served=12 v0.1.0 "
+     "heartbeat node=w-1 holds L0:0-7 L3:16-31 budget=340.0 MiB load=1.5 served=12 v0.1.0 "
      "numpy"),
     (manifest(), "manifest qwen3moe layers=2 experts=4 slabs=24"),
     (mc.VolunteerRequest(FP, "w-1", 2**30), "volunteer node=w-1 budget=1.0 GiB"),
     (mc.Assignment(FP, "w-1", ((1, 8, 16),), 28800, 2.0),
-     "assignment node=w-1 holds L1:8-16 (28.1 KiB) rate=2.000"),
+     "assignment node=w-1 holds L1:8-15 (28.1 KiB) rate=2.000"),
     (mc.RoutingStats(FP, "bb", 5.0, ((0, 1, 10), (0, 2, 5)), 0.125),
      "routing node=bb window=5s experts=2 rows=15 fallback=12.5%"),
     (mc.DemandMap(FP, 1.0, ((0, 0, 8, 1, 1, 0.5, 0.0, 1.0), (0, 8, 16, 0, 2, 0.5, 3.0, 2.0))),
-     "demand ranges=2 holes=1 short=1 top=L0:8-16(0/2 d=3.00)"),
+     "demand ranges=2 holes=1 short=1 top=L0:8-15(0/2 d=3.00)"),
     (batch(), "ledger batch=b-1 source=backbone events=2 rows=5"),
     (mc.LedgerAck("b-1", 2, 1), "ledger-ack batch=b-1 accepted=2 dup=1"),
     (status(), f"status model={FP} nodes=2 ranges=2 holes=1"),
@@ -84,7 +84,7 @@ def test_status_views():
     text = status_text(st)
     assert "coverage: replicas per range" in text
     assert "fallback rate: 25.0%" in text
-    assert "w-1" in text and "(pending L1:2-4)" in text and "never" in text
+    assert "w-1" in text and "(pending L1:2-3)" in text and "never" in text
     assert "./2" in text                               # the hole that wants two replicas
     js = status_json(st)
     assert js["holes"] == 1 and js["covered"] is False

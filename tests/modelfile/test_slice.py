@@ -21,7 +21,8 @@ from kvasir_bus.cli import main  # noqa: E402
 from kvasir_bus.errors import ModelFileError  # noqa: E402
 from kvasir_bus.fingerprint import SLICE_SOURCE_KEY, compute_fingerprint, model_fingerprint  # noqa: E402
 from modelfile import slicer  # noqa: E402
-from modelfile.slice_file import KEYS, Holding, load_slice  # noqa: E402
+from kvasir_bus.wire import Holding  # noqa: E402
+from modelfile.slice_file import KEYS, load_slice  # noqa: E402
 from kernels.tensors import tensors_from_reader  # noqa: E402
 
 N_EMBD, N_FF, N_EXP = 96, 36, 8
@@ -90,8 +91,9 @@ def source_slab(src: GGUFReader, layer: int, kind: str, expert: int) -> bytes:
 
 
 def held(reader: GGUFReader) -> list[Holding]:
+    """The holdings a slice's metadata names (stored as inclusive first..last)."""
     f = reader.fields
-    return [Holding(*x) for x in zip(f[KEYS.LAYERS].contents(), f[KEYS.EXPERT_FIRST].contents(),
+    return [Holding.inclusive(*x) for x in zip(f[KEYS.LAYERS].contents(), f[KEYS.EXPERT_FIRST].contents(),
                                      f[KEYS.EXPERT_LAST].contents())]
 
 
@@ -104,14 +106,14 @@ def test_slice_bytes_are_the_source_byte_ranges_of_every_held_expert(source, tmp
                                 "--layer", 2, "--experts", 0, "--layer", 2, "--experts", 7, "-o", out)
     assert rc == 0, err
     src, sl = GGUFReader(source), GGUFReader(out)
-    assert held(sl) == [Holding(1, 2, 4), Holding(2, 0, 0), Holding(2, 7, 7)]
+    assert held(sl) == [Holding.parse("L1:2-4"), Holding.parse("L2:0-0"), Holding.parse("L2:7-7")]
     pairs = [(1, 2), (1, 3), (1, 4), (2, 0), (2, 7)]
     for layer, expert in pairs:
         for kind in KINDS:
-            h = next(h for h in held(sl) if h.layer == layer and h.first <= expert <= h.last)
-            t = next(t for t in sl.tensors if t.name == f"blk.{layer}.ffn_{kind}_exps.{h.first}-{h.last}.weight")
+            h = next(h for h in held(sl) if h.covers(layer, expert))
+            t = next(t for t in sl.tensors if t.name == f"blk.{layer}.ffn_{kind}_exps.{h.lo}-{h.last}.weight")
             nb2 = int(t.n_bytes) // h.count
-            start = int(t.data_offset) + (expert - h.first) * nb2
+            start = int(t.data_offset) + (expert - h.lo) * nb2
             assert sl.data[start:start + nb2].tobytes() == source_slab(src, layer, kind, expert), (layer, kind, expert)
     # and each whole tensor is exactly the source slabs concatenated, nothing else
     t = next(t for t in sl.tensors if t.name == "blk.1.ffn_gate_exps.2-4.weight")
@@ -155,7 +157,7 @@ def test_load_slice_expert_weights_equal_the_source_experts(source, tmp_path, ca
     info = load_slice(out)
     assert (info.arch, info.n_embd, info.n_ff, info.n_expert, info.n_layer) == ("llama", N_EMBD, N_FF, N_EXP, 3)
     assert info.fingerprint == model_fingerprint(GGUFReader(source))
-    assert info.holdings == (Holding(1, 1, 3), Holding(2, 0, 0), Holding(2, 5, 7))
+    assert info.holdings == (Holding.parse("L1:1-3"), Holding.parse("L2:0-0"), Holding.parse("L2:5-7"))
     assert info.types == {1: LAYER_TYPES[1], 2: LAYER_TYPES[2]}
     assert info.layers == (1, 2) and info.n_held == 7
     src = tensors_from_reader(GGUFReader(source))
@@ -189,18 +191,18 @@ def test_overlapping_and_adjacent_ranges_are_merged_and_stored_once(source, tmp_
     rc, stdout, _ = run_slice(capsys, source, "--layer", 1, "--experts", "0-2", "--layer", 1, "--experts", "2-4",
                               "--layer", 1, "--experts", 5, "--layer", 1, "--experts", 7, "-o", out)
     assert rc == 0
-    assert load_slice(out).holdings == (Holding(1, 0, 5), Holding(1, 7, 7))
+    assert load_slice(out).holdings == (Holding.parse("L1:0-5"), Holding.parse("L1:7-7"))
     assert "7 experts (layer 1 experts 0-5,7)" in stdout
 
 
 def test_layer_all_and_layer_ranges(source, tmp_path, capsys):
     out = tmp_path / "a.gguf"
     rc, stdout, _ = run_slice(capsys, source, "--layer", "all", "--experts", 3, "-o", out)
-    assert rc == 0 and load_slice(out).holdings == (Holding(1, 3, 3), Holding(2, 3, 3))
+    assert rc == 0 and load_slice(out).holdings == (Holding.parse("L1:3-3"), Holding.parse("L2:3-3"))
     assert "layers 1-2 experts 3" in stdout
     out2 = tmp_path / "b.gguf"
     assert run_slice(capsys, source, "--layer", "1-2", "--experts", "all", "-o", out2)[0] == 0
-    assert load_slice(out2).holdings == (Holding(1, 0, 7), Holding(2, 0, 7))
+    assert load_slice(out2).holdings == (Holding.parse("L1:0-7"), Holding.parse("L2:0-7"))
 
 
 def test_source_alignment_is_kept(tmp_path, capsys):
@@ -354,7 +356,7 @@ def write_fake_slice(path, *, version=1, fingerprint="abcd", drop=(), down_ne=(N
 
 def test_load_slice_accepts_a_minimal_valid_slice(tmp_path):
     info = load_slice(write_fake_slice(tmp_path / "ok.gguf"))
-    assert info.holdings == (Holding(1, 3, 4),) and info.fingerprint == "abcd"
+    assert info.holdings == (Holding.parse("L1:3-4"),) and info.fingerprint == "abcd"
     assert info.expert_weights(1, 4)[2].ne == (N_FF, N_EMBD)
 
 
