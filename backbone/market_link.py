@@ -46,6 +46,7 @@ class MarketLink:
         self.acked_events = 0
         self.dropped_events = 0
         self._no_market = False
+        self._settled = asyncio.Event()  # set by a flush that left nothing unacknowledged
 
     # -- recording (any thread) -----------------------------------------------------------------
 
@@ -71,6 +72,19 @@ class MarketLink:
     def unacked_events(self) -> int:
         with self._lock:
             return len(self._events) + sum(len(b.events) for b in self._unacked.values())
+
+    async def wait_acked(self, timeout_s: float) -> bool:
+        """Wait until every event recorded so far is acknowledged by the market (or refused
+        for good); False if that did not happen within ``timeout_s``. Woken by the flushes of
+        the link's own loop, every ``interval_s``: no polling here."""
+        deadline = time.monotonic() + timeout_s
+        while self.unacked_events:  # events recorded meanwhile need the next flush too
+            self._settled.clear()
+            try:
+                await asyncio.wait_for(self._settled.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -156,4 +170,6 @@ class MarketLink:
                 self.dropped_events += len(batch.events)
                 all_acked = False
                 log.error("ledger_refused", batch=batch.batch_id, reply=str(reply)[:200])
+        if not self.unacked_events:
+            self._settled.set()
         return all_acked
