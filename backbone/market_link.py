@@ -35,6 +35,7 @@ class MarketLink:
         self.max_unacked, self.ack_timeout_s = max_unacked, ack_timeout_s
         self._lock = threading.Lock()  # hits are counted from the engine's thread
         self._hits: Counter = Counter()
+        self._published: Counter = Counter()  # every routing count handed to the bus, for all time
         self._calls = 0
         self._local = 0
         self._events: deque[mc.LedgerEvent] = deque()
@@ -67,6 +68,12 @@ class MarketLink:
         """Routing counts recorded but not yet published."""
         with self._lock:
             return len(self._hits)
+
+    @property
+    def published_hits(self) -> dict[tuple[int, int], int]:
+        """Rows per (layer, expert) sent on the routing subject since start (a copy)."""
+        with self._lock:
+            return dict(self._published)
 
     @property
     def unacked_events(self) -> int:
@@ -126,6 +133,7 @@ class MarketLink:
         with self._lock:
             hits, calls, local = self._hits, self._calls, self._local
             self._hits, self._calls, self._local = Counter(), 0, 0
+            self._published.update(hits)
         if not hits:
             return
         stats = mc.RoutingStats(model=self.model, node=self.node, window_s=self.interval_s,
