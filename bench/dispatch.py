@@ -66,9 +66,9 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int) -> dict:
                 procs.append(spawn_worker(server.url, f"bench-{i}", ["--model", str(path), "--layer", "all",
                                                                     "--experts", f"{lo}-{hi}"], log_file=log))
             asyncio.run(wait_for_nodes(server.url, fp, {p.node for p in procs}, procs=procs, timeout=600))
-            cfg = BackboneConfig(model_path=str(path), nats_url=server.url, dispatch=DispatchConfig(timeout_s=5.0),
-                                 market=False, serve_manifest=False)
-            with BackboneService(engine, cfg) as backbone:
+            role = BackboneConfig(model_path=str(path), nats_url=server.url, dispatch=DispatchConfig(timeout_s=5.0),
+                                  market=False, serve_manifest=False)
+            with BackboneService(engine, role) as backbone:
                 remote = backbone.dispatch
                 decode(engine, prompt, 2, remote)  # warm the workers' caches and the connection
                 sh_tokens, sh_tps, d = decode(engine, prompt, n_decode, remote)
