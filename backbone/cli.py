@@ -76,7 +76,8 @@ def cmd_generate(args) -> int:
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
     sampler = _sampler(args)
-    engine = Engine(args.model, n_ctx=args.ctx, wire_dtype=args.wire_dtype)  # validates the file first
+    cfg = backbone_config(args)  # flags checked before the model is read
+    engine = Engine(cfg.model_path, n_ctx=cfg.n_ctx, wire_dtype=cfg.wire_dtype)  # validates the file first
     tok = Tokenizer(args.model)
     prompt = tok.encode(args.prompt)
     if len(prompt) + args.n > engine.n_ctx:
@@ -90,11 +91,11 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
 
     stats = None
-    with _experts_for(args, engine) as remote:
+    with _backbone_for(cfg, engine) as backbone:
         gen = generate(engine, prompt, args.n, sampler, stop_on_eos=not args.no_stop,
                        keep_logits=bool(args.dump_logits), on_token=on_token)
-        if remote is not None:
-            stats = remote.stats.to_dict()
+        if backbone is not None:
+            stats = backbone.stats.to_dict()
     if args.dump_logits:
         np.save(args.dump_logits, gen.logits_array())
     from kernels.backend import backend_name
@@ -128,22 +129,25 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _experts_for(args, engine):
-    """Local experts, or dispatch to the workers on the bus when --nats is given."""
+def _backbone_for(cfg, engine):
+    """Nothing (all local), or the backbone on the bus when --nats is given: it dispatches the
+    experts to the workers and reports to a market; it serves no manifest (``kvasir serve`` does)."""
     from contextlib import nullcontext
 
-    if not getattr(args, "nats", None):
+    if not cfg.nats_url:  # NATS_URL is not read here so that a plain run stays local
         return nullcontext(None)
-    from backbone.dispatch import BusExperts, DispatchConfig
+    from backbone.service import BackboneService
     from kvasir_bus.logs import configure
 
     configure("info")
-    if args.timeout_ms is not None and not args.timeout_ms > 0:
-        from kvasir_bus.errors import UsageError
+    return BackboneService(engine, cfg)
 
-        raise UsageError(f"--timeout-ms must be positive, got {args.timeout_ms}")
-    cfg = DispatchConfig(timeout_s=args.timeout_ms / 1000 if args.timeout_ms else None)
-    return BusExperts(engine, args.nats, cfg)
+
+def backbone_config(args):
+    """The one place ``generate``'s flags become a :class:`BackboneConfig`."""
+    from backbone.service import BackboneConfig
+
+    return BackboneConfig.from_args(args, serve_manifest=False)
 
 
 def cmd_verify(args) -> int:

@@ -19,6 +19,11 @@ wire rounding is applied by the engine before dispatch), so the output is bit-id
 
 Replies come back on one wildcard inbox per backbone, matched by request id: that is how a
 late reply can be told from a racing replica's, which ``nc.request`` cannot do.
+
+Around it: the counters are :mod:`backbone.dispatch_stats`, the uncovered cache and the
+heartbeat listener :mod:`backbone.coverage_view`, the market's share (routing statistics,
+ledger events) a recorder, :mod:`backbone.market_link`. The connection, its loop thread and
+their lifecycle belong to :class:`backbone.service.BackboneService`.
 """
 
 from __future__ import annotations
@@ -27,13 +32,15 @@ import asyncio
 import itertools
 import queue
 import time
-from collections import Counter, OrderedDict
-from dataclasses import asdict, dataclass, field
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import structlog
 
-from backbone.experts import LocalExperts
+from backbone.coverage_view import CoverageView
+from backbone.dispatch_stats import DispatchStats, LayerStats  # noqa: F401  (LayerStats: re-exported)
 from kvasir_bus import codec
 from kvasir_bus.loopthread import LoopThread
 from kvasir_bus.subjects import Subjects
@@ -50,7 +57,6 @@ class DispatchConfig:
     timeout_ceiling_s: float = 2.0
     initial_timeout_s: float = 0.5  # before any latency has been observed
     uncovered_ttl_s: float = 1.0  # after "no responders", compute locally without asking this long
-    node: str = "backbone"
 
 
 class AdaptiveTimeout:
@@ -76,103 +82,61 @@ class AdaptiveTimeout:
         return min(self.cfg.timeout_ceiling_s, max(self.cfg.timeout_floor_s, self.srtt + 4 * self.rttvar))
 
 
-@dataclass
-class LayerStats:
-    remote: int = 0  # expert calls answered by a worker
-    local_choice: int = 0  # computed here without asking (known uncovered)
-    no_responders: int = 0  # asked, nobody subscribed: computed here at once
-    timeouts: int = 0
-    invalid: int = 0  # error replies and replies that failed validation
-    bus_errors: int = 0  # the request could not be sent
-    late: int = 0  # replies after their timeout (dropped)
-    duplicates: int = 0  # replies from replicas that lost the race (dropped)
-    rows_remote: int = 0
-    rows_local: int = 0
-    bytes_out: int = 0
-    bytes_in: int = 0
-    latency_sum_s: float = 0.0
-    latency_max_s: float = 0.0
-
-    @property
-    def local(self) -> int:
-        return self.local_choice + self.no_responders + self.timeouts + self.invalid + self.bus_errors
-
-
-@dataclass
-class DispatchStats:
-    layers: dict[int, LayerStats] = field(default_factory=dict)
-    nodes: Counter = field(default_factory=Counter)  # expert calls won per worker node
-    node_rows: Counter = field(default_factory=Counter)
-
-    def layer(self, il: int) -> LayerStats:
-        return self.layers.setdefault(il, LayerStats())
-
-    def totals(self) -> LayerStats:
-        total = LayerStats()
-        for s in self.layers.values():
-            for k, v in asdict(s).items():
-                setattr(total, k, max(getattr(total, k), v) if k == "latency_max_s" else getattr(total, k) + v)
-        return total
-
-    def to_dict(self) -> dict:
-        t = self.totals()
-        calls = t.remote + t.local
-        summary = {k: v for k, v in asdict(t).items() if k != "latency_sum_s"}
-        summary["latency_mean_ms"] = round(1000 * t.latency_sum_s / t.remote, 3) if t.remote else None
-        summary["latency_max_ms"] = round(1000 * t.latency_max_s, 3)
-        summary.pop("latency_max_s")
-        summary["local"] = t.local
-        summary["calls"] = calls
-        summary["fallback_rate"] = round(1 - t.remote / calls, 4) if calls else None
-        return {
-            "totals": summary,
-            "per_node": {n: {"calls": c, "rows": self.node_rows[n]} for n, c in sorted(self.nodes.items())},
-            "per_layer": {str(il): {k: v for k, v in asdict(s).items() if not k.startswith("latency")}
-                          for il, s in sorted(self.layers.items())},
-        }
-
-
 class _NoResponders(Exception):
     pass
 
 
-class RemoteExperts:
-    """An :class:`~backbone.experts.ExpertBackend` that asks the workers on the bus first."""
+class Local(Protocol):
+    """The fallback replica (:class:`backbone.experts.LocalExperts`)."""
 
-    def __init__(self, bus: LoopThread, nc, model: str, local: LocalExperts, n_embd: int,
-                 cfg: DispatchConfig = DispatchConfig(), link=None):
+    def compute(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray: ...
+
+
+class Recorder(Protocol):
+    """Who wants to hear about every call and every win (:class:`backbone.market_link.MarketLink`)."""
+
+    def record_call(self, layer: int, expert: int, rows: int, remote: bool) -> None: ...
+
+    def record_win(self, node: str, layer: int, expert: int, rows: int) -> None: ...
+
+
+class RemoteExperts:
+    """An :class:`~backbone.experts.ExpertBackend` that asks the workers on the bus first.
+
+    ``bus`` runs ``nc``'s loop; ``local`` computes whatever no worker delivers; ``coverage``
+    remembers the experts nobody answered for; ``recorder`` (optional) hears every call and win.
+    """
+
+    def __init__(self, bus: LoopThread, nc, model: str, local: Local, n_embd: int,
+                 cfg: DispatchConfig = DispatchConfig(), *, coverage: CoverageView | None = None,
+                 recorder: Recorder | None = None):
         self.bus, self.nc, self.local, self.n_embd, self.cfg = bus, nc, local, n_embd, cfg
-        self.link = link  # a MarketLink: routing statistics and ledger events, if a market listens
+        self.coverage = coverage or CoverageView(cfg.uncovered_ttl_s)
+        self.recorder = recorder
         self.subjects = Subjects(model)
         self.model = model
         self.stats = DispatchStats()
         self.timeout = AdaptiveTimeout(cfg)
-        self._uncovered: dict[tuple[int, int], float] = {}  # (layer, expert) -> until (monotonic)
         self._pending: dict[str, tuple[asyncio.Future, int, float]] = {}
         self._finished: OrderedDict[str, tuple[str, int]] = OrderedDict()  # token -> (how, layer)
         self._ids = itertools.count()
         self._inbox: str | None = None
         self._sub = None
-        self._beats = None
 
     async def start(self) -> None:
+        """Listen for replies (one wildcard inbox) and for heartbeats (the coverage view)."""
+        if self._sub is not None:
+            return
         self._inbox = self.nc.new_inbox()
         self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
-        # A heartbeat announcing experts we had given up on makes us ask again at once.
-        self._beats = await self.nc.subscribe(self.subjects.coverage_all(), cb=self._on_heartbeat)
+        await self.coverage.start(self.nc, self.model)
         await self.nc.flush()
-        if self.link is not None:
-            await self.link.start()
 
     async def close(self) -> None:
-        if self.link is not None:
-            await self.link.stop()
-        if self._beats is not None:
-            await self._beats.unsubscribe()
-            self._beats = None
+        await self.coverage.stop()
         if self._sub is not None:
-            await self._sub.unsubscribe()
-            self._sub = None
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
 
     # -- the synchronous side (the engine's thread) --------------------------------------------
 
@@ -188,8 +152,8 @@ class RemoteExperts:
                 except queue.Empty:
                     if job.done() and job.exception() is not None:
                         raise job.exception()
-            if self.link is not None:
-                self.link.record_call(layer, calls[i][0], len(calls[i][1]), remote=out is not None)
+            if self.recorder is not None:
+                self.recorder.record_call(layer, calls[i][0], len(calls[i][1]), remote=out is not None)
             if out is None:  # the fallback replica: this node
                 out = self.local.compute(layer, calls[i][0], calls[i][1])
                 self.stats.layer(layer).rows_local += len(calls[i][1])
@@ -219,8 +183,7 @@ class RemoteExperts:
 
     async def _call(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray | None:
         stats = self.stats.layer(layer)
-        now = time.monotonic()
-        if self._uncovered.get((layer, expert), 0.0) > now:
+        if self.coverage.is_uncovered(layer, expert):
             stats.local_choice += 1
             return None
         chunks = np.array_split(rows, -(-len(rows) // self._max_rows()))  # max_payload: split big batches
@@ -250,7 +213,7 @@ class RemoteExperts:
             replies = await asyncio.wait_for(asyncio.gather(*futures), self.timeout.current())
         except _NoResponders:
             self._forget(tokens, "no_responders")
-            self._uncovered[(layer, expert)] = time.monotonic() + self.cfg.uncovered_ttl_s
+            self.coverage.mark_uncovered(layer, expert)
             stats.no_responders += 1
             return None
         except asyncio.TimeoutError:
@@ -274,8 +237,8 @@ class RemoteExperts:
         stats.latency_max_s = max(stats.latency_max_s, latency)
         self.stats.nodes[node] += 1
         self.stats.node_rows[node] += len(rows)
-        if self.link is not None:
-            self.link.record_win(node, layer, expert, len(rows))
+        if self.recorder is not None:
+            self.recorder.record_win(node, layer, expert, len(rows))
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _check_reply(self, layer, expert, token, chunk, data) -> tuple[np.ndarray | None, str | None]:
@@ -308,17 +271,6 @@ class RemoteExperts:
         while len(self._finished) > 65536:
             self._finished.popitem(last=False)
 
-    async def _on_heartbeat(self, msg) -> None:
-        if not self._uncovered:
-            return
-        try:
-            hb = codec.decode_heartbeat(msg.data)
-        except codec.CodecError:
-            return  # the market logs malformed heartbeats; dispatch only needs good ones
-        for h in hb.holdings:
-            for e in h.experts:
-                self._uncovered.pop((h.layer, e), None)
-
     async def _on_reply(self, msg) -> None:
         token = msg.subject.rsplit(".", 1)[-1]
         entry = self._pending.get(token)
@@ -342,61 +294,10 @@ class RemoteExperts:
         fut.set_result(msg.data)
 
 
-class BusExperts:
-    """Connects an engine to the workers on a bus for the duration of a ``with`` block.
-
-    Owns the loop thread, the NATS connection and the :class:`RemoteExperts`; on exit it logs
-    the dispatch summary, disconnects and gives the engine back its local experts.
-    """
-
-    def __init__(self, engine, url: str | None, cfg: DispatchConfig = DispatchConfig(), *,
-                 market: bool = True, market_interval_s: float = 1.0):
-        self.engine, self.url, self.cfg = engine, url, cfg
-        self.market, self.market_interval_s = market, market_interval_s
-        self.bus: LoopThread | None = None
-        self.nc = None
-        self.backend: RemoteExperts | None = None
-        self._local = engine.experts
-
-    def __enter__(self) -> RemoteExperts:
-        from kvasir_bus.connect import connect
-        from kvasir_bus.fingerprint import model_fingerprint
-
-        self.bus = LoopThread()
-        try:
-            self.nc = self.bus.run(connect(self.url, name=f"kvasir-{self.cfg.node}"))
-            local = self._local if isinstance(self._local, LocalExperts) else LocalExperts(self.engine.weights)
-            model = model_fingerprint(self.engine.reader)
-            link = None
-            if self.market:
-                from backbone.market_link import MarketLink
-
-                link = MarketLink(self.nc, model, self.cfg.node, interval_s=self.market_interval_s)
-            self.backend = RemoteExperts(self.bus, self.nc, model, local, self.engine.cfg.n_embd, self.cfg, link)
-            self.bus.run(self.backend.start())
-        except BaseException:
-            self.bus.stop()
-            raise
-        self.engine.experts = self.backend
-        return self.backend
-
-    def __exit__(self, *exc) -> None:
-        self.engine.experts = self._local
-        try:
-            if self.backend is not None:
-                _log_summary(self.backend)
-                self.bus.run(self.backend.close(), timeout=10)
-            if self.nc is not None:
-                self.bus.run(self.nc.drain(), timeout=10)
-        except Exception as e:  # leaving anyway
-            log.warning("disconnect_failed", error=str(e))
-        finally:
-            self.bus.stop()
-
-
-def _log_summary(backend: RemoteExperts) -> None:
-    t = backend.stats.to_dict()["totals"]
-    log.info("generation_dispatch_summary", model=backend.model, calls=t["calls"], remote=t["remote"],
+def log_summary(remote: RemoteExperts) -> None:
+    """One canonical line per generation session: how the expert calls went."""
+    t = remote.stats.to_dict()["totals"]
+    log.info("generation_dispatch_summary", model=remote.model, calls=t["calls"], remote=t["remote"],
              local_choice=t["local_choice"], no_responders=t["no_responders"], timeouts=t["timeouts"],
-             invalid=t["invalid"], late=t["late"], fallback_rate=t["fallback_rate"],
+             invalid=t["invalid"], late=t["late"], duplicates=t["duplicates"], fallback_rate=t["fallback_rate"],
              latency_mean_ms=t["latency_mean_ms"], bytes_out=t["bytes_out"], bytes_in=t["bytes_in"])

@@ -35,6 +35,7 @@ class MarketLink:
         self.max_unacked, self.ack_timeout_s = max_unacked, ack_timeout_s
         self._lock = threading.Lock()  # hits are counted from the engine's thread
         self._hits: Counter = Counter()
+        self._published: Counter = Counter()  # every routing count handed to the bus, for all time
         self._calls = 0
         self._local = 0
         self._events: deque[mc.LedgerEvent] = deque()
@@ -46,6 +47,7 @@ class MarketLink:
         self.acked_events = 0
         self.dropped_events = 0
         self._no_market = False
+        self._settled = asyncio.Event()  # set by a flush that left nothing unacknowledged
 
     # -- recording (any thread) -----------------------------------------------------------------
 
@@ -68,9 +70,28 @@ class MarketLink:
             return len(self._hits)
 
     @property
+    def published_hits(self) -> dict[tuple[int, int], int]:
+        """Rows per (layer, expert) sent on the routing subject since start (a copy)."""
+        with self._lock:
+            return dict(self._published)
+
+    @property
     def unacked_events(self) -> int:
         with self._lock:
             return len(self._events) + sum(len(b.events) for b in self._unacked.values())
+
+    async def wait_acked(self, timeout_s: float) -> bool:
+        """Wait until every event recorded so far is acknowledged by the market (or refused
+        for good); False if that did not happen within ``timeout_s``. Woken by the flushes of
+        the link's own loop, every ``interval_s``: no polling here."""
+        deadline = time.monotonic() + timeout_s
+        while self.unacked_events:  # events recorded meanwhile need the next flush too
+            self._settled.clear()
+            try:
+                await asyncio.wait_for(self._settled.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -112,6 +133,7 @@ class MarketLink:
         with self._lock:
             hits, calls, local = self._hits, self._calls, self._local
             self._hits, self._calls, self._local = Counter(), 0, 0
+            self._published.update(hits)
         if not hits:
             return
         stats = mc.RoutingStats(model=self.model, node=self.node, window_s=self.interval_s,
@@ -156,4 +178,6 @@ class MarketLink:
                 self.dropped_events += len(batch.events)
                 all_acked = False
                 log.error("ledger_refused", batch=batch.batch_id, reply=str(reply)[:200])
+        if not self.unacked_events:
+            self._settled.set()
         return all_acked

@@ -179,18 +179,42 @@ class Engine:
                  experts: ExpertBackend | None = None, wire_dtype: str = "float32"):
         self.path = os.fspath(model_path)
         self.reader = open_gguf(self.path)
-        self.cfg = read_config(self.reader, self.path)
-        self.weights = load_weights(tensors_from_reader(self.reader), self.cfg, self.path)
+        cfg = read_config(self.reader, self.path)
+        self._setup(cfg, load_weights(tensors_from_reader(self.reader), cfg, self.path), n_ctx, experts, wire_dtype)
+
+    @classmethod
+    def from_weights(cls, tensors: dict[str, np.ndarray | QTensor], cfg: ModelConfig, *, n_ctx: int | None = None,
+                     experts: ExpertBackend | None = None, wire_dtype: str = "float32") -> "Engine":
+        """An engine on tensors held in memory, named as in GGUF (``blk.0.attn_q.weight``...).
+
+        numpy arrays are in numpy order (``ne`` reversed: a (D -> F) projection is (F, D), the
+        expert stacks (E, F, D)) and become float32 tensors; :class:`QTensor` values are used
+        as they are. No file, so no ``path``/``reader``: such an engine cannot be served.
+        """
+        engine = cls.__new__(cls)
+        engine.path, engine.reader = None, None
+        qt = {name: t if isinstance(t, QTensor) else _f32_tensor(name, t) for name, t in tensors.items()}
+        engine._setup(cfg, load_weights(qt, cfg, "weights"), n_ctx, experts, wire_dtype)
+        return engine
+
+    def _setup(self, cfg: ModelConfig, weights: Weights, n_ctx: int | None, experts: ExpertBackend | None,
+               wire_dtype: str) -> None:
+        self.cfg, self.weights = cfg, weights
         self.n_ctx = min(n_ctx or self.cfg.n_ctx_train, self.cfg.n_ctx_train)
         if self.n_ctx <= 0:
             raise UsageError(f"context size must be positive, got {n_ctx}")
         if wire_dtype not in WIRE_DTYPES:
             raise UsageError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {wire_dtype!r}")
         self.wire_dtype = WIRE_DTYPES[wire_dtype]
-        self.experts = experts or LocalExperts(self.weights)
+        self.local_experts = LocalExperts(self.weights)
+        self.experts: ExpertBackend = experts or self.local_experts
         # Attention (RoPE, QK, softmax, PV) through ggml, bit-identical to llama.cpp, when the
         # kernels are ggml's; the numpy version of the same math otherwise.
         self.ggml_attention = backend_name() == "ggml" and dense.available()
+
+    def use_experts(self, experts: ExpertBackend | None) -> None:
+        """From the next step on, ``experts`` computes the routed experts (None: this node)."""
+        self.experts = experts or self.local_experts
 
     def new_sequence(self) -> Sequence:
         c = self.cfg
@@ -289,6 +313,12 @@ class Engine:
                 shared = shared * gate
             moe = moe + shared
         return moe
+
+
+def _f32_tensor(name: str, array: np.ndarray) -> QTensor:
+    """A numpy array (numpy order) as a float32 :class:`QTensor` (ggml order)."""
+    a = np.ascontiguousarray(array, dtype=np.float32)
+    return QTensor(name, GGMLQuantizationType.F32, tuple(reversed(a.shape)), a.reshape(-1).view(np.uint8))
 
 
 def embed(token_embd: QTensor, ids: np.ndarray) -> np.ndarray:

@@ -1,19 +1,35 @@
-"""The backbone on the bus: what a long-running backbone offers besides computing.
+"""The backbone on the bus: one frozen :class:`BackboneConfig`, one :class:`BackboneService`.
 
+While running, the service
+
+* dispatches the engine's routed experts to the workers with local fallback
+  (:class:`backbone.dispatch.RemoteExperts`; the engine is handed it with ``use_experts`` at
+  start and given its local experts back at stop);
+* publishes routing statistics and ledger events for the market (:class:`MarketLink`);
 * answers ``kvasir.<model>.manifest`` with the SHA-256 manifest of every expert slab (the
   market learns the model's geometry from it; volunteers verify their downloads against it);
-* optionally serves its own GGUF over HTTP with Range support (``--serve-weights``), behind
-  node tokens when configured (a request without a valid token gets 401);
-* dispatches experts to the workers with local fallback, publishing routing statistics and
-  ledger events for the market (:class:`backbone.dispatch.BusExperts`).
+* optionally serves its own GGUF over HTTP with Range support (``serve_weights``), behind
+  node tokens when configured (a request without a valid token gets 401).
+
+Lifecycle like the worker's and the market's: ``NEW -> RUNNING -> STOPPING -> STOPPED``;
+``start()`` and ``stop()`` are idempotent; ``with BackboneService(...) as bb:`` does both.
+The synchronous engine drives it from its own thread; the NATS client lives on a loop thread.
 """
 
 from __future__ import annotations
 
+import enum
+import os
+from dataclasses import dataclass, field
+
 import structlog
 
-from backbone.dispatch import BusExperts, DispatchConfig, RemoteExperts
+from backbone.coverage_view import CoverageView
+from backbone.dispatch import DispatchConfig, RemoteExperts, log_summary
+from backbone.dispatch_stats import DispatchStats
+from backbone.model import WIRE_DTYPES
 from kvasir_bus.errors import UsageError
+from kvasir_bus.loopthread import LoopThread
 
 log = structlog.get_logger("kvasir.backbone")
 
@@ -30,50 +46,215 @@ def parse_listen(spec: str) -> tuple[str, int]:
     return host or "127.0.0.1", number
 
 
+@dataclass(frozen=True)
+class BackboneConfig:
+    """Everything the backbone role is told, parsed once (``from_args``) and passed down whole."""
+
+    model_path: str
+    nats_url: str | None = None  # None: $NATS_URL, else the local default (kvasir_bus.connect)
+    node: str = "backbone"
+    dispatch: DispatchConfig = DispatchConfig()
+    wire_dtype: str = "float32"  # rounding of rows on the wire, applied to local experts too
+    n_ctx: int | None = None
+    market: bool = True  # routing statistics and ledger events for a market
+    market_interval_s: float = 1.0
+    serve_manifest: bool = True  # answer manifest requests (a long-running backbone does)
+    serve_weights: str | None = None  # [HOST:]PORT to serve the GGUF on
+    tokens: tuple[str, ...] = ()  # node tokens for weight downloads; none: open
+    advertise_host: str | None = None
+    disconnect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise UsageError(f"wire dtype must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        if not self.market_interval_s > 0:
+            raise UsageError(f"market interval must be positive, got {self.market_interval_s}")
+        if self.serve_weights is not None:
+            parse_listen(self.serve_weights)
+        object.__setattr__(self, "tokens", tuple(self.tokens))
+
+    @classmethod
+    def from_args(cls, args, **fixed) -> "BackboneConfig":
+        """From parsed CLI flags (those a subcommand lacks keep their defaults); ``fixed``
+        sets what the subcommand decides itself (``serve_manifest``, ``market_interval_s``...)."""
+        timeout_ms = getattr(args, "timeout_ms", None)
+        if timeout_ms is not None and not timeout_ms > 0:
+            raise UsageError(f"--timeout-ms must be positive, got {timeout_ms}")
+        values = dict(
+            model_path=os.fspath(args.model),
+            nats_url=getattr(args, "nats", None),
+            dispatch=DispatchConfig(timeout_s=timeout_ms / 1000 if timeout_ms else None),
+            wire_dtype=getattr(args, "wire_dtype", None) or "float32",
+            n_ctx=getattr(args, "ctx", None),
+            serve_weights=getattr(args, "serve_weights", None),
+            tokens=node_tokens(getattr(args, "token", None) or ()),
+            advertise_host=getattr(args, "advertise_host", None),
+        )
+        values.update(fixed)
+        return cls(**values)
+
+
+def node_tokens(given) -> tuple[str, ...]:
+    """``--token`` values, else ``$KVASIR_NODE_TOKEN`` if set, else none."""
+    env = os.environ.get("KVASIR_NODE_TOKEN", "")
+    return tuple(given) or ((env,) if env else ())
+
+
+class State(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+@dataclass
+class _Running:
+    """What exists only while the service runs."""
+
+    bus: LoopThread
+    nc: object = None
+    dispatch: RemoteExperts | None = None
+    link: object = None
+    weights: object = None
+    manifest: object = None
+    subs: list = field(default_factory=list)
+
+
 class BackboneService:
-    def __init__(self, engine, url: str | None, *, serve_weights: str | None = None, tokens: tuple[str, ...] = (),
-                 advertise_host: str | None = None, dispatch: DispatchConfig = DispatchConfig(),
-                 market_interval_s: float = 1.0):
-        self.engine, self.url = engine, url
-        self.serve_weights, self.tokens, self.advertise_host = serve_weights, tuple(tokens), advertise_host
-        self.bus_experts = BusExperts(engine, url, dispatch, market_interval_s=market_interval_s)
-        self.weights = None
-        self.manifest = None
-        self._manifest_sub = None
-        self.remote: RemoteExperts | None = None
+    def __init__(self, engine, cfg: BackboneConfig):
+        self.engine, self.cfg = engine, cfg
+        self.state = State.NEW
+        self.model: str | None = None  # the fingerprint, known once started
+        self._run: _Running | None = None
+
+    # -- what callers read ------------------------------------------------------------------------
+
+    @property
+    def dispatch(self) -> RemoteExperts:
+        if self._run is None or self._run.dispatch is None:
+            raise RuntimeError(f"backbone service is {self.state.value}, not running")
+        return self._run.dispatch
+
+    @property
+    def stats(self) -> DispatchStats:
+        return self.dispatch.stats
+
+    @property
+    def weights(self):
+        """The :class:`~backbone.weights_http.WeightsServer`, if serving weights."""
+        return self._run.weights if self._run else None
 
     @property
     def weights_url(self) -> str | None:
         return self.weights.url if self.weights else None
 
-    def __enter__(self) -> "BackboneService":
-        from backbone.manifest import build_manifest, serve_manifest
-        from backbone.weights_http import WeightsServer
+    @property
+    def manifest(self):
+        return self._run.manifest if self._run else None
 
-        self.remote = self.bus_experts.__enter__()
+    @property
+    def market_link(self):
+        """The :class:`~backbone.market_link.MarketLink` (None with ``market=False``)."""
+        return self._run.link if self._run else None
+
+    def wait_ledger_acked(self, timeout_s: float) -> bool:
+        """Block until the market acknowledged every ledger event recorded so far; False if it
+        did not within ``timeout_s`` (or there is no market link)."""
+        link = self.market_link
+        if link is None:
+            return False
+        return self._run.bus.run(link.wait_acked(timeout_s), timeout=timeout_s + 5)
+
+    def request(self, subject: str, payload: bytes, timeout_s: float) -> bytes:
+        """One NATS request on the backbone's connection (e.g. the market's status)."""
+        if self.state is not State.RUNNING:
+            raise RuntimeError(f"backbone service is {self.state.value}, not running")
+
+        async def ask() -> bytes:
+            msg = await self._run.nc.request(subject, payload, timeout=timeout_s)
+            return msg.data
+
+        return self._run.bus.run(ask(), timeout=timeout_s + 5)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> "BackboneService":
+        """Connect, listen, hand the engine its remote experts; serve manifest and weights."""
+        if self.state is State.RUNNING:
+            return self
+        if self.state is not State.NEW:
+            raise RuntimeError(f"backbone service is {self.state.value}; make a new one")
+        from kvasir_bus.connect import connect
+        from kvasir_bus.fingerprint import model_fingerprint
+
+        if self.engine.path is None:
+            raise UsageError("the backbone service needs an engine loaded from a GGUF file")
+        cfg = self.cfg
+        run = self._run = _Running(bus=LoopThread(f"kvasir-{cfg.node}"))
+        self.state = State.RUNNING
         try:
-            if self.serve_weights is not None:
-                host, port = parse_listen(self.serve_weights)
-                self.weights = WeightsServer(self.engine.path, host=host, port=port, tokens=self.tokens,
-                                             advertise_host=self.advertise_host).start()
-            self.manifest = build_manifest(self.engine.path, source_url=self.weights_url or "")
-            bus = self.bus_experts.bus
-            self._manifest_sub = bus.run(serve_manifest(self.bus_experts.nc, self.manifest))
+            self.model = model_fingerprint(self.engine.reader)
+            run.nc = run.bus.run(connect(cfg.nats_url, name=f"kvasir-{cfg.node}"))
+            if cfg.market:
+                from backbone.market_link import MarketLink
+
+                run.link = MarketLink(run.nc, self.model, cfg.node, interval_s=cfg.market_interval_s)
+            run.dispatch = RemoteExperts(run.bus, run.nc, self.model, self.engine.local_experts,
+                                         self.engine.cfg.n_embd, cfg.dispatch,
+                                         coverage=CoverageView(cfg.dispatch.uncovered_ttl_s), recorder=run.link)
+            run.bus.run(run.dispatch.start())
+            if run.link is not None:
+                run.bus.run(run.link.start())
+            if cfg.serve_weights is not None:
+                from backbone.weights_http import WeightsServer
+
+                host, port = parse_listen(cfg.serve_weights)
+                run.weights = WeightsServer(self.engine.path, host=host, port=port, tokens=cfg.tokens,
+                                            advertise_host=cfg.advertise_host).start()
+            if cfg.serve_manifest:
+                from backbone.manifest import build_manifest, serve_manifest
+
+                run.manifest = build_manifest(self.engine.path, source_url=self.weights_url or "")
+                run.subs.append(run.bus.run(serve_manifest(run.nc, run.manifest)))
         except BaseException:
-            self.__exit__(None, None, None)
+            self.stop()
             raise
-        log.info("backbone_serving", model=self.remote.model, weights=self.weights_url,
-                 tokens=len(self.tokens), slabs=len(self.manifest.slabs))
+        self.engine.use_experts(run.dispatch)
+        if cfg.serve_manifest:
+            log.info("backbone_serving", model=self.model, weights=self.weights_url,
+                     tokens=len(cfg.tokens), slabs=len(run.manifest.slabs))
         return self
 
-    def __exit__(self, *exc) -> None:
+    def stop(self) -> None:
+        """Give the engine its local experts back, flush the market link, disconnect."""
+        if self.state is not State.RUNNING:
+            self.state = State.STOPPED
+            return
+        self.state = State.STOPPING
+        run, timeout = self._run, self.cfg.disconnect_timeout_s
+        if run.dispatch is not None and self.engine.experts is run.dispatch:
+            self.engine.use_experts(None)
         try:
-            if self._manifest_sub is not None:
-                self.bus_experts.bus.run(self._manifest_sub.unsubscribe(), timeout=5)
-                self._manifest_sub = None
-        except Exception:
-            pass
-        if self.weights is not None:
-            self.weights.stop()
-            self.weights = None
-        self.bus_experts.__exit__(*exc)
+            for sub in run.subs:
+                run.bus.run(sub.unsubscribe(), timeout=timeout)
+            run.subs.clear()
+            if run.link is not None:
+                run.bus.run(run.link.stop(), timeout=timeout)
+            if run.dispatch is not None:
+                log_summary(run.dispatch)
+                run.bus.run(run.dispatch.close(), timeout=timeout)
+            if run.nc is not None:
+                run.bus.run(run.nc.drain(), timeout=timeout)
+        except Exception as exc:  # leaving anyway
+            log.warning("disconnect_failed", error=f"{type(exc).__name__}: {exc}")
+        finally:
+            if run.weights is not None:
+                run.weights.stop()
+            run.bus.stop()
+            self.state = State.STOPPED
+
+    def __enter__(self) -> "BackboneService":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kvasir_bus  # noqa: E402,F401  (thread settings before numpy loads)
 import numpy as np  # noqa: E402
 
-from backbone.dispatch import BusExperts, DispatchConfig  # noqa: E402
+from backbone.dispatch import DispatchConfig  # noqa: E402
 from backbone.model import Engine  # noqa: E402
+from backbone.service import BackboneConfig, BackboneService  # noqa: E402
 from launch.swarm import spawn_worker, split_experts, wait_for_nodes  # noqa: E402
 from synth.model import synth_model  # noqa: E402
 from kvasir_bus.fingerprint import model_fingerprint  # noqa: E402
@@ -65,7 +66,10 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int) -> dict:
                 procs.append(spawn_worker(server.url, f"bench-{i}", ["--model", str(path), "--layer", "all",
                                                                     "--experts", f"{lo}-{hi}"], log_file=log))
             asyncio.run(wait_for_nodes(server.url, fp, {p.node for p in procs}, procs=procs, timeout=600))
-            with BusExperts(engine, server.url, DispatchConfig(timeout_s=5.0)) as remote:
+            role = BackboneConfig(model_path=str(path), nats_url=server.url, dispatch=DispatchConfig(timeout_s=5.0),
+                                  market=False, serve_manifest=False)
+            with BackboneService(engine, role) as backbone:
+                remote = backbone.dispatch
                 decode(engine, prompt, 2, remote)  # warm the workers' caches and the connection
                 sh_tokens, sh_tps, d = decode(engine, prompt, n_decode, remote)
         finally:

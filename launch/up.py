@@ -19,13 +19,13 @@ import tempfile
 import threading
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import structlog
 
-from backbone.dispatch import DispatchConfig
-from backbone.service import BackboneService
+from backbone.service import BackboneConfig, BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
 from launch.swarm import WorkerProcess, spawn_worker, split_experts, wait_for_nodes
@@ -82,21 +82,14 @@ def add_weights_flags(p) -> None:
                    help="host name volunteers should use in the weights URL (default: the bound host)")
 
 
-def _tokens(args) -> tuple[str, ...]:
-    import os
-
-    tokens = tuple(args.token) or tuple(t for t in [os.environ.get("KVASIR_NODE_TOKEN", "")] if t)
-    return tokens
-
-
 def cmd_serve(args) -> int:
     from kvasir_bus.logs import configure
 
     configure("info")
-    engine = Engine(args.model)
-    with BackboneService(engine, args.nats, serve_weights=args.serve_weights, tokens=_tokens(args),
-                         advertise_host=args.advertise_host) as backbone:
-        print(f"backbone serving model {backbone.remote.model} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
+    cfg = BackboneConfig.from_args(args)
+    engine = Engine(cfg.model_path)
+    with BackboneService(engine, cfg) as backbone:
+        print(f"backbone serving model {backbone.model} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
               f"{engine.cfg.n_expert} experts)" + (f"; weights at {backbone.weights_url}" if backbone.weights_url else ""),
               flush=True)
         _wait_for_interrupt([])
@@ -115,7 +108,8 @@ def cmd_up(args) -> int:
     configure("warning" if args.json or args.prompt is not None else "info")
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
-    engine = Engine(args.model)
+    cfg = BackboneConfig.from_args(args, nats_url=None, market=not args.no_market, market_interval_s=0.5)
+    engine = Engine(cfg.model_path)
     fp = model_fingerprint(engine.reader)
     ranges = split_experts(engine.cfg.n_expert, args.workers) if args.workers else []
     tok = Tokenizer(args.model) if args.prompt is not None else None
@@ -130,6 +124,7 @@ def cmd_up(args) -> int:
         if not url:
             server = stack.enter_context(EmbeddedNats())
             url = server.url
+        cfg = replace(cfg, nats_url=url)
         logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvasir-up-")))
         workers: list[WorkerProcess] = []
         stack.callback(lambda: [w.stop() for w in workers])
@@ -140,10 +135,7 @@ def cmd_up(args) -> int:
             logf = stack.enter_context(open(logdir / "market.log", "w"))
             market = _spawn_market(url, fp, db, logf)
             stack.callback(market.stop)
-        cfg = DispatchConfig(timeout_s=args.timeout_ms / 1000 if args.timeout_ms else None)
-        backbone = stack.enter_context(BackboneService(
-            engine, url, serve_weights=args.serve_weights, tokens=_tokens(args),
-            advertise_host=args.advertise_host, dispatch=cfg, market_interval_s=0.5))
+        backbone = stack.enter_context(BackboneService(engine, cfg))
         for i, (lo, hi) in enumerate(ranges):
             logf = stack.enter_context(open(logdir / f"worker-{i}.log", "w"))
             workers.append(spawn_worker(url, f"worker-{i}", ["--model", args.model, "--layer", "all",
@@ -160,7 +152,7 @@ def cmd_up(args) -> int:
             print(f"market: kvasir status --nats {url}   (ledger {args.db or 'in a temporary file'})", file=out)
         if backbone.weights_url:
             print(f"weights: {backbone.weights_url}; volunteers: kvasir worker --nats {url} --budget 64MB "
-                  f"--source {backbone.weights_url}" + (" --token TOKEN" if _tokens(args) else ""), file=out)
+                  f"--source {backbone.weights_url}" + (" --token TOKEN" if cfg.tokens else ""), file=out)
 
         if args.prompt is None:
             print(f"serving until Ctrl-C; try: kvasir generate --nats {url} --model {args.model} "
@@ -169,9 +161,8 @@ def cmd_up(args) -> int:
             print("stopping the swarm", file=out)
             return 0
 
-        remote = backbone.remote
         gen = generate(engine, prompt, args.n, Sampler(SamplerConfig()), stop_on_eos=True, keep_logits=args.check)
-        stats = remote.stats.to_dict()
+        stats = backbone.stats.to_dict()
         result = {"nats": url, "model": fp, "text": tok.decode(gen.tokens), "tokens": gen.tokens,
                   "workers": {w.node: {"experts": f"{lo}-{hi}", **stats["per_node"].get(w.node, {"calls": 0, "rows": 0})}
                               for w, (lo, hi) in zip(workers, ranges)},
@@ -179,7 +170,7 @@ def cmd_up(args) -> int:
                   "decode_tokens_per_s": round((len(gen.tokens) - 1) / gen.decode_s, 2)
                   if len(gen.tokens) > 1 and gen.decode_s else None}
         if market is not None:
-            result["rewards"] = _rewards(backbone, url, fp)
+            result["rewards"] = _rewards(backbone, fp)
         if args.check:
             mono_engine = Engine(args.model)
             mono = generate(mono_engine, prompt, args.n, Sampler(SamplerConfig()), stop_on_eos=True, keep_logits=True)
@@ -242,23 +233,16 @@ def _spawn_market(url: str, model: str, db: str, log_file) -> _MarketProcess:
                                            stderr=subprocess.STDOUT))
 
 
-def _rewards(backbone: BackboneService, url: str, model: str, timeout: float = 10.0) -> dict | None:
+def _rewards(backbone: BackboneService, model: str, timeout_s: float = 10.0) -> dict | None:
     """Wait until the market acknowledged this run's ledger events, then ask it for the totals."""
     from kvasir_bus import market_codec as mc
     from kvasir_bus.subjects import Subjects
     from market.show import totals_json
 
-    link = backbone.remote.link
-    deadline = time.monotonic() + timeout
-    while link is not None and link.unacked_events and time.monotonic() < deadline:
-        time.sleep(0.1)
-
-    async def ask():
-        msg = await backbone.bus_experts.nc.request(Subjects(model).status(), b"", timeout=3)
-        return mc.decode_status_reply(msg.data)
-
+    if not backbone.wait_ledger_acked(timeout_s):
+        log.warning("ledger_not_acknowledged", timeout_s=timeout_s)
     try:
-        status = backbone.bus_experts.bus.run(ask(), timeout=5)
+        status = mc.decode_status_reply(backbone.request(Subjects(model).status(), b"", timeout_s=3))
     except Exception as exc:
         log.warning("market_status_unavailable", error=f"{type(exc).__name__}: {exc}")
         return None

@@ -19,7 +19,7 @@ import pytest
 from backbone.generate import generate
 from backbone.model import Engine
 from backbone.sampling import Sampler, SamplerConfig
-from backbone.service import BackboneService
+from backbone.service import BackboneConfig, BackboneService
 from launch.swarm import spawn_worker, wait_for_nodes
 from kvasir_bus.cli import main as kvasir
 from kvasir_bus.connect import connect
@@ -62,8 +62,10 @@ class MarketThread:
     def start(self):
         async def go():
             self.nc = await connect(self.url, "market")
+            # No decay within the test (half-life 1e9 s): the market's usage shares are then
+            # exactly the shares of the rows the backbone reported, which settle_demand waits for.
             cfg = MarketConfig(db_path=self.db, expiry_s=1.5, assign_grace_s=30.0, range_experts=RANGE,
-                               demand_interval_s=0.5, usage_half_life_s=3600.0,
+                               demand_interval_s=0.5, usage_half_life_s=1e9,
                                models=(self.model,))
             self.market = Market(self.nc, cfg)
             await self.market.start()
@@ -112,9 +114,10 @@ def test_volunteers_cover_the_model_heal_holes_and_get_paid(nats_server, model, 
     engine = Engine(model)
     procs = []
     try:
-        with BackboneService(engine, nats_server.url, serve_weights="127.0.0.1:0", tokens=(TOKEN,),
-                             market_interval_s=0.2) as backbone:
-            remote, weights = backbone.remote, backbone.weights
+        cfg = BackboneConfig(model_path=str(model), nats_url=nats_server.url, serve_weights="127.0.0.1:0",
+                             tokens=(TOKEN,), market_interval_s=0.2)
+        with BackboneService(engine, cfg) as backbone:
+            remote, weights, link = backbone.dispatch, backbone.weights, backbone.market_link
             manifest = backbone.manifest
             range_bytes = RANGE * manifest.expert_bytes(0)
             budget = int(range_bytes * 1.3)  # one range fits, two do not
@@ -133,17 +136,18 @@ def test_volunteers_cover_the_model_heal_holes_and_get_paid(nats_server, model, 
 
             def settle_demand():
                 """Wait until the backbone has published every routing count and the market's
-                demand map has stopped changing (two equal reads in a row)."""
-                wait_until(lambda: not backbone.remote.link.pending_hits, what="routing statistics sent")
-                last = [None]
+                usage shares are the shares of all the rows published so far."""
+                wait_until(lambda: not link.pending_hits, what="routing statistics sent")
+                hits = link.published_hits
+                total = sum(hits.values())
+                want = {(layer, lo): sum(rows for (lay, e), rows in hits.items()
+                                         if lay == layer and lo <= e < lo + RANGE) / total
+                        for layer in range(3) for lo in (0, 4)}
 
-                def stable():
-                    now = [(e.layer, e.lo, e.usage, e.demand) for e in market.call(market.market.demand_map, fp).entries]
-                    same, last[0] = now == last[0], now
-                    if not same:
-                        time.sleep(0.25)
-                    return same
-                wait_until(stable, what="a settled demand map")
+                def counted():
+                    got = {(e.layer, e.lo): e.usage for e in market.call(market.market.demand_map, fp).entries}
+                    return got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-6 for k in want)
+                wait_until(counted, what="the market to count every routing statistic")
 
             def holes_with_max_demand():
                 demand = market.call(market.market.demand_map, fp)
@@ -187,7 +191,7 @@ def test_volunteers_cover_the_model_heal_holes_and_get_paid(nats_server, model, 
             assert np.array_equal(run_generation(engine, prompt), mono_logits)
 
             # Every winning reply reaches the ledger exactly once.
-            wait_until(lambda: backbone.remote.link.unacked_events == 0, what="the ledger acknowledgements")
+            assert backbone.wait_ledger_acked(20), "the ledger acknowledgements"
             served_rows = dict(remote.stats.node_rows)
         # Restart the market: the ledger keeps every row.
         market.stop()

@@ -1,4 +1,4 @@
-"""`kvasir up` (what `make demo` runs) and the dispatch timeout policy."""
+"""`kvasir up` (what `make demo` runs)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
-from backbone.dispatch import AdaptiveTimeout, DispatchConfig
 
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
 
@@ -30,19 +28,3 @@ def test_up_runs_the_swarm_and_checks_it_against_the_monolithic_run(tmp_path):
     paid = {n["node"]: n["rows"] for n in result["rewards"]["nodes"]}
     assert paid == {name: w["rows"] for name, w in result["workers"].items()}
     assert db.exists()
-
-
-def test_adaptive_timeout_follows_latency_between_floor_and_ceiling():
-    cfg = DispatchConfig(timeout_floor_s=0.05, timeout_ceiling_s=2.0, initial_timeout_s=0.5)
-    t = AdaptiveTimeout(cfg)
-    assert t.current() == 0.5  # nothing observed yet
-    for _ in range(50):
-        t.observe(0.001)
-    assert t.current() == 0.05  # fast replies: the floor
-    for _ in range(50):
-        t.observe(0.2)
-    assert 0.2 < t.current() < 0.5  # smoothed latency plus its deviation
-    for _ in range(50):
-        t.observe(5.0)
-    assert t.current() == 2.0  # the ceiling
-    assert AdaptiveTimeout(DispatchConfig(timeout_s=0.123)).current() == 0.123  # fixed when configured

@@ -1,0 +1,67 @@
+"""What the dispatch counted: per layer, who answered, what fell back and why, bytes and latency.
+
+Plain records, written by :class:`backbone.dispatch.RemoteExperts` and read by the CLI, ``kvasir
+up``, the benchmark and the tests (``to_dict`` is the JSON they print).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class LayerStats:
+    remote: int = 0  # expert calls answered by a worker
+    local_choice: int = 0  # computed here without asking (known uncovered)
+    no_responders: int = 0  # asked, nobody subscribed: computed here at once
+    timeouts: int = 0
+    invalid: int = 0  # error replies and replies that failed validation
+    bus_errors: int = 0  # the request could not be sent
+    late: int = 0  # replies after their timeout (dropped)
+    duplicates: int = 0  # replies from replicas that lost the race (dropped)
+    rows_remote: int = 0
+    rows_local: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    latency_sum_s: float = 0.0
+    latency_max_s: float = 0.0
+
+    @property
+    def local(self) -> int:
+        return self.local_choice + self.no_responders + self.timeouts + self.invalid + self.bus_errors
+
+
+@dataclass
+class DispatchStats:
+    layers: dict[int, LayerStats] = field(default_factory=dict)
+    nodes: Counter = field(default_factory=Counter)  # expert calls won per worker node
+    node_rows: Counter = field(default_factory=Counter)
+
+    def layer(self, il: int) -> LayerStats:
+        return self.layers.setdefault(il, LayerStats())
+
+    def totals(self) -> LayerStats:
+        total = LayerStats()
+        for s in self.layers.values():
+            for k, v in asdict(s).items():
+                setattr(total, k, max(getattr(total, k), v) if k == "latency_max_s" else getattr(total, k) + v)
+        return total
+
+    def to_dict(self) -> dict:
+        t = self.totals()
+        calls = t.remote + t.local
+        summary = {k: v for k, v in asdict(t).items() if k != "latency_sum_s"}
+        summary["latency_mean_ms"] = round(1000 * t.latency_sum_s / t.remote, 3) if t.remote else None
+        summary["latency_max_ms"] = round(1000 * t.latency_max_s, 3)
+        summary.pop("latency_max_s")
+        summary["local"] = t.local
+        summary["calls"] = calls
+        summary["fallback_rate"] = round(1 - t.remote / calls, 4) if calls else None
+        return {
+            "totals": summary,
+            "per_node": {n: {"calls": c, "rows": self.node_rows[n]} for n, c in sorted(self.nodes.items())},
+            "per_layer": {str(il): {k: v for k, v in asdict(s).items() if not k.startswith("latency")}
+                          for il, s in sorted(self.layers.items())},
+        }
+

@@ -1,0 +1,261 @@
+"""The dispatch's decisions, against a fake NATS connection (no server, no model).
+
+Every request the dispatch publishes goes to an ``answer`` function the test sets; it returns
+the replies to deliver at once (a real server's 503 included) and the test can deliver more
+later (a late reply). The fallback replica is a fake too: it doubles the rows, so whether an
+output came from a "worker" or from the fallback shows in the numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backbone.coverage_view import CoverageView
+from backbone.dispatch import AdaptiveTimeout, DispatchConfig, RemoteExperts
+from kvasir_bus import codec
+from kvasir_bus.codec import Holding
+from kvasir_bus.loopthread import LoopThread
+from kvasir_bus.subjects import Subjects
+
+MODEL = "feedc0ffee000001"
+D = 4  # n_embd
+NO_RESPONDERS = (b"", {"Status": "503"})
+
+
+class FakeMsg:
+    def __init__(self, subject: str, data: bytes, headers: dict | None = None):
+        self.subject, self.data, self.headers = subject, data, headers
+
+
+class FakeSub:
+    def __init__(self, nc: "FakeNats", subject: str, cb):
+        self.nc, self.subject, self.cb = nc, subject, cb
+
+    async def unsubscribe(self) -> None:
+        self.nc.subs.remove(self)
+
+
+def matches(pattern: str, subject: str) -> bool:
+    p, s = pattern.split("."), subject.split(".")
+    if p[-1] == ">":
+        return len(s) >= len(p) and all(a in ("*", b) for a, b in zip(p[:-1], s))
+    return len(p) == len(s) and all(a in ("*", b) for a, b in zip(p, s))
+
+
+class FakeNats:
+    """What :class:`RemoteExperts` uses of a nats.py client, delivering in-process."""
+
+    max_payload = 1 << 20
+
+    def __init__(self):
+        self.subs: list[FakeSub] = []
+        self.requests: list[tuple[str, codec.DispatchRequest, str]] = []  # (subject, request, reply to)
+        self.answer = lambda subject, req: []  # -> [(data, headers)] delivered at once
+
+    def new_inbox(self) -> str:
+        return "_INBOX.fake"
+
+    async def subscribe(self, subject: str, cb) -> FakeSub:
+        sub = FakeSub(self, subject, cb)
+        self.subs.append(sub)
+        return sub
+
+    async def flush(self) -> None:
+        pass
+
+    async def publish(self, subject: str, payload: bytes, reply: str = "", headers=None) -> None:
+        req = codec.decode_request(payload)
+        self.requests.append((subject, req, reply))
+        for data, hdrs in self.answer(subject, req):
+            await self.deliver(reply, data, hdrs)
+
+    async def deliver(self, subject: str, data: bytes, headers: dict | None = None) -> None:
+        for sub in [s for s in self.subs if matches(s.subject, subject)]:
+            await sub.cb(FakeMsg(subject, data, headers))
+
+
+class DoublingLocal:
+    """The fallback replica: output = 2 x rows, every call counted."""
+
+    def __init__(self):
+        self.calls: list[tuple[int, int]] = []
+
+    def compute(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
+        self.calls.append((layer, expert))
+        return 2 * rows
+
+
+class Recorder:
+    def __init__(self):
+        self.calls, self.wins = [], []
+
+    def record_call(self, layer, expert, rows, remote):
+        self.calls.append((layer, expert, rows, remote))
+
+    def record_win(self, node, layer, expert, rows):
+        self.wins.append((node, layer, expert, rows))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def reply(req: codec.DispatchRequest, rows: np.ndarray, node: str = "w0") -> tuple[bytes, None]:
+    return codec.DispatchReply(request_id=req.request_id, node=node, rows=rows.astype(np.float32)).encode(), None
+
+
+def times(k: float, node: str = "w0"):
+    """An answer: one worker replying k x rows."""
+    return lambda subject, req: [reply(req, k * req.rows, node)]
+
+
+@pytest.fixture
+def bus():
+    b = LoopThread("test-dispatch")
+    yield b
+    b.stop()
+
+
+@pytest.fixture
+def rig(bus):
+    """(dispatch, fake connection, fallback, recorder, clock), started."""
+
+    def make(cfg: DispatchConfig = DispatchConfig(timeout_s=5.0)):
+        nc, local, recorder, clock = FakeNats(), DoublingLocal(), Recorder(), Clock()
+        remote = RemoteExperts(bus, nc, MODEL, local, D, cfg, coverage=CoverageView(cfg.uncovered_ttl_s, clock),
+                               recorder=recorder)
+        bus.run(remote.start())
+        return remote, nc, local, recorder, clock
+
+    return make
+
+
+ROWS = np.arange(2 * D, dtype=np.float32).reshape(2, D) + 1  # (2, D)
+
+
+def test_a_valid_reply_is_used_and_credited_to_its_node(rig):
+    remote, nc, local, recorder, _ = rig()
+    nc.answer = times(3, node="w7")
+    (out,) = remote.run_layer(0, [(5, ROWS)])
+    assert np.array_equal(out, 3 * ROWS)
+    assert nc.requests[0][0] == Subjects(MODEL).dispatch(0, 5)
+    assert local.calls == []
+    s = remote.stats.layer(0)
+    assert (s.remote, s.local, s.rows_remote) == (1, 0, 2)
+    assert dict(remote.stats.nodes) == {"w7": 1}
+    assert recorder.calls == [(0, 5, 2, True)] and recorder.wins == [("w7", 0, 5, 2)]
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param(lambda req: (b"\x00not msgpack", None), id="bad-bytes"),
+    pytest.param(lambda req: reply(req, req.rows[:1]), id="too-few-rows"),
+    pytest.param(lambda req: reply(req, np.zeros((2, D - 1))), id="wrong-width"),
+    pytest.param(lambda req: reply(req, np.full((2, D), np.nan)), id="nan"),
+    pytest.param(lambda req: reply(req, np.full((2, D), np.inf)), id="inf"),
+    pytest.param(lambda req: (codec.DispatchReply(request_id="someone-else", node="w0",
+                                                  rows=req.rows).encode(), None), id="wrong-request-id"),
+    pytest.param(lambda req: (codec.ErrorReply(request_id=req.request_id, node="w0", code=codec.ERR_NOT_HELD,
+                                               message="not here").encode(), None), id="error-reply"),
+])
+def test_an_invalid_reply_is_counted_and_the_expert_computed_locally(rig, bad):
+    remote, nc, local, recorder, _ = rig()
+    nc.answer = lambda subject, req: [bad(req)]
+    (out,) = remote.run_layer(1, [(2, ROWS)])
+    assert np.array_equal(out, 2 * ROWS)  # the fallback's answer, not the worker's
+    assert local.calls == [(1, 2)]
+    s = remote.stats.layer(1)
+    assert (s.invalid, s.remote, s.rows_local) == (1, 0, 2)
+    assert recorder.calls == [(1, 2, 2, False)] and recorder.wins == []
+
+
+def test_a_reply_after_the_timeout_is_counted_late_and_changes_nothing(rig, bus):
+    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=0.02))
+    (out,) = remote.run_layer(0, [(1, ROWS)])  # nobody answers in time
+    assert np.array_equal(out, 2 * ROWS)
+    assert remote.stats.layer(0).timeouts == 1
+    _, req, reply_to = nc.requests[0]
+    bus.run(nc.deliver(reply_to, *reply(req, 9 * req.rows)))  # the straggler arrives
+    s = remote.stats.layer(0)
+    assert (s.late, s.remote, s.duplicates) == (1, 0, 0)
+    assert dict(remote.stats.nodes) == {}
+    nc.answer = times(3)  # and the next call is not confused by it
+    assert np.array_equal(remote.run_layer(0, [(1, ROWS)])[0], 3 * ROWS)
+
+
+def test_racing_replicas_the_first_reply_wins_and_ours_drops_the_second(rig):
+    remote, nc, local, recorder, _ = rig()
+    nc.answer = lambda subject, req: [reply(req, 3 * req.rows, "fast"), reply(req, 5 * req.rows, "slow")]
+    (out,) = remote.run_layer(0, [(4, ROWS)])
+    assert np.array_equal(out, 3 * ROWS)
+    s = remote.stats.layer(0)
+    assert (s.remote, s.duplicates, s.invalid) == (1, 1, 0)
+    assert dict(remote.stats.nodes) == {"fast": 1}
+    assert recorder.wins == [("fast", 0, 4, 2)]  # the loser is never paid
+
+
+def test_no_responders_falls_back_at_once_and_then_stops_asking_until_the_ttl(rig):
+    remote, nc, local, _, clock = rig(DispatchConfig(timeout_s=5.0, uncovered_ttl_s=1.0))
+    nc.answer = lambda subject, req: [NO_RESPONDERS]
+    assert np.array_equal(remote.run_layer(0, [(3, ROWS)])[0], 2 * ROWS)
+    assert remote.stats.layer(0).no_responders == 1 and len(nc.requests) == 1
+    assert np.array_equal(remote.run_layer(0, [(3, ROWS)])[0], 2 * ROWS)
+    assert remote.stats.layer(0).local_choice == 1 and len(nc.requests) == 1  # not even asked
+    remote.run_layer(0, [(4, ROWS)])  # another expert is asked as usual
+    assert len(nc.requests) == 2
+    clock.now += 1.5  # the ttl has passed: ask again
+    nc.answer = times(3)
+    assert np.array_equal(remote.run_layer(0, [(3, ROWS)])[0], 3 * ROWS)
+    assert len(nc.requests) == 3
+
+
+def test_a_heartbeat_announcing_the_expert_ends_uncovered_at_once(rig, bus):
+    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=5.0, uncovered_ttl_s=600))
+    nc.answer = lambda subject, req: [NO_RESPONDERS]
+    remote.run_layer(2, [(6, ROWS)])
+    remote.run_layer(2, [(6, ROWS)])
+    assert len(nc.requests) == 1  # given up on for 600 s
+
+    def beat(*holdings):
+        hb = codec.Heartbeat(model=MODEL, node="late", holdings=holdings, budget_bytes=0, load=0.0, served=0,
+                             version="0.1.0", kernel="fake", sent_at=0.0)
+        bus.run(nc.deliver(Subjects(MODEL).coverage("late"), hb.encode()))
+
+    beat(Holding(1, 0, 8), Holding(2, 0, 6))  # other experts: still uncovered
+    bus.run(nc.deliver(Subjects(MODEL).coverage("junk"), b"\x01garbage"))  # ignored, no crash
+    remote.run_layer(2, [(6, ROWS)])
+    assert len(nc.requests) == 1
+    beat(Holding(2, 4, 8))
+    nc.answer = times(3, node="late")
+    assert np.array_equal(remote.run_layer(2, [(6, ROWS)])[0], 3 * ROWS)
+    assert len(nc.requests) == 2 and dict(remote.stats.nodes) == {"late": 1}
+
+
+def test_one_layer_step_asks_every_expert_at_once_and_keeps_the_order(rig):
+    remote, nc, local, _, _ = rig()
+    nc.answer = lambda subject, req: ([NO_RESPONDERS] if req.expert == 1 else [reply(req, (req.expert + 3) * req.rows)])
+    outs = remote.run_layer(0, [(0, ROWS), (1, ROWS[:1]), (2, ROWS)])
+    assert [o.shape for o in outs] == [(2, D), (1, D), (2, D)]
+    assert np.array_equal(outs[0], 3 * ROWS) and np.array_equal(outs[2], 5 * ROWS)
+    assert np.array_equal(outs[1], 2 * ROWS[:1])  # the hole, computed here
+    assert remote.stats.to_dict()["totals"]["fallback_rate"] == round(1 / 3, 4)
+
+
+def test_adaptive_timeout_follows_latency_between_floor_and_ceiling():
+    cfg = DispatchConfig(timeout_floor_s=0.05, timeout_ceiling_s=2.0, initial_timeout_s=0.5)
+    t = AdaptiveTimeout(cfg)
+    assert t.current() == 0.5  # nothing observed yet
+    for _ in range(50):
+        t.observe(0.001)
+    assert t.current() == 0.05  # fast replies: the floor
+    for _ in range(50):
+        t.observe(0.2)
+    assert 0.2 < t.current() < 0.5  # smoothed latency plus its deviation
+    for _ in range(50):
+        t.observe(5.0)
+    assert t.current() == 2.0  # the ceiling
+    assert AdaptiveTimeout(DispatchConfig(timeout_s=0.123)).current() == 0.123  # fixed when configured
