@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from backbone.cli import add_http_flags, cmd_serve_http
 from backbone.dispatch import DispatchConfig
 from backbone.service import BackboneService
 from backbone.generate import generate
@@ -69,6 +70,7 @@ def register(sub) -> None:
     p.add_argument("--nats", metavar="URL", default=None,
                    help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
     add_weights_flags(p)
+    add_http_flags(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -91,6 +93,9 @@ def _tokens(args) -> tuple[str, ...]:
 
 def cmd_serve(args) -> int:
     from kvasir_bus.logs import configure
+
+    if args.http is not None:  # the OpenAI-compatible server, every expert local
+        return cmd_serve_http(args)
 
     configure("info")
     engine = Engine(args.model)
