@@ -183,7 +183,8 @@ class Scheduler:
         with self._cond:
             if self._stopping or self._thread is None:
                 raise Overloaded("the server is not running")
-            if len(self._queue) >= self.cfg.max_queue and not self._can_admit(job):
+            waiting = len(self._queue) - max(0, self.cfg.max_active - len(self._active))
+            if waiting >= self.cfg.max_queue:  # ahead of it, this many could not start now
                 self.stats.rejected += 1
                 raise Overloaded(f"{len(self._queue)} requests are already waiting")
             self.stats.submitted += 1
