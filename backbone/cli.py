@@ -57,6 +57,56 @@ def add_bus_flags(p: argparse.ArgumentParser) -> None:
                    help="rounding of rows on the wire, applied to local experts too (default float32)")
 
 
+def add_http_flags(p: argparse.ArgumentParser) -> None:
+    """``kvasir serve --http``: the OpenAI-compatible server (backbone.server_http)."""
+    p.add_argument("--http", metavar="[HOST:]PORT", default=None,
+                   help="serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions) here "
+                   "(port 0: any free port; without --nats every expert is local)")
+    p.add_argument("--model-name", metavar="NAME", default=None, help="model id in the API (default: the file's stem)")
+    p.add_argument("--ctx", type=int, default=None, metavar="N", help="context size (default: the model's)")
+    p.add_argument("--max-active", type=int, default=16, metavar="N", help="sequences per engine step (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="waiting requests beyond which the server answers 429 (default 64)")
+    p.add_argument("--step-tokens", type=int, default=256, metavar="N",
+                   help="tokens per engine step, decode tokens plus prompt chunks (default 256)")
+    p.add_argument("--kv-mb", type=float, default=None, metavar="MB",
+                   help="bound on the KV caches of the active sequences (default: --max-active full contexts)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="each sequence's tokens are exactly what it gets alone (the engine is batch-invariant)")
+
+
+def cmd_serve_http(args) -> int:
+    from pathlib import Path
+
+    from kvasir_bus.errors import DependencyError, UsageError
+
+    if getattr(args, "nats", None):
+        raise UsageError("--http with --nats is not wired yet: drop --nats to serve with every expert local")
+    try:
+        from backbone.server_http import ServerConfig, parse_http, serve_forever
+    except ImportError as exc:
+        raise DependencyError(f"the HTTP server needs {exc.name} (pip install 'kvasir-bus[backbone]')") from None
+    from backbone.model import Engine
+    from backbone.scheduler import SchedulerConfig
+    from backbone.tokenizer import Tokenizer
+    from kvasir_bus.logs import configure
+
+    host, port = parse_http(args.http)
+    if args.kv_mb is not None and not args.kv_mb > 0:
+        raise UsageError(f"--kv-mb must be positive, got {args.kv_mb}")
+    sched = SchedulerConfig(max_active=args.max_active, max_queue=args.max_queue, step_tokens=args.step_tokens,
+                            kv_bytes=int(args.kv_mb * 2**20) if args.kv_mb else None,
+                            deterministic=args.deterministic)
+    cfg = ServerConfig(host=host, port=port, model_name=args.model_name or Path(args.model).stem, scheduler=sched)
+    configure("info")
+    engine = Engine(args.model, n_ctx=args.ctx)  # validates the file first
+    tok = Tokenizer(args.model)
+    serve_forever(engine, tok, cfg, on_ready=lambda url: print(
+        f"serving {cfg.model_name} at {url}/v1 (OpenAI API; {engine.cfg.arch}, context {engine.n_ctx}, "
+        f"{'deterministic, ' if args.deterministic else ''}up to {args.max_active} sequences per step)", flush=True))
+    return 0
+
+
 def _sampler(args):
     from backbone.sampling import Sampler, SamplerConfig
 

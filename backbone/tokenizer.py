@@ -20,8 +20,9 @@ class Tokenizer:
         except Exception as exc:
             raise ModelFileError(f"{model_path}: llama.cpp cannot load the vocabulary ({exc})") from None
 
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=False)
+    def encode(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        """``special``: spell control tokens (``<|im_start|>``) as those tokens (chat prompts)."""
+        return self._llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special)
 
     def decode_bytes(self, ids: list[int]) -> bytes:
         return self._llm.detokenize(ids)

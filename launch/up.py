@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from backbone.cli import add_http_flags, cmd_serve_http
 from backbone.service import BackboneConfig, BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
@@ -69,6 +70,7 @@ def register(sub) -> None:
     p.add_argument("--nats", metavar="URL", default=None,
                    help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
     add_weights_flags(p)
+    add_http_flags(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -84,6 +86,9 @@ def add_weights_flags(p) -> None:
 
 def cmd_serve(args) -> int:
     from kvasir_bus.logs import configure
+
+    if args.http is not None:  # the OpenAI-compatible server, every expert local
+        return cmd_serve_http(args)
 
     configure("info")
     cfg = BackboneConfig.from_args(args)

@@ -49,7 +49,11 @@ from backbone.config import ARCHES, ArchTraits
 from kvasir_bus.errors import DependencyError, ModelFileError, UsageError
 from synth import vocab as vocab_mod
 
-SYNTH_VERSION = 1  # bump when the same config would produce different bytes
+SYNTH_VERSION = 2  # bump when the same config would produce different bytes
+# A Zephyr-style chat template (tokenizer.chat_template), rendered by the server's chat API.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n"
+                 "{{ message['content'] }}{{ eos_token }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
 # --- architectures: differences are data, not branches --------------------------------------
@@ -339,6 +343,7 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: SynthConfig) -> None:
     w.add_eos_token_id(v.eos_id)
     w.add_add_bos_token(False)  # like Qwen: tokenize() adds nothing
     w.add_add_eos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)  # not ChatML, so tests can tell the file's own is used
 
 
 # --- values: generate and quantize one chunk ---------------------------------------------------

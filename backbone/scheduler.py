@@ -1,0 +1,298 @@
+"""Continuous batching: many requests share one engine, one step at a time.
+
+Each engine step runs every active sequence once: a sequence that is decoding contributes its
+one new token, a sequence still reading its prompt contributes the next chunk of it, and the
+chunks fill whatever the per-step token budget leaves after the decode tokens (chunked
+prefill: a long prompt never stalls the streams already decoding). The engine groups the rows
+of the whole step by expert, so every selected expert is asked once per layer for all of them.
+
+Admission: at most ``max_active`` sequences run, and their KV caches (reserved for the prompt
+plus ``max_tokens``, in the engine's 256-cell chunks) fit ``kv_bytes``; the rest wait in a FIFO
+queue of at most ``max_queue`` requests, beyond which :meth:`Scheduler.submit` raises
+:class:`Overloaded` (the HTTP layer answers 429 with ``Retry-After``). A cancelled request (its
+client went away, or a stop string ended it) is dropped, and its KV cache freed, at the start
+of the next step.
+
+Determinism: the engine is batch-invariant (every row of a step is computed as it would be
+alone, and a prompt read in chunks gives the same bits as read whole), so a sequence's tokens
+do not depend on what else runs beside it. ``deterministic`` records that the server promises
+this; a faster batched kernel that is not invariant must be bypassed when it is set.
+
+The engine runs on one thread of its own; ``on_event`` callbacks are called on that thread
+(the HTTP layer hands them to its event loop).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import structlog
+
+from backbone.sampling import Sampler, SamplerConfig
+from kvasir_bus.errors import KvasirError, UsageError
+
+log = structlog.get_logger("kvasir.scheduler")
+
+
+class Overloaded(KvasirError):
+    """The queue is full: try again later."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_active: int = 16  # sequences in one step
+    max_queue: int = 64  # waiting requests beyond which submit() refuses
+    step_tokens: int = 256  # tokens per engine step: decode tokens + prefill chunks
+    kv_bytes: int | None = None  # bound on the reserved KV caches (None: max_active full contexts)
+    deterministic: bool = False
+    retry_after_s: int = 1  # what a refused client is told to wait
+
+    def __post_init__(self):
+        for name in ("max_active", "step_tokens"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise UsageError(f"max-queue must be >= 0, got {self.max_queue}")
+        if self.step_tokens < self.max_active:
+            raise UsageError(f"step-tokens ({self.step_tokens}) must be at least max-active "
+                             f"({self.max_active}): every active sequence decodes one token per step")
+        if self.kv_bytes is not None and self.kv_bytes <= 0:
+            raise UsageError(f"the KV memory bound must be positive, got {self.kv_bytes}")
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """What to generate: validated at the edge (the HTTP layer), checked again here."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampler: SamplerConfig = SamplerConfig()
+    stop_on_eos: bool = True
+
+
+# Events passed to on_event: ("token", id), ("done", "stop" | "length"), ("error", message).
+Event = tuple[str, object]
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the scheduler. Only the engine thread touches the fields below
+    ``cancelled``; others read ``tokens`` after the "done" event."""
+
+    request: GenRequest
+    on_event: Callable[[Event], None]
+    reserved_bytes: int
+    cancelled: bool = False
+    seq: object = None  # backbone.model.Sequence once admitted
+    fed: int = 0  # prompt tokens read so far
+    tokens: list[int] = field(default_factory=list)
+    pending: int | None = None  # the last sampled token, fed at the next step
+    sampler: Sampler | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.fed < len(self.request.prompt)
+
+
+@dataclass
+class Stats:
+    submitted: int = 0
+    completed: int = 0
+    cancelled: int = 0  # dropped before the engine finished them
+    rejected: int = 0  # refused with Overloaded
+    failed: int = 0
+    steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    max_step_sequences: int = 0  # the most sequences one step has run
+    max_step_tokens: int = 0
+
+
+class Scheduler:
+    """Owns the engine's thread. ``start()``/``stop()`` are idempotent; also a context manager."""
+
+    def __init__(self, engine, cfg: SchedulerConfig = SchedulerConfig()):
+        self.engine, self.cfg = engine, cfg
+        c = engine.cfg
+        self.cell_bytes = c.n_layer * 2 * c.n_head_kv * c.head_dim * 2  # K and V, float16
+        self.kv_bytes = cfg.kv_bytes if cfg.kv_bytes is not None else \
+            cfg.max_active * self._cells(engine.n_ctx) * self.cell_bytes
+        self.stats = Stats()
+        self._queue: list[Job] = []
+        self._active: list[Job] = []
+        self._reserved = 0
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> "Scheduler":
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._main, name="kvasir-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._thread.join()
+        self._thread = None
+        for job in self._queue + self._active:
+            job.on_event(("error", "the server is shutting down"))
+        self._queue, self._active, self._reserved = [], [], 0
+
+    def __enter__(self) -> "Scheduler":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def _cells(self, n: int) -> int:
+        from kernels import dense
+
+        return dense.cache_cells_for(n, self.engine.n_ctx)
+
+    def check(self, request: GenRequest) -> None:
+        """Raise :class:`UsageError` for a request that could never run here."""
+        n = len(request.prompt)
+        if n == 0:
+            raise UsageError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise UsageError(f"max_tokens must be >= 1, got {request.max_tokens}")
+        if n + request.max_tokens > self.engine.n_ctx:
+            raise UsageError(f"the prompt ({n} tokens) plus max_tokens ({request.max_tokens}) exceeds "
+                             f"the context of {self.engine.n_ctx} tokens")
+        need = self._cells(n + request.max_tokens) * self.cell_bytes
+        if need > self.kv_bytes:
+            raise UsageError(f"the request needs {need} bytes of KV cache; this server's bound is {self.kv_bytes}")
+
+    def submit(self, request: GenRequest, on_event: Callable[[Event], None]) -> Job:
+        """Queue a request; raises :class:`UsageError` or :class:`Overloaded`."""
+        self.check(request)
+        job = Job(request, on_event, self._cells(len(request.prompt) + request.max_tokens) * self.cell_bytes)
+        with self._cond:
+            if self._stopping or self._thread is None:
+                raise Overloaded("the server is not running")
+            waiting = len(self._queue) - max(0, self.cfg.max_active - len(self._active))
+            if waiting >= self.cfg.max_queue:  # ahead of it, this many could not start now
+                self.stats.rejected += 1
+                raise Overloaded(f"{len(self._queue)} requests are already waiting")
+            self.stats.submitted += 1
+            self._queue.append(job)
+            self._cond.notify_all()
+        return job
+
+    def cancel(self, job: Job) -> None:
+        """Drop a job at the next step (idempotent; a finished job is left alone)."""
+        with self._cond:
+            job.cancelled = True
+            self._cond.notify_all()
+
+    def snapshot(self) -> dict:
+        with self._cond:
+            return {"active": len(self._active), "queued": len(self._queue),
+                    "kv_reserved_bytes": self._reserved, "kv_bound_bytes": self.kv_bytes,
+                    **self.stats.__dict__}
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _can_admit(self, job: Job) -> bool:
+        return len(self._active) < self.cfg.max_active and self._reserved + job.reserved_bytes <= self.kv_bytes
+
+    def _admit(self) -> None:
+        """Under the lock: drop cancelled jobs, move queued ones in (FIFO) while they fit."""
+        for job in [j for j in self._active if j.cancelled]:
+            self._release(job)
+            self.stats.cancelled += 1
+        dropped = [j for j in self._queue if j.cancelled]
+        self._queue = [j for j in self._queue if not j.cancelled]
+        self.stats.cancelled += len(dropped)
+        while self._queue and self._can_admit(self._queue[0]):
+            job = self._queue.pop(0)
+            job.seq = self.engine.new_sequence()
+            job.sampler = Sampler(job.request.sampler)
+            self._reserved += job.reserved_bytes
+            self._active.append(job)
+
+    def _release(self, job: Job) -> None:
+        self._active.remove(job)
+        self._reserved -= job.reserved_bytes
+        job.seq = None  # the KV cache goes with it
+
+    def _plan(self) -> list[tuple[Job, np.ndarray]]:
+        """This step's batch: every decoding sequence's token, then prompt chunks in admission
+        order while the token budget lasts."""
+        batch = [(j, np.asarray([j.pending])) for j in self._active if not j.prefilling]
+        budget = self.cfg.step_tokens - len(batch)
+        for job in self._active:
+            if budget <= 0:
+                break
+            if job.prefilling:
+                chunk = job.request.prompt[job.fed:job.fed + budget]
+                batch.append((job, np.asarray(chunk)))
+                budget -= len(chunk)
+        return batch
+
+    def _main(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._queue and not self._active:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                self._admit()
+                batch = self._plan()
+            if batch:
+                self._step(batch)
+
+    def _step(self, batch: list[tuple[Job, np.ndarray]]) -> None:
+        try:
+            logits = self.engine.forward([(job.seq, ids) for job, ids in batch], all_logits=False)
+        except Exception as exc:  # one bad step fails its requests, never the server
+            log.error("engine_step_failed", error=f"{type(exc).__name__}: {exc}", sequences=len(batch))
+            with self._cond:
+                for job, _ in batch:
+                    if job in self._active:
+                        self._release(job)
+                    self.stats.failed += 1
+            for job, _ in batch:
+                job.on_event(("error", f"the engine failed: {exc}"))
+            return
+        s = self.stats
+        s.steps += 1
+        s.max_step_sequences = max(s.max_step_sequences, len(batch))
+        s.max_step_tokens = max(s.max_step_tokens, sum(len(ids) for _, ids in batch))
+        eos = self.engine.cfg.eos_id
+        finished: list[tuple[Job, str]] = []
+        for (job, ids), row in zip(batch, logits):
+            if job.prefilling:
+                job.fed += len(ids)
+                s.prompt_tokens += len(ids)
+                if job.prefilling:  # more prompt to read: no token yet
+                    continue
+            token = job.sampler(row[-1])
+            job.tokens.append(token)
+            job.pending = token
+            s.generated_tokens += 1
+            job.on_event(("token", token))
+            if job.request.stop_on_eos and token == eos:
+                finished.append((job, "stop"))
+            elif len(job.tokens) >= job.request.max_tokens:
+                finished.append((job, "length"))
+        if finished:
+            with self._cond:
+                for job, _ in finished:
+                    self._release(job)
+                    s.completed += 1
+            for job, reason in finished:
+                job.on_event(("done", reason))
