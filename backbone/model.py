@@ -280,7 +280,7 @@ class Engine:
             expert_out[r, slot] = out
         moe = ops.combine(expert_out, weights)
         if blk.ffn_gate_shexp is not None:
-            shared = expert_ffn(blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp, h)
+            shared = expert_ffn(blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp, h, routed=False)
             if blk.ffn_gate_inp_shexp is not None:
                 if self.ggml_attention:
                     gate = dense.shared_expert_gate(h, blk.ffn_gate_inp_shexp)  # (T, 1)
