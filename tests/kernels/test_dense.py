@@ -3,8 +3,7 @@
 import numpy as np
 import pytest
 
-from kernels import dense, ggml
-from backbone import ops
+from kernels import dense, ggml, ops
 
 pytestmark = pytest.mark.skipif(not dense.available(), reason="ggml (llama-cpp-python) is not installed")
 
