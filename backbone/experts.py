@@ -32,7 +32,7 @@ class LocalExperts:
     def compute(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
         self.calls[layer] += 1
         self.rows[layer] += len(rows)
-        return expert_ffn(*self.weights.expert(layer, expert), rows)
+        return expert_ffn(*self.weights.expert(layer, expert), rows, routed=True)
 
     def run_layer(self, layer: int, calls: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
         return [self.compute(layer, e, rows) for e, rows in calls]

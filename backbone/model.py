@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kernels import dense
-from backbone import ops
+from kernels import dense, ops
 from backbone.config import ModelConfig, read_config
 from backbone.experts import ExpertBackend, LocalExperts
 from kvasir_bus.errors import ModelFileError, UsageError
@@ -304,7 +303,7 @@ class Engine:
             expert_out[r, slot] = out
         moe = ops.combine(expert_out, weights)
         if blk.ffn_gate_shexp is not None:
-            shared = expert_ffn(blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp, h)
+            shared = expert_ffn(blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp, h, routed=False)
             if blk.ffn_gate_inp_shexp is not None:
                 if self.ggml_attention:
                     gate = dense.shared_expert_gate(h, blk.ffn_gate_inp_shexp)  # (T, 1)

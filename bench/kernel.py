@@ -65,7 +65,7 @@ class RawGraph:
         self.keep = [x, np.zeros(n, np.int32), np.empty((n, N_EMBD), np.float32),
                      np.empty((3, n, N_FF), np.float32), gate.data, up.data, down.data]
         x, ids_buf, self.out, scratch = self.keep[:4]
-        params = ggml._InitParams(lib.tensor_overhead * 12 + lib.graph_overhead + 1024, None, True)
+        params = ggml.InitParams(lib.tensor_overhead * 12 + lib.graph_overhead + 1024, None, True)
         self.ctx = lib.ggml_init(params)
         ctx = self.ctx
 
@@ -87,7 +87,7 @@ class RawGraph:
         h.contents.data = scratch[2].ctypes.data
         y = lib.ggml_mul_mat_id(ctx, dw, h, ids)
         y.contents.data = self.out.ctypes.data
-        self.graph = lib.ggml_new_graph_custom(ctx, ggml._GRAPH_SIZE, False)
+        self.graph = lib.ggml_new_graph_custom(ctx, ggml.GRAPH_NODES, False)
         lib.ggml_build_forward_expand(self.graph, y)
         self.plan = lib.ggml_graph_plan(self.graph, ggml.n_threads(), None)
         self.work = np.empty(max(self.plan.work_size, 1), np.uint8)
@@ -129,12 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         for n in ROWS:
             x = rng.standard_normal((n, N_EMBD)).astype(np.float32)
             raw = RawGraph(gate, up, down, x)
-            ours = expert_ffn(gate, up, down, x, backend="ggml")
+            ours = expert_ffn(gate, up, down, x, routed=True, backend="ggml")
             same = bool(np.array_equal(raw(), ours))
-            t_ours = timed(lambda: expert_ffn(gate, up, down, x, backend="ggml"), budget)
+            t_ours = timed(lambda: expert_ffn(gate, up, down, x, routed=True, backend="ggml"), budget)
             t_raw = timed(raw, budget)
             raw.close()
-            t_np = timed(lambda: expert_ffn(gate, up, down, x, backend="numpy"), budget / 2, min_reps=2)
+            t_np = timed(lambda: expert_ffn(gate, up, down, x, routed=True, backend="numpy"), budget / 2, min_reps=2)
             per_type[str(n)] = {
                 "ours": round(n / t_ours, 1),
                 "raw_ggml": round(n / t_raw, 1),
@@ -152,12 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     x1 = rng.standard_normal((1, N_EMBD)).astype(np.float32)
     a = rng.standard_normal((256, 512)).astype(np.float32)
     b = rng.standard_normal((512, 512)).astype(np.float32)
-    alone = timed(lambda: expert_ffn(gate, up, down, x1, backend="ggml"), budget)
+    alone = timed(lambda: expert_ffn(gate, up, down, x1, routed=True, backend="ggml"), budget)
 
     def alternating():
         a @ b  # a multi-threaded BLAS call between two ggml calls
         t0 = time.perf_counter()
-        expert_ffn(gate, up, down, x1, backend="ggml")
+        expert_ffn(gate, up, down, x1, routed=True, backend="ggml")
         return time.perf_counter() - t0
 
     alternating()

@@ -1,5 +1,7 @@
 """Quantized matmul ``W x`` as llama.cpp's CPU backend computes it, in two backends.
 
+Each backend computes ``matmul`` and ``expert_ffn`` (the :class:`Backend` protocol).
+
 - ``ggml``: llama.cpp's own kernels, called through ctypes on the GGUF bytes
   (``kernels/ggml.py``). Bit-identical to llama.cpp on this CPU. Needs llama-cpp-python.
 - ``numpy``: dequantise W once (cached), round the activations the way ggml does before its
@@ -23,83 +25,16 @@ from collections import OrderedDict
 from typing import Protocol
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES
 
 from kernels import actquant
+from kernels.checks import ACT_FORMAT, check_ffn, check_rows, check_weight
 from kernels.tensors import QTensor
 
-T = GGMLQuantizationType
 
 ENV_KERNEL = "KVASIR_KERNEL"
 ENV_CACHE_MB = "KVASIR_DEQUANT_CACHE_MB"
 DEFAULT_CACHE_MB = 1024  # float64 weights: one 3072x1024 expert (gate+up+down) is 75 MB
-
-# What ggml converts the activations to before multiplying with each weight type
-# (type_traits_cpu[type].vec_dot_type in ggml-cpu.c). Also the set of supported weight types.
-_ACT_FORMAT_BY_NAME = {
-    "F32": "f32", "F16": "f16", "BF16": "bf16",
-    "Q4_0": "q8_0", "Q5_0": "q8_0", "Q8_0": "q8_0", "IQ4_NL": "q8_0", "MXFP4": "q8_0",
-    "Q4_1": "q8_1", "Q5_1": "q8_1",
-    "Q2_K": "q8_K", "Q3_K": "q8_K", "Q4_K": "q8_K", "Q5_K": "q8_K", "Q6_K": "q8_K",
-    "IQ2_XXS": "q8_K", "IQ2_XS": "q8_K", "IQ2_S": "q8_K", "IQ3_XXS": "q8_K", "IQ3_S": "q8_K",
-    "IQ1_S": "q8_K", "IQ1_M": "q8_K", "IQ4_XS": "q8_K", "TQ1_0": "q8_K", "TQ2_0": "q8_K",
-}
-ACT_FORMAT: dict[GGMLQuantizationType, str] = {t: _ACT_FORMAT_BY_NAME[t.name] for t in T
-                                                if t.name in _ACT_FORMAT_BY_NAME}
-
-
-# --- validation shared by both backends (ggml aborts the process on what it rejects) ----------
-
-def check_weight(w: QTensor) -> None:
-    """ValueError unless ``w`` is a 2-D weight of a supported type whose bytes match its shape.
-
-    A QTensor is immutable, so one that passed is marked and not checked again (the engine
-    multiplies by the same few hundred tensors on every token)."""
-    if w.__dict__.get("_checked"):
-        return
-    if w.ggml_type not in ACT_FORMAT:
-        raise ValueError(f"{w.name}: cannot multiply weights of type {T(w.ggml_type).name}")
-    if len(w.ne) != 2:
-        raise ValueError(f"{w.name}: expected a 2-D weight, got ne={w.ne}")
-    if min(w.ne) < 1:
-        raise ValueError(f"{w.name}: empty weight, ne={w.ne}")
-    block, _ = GGML_QUANT_SIZES[w.ggml_type]
-    if w.ne[0] % block:
-        raise ValueError(f"{w.name}: row length {w.ne[0]} is not a multiple of {T(w.ggml_type).name}'s "
-                         f"block size {block}")
-    data = w.data
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 1 or not data.flags.c_contiguous:
-        raise ValueError(f"{w.name}: data must be a 1-D C-contiguous uint8 array")
-    if data.nbytes != w.nbytes:
-        raise ValueError(f"{w.name}: data has {data.nbytes} bytes, {T(w.ggml_type).name} ne={w.ne} "
-                         f"needs {w.nbytes}")
-    object.__setattr__(w, "_checked", True)
-
-
-def check_rows(x: np.ndarray, width: int, what: str) -> np.ndarray:
-    """x as a C-contiguous (n, width) float32 array, n >= 1; ValueError otherwise."""
-    x = np.asarray(x)
-    if x.ndim != 2 or x.shape[1] != width or x.shape[0] < 1:
-        raise ValueError(f"{what}: expected input of shape (n>=1, {width}), got {x.shape}")
-    if not np.issubdtype(x.dtype, np.floating):
-        raise ValueError(f"{what}: expected floating-point input, got {x.dtype}")
-    return np.ascontiguousarray(x, dtype=np.float32)
-
-
-def check_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray) -> np.ndarray:
-    """Validate an expert FFN's weights and input; returns x as C-contiguous (n, n_embd) float32.
-
-    gate/up ne = (n_embd, n_ff), down ne = (n_ff, n_embd).
-    """
-    for w in (gate, up, down):
-        check_weight(w)
-    if gate.ne != up.ne:
-        raise ValueError(f"{gate.name} ne={gate.ne} and {up.name} ne={up.ne} must have the same shape")
-    n_embd, n_ff = gate.ne
-    if down.ne != (n_ff, n_embd):
-        raise ValueError(f"{down.name}: expected ne=({n_ff}, {n_embd}) to match {gate.name} ne={gate.ne}, "
-                         f"got {down.ne}")
-    return check_rows(x, n_embd, gate.name)
 
 
 # --- numpy backend ----------------------------------------------------------------------------
@@ -210,6 +145,24 @@ class NumpyBackend:
             xa = x.astype(np.float64)
         return (xa @ dense.T).astype(np.float32)
 
+    def expert_ffn(self, gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,
+                   routed: bool) -> np.ndarray:
+        """down(silu(gate x) * up x): x (n, n_embd) f32 -> (n, n_embd) f32, three matmuls with
+        ggml's activation rounding and ggml's swiglu rounding between them."""
+        x = check_ffn(gate, up, down, x)
+        g = self.matmul(gate, x, routed=routed)  # (n, n_ff)
+        u = self.matmul(up, x, routed=routed)  # (n, n_ff)
+        return self.matmul(down, silu_mul(g, u), routed=routed)  # (n, n_embd)
+
+
+def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u, float32 (n, n_ff) each -> float32 (n, n_ff); silu evaluated in float64 and
+    rounded once, then multiplied in float32 as ``ggml_vec_swiglu_f32`` does."""
+    g64 = g.astype(np.float64)
+    with np.errstate(over="ignore"):
+        s = (g64 / (1.0 + np.exp(-g64))).astype(np.float32)
+    return s * u
+
 
 # --- ggml backend -----------------------------------------------------------------------------
 
@@ -228,11 +181,23 @@ class GgmlBackend:
         """x (n, ne0) float32 -> (n, ne1) float32 via ``ggml_mul_mat`` (``routed``: ``ggml_mul_mat_id``)."""
         return self._ggml.matmul(w, x, routed=routed)
 
+    def expert_ffn(self, gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,
+                   routed: bool) -> np.ndarray:
+        """The whole FFN as one ggml graph, the ops llama.cpp builds (``kernels.ggml.expert_ffn``)."""
+        return self._ggml.expert_ffn(gate, up, down, x, routed=routed)
+
 
 class Backend(Protocol):
+    """What a kernel backend computes; both give llama.cpp's CPU numerics (to ~1e-6 for numpy)."""
+
     name: str
 
-    def matmul(self, w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray: ...
+    def matmul(self, w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
+        """W applied to rows: x (n, ne0) float32 -> (n, ne1) float32."""
+
+    def expert_ffn(self, gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,
+                   routed: bool) -> np.ndarray:
+        """One expert's SwiGLU FFN: x (n, n_embd) float32 -> (n, n_embd) float32."""
 
 
 _backends: dict[str, Backend] = {}

@@ -1,4 +1,5 @@
-"""Attention computed by ggml itself, with the graph llama.cpp builds on CPU (flash attention off).
+"""The dense ops through ggml itself. Attention with the graph llama.cpp builds on CPU (flash
+attention off).
 
 Why: numpy computes Q·K, the softmax and P·V in float32 in its own summation order and with its
 own ``exp``; llama.cpp rounds Q and the probabilities to f16 for its f16 products and uses its
@@ -30,29 +31,35 @@ the row llama.cpp computes for that token when it evaluates the sequence in one 
 ``min_rows=1`` for the row llama.cpp computes when it decodes that token alone). With 2 rows or
 more a row's result does not depend on the other rows, so long chunks run in pieces.
 
-Like ``kernels/ggml.py``: ggml aborts the process on a failed assertion, so every input is
-checked in Python first; contexts are metadata-only and sized from the number of tensors;
-built graphs are kept in a per-thread LRU keyed by their shapes and only rebound per call.
+The graphs are built with ``kernels/ggml.py``'s :class:`~kernels.ggml.Graph` and run through its
+per-thread graph cache and work buffer (``run_cached``): one binding for every ggml op here. As
+there, ggml aborts the process on a failed assertion, so every input is checked in Python first.
+
+Also here, because llama.cpp computes them with ggml too and numpy's versions differ by an ulp
+now and then: RoPE (``rope_qk``), ``rms_norm``, the router's ``softmax`` and qwen2moe's
+shared-expert gate. ``kernels/ops.py`` holds the same math in numpy.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-import threading
 from collections import OrderedDict
 
 import numpy as np
 
-from kernels import ggml as _g
+from kernels import ggml
+from kernels.ggml import Graph, run_cached, threads_for
 
 N_KV_PAD = 256  # llama_kv_cache::get_n_kv pads the cells the graph sees to a multiple of this
 GGML_PREC_F32 = 10
 ROPE_MODES = {"norm": 0, "neox": 2}  # GGML_ROPE_TYPE_NORMAL / GGML_ROPE_TYPE_NEOX
+MAX_KQ_BYTES = 64 << 20  # bound on the KQ scores (and their softmax) of one attention graph
 
 _F32, _F16, _I32 = 0, 1, 26  # ggml_type values
-_GRAPH_NODES = 32
-_PT = ctypes.POINTER(_g._Tensor)
+
+
+def available() -> bool:
+    """Whether these ops can run: ggml's libraries load (``kernels.ggml.available``)."""
+    return ggml.available()
 
 
 def n_kv_for(used: int, kv_size: int) -> int:
@@ -69,210 +76,6 @@ def cache_cells_for(used: int, n_ctx: int | None = None) -> int:
     if n_ctx is not None:
         cells = min(cells, max(N_KV_PAD, -(-int(n_ctx) // N_KV_PAD) * N_KV_PAD))
     return cells
-
-
-# --- the extra ggml functions this module needs --------------------------------------------------
-
-class _Fns:
-    def __init__(self, lib: "_g._Lib"):
-        self.lib = lib
-        mode = getattr(os, "RTLD_GLOBAL", ctypes.RTLD_GLOBAL)
-        try:
-            base = ctypes.CDLL(str(lib.folder / "libggml-base.so"), mode=mode)
-        except OSError as exc:
-            raise _g.GgmlUnavailable(f"{lib.folder}: cannot load libggml-base.so: {exc}") from None
-        c_ctx, i64, sz, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t, ctypes.c_int, ctypes.c_float
-
-        def fn(name, restype, *argtypes):
-            try:
-                f = getattr(base, name)
-            except AttributeError:
-                raise _g.GgmlUnavailable(f"{lib.folder}: ggml has no {name}") from None
-            f.restype = restype
-            f.argtypes = list(argtypes)
-            setattr(self, name, f)
-
-        fn("ggml_new_tensor_1d", _PT, c_ctx, i32, i64)
-        fn("ggml_new_tensor_2d", _PT, c_ctx, i32, i64, i64)
-        fn("ggml_new_tensor_3d", _PT, c_ctx, i32, i64, i64, i64)
-        fn("ggml_view_4d", _PT, c_ctx, _PT, i64, i64, i64, i64, sz, sz, sz, sz)
-        fn("ggml_permute", _PT, c_ctx, _PT, i32, i32, i32, i32)
-        fn("ggml_mul_mat", _PT, c_ctx, _PT, _PT)
-        fn("ggml_prec_set_acc", ctypes.c_bool, _PT, i32)
-        fn("ggml_soft_max_ext", _PT, c_ctx, _PT, _PT, f32, f32)
-        fn("ggml_cont_2d", _PT, c_ctx, _PT, i64, i64)
-        fn("ggml_rope_ext", _PT, c_ctx, _PT, _PT, _PT, i32, i32, i32, f32, f32, f32, f32, f32, f32)
-        fn("ggml_rms_norm", _PT, c_ctx, _PT, f32)
-        fn("ggml_mul", _PT, c_ctx, _PT, _PT)
-        fn("ggml_soft_max", _PT, c_ctx, _PT)
-        fn("ggml_silu", _PT, c_ctx, _PT)
-        fn("ggml_div", _PT, c_ctx, _PT, _PT)
-        fn("ggml_nbytes", sz, _PT)
-        fn("ggml_graph_overhead_custom", sz, sz, ctypes.c_bool)
-        self.graph_overhead = self.ggml_graph_overhead_custom(_GRAPH_NODES, False)
-
-
-_fns: _Fns | None = None
-_fns_lock = threading.Lock()
-
-
-def _load() -> _Fns:
-    global _fns
-    if _fns is None:
-        with _fns_lock:
-            if _fns is None:
-                _fns = _Fns(_g.load())
-    return _fns
-
-
-def available() -> bool:
-    try:
-        _load()
-    except _g.GgmlUnavailable:
-        return False
-    return True
-
-
-# --- a small graph with views, rebound per call ------------------------------------------------------
-
-def _ptr(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
-
-
-_CPU_COUNT = os.cpu_count() or 1
-SMALL_WORK = 1 << 21  # multiply-adds below which one thread beats waking a team (measured on 2 cores)
-MAX_KQ_BYTES = 64 << 20  # bound on the KQ scores (and their softmax) of one attention graph
-
-
-def _threads(work: int) -> int:
-    """Threads for a graph of about ``work`` multiply-adds: env KVASIR_THREADS (as
-    ``kernels.ggml.n_threads``), else the CPU count; 1 for small graphs. Results do not depend on
-    it: each output element is computed by one thread in a fixed order."""
-    value = os.environ.get(_g.ENV_THREADS)
-    n = _g.n_threads() if value else _CPU_COUNT
-    return 1 if work < SMALL_WORK else n
-
-
-class _Graph:
-    """A metadata-only context holding one graph. Inputs (leaves, and the outputs) get their
-    data pointers per call, in the order they were declared; views (``view_src`` set) follow
-    their root at ``view_offs``; other op results get a buffer of their own (``scratch``)."""
-
-    def __init__(self, fns: _Fns, n_tensors: int):
-        self.fns = fns
-        lib = fns.lib
-        size = lib.tensor_overhead * (n_tensors + 2) + fns.graph_overhead + 1024
-        self.ctx = lib.ggml_init(_g._InitParams(size, None, True))
-        if not self.ctx:
-            raise MemoryError("ggml_init failed")
-        self.graph = lib.ggml_new_graph_custom(self.ctx, _GRAPH_NODES, False)
-        self.keep: list[np.ndarray] = []
-        self.scratch_bytes = 0
-        self.inputs: list[ctypes.Structure] = []  # bound per call, in this order
-        self.views: list[tuple[ctypes.Structure, int, int]] = []  # (view, index of its root input, offset)
-        self._index: dict[int, int] = {}  # tensor address -> index in inputs
-        self._fixed: set[int] = set()  # addresses of tensors with a buffer of their own
-
-    def _new(self, ggml_type: int, ne: tuple[int, ...]):
-        f = self.fns
-        new = (f.ggml_new_tensor_1d, f.ggml_new_tensor_2d, f.ggml_new_tensor_3d)[len(ne) - 1]
-        t = new(self.ctx, ggml_type, *ne)
-        if not t:
-            raise MemoryError("ggml_new_tensor failed")
-        return t
-
-    def input(self, ggml_type: int, ne: tuple[int, ...]):
-        """A new leaf tensor whose data is bound per call."""
-        t = self._new(ggml_type, ne)
-        self._index[ctypes.addressof(t.contents)] = len(self.inputs)
-        self.inputs.append(t.contents)
-        return t
-
-    def view(self, t):
-        """Register ``t`` (a view, permute, ...) so its data follows its root."""
-        if not t:
-            raise MemoryError("ggml view failed")
-        c = t.contents
-        root, offs = c.view_src, int(c.view_offs)
-        if root in self._fixed:
-            c.data = ctypes.cast(root, _PT).contents.data + offs
-        elif root in self._index:
-            self.views.append((c, self._index[root], offs))
-        else:
-            raise RuntimeError("view of an unknown tensor")
-        return t
-
-    def scratch(self, t):
-        """Give op result ``t`` a float32 buffer of its own, kept with the graph."""
-        if not t:
-            raise MemoryError("ggml op failed")
-        n = self.fns.ggml_nbytes(t)
-        buf = np.empty(max(1, (n + 3) // 4), dtype=np.float32)
-        self.keep.append(buf)
-        self.scratch_bytes += buf.nbytes
-        t.contents.data = _ptr(buf)
-        self._fixed.add(ctypes.addressof(t.contents))
-        return t
-
-    def output(self, t):
-        """Make op result ``t`` a graph output (an input in the binding order), computed after
-        everything declared before it."""
-        if not t:
-            raise MemoryError("ggml op failed")
-        self._index[ctypes.addressof(t.contents)] = len(self.inputs)
-        self.inputs.append(t.contents)
-        self.fns.lib.ggml_build_forward_expand(self.graph, t)
-        return t
-
-    def finish(self, threads: int) -> "_Graph":
-        self.plan = self.fns.lib.ggml_graph_plan(self.graph, threads, None)
-        self.plan_ref = ctypes.byref(self.plan)
-        self.n_inputs = len(self.inputs)
-        return self
-
-    def run(self, arrays) -> None:
-        """Compute with the inputs and outputs pointed at ``arrays`` (in declaration order;
-        C-contiguous and of the planned sizes: the callers check)."""
-        inputs = self.inputs
-        if len(arrays) != self.n_inputs:
-            raise ValueError(f"graph takes {self.n_inputs} arrays, got {len(arrays)}")
-        ptrs = [_ptr(a) for a in arrays]
-        for c, p in zip(inputs, ptrs):
-            c.data = p
-        for c, i, offs in self.views:
-            c.data = ptrs[i] + offs
-        if self.plan.work_size:
-            self.plan.work_data = _g._work_buffer(self.plan.work_size).ctypes.data
-        status = self.fns.lib.ggml_graph_compute(self.graph, self.plan_ref)
-        if status != 0:
-            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
-
-    def free(self) -> None:
-        if self.ctx:
-            self.fns.lib.ggml_free(self.ctx)
-            self.ctx = None
-            self.keep.clear()
-
-    def __del__(self) -> None:
-        try:
-            self.free()
-        except Exception:  # interpreter shutdown
-            pass
-
-
-def _run_cached(key: tuple, build, arrays) -> None:
-    """Like kernels.ggml's: the same per-thread graph cache and work buffer serve both."""
-    cache = _g._graphs()
-    graph = cache.get(key)
-    cached = True
-    if graph is None:
-        graph = build()
-        cached = cache.put(key, graph)
-    try:
-        graph.run(arrays)
-    finally:
-        if not cached:
-            graph.free()
 
 
 # --- attention -----------------------------------------------------------------------------------
@@ -366,41 +169,41 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
         qx = np.ascontiguousarray(q, dtype=np.float32)
     mask = causal_mask(q_pos0, L, n_kv, rows)
     out = np.empty((rows, H * Dh), dtype=np.float32)
-    fns = _load()
-    threads = _threads(rows * n_kv * H * Dh)
+    lib = ggml.load()
+    threads = threads_for(rows * n_kv * H * Dh)
     key = ("attn", rows, H, Hkv, Dh, n_kv, kv_size, float(scale), threads)
-    _run_cached(key, lambda: _build_attention(fns, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads),
-                (qx, k_cache, v_cache, mask, out))
+    run_cached(key, lambda: _build_attention(lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads),
+               (qx, k_cache, v_cache, mask, out))
     return out[:L] if rows > L else out
 
 
-def _build_attention(fns: _Fns, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads) -> _Graph:
+def _build_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads) -> Graph:
     """The graph of ``build_attn_mha`` for one stream; inputs q, K cache, V cache, mask, output."""
-    g = _Graph(fns, n_tensors=20)
+    g = Graph(lib, n_tensors=20)
     try:
         ctx, gqa = g.ctx, Hkv * Dh
-        f16 = lambda n: fns.lib.ggml_row_size(_F16, n)  # noqa: E731  bytes of n f16 values
+        f16 = lambda n: lib.ggml_row_size(_F16, n)  # noqa: E731  bytes of n f16 values
         qt = g.input(_F32, (Dh, H, rows))
         kc = g.input(_F16, (gqa, kv_size))  # llama.cpp's layers[il].k: ne = (n_embd_k_gqa, kv_size)
         vc = g.input(_F16, (kv_size, gqa))  # layers[il].v with v_trans: ne = (kv_size, n_embd_v_gqa)
         mt = g.input(_F32, (n_kv, rows))
         qc = qt.contents
         # build_attn_mha views q per stream (one here) ...
-        q = g.view(fns.ggml_view_4d(ctx, qt, Dh, H, rows, 1, qc.nb[1], qc.nb[2], qc.nb[2] * rows, 0))
+        q = g.view(lib.ggml_view_4d(ctx, qt, Dh, H, rows, 1, qc.nb[1], qc.nb[2], qc.nb[2] * rows, 0))
         # ... and get_k / get_v view the caches (n_kv cells, one stream) ...
-        k = g.view(fns.ggml_view_4d(ctx, kc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
-        v = g.view(fns.ggml_view_4d(ctx, vc, n_kv, Hkv, Dh, 1, f16(kv_size * Dh), f16(kv_size),
+        k = g.view(lib.ggml_view_4d(ctx, kc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
+        v = g.view(lib.ggml_view_4d(ctx, vc, n_kv, Hkv, Dh, 1, f16(kv_size * Dh), f16(kv_size),
                                     f16(kv_size * gqa), 0))
         # ... then everything is permuted to (.., tokens or cells, heads).
-        q = g.view(fns.ggml_permute(ctx, q, 0, 2, 1, 3))
-        k = g.view(fns.ggml_permute(ctx, k, 0, 2, 1, 3))
-        v = g.view(fns.ggml_permute(ctx, v, 0, 2, 1, 3))
-        kq = g.scratch(fns.ggml_mul_mat(ctx, k, q))  # (n_kv, rows, H)
-        fns.ggml_prec_set_acc(kq, GGML_PREC_F32)
-        kq = g.scratch(fns.ggml_soft_max_ext(ctx, kq, mt, float(scale), 0.0))
-        kqv = g.scratch(fns.ggml_mul_mat(ctx, v, kq))  # (Dh, rows, H)
-        cur = g.view(fns.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, rows)
-        g.output(fns.ggml_cont_2d(ctx, cur, Dh * H, rows))
+        q = g.view(lib.ggml_permute(ctx, q, 0, 2, 1, 3))
+        k = g.view(lib.ggml_permute(ctx, k, 0, 2, 1, 3))
+        v = g.view(lib.ggml_permute(ctx, v, 0, 2, 1, 3))
+        kq = g.scratch(lib.ggml_mul_mat(ctx, k, q))  # (n_kv, rows, H)
+        lib.ggml_prec_set_acc(kq, GGML_PREC_F32)
+        kq = g.scratch(lib.ggml_soft_max_ext(ctx, kq, mt, float(scale), 0.0))
+        kqv = g.scratch(lib.ggml_mul_mat(ctx, v, kq))  # (Dh, rows, H)
+        cur = g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, rows)
+        g.output(lib.ggml_cont_2d(ctx, cur, Dh * H, rows))
         return g.finish(threads)
     except BaseException:
         g.free()
@@ -442,16 +245,16 @@ def _rope(xs, positions, n_rot, style, base, n_ctx_orig=0, freq_scale=1.0, ext_f
     params = (int(n_rot), ROPE_MODES[style], int(n_ctx_orig), float(base), float(freq_scale), float(ext_factor),
               float(attn_factor), float(beta_fast), float(beta_slow))
     shapes = tuple(x.shape for x in xs)
-    fns = _load()
-    threads = _threads(sum(x.size for x in xs) * 16)
+    lib = ggml.load()
+    threads = threads_for(sum(x.size for x in xs) * 16)
 
-    def build() -> _Graph:
-        g = _Graph(fns, n_tensors=2 * len(xs) + 2)
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=2 * len(xs) + 2)
         try:
             pt = g.input(_I32, (T,))
             for t, h, d in shapes:
                 xt = g.input(_F32, (d, h, t))
-                g.output(fns.ggml_rope_ext(g.ctx, xt, pt, None, *params))
+                g.output(lib.ggml_rope_ext(g.ctx, xt, pt, None, *params))
             return g.finish(threads)
         except BaseException:
             g.free()
@@ -461,7 +264,7 @@ def _rope(xs, positions, n_rot, style, base, n_ctx_orig=0, freq_scale=1.0, ext_f
     arrays = [pos]
     for x, y in zip(xs, outs):
         arrays += [x, y]
-    _run_cached(("rope", shapes, params, threads), build, arrays)
+    run_cached(("rope", shapes, params, threads), build, arrays)
     return outs
 
 
@@ -476,18 +279,18 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
     w = None if weight is None else np.ascontiguousarray(weight, dtype=np.float32)
     if w is not None and w.shape != (ne[0],):
         raise ValueError(f"weight: expected shape ({ne[0]},), got {w.shape}")
-    fns = _load()
-    threads = _threads(x.size * 4)
+    lib = ggml.load()
+    threads = threads_for(x.size * 4)
 
-    def build() -> _Graph:
-        g = _Graph(fns, n_tensors=4)
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=4)
         try:
             xt = g.input(_F32, ne)
             wt = None if w is None else g.input(_F32, (ne[0],))
-            y = fns.ggml_rms_norm(g.ctx, xt, float(eps))
+            y = lib.ggml_rms_norm(g.ctx, xt, float(eps))
             if wt is not None:
                 g.scratch(y)  # unused when the CPU fuses RMS_NORM + MUL, written otherwise
-                y = fns.ggml_mul(g.ctx, y, wt)
+                y = lib.ggml_mul(g.ctx, y, wt)
             g.output(y)
             return g.finish(threads)
         except BaseException:
@@ -496,7 +299,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray
 
     out = np.empty_like(x)
     arrays = (x, out) if w is None else (x, w, out)
-    _run_cached(("rms", ne, w is not None, float(eps), threads), build, arrays)
+    run_cached(("rms", ne, w is not None, float(eps), threads), build, arrays)
     return out
 
 
@@ -507,19 +310,19 @@ def softmax(x: np.ndarray) -> np.ndarray:
     if x.ndim != 2 or x.size == 0:
         raise ValueError(f"x: expected a non-empty 2-D array, got shape {x.shape}")
     T, E = x.shape
-    fns = _load()
+    lib = ggml.load()
 
-    def build() -> _Graph:
-        g = _Graph(fns, n_tensors=3)
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=3)
         try:
-            g.output(fns.ggml_soft_max(g.ctx, g.input(_F32, (E, T))))
+            g.output(lib.ggml_soft_max(g.ctx, g.input(_F32, (E, T))))
             return g.finish(1)
         except BaseException:
             g.free()
             raise
 
     out = np.empty_like(x)
-    _run_cached(("softmax", T, E), build, (x, out))
+    run_cached(("softmax", T, E), build, (x, out))
     return out
 
 
@@ -536,21 +339,21 @@ def shared_expert_gate(h: np.ndarray, w: np.ndarray) -> np.ndarray:
     if h.shape[0] == 1:
         return shared_expert_gate(np.repeat(h, 2, axis=0), w)[:1]
     T, D = h.shape
-    fns = _load()
+    lib = ggml.load()
 
-    def build() -> _Graph:
-        g = _Graph(fns, n_tensors=6)
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=6)
         try:
             wt = g.input(_F32, (D, 1))
             ht = g.input(_F32, (D, T))
-            gate = g.scratch(fns.ggml_mul_mat(g.ctx, wt, ht))  # (1, T)
-            silu = g.scratch(fns.ggml_silu(g.ctx, gate))
-            g.output(fns.ggml_div(g.ctx, silu, gate))
+            gate = g.scratch(lib.ggml_mul_mat(g.ctx, wt, ht))  # (1, T)
+            silu = g.scratch(lib.ggml_silu(g.ctx, gate))
+            g.output(lib.ggml_div(g.ctx, silu, gate))
             return g.finish(1)
         except BaseException:
             g.free()
             raise
 
     out = np.empty((T, 1), dtype=np.float32)
-    _run_cached(("shexp_gate", T, D), build, (w, h, out))
+    run_cached(("shexp_gate", T, D), build, (w, h, out))
     return out

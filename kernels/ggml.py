@@ -10,6 +10,11 @@ and output. Threads share no ggml state: any number of Python threads may call a
 (ctypes releases the GIL; with ggml's OpenMP build each calling thread gets its own team of
 ``n_threads``, so concurrent callers should lower KVASIR_THREADS to avoid oversubscription).
 
+This is the project's one ggml binding: the libraries (:class:`Lib`), the structs, the graph
+type (:class:`Graph`), the per-thread graph cache and work buffer (:func:`run_cached`) and the
+thread policy (:func:`threads_for`). ``kernels/dense.py`` builds its graphs (attention, RoPE,
+norms, softmax) with these public names; this module holds the quantized products.
+
 ``GGML_ASSERT`` calls ``abort()``: it kills the process with no Python exception. Every public
 function therefore checks shapes, types and byte counts in Python first and raises
 ``ValueError``, and sizes each context from the number of tensors it will hold.
@@ -34,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kernels.backend import ACT_FORMAT, check_ffn, check_rows, check_weight
+from kernels.checks import ACT_FORMAT, check_ffn, check_rows, check_weight
 from kernels.tensors import QTensor
 
 T = GGMLQuantizationType
@@ -61,11 +66,11 @@ class GgmlUnavailable(RuntimeError):
 #   ggml_type_traits_cpu: sizeof 32; from_float 0, vec_dot 8, vec_dot_type 16, nrows 24
 # _load() re-checks the sizes and reads ne/nb/data back from a real tensor.
 
-class _InitParams(ctypes.Structure):
+class InitParams(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
 
-class _Tensor(ctypes.Structure):
+class Tensor(ctypes.Structure):
     _fields_ = [
         ("type", ctypes.c_int),
         ("buffer", ctypes.c_void_p),
@@ -84,7 +89,7 @@ class _Tensor(ctypes.Structure):
     ]
 
 
-class _CPlan(ctypes.Structure):
+class CPlan(ctypes.Structure):
     _fields_ = [
         ("work_size", ctypes.c_size_t),
         ("work_data", ctypes.c_void_p),
@@ -99,22 +104,22 @@ class _CPlan(ctypes.Structure):
 _FromFloat = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
 
 
-class _TypeTraitsCpu(ctypes.Structure):
+class TypeTraitsCpu(ctypes.Structure):
     _fields_ = [("from_float", ctypes.c_void_p), ("vec_dot", ctypes.c_void_p), ("vec_dot_type", ctypes.c_int),
                 ("nrows", ctypes.c_int64)]
 
 
 _LAYOUT = {
-    _InitParams: (24, {"mem_size": 0, "mem_buffer": 8, "no_alloc": 16}),
-    _Tensor: (336, {"type": 0, "buffer": 8, "ne": 16, "nb": 48, "op": 80, "op_params": 84, "flags": 148,
+    InitParams: (24, {"mem_size": 0, "mem_buffer": 8, "no_alloc": 16}),
+    Tensor: (336, {"type": 0, "buffer": 8, "ne": 16, "nb": 48, "op": 80, "op_params": 84, "flags": 148,
                     "src": 152, "view_src": 232, "view_offs": 240, "data": 248, "name": 256, "extra": 320}),
-    _CPlan: (56, {"work_size": 0, "work_data": 8, "n_threads": 16, "threadpool": 24, "abort_callback": 32,
+    CPlan: (56, {"work_size": 0, "work_data": 8, "n_threads": 16, "threadpool": 24, "abort_callback": 32,
                   "abort_callback_data": 40, "use_ref": 48}),
-    _TypeTraitsCpu: (32, {"from_float": 0, "vec_dot": 8, "vec_dot_type": 16, "nrows": 24}),
+    TypeTraitsCpu: (32, {"from_float": 0, "vec_dot": 8, "vec_dot_type": 16, "nrows": 24}),
 }
 
-_PT = ctypes.POINTER(_Tensor)
-_GRAPH_SIZE = 16  # nodes per graph; our graphs have at most 5 ops
+_PT = ctypes.POINTER(Tensor)
+GRAPH_NODES = 32  # nodes per graph; the largest (attention) has 13
 
 
 def lib_dir() -> Path:
@@ -129,7 +134,7 @@ def lib_dir() -> Path:
     return Path(spec.origin).parent / "lib"
 
 
-class _Lib:
+class Lib:
     """The loaded libraries with their ctypes signatures."""
 
     def __init__(self, folder: Path):
@@ -155,10 +160,10 @@ class _Lib:
             f.argtypes = list(argtypes)
             setattr(self, name, f)
 
-        c_ctx, i64, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t
+        c_ctx, i64, sz, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_size_t, ctypes.c_int, ctypes.c_float
         fn(base, "ggml_version", ctypes.c_char_p)
         fn(base, "ggml_commit", ctypes.c_char_p)
-        fn(base, "ggml_init", c_ctx, _InitParams)
+        fn(base, "ggml_init", c_ctx, InitParams)
         fn(base, "ggml_free", None, c_ctx)
         fn(base, "ggml_tensor_overhead", sz)
         fn(base, "ggml_graph_overhead_custom", sz, sz, ctypes.c_bool)
@@ -171,30 +176,42 @@ class _Lib:
         fn(base, "ggml_mul_mat", _PT, c_ctx, _PT, _PT)
         fn(base, "ggml_mul_mat_id", _PT, c_ctx, _PT, _PT, _PT)
         fn(base, "ggml_swiglu_split", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_view_4d", _PT, c_ctx, _PT, i64, i64, i64, i64, sz, sz, sz, sz)
+        fn(base, "ggml_permute", _PT, c_ctx, _PT, i32, i32, i32, i32)
+        fn(base, "ggml_prec_set_acc", ctypes.c_bool, _PT, i32)
+        fn(base, "ggml_soft_max_ext", _PT, c_ctx, _PT, _PT, f32, f32)
+        fn(base, "ggml_soft_max", _PT, c_ctx, _PT)
+        fn(base, "ggml_cont_2d", _PT, c_ctx, _PT, i64, i64)
+        fn(base, "ggml_rope_ext", _PT, c_ctx, _PT, _PT, _PT, i32, i32, i32, f32, f32, f32, f32, f32, f32)
+        fn(base, "ggml_rms_norm", _PT, c_ctx, _PT, f32)
+        fn(base, "ggml_mul", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_silu", _PT, c_ctx, _PT)
+        fn(base, "ggml_div", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_nbytes", sz, _PT)
         fn(base, "ggml_new_graph_custom", ctypes.c_void_p, c_ctx, sz, ctypes.c_bool)
         fn(base, "ggml_build_forward_expand", None, ctypes.c_void_p, _PT)
         fn(base, "ggml_quantize_requires_imatrix", ctypes.c_bool, ctypes.c_int)
         fn(base, "ggml_quantize_chunk", sz, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, i64, i64, i64,
            ctypes.c_void_p)
         fn(cpu, "ggml_cpu_init", None)
-        fn(cpu, "ggml_get_type_traits_cpu", ctypes.POINTER(_TypeTraitsCpu), ctypes.c_int)
-        fn(cpu, "ggml_graph_plan", _CPlan, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
-        fn(cpu, "ggml_graph_compute", ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(_CPlan))
+        fn(cpu, "ggml_get_type_traits_cpu", ctypes.POINTER(TypeTraitsCpu), ctypes.c_int)
+        fn(cpu, "ggml_graph_plan", CPlan, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+        fn(cpu, "ggml_graph_compute", ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(CPlan))
 
         self.ggml_cpu_init()
         self.version = self.ggml_version().decode()
         self.commit = self.ggml_commit().decode()
         self.tensor_overhead = self.ggml_tensor_overhead()
-        self.graph_overhead = self.ggml_graph_overhead_custom(_GRAPH_SIZE, False)
+        self.graph_overhead = self.ggml_graph_overhead_custom(GRAPH_NODES, False)
         self._self_check()
 
     def _self_check(self) -> None:
         for struct, (size, offsets) in _LAYOUT.items():
             if ctypes.sizeof(struct) != size or any(getattr(struct, f).offset != o for f, o in offsets.items()):
                 raise GgmlUnavailable(f"ctypes layout of {struct.__name__} does not match ggml's headers")
-        graph = _Graph(self, n_tensors=1)
+        graph = Graph(self, n_tensors=1)
         try:
-            t = graph.tensor(T.Q8_0, (64, 3, 2))
+            t = graph.input(T.Q8_0, (64, 3, 2))
             ok = (list(t.contents.ne) == [64, 3, 2, 1] and t.contents.nb[0] == 34 and t.contents.nb[1] == 68
                   and t.contents.nb[2] == 204 and t.contents.data is None and t.contents.type == int(T.Q8_0))
         finally:
@@ -204,12 +221,12 @@ class _Lib:
                                   "the ctypes layout does not match this build")
 
 
-_lib: _Lib | None = None
+_lib: Lib | None = None
 _lib_error: GgmlUnavailable | None = None
 _lib_lock = threading.Lock()
 
 
-def load() -> _Lib:
+def load() -> Lib:
     """The loaded libraries; raises GgmlUnavailable (every time) if they cannot be loaded."""
     global _lib, _lib_error
     if _lib is not None:
@@ -217,7 +234,7 @@ def load() -> _Lib:
     with _lib_lock:
         if _lib is None and _lib_error is None:
             try:
-                _lib = _Lib(lib_dir())
+                _lib = Lib(lib_dir())
             except GgmlUnavailable as exc:
                 _lib_error = exc
     if _lib is None:
@@ -268,77 +285,119 @@ def n_threads() -> int:
 
 # --- graphs and computation ---------------------------------------------------------------------
 
-class _Graph:
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class Graph:
     """A metadata-only ggml context holding one small graph, reusable for same-shaped calls.
 
-    Every tensor gets its data pointer from a numpy array: weights (the GGUF bytes), the ids
-    and the intermediates (``scratch``) are kept referenced here until the context is freed,
-    so ggml never sees a dangling pointer; the input and output are rebound on every ``run``.
-    A graph is used by one thread at a time (``run`` rewrites its data pointers).
+    Three kinds of tensor data, so that one built graph serves every call of the same shapes:
+
+    - inputs (:meth:`input`, and the :meth:`output`): leaves whose data pointers are bound per
+      :meth:`run`, in declaration order (weights, activations, caches, the result);
+    - views (:meth:`view`: ``ggml_view_*``, ``ggml_permute``): follow their root at its offset;
+    - fixed buffers (:meth:`constant`, :meth:`scratch`): numpy arrays kept referenced here until
+      the context is freed, so ggml never sees a dangling pointer.
+
+    A graph is used by one thread at a time (``run`` rewrites its data pointers); the caller
+    keeps the arrays it passes alive for the call, the graph never reads them afterwards.
     """
 
-    def __init__(self, lib: _Lib, n_tensors: int):
+    def __init__(self, lib: Lib, n_tensors: int):
         self.lib = lib
         # One object header + struct per tensor, the graph, and slack for alignment padding.
         size = lib.tensor_overhead * (n_tensors + 2) + lib.graph_overhead + 1024
-        self.ctx = lib.ggml_init(_InitParams(size, None, True))
+        self.ctx = lib.ggml_init(InitParams(size, None, True))
         if not self.ctx:
             raise MemoryError("ggml_init failed")
+        self.graph = lib.ggml_new_graph_custom(self.ctx, GRAPH_NODES, False)
         self.keep: list[np.ndarray] = []
         self.scratch_bytes = 0
-        self.weight_ts: list = []  # rebound to the call's weights on every run
+        self.inputs: list[Tensor] = []  # bound per call, in this order
+        self.views: list[tuple[Tensor, int, int]] = []  # (view, index of its root input, offset)
+        self._index: dict[int, int] = {}  # tensor address -> index in inputs
+        self._fixed: set[int] = set()  # addresses of tensors with a buffer of their own
 
-    def tensor(self, ggml_type: int, ne: tuple[int, ...], data: np.ndarray | None = None):
-        ne = tuple(int(n) for n in ne)
-        if len(ne) == 1:
-            t = self.lib.ggml_new_tensor_1d(self.ctx, int(ggml_type), *ne)
-        elif len(ne) == 2:
-            t = self.lib.ggml_new_tensor_2d(self.ctx, int(ggml_type), *ne)
-        else:
-            t = self.lib.ggml_new_tensor_3d(self.ctx, int(ggml_type), *ne)
-        if data is not None:
-            self.bind(t, data)
-        return t
-
-    def weight(self, ggml_type: int, ne: tuple[int, ...], data: np.ndarray):
-        """A weight tensor: bound now, and rebound by ``run(..., weights=)`` on every call, so
-        one graph serves every expert of the same shape and type."""
-        t = self.tensor(ggml_type, ne)
-        t.contents.data = data.ctypes.data
-        self.weight_ts.append(t)
-        return t
-
-    def bind(self, t, data: np.ndarray) -> None:
-        """Point tensor ``t`` at ``data`` (C-contiguous, exactly the tensor's size) for good."""
-        self.keep.append(data)
-        t.contents.data = data.ctypes.data
-
-    def intermediate(self, t) -> None:
-        """Give an op's result tensor its own float32 buffer."""
-        buf = np.empty(int(np.prod([t.contents.ne[i] for i in range(4)])), dtype=np.float32)
-        self.scratch_bytes += buf.nbytes
-        self.bind(t, buf)
-
-    def finish(self, x_t, out_t, threads: int) -> "_Graph":
-        """Build the graph ending in ``out_t`` and plan it; ``x_t``/``out_t`` are bound per run."""
+    def _new(self, ggml_type: int, ne: tuple[int, ...]):
         lib = self.lib
-        self.x_t, self.out_t = x_t, out_t
-        self.graph = lib.ggml_new_graph_custom(self.ctx, _GRAPH_SIZE, False)
-        lib.ggml_build_forward_expand(self.graph, out_t)
-        self.plan = lib.ggml_graph_plan(self.graph, threads, None)
+        new = (lib.ggml_new_tensor_1d, lib.ggml_new_tensor_2d, lib.ggml_new_tensor_3d)[len(ne) - 1]
+        t = new(self.ctx, int(ggml_type), *(int(n) for n in ne))
+        if not t:
+            raise MemoryError("ggml_new_tensor failed")
+        return t
+
+    def input(self, ggml_type: int, ne: tuple[int, ...]):
+        """A new leaf tensor whose data is bound per call."""
+        t = self._new(ggml_type, ne)
+        self._index[ctypes.addressof(t.contents)] = len(self.inputs)
+        self.inputs.append(t.contents)
+        return t
+
+    def constant(self, ggml_type: int, ne: tuple[int, ...], data: np.ndarray):
+        """A new leaf pointed at ``data`` (C-contiguous, exactly the tensor's size) for good."""
+        t = self._new(ggml_type, ne)
+        self._fix(t, data)
+        return t
+
+    def view(self, t):
+        """Register ``t`` (a view, permute, ...) so its data follows its root."""
+        if not t:
+            raise MemoryError("ggml view failed")
+        c = t.contents
+        root, offs = c.view_src, int(c.view_offs)
+        if root in self._fixed:
+            c.data = ctypes.cast(root, _PT).contents.data + offs
+        elif root in self._index:
+            self.views.append((c, self._index[root], offs))
+        else:
+            raise RuntimeError("view of an unknown tensor")
+        return t
+
+    def scratch(self, t):
+        """Give op result ``t`` a float32 buffer of its own, kept with the graph."""
+        if not t:
+            raise MemoryError("ggml op failed")
+        n = self.lib.ggml_nbytes(t)
+        buf = np.empty(max(1, (n + 3) // 4), dtype=np.float32)
+        self.scratch_bytes += buf.nbytes
+        self._fix(t, buf)
+        return t
+
+    def _fix(self, t, data: np.ndarray) -> None:
+        self.keep.append(data)
+        t.contents.data = _ptr(data)
+        self._fixed.add(ctypes.addressof(t.contents))
+
+    def output(self, t):
+        """Make op result ``t`` a graph output (an input in the binding order), computed after
+        everything declared before it."""
+        if not t:
+            raise MemoryError("ggml op failed")
+        self._index[ctypes.addressof(t.contents)] = len(self.inputs)
+        self.inputs.append(t.contents)
+        self.lib.ggml_build_forward_expand(self.graph, t)
+        return t
+
+    def finish(self, threads: int) -> "Graph":
+        """Plan the graph for ``threads`` threads; call after the last :meth:`output`."""
+        self.plan = self.lib.ggml_graph_plan(self.graph, threads, None)
         self.plan_ref = ctypes.byref(self.plan)
+        self.n_inputs = len(self.inputs)
         return self
 
-    def run(self, x: np.ndarray, out: np.ndarray, weights: tuple[np.ndarray, ...] = ()) -> None:
-        """Compute with input ``x``, result ``out`` (C-contiguous float32 of the planned shapes)
-        and ``weights`` (the bytes of each :meth:`weight` tensor, in order). The caller keeps
-        the weights alive for the call; the graph never reads them afterwards."""
-        for t, data in zip(self.weight_ts, weights, strict=True):
-            t.contents.data = data.ctypes.data
-        self.x_t.contents.data = x.ctypes.data
-        self.out_t.contents.data = out.ctypes.data
+    def run(self, arrays) -> None:
+        """Compute with the inputs and outputs pointed at ``arrays`` (in declaration order;
+        C-contiguous and of the planned sizes: the callers check)."""
+        if len(arrays) != self.n_inputs:
+            raise ValueError(f"graph takes {self.n_inputs} arrays, got {len(arrays)}")
+        ptrs = [_ptr(a) for a in arrays]
+        for c, p in zip(self.inputs, ptrs):
+            c.data = p
+        for c, i, offs in self.views:
+            c.data = ptrs[i] + offs
         if self.plan.work_size:
-            self.plan.work_data = _work_buffer(self.plan.work_size).ctypes.data
+            self.plan.work_data = work_buffer(self.plan.work_size).ctypes.data
         status = self.lib.ggml_graph_compute(self.graph, self.plan_ref)
         if status != 0:
             raise RuntimeError(f"ggml_graph_compute failed with status {status}")
@@ -356,12 +415,12 @@ class _Graph:
             pass
 
 
-class _GraphCache:
-    """Per-thread LRU of built graphs keyed by weights (pointer, type, shape), rows and threads.
+class GraphCache:
+    """Per-thread LRU of built graphs, keyed by what fixes their shapes (op, rows, weight types
+    and shapes, threads; never the weights' bytes, which are inputs rebound per call).
 
     Building a context and graph costs ~25 ctypes calls (tens of microseconds, as much as a
-    1-row Q4_K expert's compute on a fast CPU); a hit only rebinds input and output. Entries
-    keep their weights' arrays alive, so a cached pointer cannot be reused for other bytes.
+    1-row Q4_K expert's compute on a fast CPU); a hit only rebinds the inputs and outputs.
     Graphs whose intermediates exceed a quarter of the byte budget are never cached.
     """
 
@@ -369,16 +428,16 @@ class _GraphCache:
     MAX_SCRATCH_BYTES = 64 << 20
 
     def __init__(self):
-        self.entries: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.entries: OrderedDict[tuple, Graph] = OrderedDict()
         self.bytes = 0
 
-    def get(self, key: tuple) -> _Graph | None:
+    def get(self, key: tuple) -> Graph | None:
         graph = self.entries.get(key)
         if graph is not None:
             self.entries.move_to_end(key)
         return graph
 
-    def put(self, key: tuple, graph: _Graph) -> bool:
+    def put(self, key: tuple, graph: Graph) -> bool:
         if graph.scratch_bytes > self.MAX_SCRATCH_BYTES // 4:
             return False
         self.entries[key] = graph
@@ -393,14 +452,15 @@ class _GraphCache:
 _tls = threading.local()
 
 
-def _graphs() -> _GraphCache:
+def graph_cache() -> GraphCache:
+    """This thread's graph cache (every kernel of this package shares it)."""
     cache = getattr(_tls, "graphs", None)
     if cache is None:
-        cache = _tls.graphs = _GraphCache()
+        cache = _tls.graphs = GraphCache()
     return cache
 
 
-def _work_buffer(size: int) -> np.ndarray:
+def work_buffer(size: int) -> np.ndarray:
     """A per-thread scratch buffer of at least ``size`` bytes, 64-byte aligned, reused across calls."""
     buf = getattr(_tls, "work", None)
     if buf is None or buf.nbytes < size:
@@ -411,24 +471,26 @@ def _work_buffer(size: int) -> np.ndarray:
     return buf
 
 
-def _weight_key(w: QTensor) -> tuple:
-    """Graphs are keyed by the weights' type and shape only: their bytes are rebound per call."""
-    return (int(w.ggml_type), w.ne)
-
-
-def _run_cached(key: tuple, build, x: np.ndarray, out: np.ndarray, weights: tuple[np.ndarray, ...]) -> None:
-    cache = _graphs()
+def run_cached(key: tuple, build, arrays) -> None:
+    """Run the graph cached under ``key`` (``build()`` makes it on a miss) on ``arrays``, the
+    data of its inputs and outputs in declaration order. ``build`` frees what it made if it
+    fails; a graph too big to cache is freed after this one run."""
+    cache = graph_cache()
     graph = cache.get(key)
+    cached = True
     if graph is None:
         graph = build()
         cached = cache.put(key, graph)
-    else:
-        cached = True
     try:
-        graph.run(x, out, weights)
+        graph.run(arrays)
     finally:
         if not cached:
             graph.free()
+
+
+def _weight_key(w: QTensor) -> tuple:
+    """Graphs are keyed by the weights' type and shape only: their bytes are rebound per call."""
+    return (int(w.ggml_type), w.ne)
 
 
 # --- public kernels ---------------------------------------------------------------------------
@@ -449,25 +511,25 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
     lib = load()
     threads = threads_for(n * w.ne[0] * w.ne[1])
 
-    def build() -> _Graph:
-        graph = _Graph(lib, n_tensors=5)
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=5)
         try:
             if routed:
-                wt = graph.weight(w.ggml_type, (w.ne[0], w.ne[1], 1), w.data)
-                xt = graph.tensor(T.F32, (w.ne[0], 1, n))
-                ids = graph.tensor(T.I32, (1, n), np.zeros(n, dtype=np.int32))
-                yt = lib.ggml_mul_mat_id(graph.ctx, wt, xt, ids)  # (n, 1, ne1)
+                wt = g.input(w.ggml_type, (w.ne[0], w.ne[1], 1))
+                xt = g.input(T.F32, (w.ne[0], 1, n))
+                ids = g.constant(T.I32, (1, n), np.zeros(n, dtype=np.int32))
+                g.output(lib.ggml_mul_mat_id(g.ctx, wt, xt, ids))  # (n, 1, ne1)
             else:
-                wt = graph.weight(w.ggml_type, w.ne, w.data)
-                xt = graph.tensor(T.F32, (w.ne[0], n))
-                yt = lib.ggml_mul_mat(graph.ctx, wt, xt)  # (n, ne1)
-            return graph.finish(xt, yt, threads)
+                wt = g.input(w.ggml_type, w.ne)
+                xt = g.input(T.F32, (w.ne[0], n))
+                g.output(lib.ggml_mul_mat(g.ctx, wt, xt))  # (n, ne1)
+            return g.finish(threads)
         except BaseException:
-            graph.free()
+            g.free()
             raise
 
     out = np.empty((n, w.ne[1]), dtype=np.float32)
-    _run_cached(("mm", routed, n, threads, _weight_key(w)), build, x, out, (w.data,))
+    run_cached(("mm", routed, n, threads, _weight_key(w)), build, (w.data, x, out))
     return out
 
 
@@ -487,37 +549,34 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     lib = load()
     threads = threads_for(3 * n * n_embd * n_ff)
 
-    def build() -> _Graph:
-        graph = _Graph(lib, n_tensors=10)
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=10)
         try:
             if routed:
-                ids = graph.tensor(T.I32, (1, n), np.zeros(n, dtype=np.int32))
-                xt = graph.tensor(T.F32, (n_embd, 1, n))
-                gw = graph.weight(gate.ggml_type, (n_embd, n_ff, 1), gate.data)
-                uw = graph.weight(up.ggml_type, (n_embd, n_ff, 1), up.data)
-                dw = graph.weight(down.ggml_type, (n_ff, n_embd, 1), down.data)
-                g = lib.ggml_mul_mat_id(graph.ctx, gw, xt, ids)  # (n, 1, n_ff)
-                u = lib.ggml_mul_mat_id(graph.ctx, uw, xt, ids)
+                ids = g.constant(T.I32, (1, n), np.zeros(n, dtype=np.int32))
+                xt = g.input(T.F32, (n_embd, 1, n))
+                gw = g.input(gate.ggml_type, (n_embd, n_ff, 1))
+                uw = g.input(up.ggml_type, (n_embd, n_ff, 1))
+                dw = g.input(down.ggml_type, (n_ff, n_embd, 1))
+                gt = g.scratch(lib.ggml_mul_mat_id(g.ctx, gw, xt, ids))  # (n, 1, n_ff)
+                ut = g.scratch(lib.ggml_mul_mat_id(g.ctx, uw, xt, ids))
             else:
-                xt = graph.tensor(T.F32, (n_embd, n))
-                gw = graph.weight(gate.ggml_type, gate.ne, gate.data)
-                uw = graph.weight(up.ggml_type, up.ne, up.data)
-                dw = graph.weight(down.ggml_type, down.ne, down.data)
-                g = lib.ggml_mul_mat(graph.ctx, gw, xt)  # (n, n_ff)
-                u = lib.ggml_mul_mat(graph.ctx, uw, xt)
-            graph.intermediate(g)
-            graph.intermediate(u)
-            h = lib.ggml_swiglu_split(graph.ctx, g, u)  # silu(g) * u, float32
-            graph.intermediate(h)
-            y = lib.ggml_mul_mat_id(graph.ctx, dw, h, ids) if routed else lib.ggml_mul_mat(graph.ctx, dw, h)
-            return graph.finish(xt, y, threads)
+                xt = g.input(T.F32, (n_embd, n))
+                gw = g.input(gate.ggml_type, gate.ne)
+                uw = g.input(up.ggml_type, up.ne)
+                dw = g.input(down.ggml_type, down.ne)
+                gt = g.scratch(lib.ggml_mul_mat(g.ctx, gw, xt))  # (n, n_ff)
+                ut = g.scratch(lib.ggml_mul_mat(g.ctx, uw, xt))
+            h = g.scratch(lib.ggml_swiglu_split(g.ctx, gt, ut))  # silu(g) * u, float32
+            g.output(lib.ggml_mul_mat_id(g.ctx, dw, h, ids) if routed else lib.ggml_mul_mat(g.ctx, dw, h))
+            return g.finish(threads)
         except BaseException:
-            graph.free()
+            g.free()
             raise
 
     out = np.empty((n, n_embd), dtype=np.float32)
     key = ("ffn", routed, n, threads, _weight_key(gate), _weight_key(up), _weight_key(down))
-    _run_cached(key, build, x, out, (gate.data, up.data, down.data))
+    run_cached(key, build, (x, gate.data, up.data, down.data, out))
     return out
 
 

@@ -18,8 +18,12 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from kvasir_bus.errors import ModelFileError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QTensor:
+    """One weight tensor as it lies in the GGUF. Immutable; compared and hashed by identity (its
+    bytes are a memmap view: value equality would mean comparing megabytes), so a kernel can
+    remember the tensors it has already validated (``kernels.checks``)."""
+
     name: str
     ggml_type: GGMLQuantizationType
     ne: tuple[int, ...]  # ggml order: ne[0] is the row length (input features)

@@ -161,7 +161,8 @@ class Worker:
             request_id = req.request_id
             rows = np.ascontiguousarray(req.rows, dtype=np.float32)
             loop = asyncio.get_running_loop()
-            out = await loop.run_in_executor(self._pool, expert_ffn, *weights, rows)
+            # A slice holds routed experts only: compute them as llama.cpp computes those.
+            out = await loop.run_in_executor(self._pool, lambda: expert_ffn(*weights, rows, routed=True))
             reply = codec.DispatchReply(request_id=req.request_id, node=self.cfg.node, rows=out)
         except _Refused as exc:
             self.errors += 1

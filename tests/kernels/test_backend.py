@@ -8,6 +8,7 @@ on Q4_K.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize as gguf_quantize
 
 import kernels  # noqa: F401  (thread settings before numpy work)
-from kernels import actquant, backend as backends
+from kernels import actquant, backend as backends, checks
 from kernels.backend import DequantCache, NumpyBackend
 from kernels.tensors import QTensor
 
@@ -146,7 +147,7 @@ def test_activation_quantizers_match_ggml_cpu_bytes(ggml):
 
 def test_activation_format_table_matches_ggml(ggml):
     names = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q8_1": T.Q8_1, "q8_K": T.Q8_K}
-    for weight_type, fmt in backends.ACT_FORMAT.items():
+    for weight_type, fmt in checks.ACT_FORMAT.items():
         assert ggml.vec_dot_type(weight_type) == names[fmt], weight_type.name
 
 
@@ -336,6 +337,20 @@ def test_wrong_shapes_and_types_raise_value_error(backend):
         mm(QTensor("w", T.Q8_0, (256, 64), w.data.view(np.int8)), np.zeros((1, 256), np.float32))
 
 
+def test_validating_a_weight_leaves_the_frozen_tensor_untouched():
+    w = _gguf_tensor(_weights(64, 256), T.Q8_0)
+    before = dict(vars(w))
+    for _ in range(2):
+        checks.check_weight(w)
+    assert vars(w) == before  # what passed is remembered outside the tensor
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        w.name = "other"
+    bad = QTensor("bad", T.Q8_0, (256, 64), w.data[:-34])
+    for _ in range(2):  # a failed check is never remembered
+        with pytest.raises(ValueError, match="bytes"):
+            checks.check_weight(bad)
+
+
 def test_quantize_rejects_bad_input(ggml):
     with pytest.raises(ValueError, match="block size 256"):
         ggml.quantize(np.zeros((2, 96), np.float32), T.Q4_K)
@@ -359,7 +374,7 @@ def test_ggml_graph_cache_keeps_same_shaped_weights_apart(ggml):
 
 def test_ggml_graph_cache_is_bounded(ggml):
     w = _gguf_tensor(_weights(64, 256), T.Q4_0)
-    cache = ggml._graphs()
+    cache = ggml.graph_cache()
     for n in range(1, cache.MAX_ENTRIES + 10):
         ggml.matmul(w, _weights(n, 256, seed=n))
     assert len(cache.entries) <= cache.MAX_ENTRIES

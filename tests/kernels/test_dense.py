@@ -1,10 +1,9 @@
-"""Attention through ggml (backbone/dense.py): the same math as ops.attention, llama.cpp's rounding."""
+"""Attention through ggml (kernels/dense.py): the same math as ops.attention, llama.cpp's rounding."""
 
 import numpy as np
 import pytest
 
-from kernels import dense
-from backbone import ops
+from kernels import dense, ggml, ops
 
 pytestmark = pytest.mark.skipif(not dense.available(), reason="ggml (llama-cpp-python) is not installed")
 
@@ -62,7 +61,7 @@ def test_deterministic_and_independent_of_threads(monkeypatch):
     q = rng.standard_normal((20, 8, 64)).astype(np.float32)
     first = dense.attention(q, kc, vc, 280)
     np.testing.assert_array_equal(dense.attention(q, kc, vc, 280), first)
-    monkeypatch.setattr(dense, "SMALL_WORK", 0)
+    monkeypatch.setattr(ggml, "SMALL_WORK", 0)  # every graph multi-threaded
     for threads in ("1", "2", "3"):
         monkeypatch.setenv("KVASIR_THREADS", threads)
         np.testing.assert_array_equal(dense.attention(q, kc, vc, 280), first)

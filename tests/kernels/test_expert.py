@@ -18,7 +18,8 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import quantize as gguf_quantize
 
 import kernels  # noqa: F401  (thread settings before numpy work)
-from kernels.expert import expert_ffn, is_routed, silu_mul
+from kernels.backend import silu_mul
+from kernels.expert import expert_ffn
 from kernels.tensors import QTensor
 
 N_EMBD, N_FF = 512, 256
@@ -82,7 +83,7 @@ def test_identity_like_weights_give_the_formula(backend, request):
     eye = np.eye(2, 4, dtype=np.float32)
     gate, up, down = _f32("g", eye), _f32("u", 2 * eye), _f32("d", eye.T)
     x = np.array([[1.0, -2.0, 3.0, 4.0], [0.0, 0.5, -1.0, 9.0]], dtype=np.float32)
-    y = expert_ffn(gate, up, down, x, backend=backend)
+    y = expert_ffn(gate, up, down, x, routed=False, backend=backend)
 
     def silu(v: float) -> float:
         return v / (1 + math.exp(-v))
@@ -102,9 +103,10 @@ def test_silu_mul_is_rounded_like_ggml():
                                       6 / (1 + math.exp(-2)), 300.0], rtol=1e-7)
 
 
-def test_routed_is_inferred_from_the_gguf_name():
-    assert is_routed(QTensor("blk.3.ffn_gate_exps.weight[7]", T.F32, (4, 2), np.zeros(32, np.uint8)))
-    assert not is_routed(QTensor("blk.3.ffn_gate_shexp.weight", T.F32, (4, 2), np.zeros(32, np.uint8)))
+def test_the_caller_must_say_whether_the_expert_is_routed():
+    gate, up, down = _f32("g", np.eye(2, 4)), _f32("u", np.eye(2, 4)), _f32("d", np.eye(4, 2))
+    with pytest.raises(TypeError, match="routed"):
+        expert_ffn(gate, up, down, np.ones((1, 4), np.float32))
 
 
 # --- numpy vs ggml ----------------------------------------------------------------------------
@@ -114,9 +116,9 @@ def test_routed_is_inferred_from_the_gguf_name():
 def test_numpy_and_ggml_agree(ggml, qtype, n):
     gate, up, down = _expert(qtype)
     x = np.random.default_rng(n).standard_normal((n, N_EMBD)).astype(np.float32)
-    y = expert_ffn(gate, up, down, x, backend="ggml")
+    y = expert_ffn(gate, up, down, x, routed=True, backend="ggml")
     assert y.shape == (n, N_EMBD) and y.dtype == np.float32
-    assert _rel(expert_ffn(gate, up, down, x, backend="numpy"), y) < NEAR
+    assert _rel(expert_ffn(gate, up, down, x, routed=True, backend="numpy"), y) < NEAR
 
 
 def test_ggml_graph_equals_separate_ggml_ops(ggml):
@@ -126,7 +128,7 @@ def test_ggml_graph_equals_separate_ggml_ops(ggml):
     x = np.random.default_rng(9).standard_normal((5, N_EMBD)).astype(np.float32)
     g = ggml.matmul(gate, x, routed=True)
     u = ggml.matmul(up, x, routed=True)
-    fused = expert_ffn(gate, up, down, x, backend="ggml")
+    fused = expert_ffn(gate, up, down, x, routed=True, backend="ggml")
     separate = ggml.matmul(down, silu_mul(g, u), routed=True)
     assert _rel(separate, fused) < 1e-5  # only silu's exp differs (ggml's SIMD expf vs libm)
 
@@ -134,36 +136,40 @@ def test_ggml_graph_equals_separate_ggml_ops(ggml):
 def test_ggml_is_deterministic_and_routed_rows_are_batch_independent(ggml):
     gate, up, down = _expert(T.Q8_0)
     x = np.random.default_rng(4).standard_normal((16, N_EMBD)).astype(np.float32)
-    a = expert_ffn(gate, up, down, x, backend="ggml")
-    assert np.array_equal(a, expert_ffn(gate, up, down, x, backend="ggml"))
-    singles = np.concatenate([expert_ffn(gate, up, down, x[i:i + 1], backend="ggml") for i in range(16)])
+    a = expert_ffn(gate, up, down, x, routed=True, backend="ggml")
+    assert np.array_equal(a, expert_ffn(gate, up, down, x, routed=True, backend="ggml"))
+    singles = np.concatenate([expert_ffn(gate, up, down, x[i:i + 1], routed=True, backend="ggml")
+                              for i in range(16)])
     assert np.array_equal(a, singles)
 
 
 def test_shared_expert_uses_llama_cpps_dense_op(ggml):
-    """``*_shexp`` goes through ggml_mul_mat (tinyBLAS for F16), ``*_exps`` through
-    ggml_mul_mat_id (vec_dot): they differ by float order only. A one-row dense call runs as
-    two rows, so a row gets the same bits alone as inside a batch (batch invariance)."""
+    """A shared expert (``routed=False``) goes through ggml_mul_mat (tinyBLAS for F16), a routed
+    one through ggml_mul_mat_id (vec_dot): they differ by float order only. A one-row dense call
+    runs as two rows, so a row gets the same bits alone as inside a batch (batch invariance)."""
     routed = _expert(T.F16, suffix="exps")
     shared = tuple(QTensor(w.name.replace("exps", "shexp"), w.ggml_type, w.ne, w.data) for w in routed)
     x = np.random.default_rng(5).standard_normal((4, N_EMBD)).astype(np.float32)
-    y_routed, y_shared = expert_ffn(*routed, x, backend="ggml"), expert_ffn(*shared, x, backend="ggml")
+    y_routed = expert_ffn(*routed, x, routed=True, backend="ggml")
+    y_shared = expert_ffn(*shared, x, routed=False, backend="ggml")
     assert _rel(y_shared, y_routed) < NEAR
-    assert np.array_equal(expert_ffn(*shared, x[:1], backend="ggml"), y_shared[:1])
-    assert np.array_equal(expert_ffn(*routed, x[:1], backend="ggml"), y_routed[:1])
+    assert np.array_equal(expert_ffn(*shared, x[:1], routed=False, backend="ggml"), y_shared[:1])
+    assert np.array_equal(expert_ffn(*routed, x[:1], routed=True, backend="ggml"), y_routed[:1])
     assert np.array_equal(expert_ffn(*shared, x, routed=True, backend="ggml"), y_routed)
+    # The names are labels: the caller's ``routed`` alone picks the op.
+    assert np.array_equal(expert_ffn(*routed, x, routed=False, backend="ggml"), y_shared)
 
 
 def test_concurrent_calls_match_serial_calls(ggml):
     gate, up, down = _expert(T.Q4_K)
     xs = [np.random.default_rng(s).standard_normal((n, N_EMBD)).astype(np.float32)
           for s, n in enumerate((1, 8, 3, 64, 12, 2))]
-    expected = [expert_ffn(gate, up, down, x, backend="ggml") for x in xs]
+    expected = [expert_ffn(gate, up, down, x, routed=True, backend="ggml") for x in xs]
     results: dict[int, list[np.ndarray]] = {i: [] for i in range(len(xs))}
 
     def run(i: int) -> None:
         for _ in range(4):
-            results[i].append(expert_ffn(gate, up, down, xs[i], backend="ggml"))
+            results[i].append(expert_ffn(gate, up, down, xs[i], routed=True, backend="ggml"))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(xs))]
     for th in threads:
@@ -180,8 +186,8 @@ def test_expert_slab_of_3d_tensors(ggml):
                for w0, w1 in zip(*two)]
     x = np.random.default_rng(6).standard_normal((3, N_EMBD)).astype(np.float32)
     for backend in ("numpy", "ggml"):
-        y = expert_ffn(*(t.expert(1) for t in stacked), x, backend=backend)
-        assert np.array_equal(y, expert_ffn(*two[1], x, backend=backend))
+        y = expert_ffn(*(t.expert(1) for t in stacked), x, routed=True, backend=backend)
+        assert np.array_equal(y, expert_ffn(*two[1], x, routed=True, backend=backend))
 
 
 # --- bad input ----------------------------------------------------------------------------------
@@ -192,11 +198,12 @@ def test_mismatched_shapes_raise_value_error(backend, request):
     gate, up, down = _expert(T.Q8_0)
     x = np.zeros((2, N_EMBD), np.float32)
     with pytest.raises(ValueError, match="same shape"):
-        expert_ffn(gate, _quantized("u", _random(2 * N_FF, N_EMBD, 1), T.Q8_0), down, x, backend=backend)
+        wide_up = _quantized("u", _random(2 * N_FF, N_EMBD, 1), T.Q8_0)
+        expert_ffn(gate, wide_up, down, x, routed=True, backend=backend)
     with pytest.raises(ValueError, match=r"expected ne=\(256, 512\)"):
-        expert_ffn(gate, up, gate, x, backend=backend)
+        expert_ffn(gate, up, gate, x, routed=True, backend=backend)
     with pytest.raises(ValueError, match=r"shape \(n>=1, 512\)"):
-        expert_ffn(gate, up, down, np.zeros((2, N_FF), np.float32), backend=backend)
+        expert_ffn(gate, up, down, np.zeros((2, N_FF), np.float32), routed=True, backend=backend)
     with pytest.raises(ValueError, match="2-D weight"):
         stacked = QTensor("g", T.Q8_0, (N_EMBD, N_FF // 2, 2), gate.data)
-        expert_ffn(stacked, up, down, x, backend=backend)
+        expert_ffn(stacked, up, down, x, routed=True, backend=backend)

@@ -400,7 +400,7 @@ def test_volunteer_gets_an_assignment_downloads_and_serves(tiny, serve, manifest
     assert got.assignment.reward_rate == 2.5
     _check_slice(got.download, tiny)
     t = tensors_from_reader(GGUFReader(tiny))
-    want = expert_ffn(*(t[f"blk.1.ffn_{k}_exps.weight"].expert(2) for k in KINDS), rows)
+    want = expert_ffn(*(t[f"blk.1.ffn_{k}_exps.weight"].expert(2) for k in KINDS), rows, routed=True)
     np.testing.assert_array_equal(reply.rows, want)
     assert srv.served_to("phone-1") == got.fetched
     assert got.fetched <= 1.05 * (got.download.slab_bytes + got.identity.header_bytes)

@@ -39,7 +39,7 @@ def slice_info(model, tmp_path_factory):
 def reference(model, layer, expert, rows):
     t = tensors_from_reader(open_gguf(model))
     w = [t[f"blk.{layer}.ffn_{k}_exps.weight"].expert(expert) for k in ("gate", "up", "down")]
-    return expert_ffn(*w, rows)
+    return expert_ffn(*w, rows, routed=True)
 
 
 def request(info, layer, expert, rows, rid="r1"):

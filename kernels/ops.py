@@ -1,6 +1,10 @@
 """The math of the dense path, as pure numpy functions that round where llama.cpp's CPU
 backend rounds (DESIGN.md section 8; NOTES-numerics.md). No I/O, no state.
 
+The numpy twin of ``kernels/dense.py``: the engine runs these when the kernels are numpy's
+(``rms_norm``, ``route`` and ``combine`` always); tests/kernels/test_dense.py checks
+attention, RoPE and rms_norm against ggml's.
+
 Shapes use T for rows (tokens of the whole batch), D for n_embd, H/Hkv for query/KV heads,
 Dh for head_dim, S for the keys a query sees, E for experts and K for experts used.
 """

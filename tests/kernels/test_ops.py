@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from backbone import ops
+from kernels import ops
 
 
 def test_rms_norm_scales_by_root_mean_square():
