@@ -101,23 +101,23 @@ def test_same_seed_gives_identical_bytes(tmp_path, tiny_models):
     assert again.read_bytes() == open(tiny_models["qwen3moe"], "rb").read()
 
 
-# sha256 of files made by the generator before its architecture table came from
-# backbone.config (computed on that code): the same arguments must keep giving the same bytes,
+# sha256 of files made by SYNTH_VERSION 2 (pinned when the architecture table came from
+# backbone.config, then re-pinned when version 2 added the chat template): the same arguments must keep giving the same bytes,
 # or SYNTH_VERSION must change. gguf-py writes f32 and quantizes q8_0 (numpy only), so the
 # digests do not depend on the machine's llama.cpp build.
 PINNED_SHA256 = {
-    ("qwen3moe", "f32"): "8d926d91b5618d0d071fd9528d1840936d586cf1d17d6171108975b3f3f8fbff",
-    ("qwen3moe", "q8_0"): "1259d6eb09e9bd39b6bbf58f4c9ec1348ef1a3059afc7355fdd76683d74b29a4",
-    ("qwen2moe", "f32"): "a53faf9ba0277c4ffb6eac741648c0bb41f8dbaaa58ba170102446eef3b2c298",
-    ("qwen2moe", "q8_0"): "dc9db3536b93815a26968e26a886e7dd471eaffbae3e5d5de52d453252add7e5",
-    ("mixtral", "f32"): "6486d01f81788cceca445d12f2b2fd11bc7068bce9d03e2a0ada6bb52cde52d4",
-    ("mixtral", "q8_0"): "84829a20109e191071905ef1fa0ff6d2d68a319558e1ac83e4cf2cecd6d16161",
+    ("qwen3moe", "f32"): "d91a4bd96216e4ae054a201049b324d0268025fbd648e315099b4bbb395fbd88",
+    ("qwen3moe", "q8_0"): "892236dc9ebc12cfc170a55920723144fa178326bec91579144b522b5f8e792d",
+    ("qwen2moe", "f32"): "f1e05250001022457c8e05901130ed33c9a9214e282dee5df85a25d223adf404",
+    ("qwen2moe", "q8_0"): "ab9bebdb9dc94206940b8ba0bc7a979bbc4a0310430a7510564a030202538b79",
+    ("mixtral", "f32"): "87b593e74660fca54cc58de371c53cdf628f7cdee91fe50de6c6f38728d13bd3",
+    ("mixtral", "q8_0"): "72f1c58fc11304c04b5407d24a0272cb2d87bdc59ba206aebbdac2ec67bd1681",
 }
 
 
 @pytest.mark.parametrize("arch,qtype", sorted(PINNED_SHA256))
 def test_the_same_arguments_give_the_pinned_bytes(arch, qtype, tmp_path):
-    assert synth.SYNTH_VERSION == 1
+    assert synth.SYNTH_VERSION == 2  # re-pin the digests above when it changes
     path = synth.synth_model(tmp_path / "m.gguf", arch, "tiny", qtype, seed=3)
     assert hashlib.sha256(path.read_bytes()).hexdigest() == PINNED_SHA256[arch, qtype]
 
