@@ -16,6 +16,7 @@ aiohttp is imported only by the functions that serve HTTP: a worker that is neve
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -141,8 +142,9 @@ class MetricsServer:
             await site.start()
         except OSError as exc:
             await runner.cleanup()
-            raise UsageError(f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}"
-                             ) from None
+            # asyncio's bind error repeats the address; the errno's text says it once.
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            raise UsageError(f"cannot listen on {self.host}:{self.port}: {reason}") from None
         self._runner = runner
         self.port = runner.addresses[0][1]  # port 0 -> the one the system picked
         return self

@@ -186,3 +186,52 @@ def test_worker_metrics_count_calls_rows_errors_and_compute_time(arun):
     assert got[("kvasir_worker_experts_held", w)] == 8
     assert got[("kvasir_worker_compute_seconds_count", (("layer", "1"), ("model", FP),
                                                         ("node", "w-9")))] == 1
+
+
+def test_grafana_dashboard_queries_only_metrics_the_roles_export():
+    import json
+    import re
+    from pathlib import Path
+
+    from prometheus_client import generate_latest
+
+    from market.metrics import MarketCollector
+
+    market = MarketCollector(market=None)
+    market.statuses = [mc.MarketStatus(
+        model=FP, market="market", sent_at=1.0, manifest_known=True, n_layer=1, n_expert=8,
+        range_experts=8, expiry_s=10.0,
+        nodes=(mc.NodeStatus("w", (Holding(0, 0, 8),), (), 0, 0.0, 3, 0.5, "0.1.0", "fake"),),
+        demand=(mc.DemandEntry(0, 0, 8, 1, 1, 1.0, 0.0, 1.0),),
+        totals=(mc.NodeTotals("w", 1, 2, 3.0),), fallback_rate=0.5)]
+    dispatch = DispatchCollector(lambda: SimpleNamespace(layers={0: _layer_stats(remote=1)},
+                                                         nodes={"w": 1}), model=FP)
+    dispatch.observe_reply(0, 0.01)
+    dispatch.tokens.inc()
+    worker = WorkerCollector(SimpleNamespace(
+        served=1, errors=0, rows=1, in_flight=0, cfg=SimpleNamespace(node="w"),
+        slice=SimpleNamespace(fingerprint=FP, holdings=(Holding(0, 0, 8),))))
+    worker.observe_compute(0, 0.01)
+    exported = set()
+    for reg in (registry(market), backbone_registry(dispatch), registry(worker)):
+        exported |= {name for name, _labels in samples(generate_latest(reg).decode())}
+
+    board = json.loads((Path(__file__).parents[2] / "deploy" / "grafana-kvasir.json").read_text())
+    queried = {name for p in board["panels"] for t in p["targets"]
+               for name in re.findall(r"\bkvasir_[a-z_]+", t["expr"])}
+    assert len(queried) >= 12
+    assert queried <= exported, sorted(queried - exported)
+
+
+def test_market_http_port_in_use_is_one_clear_line(nats_server, tmp_path, capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        rc = main(["market", "--nats", nats_server.url, "--db", str(tmp_path / "m.db"),
+                   "--http", f"127.0.0.1:{port}", "--log-level", "error"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(f"cannot listen on 127.0.0.1:{port}: Address already in use"), err
