@@ -66,6 +66,9 @@ def _add_market(subparsers: argparse._SubParsersAction) -> None:
                    help="ask the backbone for this model's manifest at start (repeatable; "
                    "models are also learned from traffic)")
     p.add_argument("--node", metavar="NAME", default="market", help="the market's id on the bus")
+    p.add_argument("--http", "--metrics", dest="http", metavar="[HOST:]PORT", default=None,
+                   help="serve the live dashboard (/) and Prometheus metrics (/metrics) here "
+                   "(host default 127.0.0.1; 0.0.0.0:PORT for every interface)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_cmd_market)
 
@@ -92,10 +95,15 @@ def _cmd_market(args: argparse.Namespace) -> int:
                            models=tuple(_model_arg(m) for m in args.model))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return asyncio.run(_serve(cfg, args.nats))
+    http = None
+    if args.http is not None:
+        from kvasir_bus.metrics import parse_listen
+
+        http = parse_listen(args.http)
+    return asyncio.run(_serve(cfg, args.nats, http))
 
 
-async def _serve(cfg, url) -> int:
+async def _serve(cfg, url, http=None) -> int:
     import asyncio
     import signal
 
@@ -108,10 +116,18 @@ async def _serve(cfg, url) -> int:
         loop.add_signal_handler(sig, stop.set)
     nc = await connect(url, name=f"kvasir-market-{cfg.node}")
     market = Market(nc, cfg)
+    dashboard = None
     try:
         await market.start()
+        if http is not None:
+            from market.dashboard import Dashboard, DashboardConfig
+
+            dashboard = await Dashboard(market, DashboardConfig(*http)).start()
+            print(f"dashboard {dashboard.url}/  metrics {dashboard.url}/metrics", flush=True)
         await stop.wait()
     finally:
+        if dashboard is not None:
+            await dashboard.stop()
         await market.stop()
         await nc.drain()
     return 0

@@ -1,0 +1,205 @@
+"""The market's HTTP port: a live coverage dashboard, its data as JSON and SSE, and /metrics.
+
+``kvasir market --http [HOST:]PORT`` serves, on one aiohttp server beside the market:
+
+==================  ===========================================================================
+``GET /``           the dashboard (``market/static/``: one HTML page, a script and a style
+                    sheet; no build step, nothing from a CDN)
+``GET /api/state``  the current snapshot as JSON (what the page draws)
+``GET /events``     the same snapshot every ``interval_s`` as server-sent events
+                    (``event: state``); the page redraws on each
+``GET /metrics``    Prometheus exposition (:mod:`market.metrics`)
+==================  ===========================================================================
+
+A snapshot is :func:`market.show.status_json` of every model the market knows (coverage per
+range, demand, workers, rewards, fallback rate; the record ``kvasir status --json`` prints)
+plus, per model, the live and pending replicas of every single expert (the heatmap) and a
+short history of the fallback rate and of the routed rows per second. The routed rows come
+from the backbones' routing statistics, which the dashboard reads on its own subscription;
+they count tokens x experts per token per MoE layer (the market does not know top-k, so it
+shows rows, not tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from kvasir_bus import market_codec as mc, subjects
+from kvasir_bus.codec import CodecError
+from kvasir_bus.metrics import MetricsServer, registry
+from market.metrics import MarketCollector, expert_pending, expert_replicas
+from market.show import status_json
+
+log = structlog.get_logger("kvasir.dashboard")
+
+STATIC = Path(__file__).resolve().parent / "static"
+
+
+@dataclass(frozen=True)
+class DashboardConfig:
+    host: str = "127.0.0.1"
+    port: int = 0                 # 0: a free port (see Dashboard.url)
+    interval_s: float = 1.0       # one snapshot per interval to every open page
+    history: int = 300            # points kept per model for the charts
+
+    def __post_init__(self) -> None:
+        if not self.interval_s > 0 or self.history < 2 or not 0 <= self.port <= 65535:
+            raise ValueError(f"interval_s must be > 0, history >= 2, port 0..65535; got "
+                             f"{self.interval_s}, {self.history}, {self.port}")
+
+
+class _Throughput:
+    """Rows routed per second by each backbone (its last routing window), per MoE layer."""
+
+    def __init__(self) -> None:
+        self.rates: dict[tuple[str, str], tuple[float, float]] = {}  # (model, backbone) ->
+        # (rows/s per MoE layer, valid until)
+
+    def add(self, stats: mc.RoutingStats, now: float) -> None:
+        layers = {layer for layer, _e, _rows in stats.hits}
+        rows = sum(r for _l, _e, r in stats.hits)
+        rate = rows / stats.window_s / len(layers) if layers and stats.window_s > 0 else 0.0
+        self.rates[(stats.model, stats.node)] = (rate, now + 3 * max(stats.window_s, 1.0))
+
+    def rate(self, model: str, now: float) -> float | None:
+        got = [r for (m, _b), (r, until) in self.rates.items() if m == model and until >= now]
+        return sum(got) if got else None
+
+
+class Dashboard:
+    """The market's HTTP server. ``start()``/``stop()`` are idempotent; ``async with`` works.
+
+    ``market``: a running :class:`market.service.Market` (read through ``models`` and
+    ``status()`` only); its NATS connection carries the dashboard's routing subscription.
+    """
+
+    def __init__(self, market: Any, cfg: DashboardConfig | None = None) -> None:
+        self.market = market
+        self.cfg = cfg or DashboardConfig()
+        self.collector = MarketCollector(market)
+        self.registry = registry(self.collector)
+        app = web.Application()
+        app.router.add_get("/", self._index)
+        app.router.add_get("/api/state", self._state)
+        app.router.add_get("/events", self._events)
+        app.router.add_static("/static/", STATIC)
+        self.server = MetricsServer(self.registry, self.cfg.host, self.cfg.port, app=app)
+        self.throughput = _Throughput()
+        self.history: dict[str, deque] = {}
+        self.snapshot: dict[str, Any] = {"sent_at": time.time(), "models": []}
+        self._tick = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._sub = None
+        self._running = False
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    # -- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> Dashboard:
+        if self._running:
+            return self
+        self._running = True
+        try:
+            self._sub = await self.market.nc.subscribe(subjects.ALL_ROUTING, cb=self._on_routing)
+            await self.take_snapshot()
+            await self.server.start()
+        except BaseException:
+            await self.stop()
+            raise
+        self._task = asyncio.ensure_future(self._loop())
+        log.info("dashboard_started", url=self.url)
+        return self
+
+    async def stop(self) -> None:
+        if not self._running:
+            return
+        self._running = False
+        self._tick.set()  # open event streams see _running is False and end
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # the connection may be closed already
+                pass
+            self._sub = None
+        await self.server.stop()
+
+    async def __aenter__(self) -> Dashboard:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- data -------------------------------------------------------------------------------
+    async def _on_routing(self, msg: Any) -> None:
+        try:
+            stats = mc.decode_routing(msg.data)
+        except CodecError:
+            return  # the market logs bad routing messages; the chart only needs good ones
+        self.throughput.add(stats, time.time())
+
+    async def take_snapshot(self) -> dict[str, Any]:
+        """Build the snapshot every page gets next (and remember a history point)."""
+        now = time.time()
+        models = []
+        for name in sorted(self.market.models):
+            st = await self.market.status(name)
+            doc = status_json(st)
+            doc["replicas"] = expert_replicas(st).tolist()
+            doc["pending"] = expert_pending(st).tolist()
+            point = {"t": now, "fallback_rate": st.fallback_rate,
+                     "rows_per_s": self.throughput.rate(name, now),
+                     "reward": doc["rewards"]["total"]["reward"]}
+            hist = self.history.setdefault(name, deque(maxlen=self.cfg.history))
+            hist.append(point)
+            doc["history"] = list(hist)
+            models.append(doc)
+        self.snapshot = {"sent_at": now, "interval_s": self.cfg.interval_s, "models": models}
+        return self.snapshot
+
+    async def _loop(self) -> None:
+        while self._running:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                await self.take_snapshot()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep serving the last good snapshot
+                log.warning("dashboard_snapshot_failed", error=f"{type(exc).__name__}: {exc}")
+                continue
+            tick, self._tick = self._tick, asyncio.Event()
+            tick.set()
+
+    # -- routes -----------------------------------------------------------------------------
+    async def _index(self, request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(STATIC / "index.html")
+
+    async def _state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.snapshot)
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        try:
+            while self._running:
+                body = json.dumps(self.snapshot, separators=(",", ":"))
+                await resp.write(f"event: state\ndata: {body}\n\n".encode())
+                await self._tick.wait()
+        except ConnectionResetError:
+            pass  # the page went away
+        return resp

@@ -1,0 +1,204 @@
+"""The live dashboard in a real headless Chromium (Debian's ``chromium`` + ``chromium-driver``,
+driven by Selenium; ``.ci/run`` installs them).
+
+A market, a fake backbone and fake workers (tests/market/fakes.py) run on an embedded NATS in
+a background event loop; the page must show each worker's range as covered in the heatmap, then
+show it as a hole once that worker is killed and expires. Every wait polls the page with a
+deadline. The last screenshot is saved under the test's tmp dir (``dashboard.png``; its path
+is printed), and also to ``$KVASIR_ARTIFACTS`` when that is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvasir_bus.connect import connect
+from kvasir_bus.loopthread import LoopThread
+from market.dashboard import Dashboard, DashboardConfig
+from market.service import Market, MarketConfig
+from tests.market.fakes import FP, FakeBackbone, FakeWorker, make_manifest
+
+N_LAYER, N_EXPERT, RANGE = 4, 32, 8
+ONE_RANGE = 8 * 3 * 1200 + 500  # one range of 8 experts of either layer size, never two
+EXPIRY = 0.8
+
+
+def _browser_paths() -> tuple[str, str]:
+    """(chromium, chromedriver), or skip saying exactly what is missing."""
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        pytest.skip("selenium is not installed (pip install selenium; .ci/run does)")
+    browser = next(filter(None, map(shutil.which, ("chromium", "chromium-browser"))), None)
+    driver = shutil.which("chromedriver")
+    if not browser or not driver:
+        pytest.skip("no chromium/chromedriver on PATH (apt-get install chromium "
+                    "chromium-driver; .ci/run does)")
+    return browser, driver
+
+
+@pytest.fixture
+def browser():
+    path, driver_path = _browser_paths()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = path
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,900"):
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+class Swarm:
+    """Market + dashboard + fake backbone + fake workers on a background event loop."""
+
+    def __init__(self, url: str, db: Path) -> None:
+        self.url, self.db = url, db
+        self.loop = LoopThread("dashboard-test")
+        self.workers: dict[str, FakeWorker] = {}
+
+    def start(self) -> Swarm:
+        async def go():
+            self.nc = await connect(self.url, name="market")
+            cfg = MarketConfig(db_path=str(self.db), expiry_s=EXPIRY, range_experts=RANGE,
+                               demand_interval_s=0.5, manifest_retry_s=0.05,
+                               manifest_retry_max_s=0.2)
+            self.market = await Market(self.nc, cfg).start()
+            self.backbone = await FakeBackbone(
+                self.url, make_manifest(n_layer=N_LAYER, n_expert=N_EXPERT)).start()
+            self.dashboard = await Dashboard(
+                self.market, DashboardConfig(port=0, interval_s=0.1)).start()
+            # Layer 1 is hot, so it wants more replicas; a quarter of calls fell back.
+            await self.backbone.routing(
+                [(layer, e, 40 if layer == 1 else 10) for layer in range(N_LAYER)
+                 for e in range(N_EXPERT)], fallback_rate=0.25)
+        self.loop.run(go(), timeout=20)
+        return self
+
+    def worker(self, name: str) -> FakeWorker:
+        w = FakeWorker(self.url, FP, name, ONE_RANGE)
+        self.loop.run(w.start(), timeout=20)
+        self.workers[name] = w
+        return w
+
+    def kill(self, name: str) -> None:
+        self.loop.run(self.workers.pop(name).kill(), timeout=20)
+
+    def stop(self) -> None:
+        async def go():
+            for w in self.workers.values():
+                await w.kill()
+            await self.dashboard.stop()
+            await self.backbone.stop()
+            await self.market.stop()
+            await self.nc.close()
+        try:
+            self.loop.run(go(), timeout=20)
+        finally:
+            self.loop.stop()
+
+
+@pytest.fixture
+def swarm(nats_server, tmp_path):
+    s = Swarm(nats_server.url, tmp_path / "market.db").start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def heatmap(driver) -> dict[tuple[int, int], int]:
+    """(layer, expert) -> replicas, as the page shows them."""
+    cells = driver.execute_script(
+        "return [...document.querySelectorAll('.heatmap .cell')]"
+        ".map(c => [+c.dataset.layer, +c.dataset.expert, c.dataset.replicas])")
+    return {(l, e): int(r) for l, e, r in cells if r is not None}
+
+
+def expected(workers) -> dict[tuple[int, int], int]:
+    want = {(l, e): 0 for l in range(N_LAYER) for e in range(N_EXPERT)}
+    for w in workers:
+        for h in w.holdings:
+            for e in range(h.lo, h.hi):
+                want[(h.layer, e)] += 1
+    return want
+
+
+def wait_until(driver, predicate, what: str, timeout: float = 15.0):
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: predicate(d))
+    except TimeoutException:
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}") from None
+
+
+def save_screenshot(driver, tmp_path: Path) -> Path:
+    shot = tmp_path / "dashboard.png"
+    assert driver.save_screenshot(str(shot)), "chromium did not write the screenshot"
+    assert shot.stat().st_size > 10_000
+    if os.environ.get("KVASIR_ARTIFACTS"):
+        out = Path(os.environ["KVASIR_ARTIFACTS"])
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, out / shot.name)
+    print(f"dashboard screenshot: {shot}")
+    return shot
+
+
+def test_heatmap_shows_the_swarms_coverage_and_the_hole_a_killed_worker_leaves(
+        browser, swarm, tmp_path):
+    for name in ("phone-1", "laptop-2", "gpu-3", "pi-4", "phone-5"):
+        swarm.worker(name)
+    workers = list(swarm.workers.values())
+    # Each took a distinct range, scarcest first: a range of 8 experts each.
+    assert len({w.holdings for w in workers}) == len(workers)
+
+    browser.get(swarm.dashboard.url + "/")
+    assert browser.title == "kvasir market"
+    want = expected(workers)
+    wait_until(browser, lambda d: heatmap(d) == want, "the heatmap to show every worker's range")
+    shown = heatmap(browser)
+    assert sum(shown.values()) == len(workers) * RANGE
+    assert len(shown) == N_LAYER * N_EXPERT
+
+    rows = browser.execute_script(
+        "return [...document.querySelectorAll('table.workers tbody tr')]"
+        ".map(r => [...r.cells].map(c => c.textContent))")
+    assert sorted(r[0] for r in rows) == sorted(swarm.workers)
+    assert all(r[1] == "fake" and r[2] == "0.1.0" for r in rows)
+    wait_until(browser, lambda d: d.execute_script(
+        "return document.querySelector('.fallback-now').textContent") == "now 25.0%",
+        "the fallback rate label")
+    # The page got its data live from the event stream, and /api/state says the same.
+    assert browser.find_element("id", "conn").get_attribute("data-state") == "live"
+    with urllib.request.urlopen(swarm.dashboard.url + "/api/state", timeout=5) as resp:
+        state = json.load(resp)
+    assert state["models"][0]["model"] == FP
+
+    victim = swarm.workers["gpu-3"]
+    gone = {(h.layer, e) for h in victim.holdings for e in range(h.lo, h.hi)}
+    swarm.kill("gpu-3")
+    want = expected(swarm.workers.values())
+    wait_until(browser, lambda d: heatmap(d) == want,
+               "the killed worker's range to turn into a hole")
+    shown = heatmap(browser)
+    assert all(shown[c] == 0 for c in gone)
+    assert sum(shown.values()) == (len(workers) - 1) * RANGE
+    rows = browser.execute_script(
+        "return [...document.querySelectorAll('table.workers tbody tr')]"
+        ".map(r => r.cells[0].textContent)")
+    assert "gpu-3" not in rows
+    save_screenshot(browser, tmp_path)
