@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error already printed on one line
         return int(exc.code or 0)
     try:
+        if hasattr(args, "creds"):  # a command that connects: --creds/--tls-* for it and its children
+            from kvasir_bus.connect import ConnectOptions
+
+            ConnectOptions.from_args(args).install()
         return int(args.func(args) or 0)
     except KvasirError as exc:
         print(f"kvasir {args.command}: error: {exc}", file=sys.stderr)

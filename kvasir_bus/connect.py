@@ -29,15 +29,15 @@ import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import nats
-import nats.errors
 import structlog
-from nats.aio.client import Client
 
 from kvasir_bus.errors import DependencyError, KvasirError, UsageError
+
+if TYPE_CHECKING:  # nats is imported when connecting: `kvasir --help` stays fast
+    from nats.aio.client import Client
 
 ENV_URL = "NATS_URL"
 ENV_CREDS = "NATS_CREDS"
@@ -236,6 +236,9 @@ async def connect(url: str | None = None, name: str = "kvasir", *,
     your own callbacks). The first connection is retried until ``connect_deadline`` seconds
     have passed, which covers a server started alongside.
     """
+    import nats
+    import nats.errors
+
     servers = resolve_url(url).split(",")
     identity = (options if options is not None else ConnectOptions.from_env()).nats_kwargs()
     if servers[0].startswith(("ws://", "wss://")):

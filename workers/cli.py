@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvasir_bus.connect import add_connection_flags
 from kvasir_bus.errors import UsageError
 
 
@@ -87,6 +88,7 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nats", metavar="URL", default=None,
                    help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
+    add_connection_flags(p)
     p.add_argument("--slice", metavar="SLICE.gguf", help="the mini-GGUF to serve (from kvasir slice)")
     p.add_argument("--model", metavar="FILE", help="a whole GGUF to slice at start (with --layer/--experts)")
     p.add_argument("--layer", action="append", default=[], metavar="L",
