@@ -305,3 +305,37 @@ async def _quiet_close(nc: Client) -> None:
         await asyncio.wait_for(nc.close(), timeout=1.0)
     except Exception:  # a half-open client: nothing more to release
         pass
+
+
+async def connect_or_stop(stop: asyncio.Event, url: str | None = None, name: str = "kvasir",
+                          **kw: Any) -> Client | None:
+    """:func:`connect`, unless ``stop`` is set first (SIGTERM while the bus is unreachable):
+    then the attempt is abandoned and None returned, so a service can exit 0 at once."""
+    connecting = asyncio.ensure_future(connect(url, name, **kw))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if connecting.done():
+        return connecting.result()
+    connecting.cancel()
+    await asyncio.gather(connecting, return_exceptions=True)
+    return None
+
+
+async def shutdown(nc: Client, timeout: float = 5.0) -> None:
+    """Drain ``nc`` if it is connected, else just close it; never raises.
+
+    A service stopping while the bus is down must still exit cleanly: nats-py's ``drain()``
+    raises ``ConnectionReconnectingError`` then, and would wait for a server that is gone.
+    """
+    import nats.errors
+
+    try:
+        if nc.is_connected:
+            await asyncio.wait_for(nc.drain(), timeout=timeout)
+            return
+    except (asyncio.TimeoutError, nats.errors.Error, OSError):
+        pass
+    await _quiet_close(nc)

@@ -101,21 +101,23 @@ async def _serve(cfg, url) -> int:
     import asyncio
     import signal
 
-    from kvasir_bus.connect import connect
+    from kvasir_bus.connect import connect_or_stop, shutdown
     from market.service import Market
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await connect(url, name=f"kvasir-market-{cfg.node}")
+    nc = await connect_or_stop(stop, url, name=f"kvasir-market-{cfg.node}")
+    if nc is None:  # SIGTERM before the bus answered
+        return 0
     market = Market(nc, cfg)
     try:
         await market.start()
         await stop.wait()
     finally:
         await market.stop()
-        await nc.drain()
+        await shutdown(nc)
     return 0
 
 

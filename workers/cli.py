@@ -179,21 +179,23 @@ async def _serve(info, cfg, url) -> int:
     import asyncio
     import signal
 
-    from kvasir_bus.connect import connect
+    from kvasir_bus.connect import connect_or_stop, shutdown
     from workers.runtime import Worker
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await connect(url, name=f"kvasir-worker-{cfg.node}")
+    nc = await connect_or_stop(stop, url, name=f"kvasir-worker-{cfg.node}")
+    if nc is None:  # SIGTERM before the bus answered
+        return 0
     worker = Worker(info, cfg)
     try:
         await worker.start(nc)
         await stop.wait()
     finally:
         await worker.stop()
-        await nc.drain()
+        await shutdown(nc)
     return 0
 
 
