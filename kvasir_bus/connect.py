@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import ssl
 from dataclasses import dataclass
@@ -64,6 +65,46 @@ def inbox_prefix_for(public_key: str) -> str:
     under ``_INBOX.>``, so nobody reads another node's replies.
     """
     return f"_INBOX_{public_key}"
+
+
+#: First line of a credentials file that ``kvasir creds`` writes: ``# kvasir identity: NAME (ROLE)``.
+IDENTITY_HEADER = "# kvasir identity:"
+
+
+def identity_name(path: str | os.PathLike) -> str | None:
+    """The name of the identity in credentials file ``path``: the ``kvasir creds`` header's, or
+    the ``name`` claim of a JWT ``.creds`` file's user JWT; None if the file names none."""
+    import base64
+
+    try:
+        lines = Path(path).read_text(errors="replace").splitlines()
+    except OSError as exc:
+        raise UsageError(f"cannot read credentials file {path}: {exc.strerror or exc}") from None
+    for i, line in enumerate(lines):
+        if line.startswith(IDENTITY_HEADER):
+            name = line[len(IDENTITY_HEADER):].strip().split(" ")[0]
+            return name or None
+        if "BEGIN NATS USER JWT" in line and i + 1 < len(lines):
+            try:  # header.payload.signature, base64url without padding
+                payload = lines[i + 1].strip().split(".")[1]
+                claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+            except (IndexError, ValueError):
+                return None
+            return claims.get("name") or None
+    return None
+
+
+def node_for(node: str | None, options: ConnectOptions) -> str | None:
+    """A worker's node id: ``node``, else its identity's name (``--creds``), else None.
+
+    A ``node`` that differs from the identity's name is refused here, before connecting: the
+    server lets a worker heartbeat only as itself, so it would be connected and never heard.
+    """
+    named = identity_name(options.creds) if options.creds else None
+    if node is not None and named is not None and node != named:
+        raise UsageError(f"--node {node} does not match the identity in {options.creds} "
+                         f"({named}): leave out --node, or give the credentials of {node}")
+    return node or named
 
 
 def read_seed(path: str | os.PathLike) -> bytes:
@@ -166,8 +207,8 @@ class ConnectOptions:
                                  f"({exc or type(exc).__name__})") from None
             if _is_jwt_creds(self.creds):
                 kw["user_credentials"] = self.creds
-            else:
-                kw["nkeys_seed"] = self.creds
+            else:  # the seed line alone: the file may begin with a comment naming the identity
+                kw["nkeys_seed_str"] = read_seed(self.creds).decode()
             kw["inbox_prefix"] = inbox_prefix_for(public)
         return kw
 

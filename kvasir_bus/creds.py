@@ -7,8 +7,9 @@ calls :func:`init`, which writes::
     DIR/accounts.conf      every identity's public key and permissions (cluster members and
                            leafnode hubs include this same file)
     DIR/<identity>.creds   one user nkey seed per identity (mode 0600), the format ``nk -gen
-                           user`` writes and every NATS client reads (nats-py ``nkeys_seed=``,
-                           nats.go ``nats.NkeyOptionFromSeed``, ``nats --nkey``)
+                           user`` writes, after one comment line naming the identity
+                           (``# kvasir identity: w1 (worker)``): a worker's ``--node``
+                           defaults to that name (:func:`kvasir_bus.connect.identity_name`)
     DIR/deployment.json    what :func:`add_worker` needs to write the configs again
 
 Identities: ``backbone``, ``market``, ``observer`` (``kvasir tap`` / ``kvasir status``),
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvasir_bus import subjects
-from kvasir_bus.connect import inbox_prefix_for
+from kvasir_bus.connect import IDENTITY_HEADER, inbox_prefix_for
 from kvasir_bus.errors import UsageError
 
 ROLES = ("backbone", "market", "observer", "operator")  # fixed identities; the rest are workers
@@ -105,10 +106,10 @@ def new_seed() -> tuple[bytes, str]:
     return seed, nkeys.from_seed(bytearray(seed)).public_key.decode()
 
 
-def _write_secret(path: Path, data: bytes) -> None:
+def _write_secret(path: Path, data: bytes, header: str = "") -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(data + b"\n")
+        f.write(header.encode() + data + b"\n")
 
 
 def _check_hostport(value: str, flag: str) -> str:
@@ -221,7 +222,7 @@ def load(directory: str | os.PathLike) -> Deployment:
 
 def _new_identity(directory: Path, name: str, role: str) -> Identity:
     seed, public = new_seed()
-    _write_secret(directory / f"{name}.creds", seed)
+    _write_secret(directory / f"{name}.creds", seed, f"{IDENTITY_HEADER} {name} ({role})\n")
     return Identity(name, role, public)
 
 

@@ -96,7 +96,8 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", action="append", default=[], metavar="A-B",
                    help="with --model: inclusive expert range, or 'all' (repeatable)")
     p.add_argument("--node", metavar="NAME", default=None,
-                   help="node id on the bus, letters/digits/-/_ (default: HOSTNAME-PID)")
+                   help="node id on the bus, letters/digits/-/_ (default: the name of the --creds "
+                   "identity, else HOSTNAME-PID)")
     p.add_argument("--heartbeat", type=float, default=2.0, metavar="S",
                    help="seconds between coverage heartbeats (default 2)")
     p.add_argument("--queue-group", metavar="NAME", default=None,
@@ -125,6 +126,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
     import tempfile
 
+    from kvasir_bus.connect import ConnectOptions, node_for
     from kvasir_bus.logs import configure
     from kvasir_bus.subjects import check_node
     from workers.runtime import WorkerConfig, default_node_id
@@ -145,7 +147,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                         ("--max-request-bytes", args.max_request_bytes)):
         if not value > 0:
             raise UsageError(f"{name} must be positive, got {value}")
-    node = args.node or default_node_id()
+    node = node_for(args.node, ConnectOptions.from_args(args)) or default_node_id()
     try:
         check_node(node)
     except ValueError as exc:
