@@ -100,13 +100,29 @@ def cmd_serve(args) -> int:
 
     configure("info")
     engine = Engine(args.model)
-    with BackboneService(engine, args.nats, serve_weights=args.serve_weights, tokens=_tokens(args),
-                         advertise_host=args.advertise_host) as backbone:
-        print(f"backbone serving model {backbone.remote.model} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
-              f"{engine.cfg.n_expert} experts)" + (f"; weights at {backbone.weights_url}" if backbone.weights_url else ""),
-              flush=True)
-        _wait_for_interrupt([])
+    # Until serving, SIGTERM/SIGINT abandon the start (connecting to an unreachable bus, say)
+    # and exit 0; once serving, _wait_for_interrupt turns them into a drained stop.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_stopped)
+    try:
+        log.info("backbone_connecting", nats=args.nats)
+        with BackboneService(engine, args.nats, serve_weights=args.serve_weights, tokens=_tokens(args),
+                             advertise_host=args.advertise_host) as backbone:
+            print(f"backbone serving model {backbone.remote.model} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
+                  f"{engine.cfg.n_expert} experts)" + (f"; weights at {backbone.weights_url}" if backbone.weights_url else ""),
+                  flush=True)
+            _wait_for_interrupt([])
+    except _Stopped:
+        pass
     return 0
+
+
+class _Stopped(Exception):
+    """Raised by the signal handler while ``kvasir serve`` is starting."""
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise _Stopped(signal.Signals(signum).name)
 
 
 def cmd_up(args) -> int:

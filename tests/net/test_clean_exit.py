@@ -87,3 +87,34 @@ def test_a_market_exits_0_on_sigterm_after_the_bus_went_away(tmp_path):
         if proc.poll() is None:
             proc.kill()
         server.stop()
+
+
+def _serve(model, url, log_path):
+    return subprocess.Popen([sys.executable, "-m", "kvasir_bus.cli", "serve", "--model", str(model),
+                             "--nats", url], stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+
+
+def test_kvasir_serve_exits_0_on_sigterm_after_the_bus_went_away(model, tmp_path):
+    server = EmbeddedNats().start()
+    log_path = tmp_path / "serve.log"
+    proc = _serve(model, server.url, log_path)
+    try:
+        _wait_for_text(log_path, "backbone serving model", proc)
+        server.stop()
+        _wait_for_text(log_path, "reconnecting", proc)
+        _term(proc, log_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop()
+
+
+def test_kvasir_serve_exits_0_on_sigterm_while_the_bus_is_unreachable(model, tmp_path):
+    log_path = tmp_path / "serve.log"
+    proc = _serve(model, "nats://127.0.0.1:1", log_path)
+    try:
+        _wait_for_text(log_path, "backbone_connecting", proc)
+        _term(proc, log_path)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
