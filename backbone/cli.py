@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from kvasir_bus.connect import add_connection_flags
+
 DEFAULT_VERIFY_PROMPT = (
     "The swarm splits a mixture-of-experts model into single experts, so that a phone can carry "
     "a real share of a frontier model while the backbone keeps every expert as its fallback."
@@ -51,6 +53,7 @@ def add_bus_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nats", metavar="URL", default=None,
                    help="dispatch experts to the workers on this NATS bus (default: all local; "
                    "NATS_URL is not read here so that a plain run stays local)")
+    add_connection_flags(p)
     p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
                    help="per-expert reply timeout (default: adaptive from observed latency)")
     p.add_argument("--wire-dtype", choices=("float32", "float16"), default="float32",

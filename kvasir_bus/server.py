@@ -17,6 +17,17 @@ Usage::
 
     EmbeddedNats(websocket_port=0)          # also a plain-text WebSocket listener (M2 tests)
     EmbeddedNats(config="deploy/nats.conf", port=0, http_port=0)   # a real config, ports freed
+    EmbeddedNats(config="deploy/nats.conf", port=0, websocket_port=0)  # ... its WebSocket too
+    EmbeddedNats(config="deploy/cluster/bus-b.conf", port=0, cluster="127.0.0.1:0",
+                 routes=[a.route_url])                             # a cluster member on loopback
+
+A config's ``websocket {}`` block has no command-line flag. To move it (tests; ``kvasir nats
+--websocket``) the server runs a small wrapper config in its temp dir that includes the real
+one and then states a plain ``websocket {}`` block, which replaces the included one whole
+(nats-server does not merge blocks). nats-server joins an ``include`` path to the including
+file's directory lexically, so the wrapper reaches the real file through a link to ``/``
+(``./root/<absolute path>``): the real config's own relative includes (``../nats.conf``) then
+resolve as they do from its own directory.
 """
 
 from __future__ import annotations
@@ -120,6 +131,14 @@ class EmbeddedNats:
             (no TLS, no compression) on this port; 0 = free port; None = no WebSocket.
         http_port: monitoring port (``/varz``...); 0 = free port; None = as the config says
             (off without one).
+        cluster: ``HOST:PORT`` of the route listener (``--cluster``), port 0 = free port;
+            None = as the config says (no cluster without one).
+        routes: route URLs of other members (``--routes``), replacing the config's list.
+        server_name: the server's name (``-n``), shown in cluster reports.
+        leafnode_port: accept leafnode edges on this port (0 = free port), replacing the
+            config's ``leafnodes {}`` block like ``websocket_port`` does; None = as configured.
+            (nats-server leaves this port out of its ports file; edges in the tests dial the
+            WebSocket listener, as they do in production.)
         max_payload: largest message, in bytes, for a generated config.
         inherit_output: let the server log to this process' stdout/stderr (``kvasir nats``);
             otherwise its output goes to a file, whose tail is shown if start fails.
@@ -129,15 +148,19 @@ class EmbeddedNats:
                  config: str | os.PathLike | None = None, websocket_port: int | None = None,
                  http_port: int | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  binary: str | None = None, ready_timeout: float = 10.0,
-                 stop_timeout: float = 5.0, inherit_output: bool = False) -> None:
+                 stop_timeout: float = 5.0, inherit_output: bool = False,
+                 cluster: str | None = None, routes: tuple[str, ...] | list[str] = (),
+                 server_name: str | None = None, leafnode_port: int | None = None,
+                 websocket_host: str | None = None) -> None:
         for name, value in (("port", port), ("websocket_port", websocket_port),
-                            ("http_port", http_port)):
+                            ("http_port", http_port), ("leafnode_port", leafnode_port)):
             if value is not None and not 0 <= value <= 65535:
                 raise UsageError(f"{name} {value} is out of range (0..65535; 0 = any free port)")
+        if cluster is not None:
+            host, sep, cport = cluster.rpartition(":")
+            if not sep or not cport.isdigit() or not 0 <= int(cport) <= 65535:
+                raise UsageError(f"cluster {cluster!r}: expected HOST:PORT (port 0: any free port)")
         if config is not None:
-            if websocket_port is not None:
-                raise UsageError("websocket_port applies to a generated config only: put a "
-                                 "websocket {} block in your config file instead")
             config = Path(config)
             if not config.is_file():
                 raise UsageError(f"nats-server config {config} does not exist")
@@ -153,11 +176,17 @@ class EmbeddedNats:
         self.ready_timeout = ready_timeout
         self.stop_timeout = stop_timeout
         self.inherit_output = inherit_output
+        self.cluster = cluster
+        self.routes = tuple(routes)
+        self.server_name = server_name
+        self.leafnode_requested = leafnode_port
+        self.websocket_host = websocket_host
 
         self.state = State.NEW
         self.port: int | None = None
         self.websocket_port: int | None = None
         self.http_port: int | None = None
+        self.cluster_port: int | None = None
         self.client_urls: list[str] = []
         self._proc: subprocess.Popen | None = None
         self._tmpdir: str | None = None
@@ -173,8 +202,20 @@ class EmbeddedNats:
         binary = self.binary or find_binary()
         self._tmpdir = tempfile.mkdtemp(prefix="kvasir-nats-")
         tmp = Path(self._tmpdir)
-        config = self.config if self.config is not None else self._write_config(tmp)
+        if self.config is None:
+            config = self._write_config(tmp)
+        elif self.websocket_requested is not None or self.leafnode_requested is not None:
+            config = self._wrap_config(tmp, self.config)
+        else:
+            config = self.config
         args = [binary, "-c", str(config), "--ports_file_dir", str(tmp)]
+        if self.server_name is not None:
+            args += ["-n", self.server_name]
+        if self.cluster is not None:
+            chost, _, cport = self.cluster.rpartition(":")
+            args += ["--cluster", f"nats://{chost}:{int(cport) or -1}"]
+        if self.routes:
+            args += ["--routes", ",".join(self.routes)]
         if self.requested_port is not None:
             args += ["-p", str(self.requested_port or -1)]
         if self.host is not None:
@@ -255,7 +296,17 @@ class EmbeddedNats:
     @property
     def websocket_url(self) -> str:
         """``ws://HOST:PORT`` of the WebSocket listener."""
-        return f"ws://{self._local_host()}:{self._need(self.websocket_port, 'websocket')}"
+        host = self.websocket_host
+        host = self._local_host() if not host or host in _WILDCARD_HOSTS else \
+            (f"[{host}]" if ":" in host else host)
+        return f"ws://{host}:{self._need(self.websocket_port, 'websocket')}"
+
+    @property
+    def route_url(self) -> str:
+        """``nats-route://HOST:PORT`` of the cluster listener, for other members' ``routes``."""
+        host = self.cluster.rpartition(":")[0] if self.cluster else None
+        host = "127.0.0.1" if not host or host in _WILDCARD_HOSTS else host
+        return f"nats-route://{host}:{self._need(self.cluster_port, 'cluster')}"
 
     @property
     def http_url(self) -> str:
@@ -279,12 +330,37 @@ class EmbeddedNats:
     def _write_config(self, tmp: Path) -> Path:
         lines = ["# generated by kvasir_bus.server.EmbeddedNats",
                  f"max_payload: {self.max_payload}"]
+        if self.leafnode_requested is not None:
+            lines += self._leafnode_block()
         if self.websocket_requested is not None:
-            ws_host = self.host if self.host is not None else "0.0.0.0"
-            lines += ["websocket {", f"  host: \"{ws_host}\"",
-                      f"  port: {self.websocket_requested or -1}",
-                      "  no_tls: true", "  compression: false", "}"]
+            lines += self._websocket_block()
         path = tmp / "nats.conf"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def _listener_host(self) -> str:
+        return self.host if self.host is not None else "0.0.0.0"
+
+    def _leafnode_block(self) -> list[str]:
+        return ["leafnodes {", f"  host: \"{self._listener_host()}\"",
+                f"  port: {self.leafnode_requested or -1}", "}"]
+
+    def _websocket_block(self) -> list[str]:
+        ws_host = self.websocket_host or self._listener_host()
+        return ["websocket {", f"  host: \"{ws_host}\"", f"  port: {self.websocket_requested or -1}",
+                "  no_tls: true", "  compression: false", "}"]
+
+    def _wrap_config(self, tmp: Path, config: Path) -> Path:
+        """A config that includes ``config`` and replaces its WebSocket and/or leafnode
+        listener (see above)."""
+        (tmp / "root").symlink_to("/", target_is_directory=True)
+        lines = ["# generated by kvasir_bus.server.EmbeddedNats: the config, listeners moved",
+                 f"include {json.dumps('./root' + config.resolve().as_posix())}"]
+        if self.websocket_requested is not None:
+            lines += self._websocket_block()
+        if self.leafnode_requested is not None:
+            lines += self._leafnode_block()
+        path = tmp / "wrapper.conf"
         path.write_text("\n".join(lines) + "\n")
         return path
 
@@ -324,6 +400,7 @@ class EmbeddedNats:
         self.port = first_port("nats")
         self.websocket_port = first_port("websocket")
         self.http_port = first_port("monitoring")
+        self.cluster_port = first_port("cluster")
         if self.port is None:
             raise KvasirError(f"nats-server reported no client port: {ports}")
 

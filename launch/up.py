@@ -30,6 +30,7 @@ from backbone.service import BackboneConfig, BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
 from launch.swarm import WorkerProcess, spawn_worker, split_experts, wait_for_nodes
+from kvasir_bus.connect import ConnectOptions, add_connection_flags
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.fingerprint import model_fingerprint
 
@@ -48,6 +49,10 @@ def register(sub) -> None:
                    help="worker processes splitting the experts (default 2; 0: none, only volunteers)")
     p.add_argument("--nats", metavar="URL", default=None,
                    help="use this NATS server instead of starting one (default: embedded, or $NATS_URL)")
+    add_connection_flags(p)
+    p.add_argument("--secure", nargs="?", const="", default=None, metavar="DIR",
+                   help="embedded server only: one identity per node (kvasir creds) in DIR (default: a "
+                   "temporary one), anonymous connections refused, each role only its own rights")
     p.add_argument("--prompt", metavar="TEXT", default=None, help="generate from this prompt, then exit")
     p.add_argument("-n", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument("--check", action="store_true",
@@ -69,6 +74,7 @@ def register(sub) -> None:
     p.add_argument("--model", required=True, metavar="FILE", help="the GGUF model")
     p.add_argument("--nats", metavar="URL", default=None,
                    help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
+    add_connection_flags(p)
     add_weights_flags(p)
     add_http_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -93,12 +99,28 @@ def cmd_serve(args) -> int:
     configure("info")
     cfg = BackboneConfig.from_args(args)
     engine = Engine(cfg.model_path)
-    with BackboneService(engine, cfg) as backbone:
-        print(f"backbone serving model {backbone.model} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
-              f"{engine.cfg.n_expert} experts)" + (f"; weights at {backbone.weights_url}" if backbone.weights_url else ""),
-              flush=True)
-        _wait_for_interrupt([])
+    # Until serving, SIGTERM/SIGINT abandon the start (connecting to an unreachable bus, say)
+    # and exit 0; once serving, _wait_for_interrupt turns them into a drained stop.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _raise_stopped)
+    try:
+        log.info("backbone_connecting", nats=cfg.nats_url)
+        with BackboneService(engine, cfg) as backbone:
+            print(f"backbone serving model {backbone.model} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
+                  f"{engine.cfg.n_expert} experts)" + (f"; weights at {backbone.weights_url}" if backbone.weights_url else ""),
+                  flush=True)
+            _wait_for_interrupt([])
+    except _Stopped:
+        pass
     return 0
+
+
+class _Stopped(Exception):
+    """Raised by the signal handler while ``kvasir serve`` is starting."""
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise _Stopped(signal.Signals(signum).name)
 
 
 def cmd_up(args) -> int:
@@ -126,11 +148,20 @@ def cmd_up(args) -> int:
 
     with ExitStack() as stack:
         url = args.nats or os.environ.get("NATS_URL")
-        if not url:
+        logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvasir-up-")))
+        creds = None  # role -> credentials file, with --secure
+        if args.secure is not None:
+            if url:
+                raise UsageError("--secure starts its own server: leave out --nats and $NATS_URL "
+                                 "(for a server of your own, give each command --creds)")
+            creds = _secure_deployment(Path(args.secure or logdir / "creds"), len(ranges))
+            server = stack.enter_context(EmbeddedNats(config=creds["nats.conf"], port=None, host=None))
+            url = server.url
+            ConnectOptions(creds=creds["backbone"]).install()  # this process is the backbone
+        elif not url:
             server = stack.enter_context(EmbeddedNats())
             url = server.url
         cfg = replace(cfg, nats_url=url)
-        logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvasir-up-")))
         workers: list[WorkerProcess] = []
         stack.callback(lambda: [w.stop() for w in workers])
         t0 = time.perf_counter()
@@ -138,13 +169,14 @@ def cmd_up(args) -> int:
         if not args.no_market:
             db = args.db or str(logdir / "market.db")
             logf = stack.enter_context(open(logdir / "market.log", "w"))
-            market = _spawn_market(url, fp, db, logf)
+            market = _spawn_market(url, fp, db, logf, ["--creds", creds["market"]] if creds else [])
             stack.callback(market.stop)
         backbone = stack.enter_context(BackboneService(engine, cfg))
         for i, (lo, hi) in enumerate(ranges):
             logf = stack.enter_context(open(logdir / f"worker-{i}.log", "w"))
             workers.append(spawn_worker(url, f"worker-{i}", ["--model", args.model, "--layer", "all",
-                                                            "--experts", f"{lo}-{hi}"], log_file=logf))
+                                                            "--experts", f"{lo}-{hi}"], log_file=logf,
+                                        extra=["--creds", creds[f"worker-{i}"]] if creds else []))
         try:
             if workers:
                 asyncio.run(wait_for_nodes(url, fp, {w.node for w in workers}, procs=workers, timeout=300))
@@ -229,11 +261,21 @@ class _MarketProcess:
                 self.proc.kill()
 
 
-def _spawn_market(url: str, model: str, db: str, log_file) -> _MarketProcess:
+def _secure_deployment(directory: Path, n_workers: int) -> dict[str, str]:
+    """``kvasir creds init`` for a local swarm (any free port); role/worker name -> file."""
+    from kvasir_bus import creds
+
+    dep = creds.init(directory, "127.0.0.1:0", [f"worker-{i}" for i in range(n_workers)])
+    files = {i.name: str(directory / f"{i.name}.creds") for i in dep.identities}
+    files["nats.conf"] = str(directory / "nats.conf")
+    return files
+
+
+def _spawn_market(url: str, model: str, db: str, log_file, extra: list[str] = ()) -> _MarketProcess:
     import subprocess
 
     cmd = [sys.executable, "-m", "kvasir_bus.cli", "market", "--nats", url, "--db", db, "--model", model,
-           "--expiry", "5", "--demand-interval", "2"]
+           "--expiry", "5", "--demand-interval", "2", *extra]
     return _MarketProcess(subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log_file,
                                            stderr=subprocess.STDOUT))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvasir_bus.connect import add_connection_flags
 from kvasir_bus.errors import KvasirError, UsageError
 from market import DEFAULT_DB
 
@@ -48,6 +49,7 @@ def _add_market(subparsers: argparse._SubParsersAction) -> None:
         "stops it; a restart keeps the ledger and rebuilds coverage within one expiry.",
         epilog="example: kvasir market --nats nats://host:4222 --db /var/lib/kvasir/market.db")
     p.add_argument("--nats", metavar="URL", default=None, help=_NATS_HELP)
+    add_connection_flags(p)
     p.add_argument("--db", metavar="FILE", default=DEFAULT_DB,
                    help=f"ledger database, created if missing (default: {DEFAULT_DB})")
     p.add_argument("--expiry", type=float, default=10.0, metavar="S",
@@ -107,14 +109,16 @@ async def _serve(cfg, url, http=None) -> int:
     import asyncio
     import signal
 
-    from kvasir_bus.connect import connect
+    from kvasir_bus.connect import connect_or_stop, shutdown
     from market.service import Market
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await connect(url, name=f"kvasir-market-{cfg.node}")
+    nc = await connect_or_stop(stop, url, name=f"kvasir-market-{cfg.node}")
+    if nc is None:  # SIGTERM before the bus answered
+        return 0
     market = Market(nc, cfg)
     dashboard = None
     try:
@@ -129,7 +133,7 @@ async def _serve(cfg, url, http=None) -> int:
         if dashboard is not None:
             await dashboard.stop()
         await market.stop()
-        await nc.drain()
+        await shutdown(nc)
     return 0
 
 
@@ -186,6 +190,7 @@ def _add_status(subparsers: argparse._SubParsersAction) -> None:
         "(layers x expert ranges, replicas per cell), demand, each worker with its holdings, "
         "budget, load and last heartbeat, rewards, and the backbone's fallback rate.")
     p.add_argument("--nats", metavar="URL", default=None, help=_NATS_HELP)
+    add_connection_flags(p)
     p.add_argument("--model", metavar="FP", default=None,
                    help="only this model (default: every model the market knows)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -219,6 +224,7 @@ def _add_rewards(subparsers: argparse._SubParsersAction) -> None:
                        help=f"the market's ledger file (default: {DEFAULT_DB})")
     where.add_argument("--nats", metavar="URL", default=None,
                        help="ask the running market on this bus instead")
+    add_connection_flags(p)
     p.add_argument("--model", metavar="FP", default=None, help="only this model")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.add_argument("--timeout", type=float, default=3.0, metavar="S",
@@ -266,6 +272,7 @@ def _add_tap(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("subject", nargs="?", default="kvasir.>", metavar="SUBJECT",
                    help="subject or wildcard to watch (default: kvasir.>)")
     p.add_argument("--nats", metavar="URL", default=None, help=_NATS_HELP)
+    add_connection_flags(p)
     p.add_argument("--count", type=int, default=None, metavar="N",
                    help="stop after N messages")
     p.add_argument("--duration", type=float, default=None, metavar="S",

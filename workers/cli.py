@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvasir_bus.connect import add_connection_flags
 from kvasir_bus.errors import UsageError
 
 
@@ -87,6 +88,7 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nats", metavar="URL", default=None,
                    help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
+    add_connection_flags(p)
     p.add_argument("--slice", metavar="SLICE.gguf", help="the mini-GGUF to serve (from kvasir slice)")
     p.add_argument("--model", metavar="FILE", help="a whole GGUF to slice at start (with --layer/--experts)")
     p.add_argument("--layer", action="append", default=[], metavar="L",
@@ -94,7 +96,8 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--experts", action="append", default=[], metavar="A-B",
                    help="with --model: inclusive expert range, or 'all' (repeatable)")
     p.add_argument("--node", metavar="NAME", default=None,
-                   help="node id on the bus, letters/digits/-/_ (default: HOSTNAME-PID)")
+                   help="node id on the bus, letters/digits/-/_ (default: the name of the --creds "
+                   "identity, else HOSTNAME-PID)")
     p.add_argument("--heartbeat", type=float, default=2.0, metavar="S",
                    help="seconds between coverage heartbeats (default 2)")
     p.add_argument("--queue-group", metavar="NAME", default=None,
@@ -123,6 +126,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     import asyncio
     import tempfile
 
+    from kvasir_bus.connect import ConnectOptions, node_for
     from kvasir_bus.logs import configure
     from kvasir_bus.subjects import check_node
     from workers.runtime import WorkerConfig, default_node_id
@@ -143,7 +147,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                         ("--max-request-bytes", args.max_request_bytes)):
         if not value > 0:
             raise UsageError(f"{name} must be positive, got {value}")
-    node = args.node or default_node_id()
+    node = node_for(args.node, ConnectOptions.from_args(args)) or default_node_id()
     try:
         check_node(node)
     except ValueError as exc:
@@ -177,21 +181,23 @@ async def _serve(info, cfg, url) -> int:
     import asyncio
     import signal
 
-    from kvasir_bus.connect import connect
+    from kvasir_bus.connect import connect_or_stop, shutdown
     from workers.runtime import Worker
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await connect(url, name=f"kvasir-worker-{cfg.node}")
+    nc = await connect_or_stop(stop, url, name=f"kvasir-worker-{cfg.node}")
+    if nc is None:  # SIGTERM before the bus answered
+        return 0
     worker = Worker(info, cfg)
     try:
         await worker.start(nc)
         await stop.wait()
     finally:
         await worker.stop()
-        await nc.drain()
+        await shutdown(nc)
     return 0
 
 

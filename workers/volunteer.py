@@ -219,10 +219,14 @@ def _no_fit(model: str, budget: int, smallest: int, why: str = "") -> str:
 
 
 async def volunteer_and_serve(cfg: VolunteerConfig, worker_cfg, url: str | None) -> int:
-    """``kvasir worker --budget --source``: volunteer, then serve the slice until a signal."""
+    """``kvasir worker --budget --source``: volunteer, then serve the slice until a signal.
+
+    SIGTERM/SIGINT at any point ends it with 0: while connecting (bus unreachable), while
+    volunteering (a download stops at its next chunk and resumes next time), while serving.
+    """
     import signal
 
-    from kvasir_bus.connect import connect
+    from kvasir_bus.connect import connect_or_stop, shutdown
     from workers.runtime import Worker
 
     stop = asyncio.Event()
@@ -235,14 +239,24 @@ async def volunteer_and_serve(cfg: VolunteerConfig, worker_cfg, url: str | None)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    nc = await connect(url, name=f"kvasir-worker-{worker_cfg.node}")
+    nc = await connect_or_stop(stop, url, name=f"kvasir-worker-{worker_cfg.node}")
+    if nc is None:  # stopped before the bus answered
+        return 0
     progress = TerminalProgress(sys.stderr) if sys.stderr.isatty() else None
     try:
+        enrolling = asyncio.ensure_future(volunteer(nc, cfg, progress=progress, cancel=cancel))
+        stopping = asyncio.ensure_future(stop.wait())
         try:
-            got = await volunteer(nc, cfg, progress=progress, cancel=cancel)
+            await asyncio.wait({enrolling, stopping}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            stopping.cancel()
             if progress is not None:
                 progress.close()
+        if not enrolling.done():  # stopped while volunteering: nothing to serve yet
+            enrolling.cancel()
+            await asyncio.gather(enrolling, return_exceptions=True)
+            return 0
+        got = enrolling.result()
         worker = Worker(got.slice, replace(worker_cfg, budget_bytes=cfg.budget_bytes))
         try:
             await worker.start(nc)
@@ -250,5 +264,5 @@ async def volunteer_and_serve(cfg: VolunteerConfig, worker_cfg, url: str | None)
         finally:
             await worker.stop()
     finally:
-        await nc.drain()
+        await shutdown(nc)
     return 0

@@ -1,0 +1,71 @@
+"""``kvasir creds``: a deployment's identities (nkey seed files) and its nats-server config.
+
+    kvasir creds init DIR --listen 0.0.0.0:4222 [--websocket 0.0.0.0:443] --workers a1,a2
+    kvasir creds add-worker DIR NAME
+    nats-server -c DIR/nats.conf                 # or: kvasir nats --config DIR/nats.conf
+    kvasir worker --nats nats://host:4222 --creds DIR/a1.creds --node a1 ...
+
+See :mod:`kvasir_bus.creds` for what each identity may do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kvasir_bus.errors import UsageError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "creds", help="create a deployment's identities and its nats-server config",
+        description="One identity per node: an nkey seed file per backbone, market, observer, "
+        "operator and worker, and a nats-server config granting each only its own rights.")
+    sub = p.add_subparsers(dest="creds_command", metavar="ACTION", parser_class=type(p))
+    sub.required = True
+    init = sub.add_parser("init", help="create DIR with every identity and DIR/nats.conf",
+                          epilog="example: kvasir creds init /etc/kvasir --listen 0.0.0.0:4222 "
+                          "--websocket 127.0.0.1:8080 --workers phone1,lan2")
+    init.add_argument("dir", metavar="DIR", help="new (or empty) directory to create")
+    init.add_argument("--listen", metavar="HOST:PORT", required=True,
+                      help="client listener of the server, e.g. 0.0.0.0:4222")
+    init.add_argument("--websocket", metavar="HOST:PORT", default=None,
+                      help="also a WebSocket listener (the 443 path), e.g. 0.0.0.0:443")
+    init.add_argument("--ws-tls-cert", metavar="FILE", default=None,
+                      help="server certificate for wss:// on --websocket (else no_tls: "
+                      "behind a TLS-terminating proxy)")
+    init.add_argument("--ws-tls-key", metavar="FILE", default=None,
+                      help="private key of --ws-tls-cert")
+    init.add_argument("--workers", metavar="NAME,NAME", default="",
+                      help="worker identities (each worker's --node)")
+    init.set_defaults(func=cmd_init)
+    add = sub.add_parser("add-worker", help="add one worker identity to DIR",
+                         epilog="then: nats-server --signal reload  (or restart the server)")
+    add.add_argument("dir", metavar="DIR")
+    add.add_argument("name", metavar="NAME")
+    add.set_defaults(func=cmd_add_worker)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from kvasir_bus import creds
+
+    if (args.ws_tls_cert is None) != (args.ws_tls_key is None):
+        raise UsageError("--ws-tls-cert and --ws-tls-key go together")
+    tls = (args.ws_tls_cert, args.ws_tls_key) if args.ws_tls_cert else None
+    workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+    dep = creds.init(args.dir, args.listen, workers, websocket=args.websocket, websocket_tls=tls)
+    out = Path(args.dir)
+    for ident in dep.identities:
+        print(f"{ident.role:9s} {out / (ident.name + '.creds')}  {ident.public_key}")
+    print(f"server    nats-server -c {out / 'nats.conf'}", file=sys.stderr)
+    return 0
+
+
+def cmd_add_worker(args: argparse.Namespace) -> int:
+    from kvasir_bus import creds
+
+    ident = creds.add_worker(args.dir, args.name)
+    print(f"worker    {Path(args.dir) / (ident.name + '.creds')}  {ident.public_key}")
+    print("reload the server to admit it: nats-server --signal reload", file=sys.stderr)
+    return 0
