@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from kernels.backend import kernel_label
+
 #: Largest relative L2 error ``|reply - reference| / |reference|`` accepted from a worker whose
 #: kernel the backbone cannot rerun, per weight type of the expert. Measured worst case of numpy
 #: vs ggml (two kernels that sum in different orders) over the tiny and small presets, 1/3/16
@@ -120,14 +122,6 @@ def replies_agree(reply: np.ndarray, reference: np.ndarray, *, same_kernel: bool
 def tolerance(weight_type: int) -> float:
     """The cross-kernel bound for an expert whose weights are of ``weight_type``."""
     return CROSS_KERNEL_TOLERANCE.get(weight_type, QUANTIZED_TOLERANCE)
-
-
-def kernel_label(backend: str, machine: str | None = None) -> str:
-    """What a node announces as its kernel: the backend and the CPU architecture, because ggml's
-    dot products have one implementation per architecture (``ggml-x86_64``, ``numpy-aarch64``)."""
-    import platform
-
-    return f"{backend}-{machine or platform.machine() or 'unknown'}"
 
 
 def rerun_backend(announced: str, own_backend: str, *, machine: str | None = None) -> tuple[str, bool]:

@@ -244,6 +244,15 @@ def _select_default() -> Backend:
         return get_backend("numpy")
 
 
+def kernel_label(backend: str | None = None, machine: str | None = None) -> str:
+    """What a node announces as its kernel: the backend and the CPU architecture
+    (``ggml-x86_64``, ``numpy-aarch64``), because ggml's dot products have one implementation per
+    architecture and round differently: two nodes with the same label give identical bits."""
+    import platform
+
+    return f"{backend or backend_name()}-{machine or platform.machine() or 'unknown'}"
+
+
 def backend_name() -> str:
     """"ggml" or "numpy": the backend ``matmul`` and ``expert_ffn`` use in this process."""
     return get_backend().name

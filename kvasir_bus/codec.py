@@ -143,7 +143,9 @@ class DispatchRequest(Record):
 @record
 @dataclass(frozen=True, eq=False)
 class DispatchReply(Record):
-    """The expert's output for a request: ``rows`` is (n, n_embd) float32."""
+    """The expert's output for a request: ``rows`` is (n, n_embd) float32. ``kernel``: the label
+    of the kernel that computed it (``ggml-x86_64``; "" from workers older than the field), which
+    decides how the backbone audits it."""
 
     kind: ClassVar[str] = "r"
     what: ClassVar[str] = "dispatch reply"
@@ -151,26 +153,35 @@ class DispatchReply(Record):
     request_id: str
     node: str
     rows: np.ndarray
+    kernel: str = ""
 
     def __post_init__(self) -> None:
         r = self.what
         check_id(r, "request_id", self.request_id)
         check_node(r, "node", self.node)
         _rows(r, self.rows, REPLY_DTYPES)
+        if self.kernel:
+            check_label(r, "kernel", self.kernel)
 
     def body(self) -> dict[str, Any]:
-        return {"request_id": self.request_id, "node": self.node, **_array_fields(self.rows)}
+        body = {"request_id": self.request_id, "node": self.node, **_array_fields(self.rows)}
+        if self.kernel:
+            body["kernel"] = self.kernel
+        return body
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> DispatchReply:
         r = cls.what
         rows = _decode_rows(body, r, REPLY_DTYPES, limits)
         return cls(request_id=need(body, r, "request_id"), node=need(body, r, "node"),
-                   rows=rows)
+                   rows=rows, kernel=body.get("kernel", ""))
 
     def headers(self) -> dict[str, str]:
-        return {"Kvasir-Node": self.node, "Kvasir-Request": self.request_id,
-                "Kvasir-Rows": str(self.rows.shape[0]), "Kvasir-Dtype": self.rows.dtype.name}
+        headers = {"Kvasir-Node": self.node, "Kvasir-Request": self.request_id,
+                   "Kvasir-Rows": str(self.rows.shape[0]), "Kvasir-Dtype": self.rows.dtype.name}
+        if self.kernel:
+            headers["Kvasir-Kernel"] = self.kernel
+        return headers
 
 
 @record

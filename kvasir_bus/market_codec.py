@@ -649,6 +649,61 @@ class NodeTotals:
 
 @record
 @dataclass(frozen=True)
+class Quarantine(Record):
+    """The backbone caught ``node`` in a failed audit of its reply for (``layer``, ``expert``):
+    from now on its replies are ignored and it earns nothing. ``error``: the relative L2 error of
+    the reply against the backbone's own result (inf for a non-finite or misshaped reply);
+    ``exact``: whether identical bits were demanded; ``at``: Unix time (seconds)."""
+
+    kind: ClassVar[str] = "q"
+    what: ClassVar[str] = "quarantine"
+
+    model: str
+    node: str
+    layer: int
+    expert: int
+    kernel: str
+    exact: bool
+    error: float
+    at: float
+
+    def __post_init__(self) -> None:
+        r = self.what
+        s = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        s("model", check_model(r, self.model))
+        s("node", check_node(r, "node", self.node))
+        s("layer", check_index(r, "layer", self.layer))
+        s("expert", check_index(r, "expert", self.expert))
+        if self.kernel:
+            check_label(r, "kernel", self.kernel)
+        s("exact", check_bool(r, "exact", self.exact))
+        if not (isinstance(self.error, (int, float)) and not isinstance(self.error, bool)) or self.error != self.error \
+                or self.error < 0:
+            raise CodecError(f"{r}: field 'error' must be a number >= 0 or inf, got {self.error!r}", "error")
+        s("error", float(self.error))
+        s("at", check_float(r, "at", self.at))
+
+    def body(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in ("model", "node", "layer", "expert", "kernel", "exact",
+                                              "error", "at")}
+
+    @classmethod
+    def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> Quarantine:
+        return cls(**{f: need(body, cls.what, f) for f in ("model", "node", "layer", "expert", "kernel",
+                                                             "exact", "error", "at")})
+
+    def headers(self) -> dict[str, str]:
+        return {"Kvasir-Model": self.model, "Kvasir-Node": self.node, "Kvasir-Layer": str(self.layer),
+                "Kvasir-Expert": str(self.expert)}
+
+
+def decode_quarantine(data: bytes, *, max_bytes: int = 64 * 1024) -> Quarantine:
+    """Bytes -> :class:`Quarantine`."""
+    return decode(data, ("q",), Quarantine.what, max_bytes=max_bytes)
+
+
+@record
+@dataclass(frozen=True)
 class MarketStatus(Record):
     """The market's view of one model: its shape (0 while no manifest is known), the range
     size it cuts layers into, each worker, the demand map, ledger totals per node, and the

@@ -43,6 +43,7 @@ ALL_ROUTING = f"{PREFIX}.*.routing"
 ALL_LEDGER = f"{PREFIX}.*.ledger"
 ALL_VOLUNTEER = f"{PREFIX}.*.market.volunteer"
 ALL_STATUS = f"{PREFIX}.*.market.status"
+ALL_QUARANTINE = f"{PREFIX}.*.quarantine"
 
 #: Request/reply: the market's view of every model it knows (a MarketOverview).
 MARKET_OVERVIEW = f"{PREFIX}._market.status"
@@ -146,6 +147,10 @@ class Subjects:
     def ledger(self) -> str:
         """``kvasir.<model>.ledger``: contribution events (request/reply: batch in, ack out)."""
         return f"{self.root}.ledger"
+
+    def quarantine(self) -> str:
+        """``kvasir.<model>.quarantine``: the backbone caught a node lying in an audit (event)."""
+        return f"{self.root}.quarantine"
 
     def manifest(self) -> str:
         """``kvasir.<model>.manifest``: request/reply, the backbone answers with the Manifest."""

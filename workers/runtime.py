@@ -28,7 +28,7 @@ import structlog
 from kvasir_bus import __version__, codec
 from kvasir_bus.subjects import Subjects, parse_dispatch
 from kernels.expert import expert_ffn
-from kernels.backend import backend_name
+from kernels.backend import kernel_label
 from modelfile.slice_file import SliceInfo
 
 log = structlog.get_logger("kvasir.worker")
@@ -71,6 +71,7 @@ class Worker:
         self._tasks: set[asyncio.Task] = set()
         self._heartbeat: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(max_workers=cfg.compute_threads, thread_name_prefix="expert")
+        self._kernel = kernel_label()  # announced in heartbeats and replies: how audits compare
         self.log = log.bind(node=cfg.node, model=slice_info.fingerprint)
 
     @property
@@ -91,7 +92,7 @@ class Worker:
         await self._publish_heartbeat()
         self._heartbeat = asyncio.create_task(self._heartbeat_loop())
         self.log.info("worker_started", experts=self.slice.n_held, holdings=len(self.slice.holdings),
-                      kernel=backend_name(), subjects=len(self._subs))
+                      kernel=self._kernel, subjects=len(self._subs))
 
     async def stop(self) -> None:
         """Drain: stop taking requests, finish and answer the ones in flight, stop heartbeats."""
@@ -127,7 +128,7 @@ class Worker:
         return codec.Heartbeat(model=self.slice.fingerprint, node=self.cfg.node, holdings=self.slice.holdings,
                                budget_bytes=self.cfg.budget_bytes or self.slice.nbytes,
                                load=float(self.in_flight), served=self.served, version=__version__,
-                               kernel=backend_name(), sent_at=time.time())
+                               kernel=self._kernel, sent_at=time.time())
 
     async def _publish_heartbeat(self) -> None:
         hb = self.heartbeat()
@@ -163,7 +164,8 @@ class Worker:
             loop = asyncio.get_running_loop()
             # A slice holds routed experts only: compute them as llama.cpp computes those.
             out = await loop.run_in_executor(self._pool, lambda: expert_ffn(*weights, rows, routed=True))
-            reply = codec.DispatchReply(request_id=req.request_id, node=self.cfg.node, rows=out)
+            reply = codec.DispatchReply(request_id=req.request_id, node=self.cfg.node, rows=out,
+                                        kernel=self._kernel)
         except _Refused as exc:
             self.errors += 1
             reply = codec.ErrorReply(request_id=_safe_id(request_id), node=self.cfg.node, code=exc.code,

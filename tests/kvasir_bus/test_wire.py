@@ -20,6 +20,7 @@ def one_of_each() -> list[Record]:
     return [
         codec.DispatchRequest(FP, 1, 2, rows, "q1"),
         codec.DispatchReply("q1", "w-1", rows),
+        codec.DispatchReply("q2", "w-1", rows, kernel="numpy-aarch64"),
         wire.ErrorReply("q1", "w-1", wire.ERR_NOT_HELD, "not here"),
         codec.Heartbeat(FP, "w-1", [(0, 0, 4)], 10, 0.0, 0, "0.1.0", "numpy", 1.0),
         manifest(),
@@ -29,6 +30,7 @@ def one_of_each() -> list[Record]:
         mc.DemandMap(FP, 1.0, [(0, 0, 4, 0, 1, 1.0, 1.0, 1.0)]),
         batch(),
         mc.LedgerAck("b-1", 2, 0),
+        mc.Quarantine(FP, "w-1", 3, 7, "numpy-x86_64", True, float("inf"), 1.0),
         status(),
         mc.MarketOverview(1.0, (status(),)),
     ]
@@ -38,7 +40,7 @@ def one_of_each() -> list[Record]:
 
 def test_every_record_kind_is_registered_once_and_the_samples_cover_them_all():
     samples = one_of_each()
-    assert sorted(type(m).kind for m in samples) == sorted(wire.RECORDS)
+    assert sorted({type(m).kind for m in samples}) == sorted(wire.RECORDS)
     for msg in samples:
         assert wire.RECORDS[msg.kind] is type(msg)
 
