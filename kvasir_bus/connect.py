@@ -290,10 +290,12 @@ async def connect(url: str | None = None, name: str = "kvasir", *,
                                   "pip install 'nats-py[aiohttp]'") from None
     shown = ",".join(_redact(s) for s in servers)
     log = structlog.get_logger("kvasir.nats").bind(conn=name)
-    state = {"connected": False, "last_error": None}
+    state = {"connected": False, "last_error": None, "refused": None}
 
     async def error_cb(exc: Exception) -> None:
         state["last_error"] = exc
+        if "authorization" in str(exc).lower():  # the reason to report, whatever follows it
+            state["refused"] = exc
         if state["connected"]:
             log.warning("nats error", error=f"{type(exc).__name__}: {exc}".rstrip(": "))
         else:
@@ -331,6 +333,8 @@ async def connect(url: str | None = None, name: str = "kvasir", *,
     except (asyncio.TimeoutError, OSError, nats.errors.Error) as exc:
         await _quiet_close(nc)
         cause = state["last_error"] if isinstance(exc, asyncio.TimeoutError) else exc
+        # The server refused the identity: say so, not the reset of the socket that followed.
+        cause = state["refused"] or cause
         if cause is None or isinstance(cause, asyncio.TimeoutError):
             why = f"no answer within {connect_deadline:g} s"
         else:
