@@ -91,13 +91,15 @@ def workers(tmp_path):
 
 
 def sharded_run(model, url, prompt, on_token=None):
-    from backbone.dispatch import BusExperts
     from backbone.generate import generate
     from backbone.model import Engine
     from backbone.sampling import Sampler, SamplerConfig
+    from backbone.service import BackboneConfig, BackboneService
 
     engine = Engine(model)
-    with BusExperts(engine, url) as remote:
+    cfg = BackboneConfig(model_path=engine.path, nats_url=url, serve_manifest=False)
+    with BackboneService(engine, cfg) as backbone:
+        remote = backbone.dispatch
         hook = (lambda t: on_token(remote)) if on_token else None
         gen = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False,
                        keep_logits=True, on_token=hook)

@@ -69,7 +69,7 @@ def test_slice_worker_volunteer_status_and_tap_under_generated_credentials(model
     from backbone.generate import generate
     from backbone.model import Engine
     from backbone.sampling import Sampler, SamplerConfig
-    from backbone.service import BackboneService
+    from backbone.service import BackboneConfig, BackboneService
     from kvasir_bus.fingerprint import model_fingerprint
     from launch.swarm import wait_for_nodes
 
@@ -97,8 +97,9 @@ def test_slice_worker_volunteer_status_and_tap_under_generated_credentials(model
                 stdout=market_log, stderr=subprocess.STDOUT,
                 env={k: v for k, v in os.environ.items() if not k.startswith("NATS_")}))
             monkeypatch.setenv("NATS_CREDS", str(dep / "backbone.creds"))
-            with BackboneService(engine, url, serve_weights="127.0.0.1:0", tokens=(TOKEN,),
-                                 market_interval_s=0.2) as backbone:
+            cfg = BackboneConfig(model_path=engine.path, nats_url=url, serve_weights="127.0.0.1:0",
+                                 tokens=(TOKEN,), market_interval_s=0.2)
+            with BackboneService(engine, cfg) as backbone:
                 monkeypatch.setenv("NATS_CREDS", str(dep / "observer.creds"))  # watching, below
 
                 def status():
@@ -132,7 +133,7 @@ def test_slice_worker_volunteer_status_and_tap_under_generated_credentials(model
                 engine_out = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()),
                                       stop_on_eos=False, keep_logits=True)
                 assert np.array_equal(engine_out.logits_array(), mono)
-                per_node = backbone.remote.stats.to_dict()["per_node"]
+                per_node = backbone.stats.to_dict()["per_node"]
                 assert per_node["slice1"]["calls"] > 0 and per_node["vol1"]["calls"] > 0
 
                 _wait(lambda: {"slice1", "vol1"} <= {n["node"] for n in status()["nodes"]},
