@@ -58,6 +58,18 @@ def add_bus_flags(p: argparse.ArgumentParser) -> None:
                    help="per-expert reply timeout (default: adaptive from observed latency)")
     p.add_argument("--wire-dtype", choices=("float32", "float16"), default="float32",
                    help="rounding of rows on the wire, applied to local experts too (default float32)")
+    add_audit_flags(p)
+
+
+def add_audit_flags(p: argparse.ArgumentParser) -> None:
+    """``--audit R``: how many remote replies the backbone recomputes (backbone.audit)."""
+    from backbone.audit import DEFAULT_PROBATION, DEFAULT_RATE
+
+    p.add_argument("--audit", type=float, default=DEFAULT_RATE, metavar="R",
+                   help=f"fraction 0..1 of remote replies recomputed here and compared; an audited reply "
+                   f"is replaced by the local result and a liar is quarantined. Every reply of a node's "
+                   f"first {DEFAULT_PROBATION} is audited too; 1 makes the output exact by construction, "
+                   f"0 turns audits off (default {DEFAULT_RATE})")
 
 
 def add_http_flags(p: argparse.ArgumentParser) -> None:

@@ -1,9 +1,22 @@
-"""The dispatch's view of who covers what: experts nobody answered for, until a worker says so.
+"""The dispatch's view of who covers what: which experts are worth waiting for.
 
-After "no responders" (the server's instant 503) for ``(layer, expert)`` the expert is
-remembered as uncovered for ``ttl_s``: the next steps compute it locally without asking.
-Two things end that: the time passing, or a worker's heartbeat on ``kvasir.<model>.coverage.*``
-announcing the expert (a new replica is used at once, not a ttl later).
+Each ``(layer, expert)`` is in one of three states (absent from the tables: *unknown*):
+
+* **unknown**: ask and wait for a reply, up to the (adaptive) timeout;
+* **uncovered**: "no responders" (the server's instant 503) came back, so nobody is subscribed:
+  compute locally without asking, for ``ttl_s``;
+* **silent**: a request timed out and no reply has come for that expert since: somebody is
+  subscribed but does not answer (a frozen worker, or a stranger that subscribes to everything and
+  never replies). Compute locally at once, and still send the request as a *probe* without waiting
+  for it: the first valid reply ends the silence. While nothing on the bus has ever answered and
+  one expert went silent, every unknown expert is treated as silent too, so a subscriber that never
+  answers costs one timeout per generation, not one per expert.
+
+A worker's heartbeat announcing an expert ends its uncovered state at once, and ends a silence
+too, but at most once per ``hold`` period for that expert, and the hold doubles every time the
+expert goes silent again (up to ``max_hold_s``): a node that heartbeats and never answers cannot
+buy a timeout per heartbeat. Heartbeat claims are clipped to the model's geometry first, so a
+heartbeat claiming a billion experts costs as much as one claiming the real ones.
 """
 
 from __future__ import annotations
@@ -20,9 +33,16 @@ log = structlog.get_logger("kvasir.coverage_view")
 
 
 class CoverageView:
-    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, *,
+                 n_layer: int | None = None, n_expert: int | None = None,
+                 silence_hold_s: float = 2.0, max_hold_s: float = 60.0):
         self.ttl_s, self.clock = ttl_s, clock
+        self.n_layer, self.n_expert = n_layer, n_expert
+        self.silence_hold_s, self.max_hold_s = silence_hold_s, max_hold_s
         self._uncovered: dict[tuple[int, int], float] = {}  # (layer, expert) -> until (clock)
+        self._silent: dict[tuple[int, int], tuple[float, float]] = {}  # -> (heartbeats ignored until, hold)
+        self._revived: dict[tuple[int, int], float] = {}  # silent, then revived by a heartbeat -> its hold
+        self._answered = False  # any valid reply ever: then unknown experts are worth a wait
         self._sub = None
 
     # -- the cache (the loop thread) ------------------------------------------------------------
@@ -33,17 +53,59 @@ class CoverageView:
     def mark_uncovered(self, layer: int, expert: int) -> None:
         self._uncovered[(layer, expert)] = self.clock() + self.ttl_s
 
+    def is_silent(self, layer: int, expert: int) -> bool:
+        """Compute locally and only probe: the expert timed out and nothing answered since (or,
+        before any reply was ever seen, any expert did)."""
+        if (layer, expert) in self._silent:
+            return True
+        return not self._answered and bool(self._silent)
+
+    def mark_silent(self, layer: int, expert: int) -> None:
+        key = (layer, expert)
+        if key in self._silent:
+            return
+        hold = min(self.max_hold_s, 2 * self._revived.pop(key, self.silence_hold_s / 2))
+        self._silent[(layer, expert)] = (self.clock() + hold, hold)
+
+    def mark_answered(self, layer: int, expert: int) -> None:
+        """A valid reply came for the expert: it is alive."""
+        self._answered = True
+        self._silent.pop((layer, expert), None)
+        self._revived.pop((layer, expert), None)
+
     @property
     def uncovered(self) -> int:
         """Experts currently given up on (expired entries included until overwritten)."""
         now = self.clock()
         return sum(until > now for until in self._uncovered.values())
 
+    @property
+    def silent(self) -> int:
+        return len(self._silent)
+
     def heard(self, heartbeat: codec.Heartbeat) -> None:
-        """A worker announced its holdings: ask for every one of them again."""
+        """A worker announced its holdings: ask again for those we had given up on. The work is
+        bounded by what we had given up on, never by what the heartbeat claims."""
+        if not self._uncovered and not self._silent:
+            return
+        spans: dict[int, list[tuple[int, int]]] = {}
         for h in heartbeat.holdings:
-            for e in h.experts:
-                self._uncovered.pop((h.layer, e), None)
+            if self.n_layer is not None and h.layer >= self.n_layer:
+                continue
+            hi = h.hi if self.n_expert is None else min(h.hi, self.n_expert)
+            if h.lo < hi:
+                spans.setdefault(h.layer, []).append((h.lo, hi))
+        if not spans:
+            return
+
+        def claimed(key: tuple[int, int]) -> bool:
+            return any(lo <= key[1] < hi for lo, hi in spans.get(key[0], ()))
+
+        for key in [k for k in self._uncovered if claimed(k)]:
+            del self._uncovered[key]
+        now = self.clock()
+        for key in [k for k, (until, _) in self._silent.items() if until <= now and claimed(k)]:
+            self._revived[key] = self._silent.pop(key)[1]  # the next silence holds twice as long
 
     # -- the heartbeat listener -------------------------------------------------------------------
 
@@ -57,10 +119,10 @@ class CoverageView:
             await sub.unsubscribe()
 
     async def _on_heartbeat(self, msg) -> None:
-        if not self._uncovered:
+        if not self._uncovered and not self._silent:
             return
         try:
-            hb = codec.decode_heartbeat(msg.data)
+            hb = codec.decode_heartbeat(msg.data, max_bytes=64 * 1024)
         except codec.CodecError:
             return  # the market logs malformed heartbeats; dispatch only needs good ones
         self.heard(hb)

@@ -26,10 +26,16 @@ class LayerStats:
     bytes_in: int = 0
     latency_sum_s: float = 0.0
     latency_max_s: float = 0.0
+    silent: int = 0  # computed here at once: the expert timed out and nothing answered since (probed)
+    probes_answered: int = 0  # valid replies to those probes: the expert is alive again
+    ignored: int = 0  # replies of quarantined nodes (dropped; a replica may still win)
+    audits: int = 0  # remote replies recomputed here and compared (the local result was used)
+    audit_failures: int = 0
 
     @property
     def local(self) -> int:
-        return self.local_choice + self.no_responders + self.timeouts + self.invalid + self.bus_errors
+        return (self.local_choice + self.no_responders + self.timeouts + self.invalid + self.bus_errors
+                + self.silent)
 
 
 @dataclass
@@ -37,6 +43,7 @@ class DispatchStats:
     layers: dict[int, LayerStats] = field(default_factory=dict)
     nodes: Counter = field(default_factory=Counter)  # expert calls won per worker node
     node_rows: Counter = field(default_factory=Counter)
+    quarantined: list = field(default_factory=list)  # nodes caught by an audit, in order
 
     def layer(self, il: int) -> LayerStats:
         return self.layers.setdefault(il, LayerStats())
@@ -59,6 +66,9 @@ class DispatchStats:
         summary["calls"] = calls
         summary["fallback_rate"] = round(1 - t.remote / calls, 4) if calls else None
         return {
+            "audits": t.audits,
+            "audit_failures": t.audit_failures,
+            "quarantined": list(self.quarantined),
             "totals": summary,
             "per_node": {n: {"calls": c, "rows": self.node_rows[n]} for n, c in sorted(self.nodes.items())},
             "per_layer": {str(il): {k: v for k, v in asdict(s).items() if not k.startswith("latency")}

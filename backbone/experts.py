@@ -13,6 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
+from kernels.backend import backend_name
 from kernels.expert import expert_ffn
 
 
@@ -26,13 +27,20 @@ class LocalExperts:
 
     def __init__(self, weights):
         self.weights = weights
+        self.backend = backend_name()  # the kernel of this process: what "local" means bit for bit
         self.calls: Counter[int] = Counter()  # per layer
         self.rows: Counter[int] = Counter()
 
-    def compute(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
+    def compute(self, layer: int, expert: int, rows: np.ndarray, *, backend: str | None = None) -> np.ndarray:
+        """One expert on ``rows``; ``backend`` another kernel than this process's (to audit a
+        worker that announced it)."""
         self.calls[layer] += 1
         self.rows[layer] += len(rows)
-        return expert_ffn(*self.weights.expert(layer, expert), rows, routed=True)
+        return expert_ffn(*self.weights.expert(layer, expert), rows, routed=True, backend=backend)
+
+    def weight_type(self, layer: int) -> int:
+        """The ggml type of a layer's down-projection experts (the audit's tolerance keys on it)."""
+        return int(self.weights.expert(layer, 0)[2].ggml_type)
 
     def run_layer(self, layer: int, calls: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
         return [self.compute(layer, e, rows) for e, rows in calls]

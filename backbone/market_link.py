@@ -63,6 +63,13 @@ class MarketLink:
         with self._lock:
             self._events.append(event)
 
+    def void(self, node: str) -> None:
+        """``node`` was caught lying: its wins not yet handed to the market are never paid."""
+        with self._lock:
+            kept = deque(e for e in self._events if e.node != node)
+            self.voided_events = getattr(self, "voided_events", 0) + len(self._events) - len(kept)
+            self._events = kept
+
     @property
     def pending_hits(self) -> int:
         """Routing counts recorded but not yet published."""

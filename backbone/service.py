@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from backbone.coverage_view import CoverageView
+from backbone.audit import AuditConfig
 from backbone.dispatch import DispatchConfig, RemoteExperts, log_summary
 from backbone.dispatch_stats import DispatchStats
 from backbone.model import WIRE_DTYPES
@@ -83,7 +84,8 @@ class BackboneConfig:
         values = dict(
             model_path=os.fspath(args.model),
             nats_url=getattr(args, "nats", None),
-            dispatch=DispatchConfig(timeout_s=timeout_ms / 1000 if timeout_ms else None),
+            dispatch=DispatchConfig(timeout_s=timeout_ms / 1000 if timeout_ms else None,
+                                    audit=_audit_config(getattr(args, "audit", None))),
             wire_dtype=getattr(args, "wire_dtype", None) or "float32",
             n_ctx=getattr(args, "ctx", None),
             serve_weights=getattr(args, "serve_weights", None),
@@ -92,6 +94,15 @@ class BackboneConfig:
         )
         values.update(fixed)
         return cls(**values)
+
+
+def _audit_config(rate: float | None) -> AuditConfig:
+    if rate is None:
+        return AuditConfig()
+    try:
+        return AuditConfig(rate=rate)
+    except ValueError as exc:
+        raise UsageError(f"--audit: {exc}") from None
 
 
 def node_tokens(given) -> tuple[str, ...]:
@@ -201,7 +212,9 @@ class BackboneService:
                 run.link = MarketLink(run.nc, self.model, cfg.node, interval_s=cfg.market_interval_s)
             run.dispatch = RemoteExperts(run.bus, run.nc, self.model, self.engine.local_experts,
                                          self.engine.cfg.n_embd, cfg.dispatch,
-                                         coverage=CoverageView(cfg.dispatch.uncovered_ttl_s), recorder=run.link)
+                                         coverage=CoverageView(cfg.dispatch.uncovered_ttl_s, n_layer=self.engine.cfg.n_layer,
+                                                                 n_expert=self.engine.cfg.n_expert),
+                                         recorder=run.link)
             run.bus.run(run.dispatch.start())
             if run.link is not None:
                 run.bus.run(run.link.start())

@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from kvasir_bus.connect import add_connection_flags
-from kvasir_bus.errors import UsageError
+from kvasir_bus.errors import KvasirError, UsageError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -193,12 +193,52 @@ async def _serve(info, cfg, url) -> int:
         return 0
     worker = Worker(info, cfg)
     try:
+        verified = await verify_at_start(nc, info)  # KvasirError: a slab differs, refuse to serve
         await worker.start(nc)
+        watch = None if verified else asyncio.create_task(verify_later(nc, info, stop))
         await stop.wait()
+        if watch is not None:
+            watch.cancel()
+            if not watch.cancelled() and watch.done() and watch.exception() is not None:
+                raise watch.exception()
     finally:
         await worker.stop()
         await shutdown(nc)
     return 0
+
+
+async def verify_at_start(nc, info) -> bool:
+    """Check every held slab against the backbone's manifest. True: checked and intact; False: no
+    backbone answers yet (serve, and check when one does); KvasirError: a slab differs."""
+    import structlog
+
+    from workers.verify import check_slabs, describe, manifest_if_served
+
+    manifest = await manifest_if_served(nc, info.fingerprint)
+    if manifest is None:
+        structlog.get_logger("kvasir.worker").warning(
+            "slabs_unverified", model=info.fingerprint,
+            reason="no backbone serves the manifest yet; checking when one does")
+        return False
+    bad = check_slabs(info, manifest)
+    if bad:
+        raise KvasirError(f"{info.path}: {describe(bad)}; refusing to serve them")
+    structlog.get_logger("kvasir.worker").info("slabs_verified", model=info.fingerprint, experts=info.n_held)
+    return True
+
+
+async def verify_later(nc, info, stop, every_s: float = 5.0) -> None:
+    """Ask for the manifest until a backbone serves it; a slab that differs stops the worker."""
+    import asyncio
+
+    while not stop.is_set():
+        await asyncio.sleep(every_s)
+        try:
+            if await verify_at_start(nc, info):
+                return
+        except KvasirError:
+            stop.set()
+            raise
 
 
 _COMMANDS = (_add_slice, _add_worker)

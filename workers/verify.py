@@ -9,10 +9,16 @@ refuses to start if any differs.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from dataclasses import dataclass
 
-from kvasir_bus.market_codec import KINDS, Manifest
+import nats.errors
+
+from kvasir_bus import market_codec
+from kvasir_bus.errors import KvasirError
+from kvasir_bus.market_codec import KINDS, CodecError, ErrorReply, Manifest
+from kvasir_bus.subjects import Subjects
 from modelfile.slice_file import SliceInfo
 
 
@@ -50,3 +56,36 @@ def describe(bad: list[SlabMismatch], limit: int = 4) -> str:
     head = ", ".join(str(m) for m in bad[:limit])
     more = f" and {len(bad) - limit} more" if len(bad) > limit else ""
     return f"{len(bad)} slab(s) differ from the backbone's manifest: {head}{more}"
+
+
+async def ask_manifest(nc, model: str, timeout: float) -> Manifest:
+    """The backbone's manifest of ``model`` over the bus; KvasirError saying why not."""
+    subject = Subjects(model).manifest()
+    try:
+        msg = await nc.request(subject, b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise KvasirError(f"no backbone answers for model {model} (nobody answers {subject}): "
+                          "is a backbone serving this exact model on this bus?") from None
+    except (asyncio.TimeoutError, nats.errors.TimeoutError):
+        raise KvasirError(f"no backbone answers for model {model}: {subject} got no reply within "
+                          f"{timeout:g} s") from None
+    try:
+        reply = market_codec.decode_manifest_reply(msg.data)
+    except CodecError as exc:
+        raise KvasirError(f"the backbone's manifest of {model} is malformed: {exc}") from None
+    if isinstance(reply, ErrorReply):
+        raise KvasirError(f"the backbone has no manifest for {model}: {reply.code}: {reply.message}")
+    if reply.model != model:
+        raise KvasirError(f"asked {subject}, got the manifest of model {reply.model}")
+    return reply
+
+
+async def manifest_if_served(nc, model: str, timeout: float = 2.0) -> Manifest | None:
+    """The manifest, or None when no backbone serves it (nobody answers, or not in time)."""
+    try:
+        return await ask_manifest(nc, model, timeout)
+    except KvasirError as exc:
+        if "no backbone answers" in str(exc):
+            return None
+        raise
+

@@ -31,6 +31,7 @@ from kvasir_bus.codec import CodecError, ErrorReply
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.market_codec import Assignment, Manifest, VolunteerRequest
 from kvasir_bus.subjects import Subjects
+from workers.verify import ask_manifest
 from workers.download import DownloadResult, TerminalProgress, download_slice, plan_download
 from modelfile.slice_file import SliceInfo
 from workers.source import Identity, identify, open_source
@@ -124,7 +125,7 @@ async def volunteer(nc, cfg: VolunteerConfig, *, progress=None,
                   requests=identity.requests)
         subjects = Subjects(model)
 
-        manifest = await _ask_manifest(nc, subjects, model, cfg.request_timeout_s)
+        manifest = await ask_manifest(nc, model, cfg.request_timeout_s)
         smallest = smallest_expert(manifest)
         if cfg.budget_bytes < smallest:
             raise NoFitError(_no_fit(model, cfg.budget_bytes, smallest))
@@ -146,27 +147,6 @@ async def volunteer(nc, cfg: VolunteerConfig, *, progress=None,
               fetched_slabs=result.fetched, reused=result.reused, seconds=round(result.seconds, 3),
               retries=result.retries)
     return done
-
-
-async def _ask_manifest(nc, subjects: Subjects, model: str, timeout: float) -> Manifest:
-    subject = subjects.manifest()
-    try:
-        msg = await nc.request(subject, b"", timeout=timeout)
-    except nats.errors.NoRespondersError:
-        raise KvasirError(f"no backbone answers for model {model} (nobody answers {subject}): "
-                          "is a backbone serving this exact model on this bus?") from None
-    except (asyncio.TimeoutError, nats.errors.TimeoutError):
-        raise KvasirError(f"no backbone answers for model {model}: {subject} got no reply within "
-                          f"{timeout:g} s") from None
-    try:
-        reply = market_codec.decode_manifest_reply(msg.data)
-    except CodecError as exc:
-        raise KvasirError(f"the backbone's manifest of {model} is malformed: {exc}") from None
-    if isinstance(reply, ErrorReply):
-        raise KvasirError(f"the backbone has no manifest for {model}: {reply.code}: {reply.message}")
-    if reply.model != model:
-        raise KvasirError(f"asked {subject}, got the manifest of model {reply.model}")
-    return reply
 
 
 async def _ask_market(nc, subjects: Subjects, model: str, cfg: VolunteerConfig,

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as T
 
+from backbone.audit import AuditConfig
+from kernels.backend import kernel_label
 from backbone.coverage_view import CoverageView
 from backbone.dispatch import AdaptiveTimeout, DispatchConfig, RemoteExperts
-from kvasir_bus import codec
+from kvasir_bus import codec, market_codec
 from kvasir_bus.codec import Holding
 from kvasir_bus.loopthread import LoopThread
 from kvasir_bus.subjects import Subjects
 
 MODEL = "feedc0ffee000001"
+NO_AUDIT = AuditConfig(rate=0.0)  # the paths below are about the bus; audits have their own tests
 D = 4  # n_embd
 NO_RESPONDERS = (b"", {"Status": "503"})
 
@@ -65,6 +69,9 @@ class FakeNats:
         pass
 
     async def publish(self, subject: str, payload: bytes, reply: str = "", headers=None) -> None:
+        if ".x." not in subject:  # an event (a quarantine): straight to the subscribers
+            await self.deliver(subject, payload, headers)
+            return
         req = codec.decode_request(payload)
         self.requests.append((subject, req, reply))
         for data, hdrs in self.answer(subject, req):
@@ -76,25 +83,35 @@ class FakeNats:
 
 
 class DoublingLocal:
-    """The fallback replica: output = 2 x rows, every call counted."""
+    """The fallback replica: output = 2 x rows, every call counted (with the kernel asked for)."""
+
+    backend = "ggml"
 
     def __init__(self):
         self.calls: list[tuple[int, int]] = []
+        self.backends: list[str | None] = []
 
-    def compute(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
+    def compute(self, layer: int, expert: int, rows: np.ndarray, *, backend: str | None = None) -> np.ndarray:
         self.calls.append((layer, expert))
+        self.backends.append(backend)
         return 2 * rows
+
+    def weight_type(self, layer: int) -> int:
+        return int(T.F32)
 
 
 class Recorder:
     def __init__(self):
-        self.calls, self.wins = [], []
+        self.calls, self.wins, self.voided = [], [], []
 
     def record_call(self, layer, expert, rows, remote):
         self.calls.append((layer, expert, rows, remote))
 
     def record_win(self, node, layer, expert, rows):
         self.wins.append((node, layer, expert, rows))
+
+    def void(self, node):
+        self.voided.append(node)
 
 
 class Clock:
@@ -105,13 +122,14 @@ class Clock:
         return self.now
 
 
-def reply(req: codec.DispatchRequest, rows: np.ndarray, node: str = "w0") -> tuple[bytes, None]:
-    return codec.DispatchReply(request_id=req.request_id, node=node, rows=rows.astype(np.float32)).encode(), None
+def reply(req: codec.DispatchRequest, rows: np.ndarray, node: str = "w0", kernel: str = "") -> tuple[bytes, None]:
+    return codec.DispatchReply(request_id=req.request_id, node=node, rows=rows.astype(np.float32),
+                               kernel=kernel).encode(), None
 
 
-def times(k: float, node: str = "w0"):
+def times(k: float, node: str = "w0", kernel: str = ""):
     """An answer: one worker replying k x rows."""
-    return lambda subject, req: [reply(req, k * req.rows, node)]
+    return lambda subject, req: [reply(req, k * req.rows, node, kernel)]
 
 
 @pytest.fixture
@@ -125,7 +143,7 @@ def bus():
 def rig(bus):
     """(dispatch, fake connection, fallback, recorder, clock), started."""
 
-    def make(cfg: DispatchConfig = DispatchConfig(timeout_s=5.0)):
+    def make(cfg: DispatchConfig = DispatchConfig(timeout_s=5.0, audit=NO_AUDIT)):
         nc, local, recorder, clock = FakeNats(), DoublingLocal(), Recorder(), Clock()
         remote = RemoteExperts(bus, nc, MODEL, local, D, cfg, coverage=CoverageView(cfg.uncovered_ttl_s, clock),
                                recorder=recorder)
@@ -174,7 +192,7 @@ def test_an_invalid_reply_is_counted_and_the_expert_computed_locally(rig, bad):
 
 
 def test_a_reply_after_the_timeout_is_counted_late_and_changes_nothing(rig, bus):
-    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=0.02))
+    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=0.02, audit=NO_AUDIT))
     (out,) = remote.run_layer(0, [(1, ROWS)])  # nobody answers in time
     assert np.array_equal(out, 2 * ROWS)
     assert remote.stats.layer(0).timeouts == 1
@@ -199,7 +217,7 @@ def test_racing_replicas_the_first_reply_wins_and_ours_drops_the_second(rig):
 
 
 def test_no_responders_falls_back_at_once_and_then_stops_asking_until_the_ttl(rig):
-    remote, nc, local, _, clock = rig(DispatchConfig(timeout_s=5.0, uncovered_ttl_s=1.0))
+    remote, nc, local, _, clock = rig(DispatchConfig(timeout_s=5.0, uncovered_ttl_s=1.0, audit=NO_AUDIT))
     nc.answer = lambda subject, req: [NO_RESPONDERS]
     assert np.array_equal(remote.run_layer(0, [(3, ROWS)])[0], 2 * ROWS)
     assert remote.stats.layer(0).no_responders == 1 and len(nc.requests) == 1
@@ -214,7 +232,7 @@ def test_no_responders_falls_back_at_once_and_then_stops_asking_until_the_ttl(ri
 
 
 def test_a_heartbeat_announcing_the_expert_ends_uncovered_at_once(rig, bus):
-    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=5.0, uncovered_ttl_s=600))
+    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=5.0, uncovered_ttl_s=600, audit=NO_AUDIT))
     nc.answer = lambda subject, req: [NO_RESPONDERS]
     remote.run_layer(2, [(6, ROWS)])
     remote.run_layer(2, [(6, ROWS)])
@@ -259,3 +277,79 @@ def test_adaptive_timeout_follows_latency_between_floor_and_ceiling():
         t.observe(5.0)
     assert t.current() == 2.0  # the ceiling
     assert AdaptiveTimeout(DispatchConfig(timeout_s=0.123)).current() == 0.123  # fixed when configured
+
+
+# -- audits, quarantine, silence ---------------------------------------------------------------
+
+OWN = kernel_label("ggml")  # the fake fallback's kernel on this machine
+
+
+def test_an_audited_honest_reply_is_replaced_by_the_local_result_and_credited(rig):
+    remote, nc, local, recorder, _ = rig(DispatchConfig(timeout_s=5.0, audit=AuditConfig(rate=1.0)))
+    nc.answer = times(2, node="honest", kernel=OWN)  # the same function, so the same bits
+    (out,) = remote.run_layer(0, [(5, ROWS)])
+    assert np.array_equal(out, 2 * ROWS) and local.calls == [(0, 5)]
+    assert recorder.wins == [("honest", 0, 5, 2)]
+    d = remote.stats.to_dict()
+    assert (d["audits"], d["audit_failures"], d["quarantined"]) == (1, 0, [])
+
+
+def test_a_liar_is_caught_replaced_quarantined_announced_and_never_paid_again(rig, bus):
+    remote, nc, local, recorder, _ = rig(DispatchConfig(timeout_s=5.0, audit=AuditConfig(rate=1.0)))
+    events = []
+
+    async def listen():
+        async def got(msg):
+            events.append(market_codec.decode_quarantine(msg.data))
+        await nc.subscribe(Subjects(MODEL).quarantine(), cb=got)
+
+    bus.run(listen())
+    nc.answer = times(2 * (1 + 1e-3), node="liar", kernel=OWN)  # honest x (1 + 1e-3)
+    (out,) = remote.run_layer(3, [(1, ROWS)])
+    assert np.array_equal(out, 2 * ROWS)  # the backbone's own result, not the lie
+    assert recorder.wins == [] and recorder.voided == ["liar"]
+    assert remote.stats.to_dict()["quarantined"] == ["liar"]
+    bus.run(nc.flush())
+    assert [(e.node, e.layer, e.expert, e.exact) for e in events] == [("liar", 3, 1, True)]
+    # From now on its replies are ignored: a slower honest replica wins the race instead.
+    nc.answer = lambda subject, req: [reply(req, 7 * req.rows, "liar", OWN), reply(req, 2 * req.rows, "honest", OWN)]
+    (out,) = remote.run_layer(3, [(1, ROWS)])
+    assert np.array_equal(out, 2 * ROWS)
+    assert remote.stats.layer(3).ignored == 1 and recorder.wins == [("honest", 3, 1, 2)]
+
+
+def test_a_reply_of_a_kernel_the_backbone_can_rerun_is_judged_by_that_kernel(rig):
+    remote, nc, local, recorder, _ = rig(DispatchConfig(timeout_s=5.0, audit=AuditConfig(rate=1.0)))
+    nc.answer = times(2, node="phone", kernel=kernel_label("numpy"))
+    remote.run_layer(0, [(5, ROWS)])
+    assert local.backends == [None, "numpy"]  # the used result (own kernel), then the judge's
+    assert recorder.wins == [("phone", 0, 5, 2)]
+
+
+def test_a_silent_expert_costs_one_timeout_then_is_computed_here_and_only_probed(rig, bus):
+    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=0.02, audit=NO_AUDIT))
+    # A stranger subscribes to everything and never answers: no 503, no reply.
+    for _ in range(5):
+        outs = remote.run_layer(0, [(1, ROWS), (2, ROWS)])
+        assert all(np.array_equal(o, 2 * ROWS) for o in outs)
+    outs = remote.run_layer(1, [(3, ROWS)])  # other experts: silence was seen, nothing ever answered
+    s = remote.stats.to_dict()["totals"]
+    assert s["timeouts"] == 2  # the first step only
+    assert s["silent"] == 2 * 4 + 1 and len(nc.requests) == 2 * 5 + 1  # still probed, never waited for
+    # An honest worker appears: its first probe reply ends the silence of that expert.
+    nc.answer = times(3, node="new")
+    remote.run_layer(0, [(1, ROWS)])
+    assert remote.stats.layer(0).probes_answered == 1
+    (out,) = remote.run_layer(0, [(1, ROWS)])
+    assert np.array_equal(out, 3 * ROWS)
+
+
+def test_a_heartbeat_claiming_a_billion_experts_costs_what_the_model_has(rig, bus):
+    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=5.0, uncovered_ttl_s=600, audit=NO_AUDIT))
+    remote.coverage.n_layer, remote.coverage.n_expert = 4, 8
+    nc.answer = lambda subject, req: [NO_RESPONDERS]
+    remote.run_layer(2, [(6, ROWS)])
+    bomb = codec.Heartbeat(model=MODEL, node="bomb", holdings=(Holding(2, 0, 999_999_999),), budget_bytes=0,
+                           load=0.0, served=0, version="0.1.0", kernel="x", sent_at=0.0)
+    bus.run(nc.deliver(Subjects(MODEL).coverage("bomb"), bomb.encode()))  # returns at once
+    assert remote.coverage.uncovered == 0  # layer 2 expert 6 is claimed: asked again

@@ -1,0 +1,178 @@
+"""Liars on the bus, written from the wire contract alone, against the backbone's audits.
+
+A liar subscribes to every dispatch subject of the model (a plain subscription: it races the
+honest replicas), computes the honest answer from its own copy of the weights, then lies as told
+and answers first. It announces the backbone's own kernel, so an audit demands identical bits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from backbone.audit import AuditConfig
+from backbone.dispatch import DispatchConfig
+from backbone.generate import generate
+from backbone.model import Engine
+from backbone.sampling import Sampler, SamplerConfig
+from backbone.service import BackboneConfig, BackboneService
+from kernels.backend import kernel_label
+from kernels.expert import expert_ffn
+from kvasir_bus import codec, market_codec
+from kvasir_bus.connect import connect
+from kvasir_bus.fingerprint import model_fingerprint
+from kvasir_bus.loopthread import LoopThread
+from kvasir_bus.subjects import Subjects, parse_dispatch
+from launch.swarm import spawn_worker, wait_for_nodes
+
+pytest.importorskip("llama_cpp", reason="the backbone's kernel and the synthetic models need llama.cpp")
+
+N_PROMPT, N_DECODE = 36, 16
+
+
+def noise(out, layer, n):
+    return np.random.default_rng(n).standard_normal(out.shape).astype(np.float32)
+
+
+def zeros(out, layer, n):
+    return np.zeros_like(out)
+
+
+def scaled(out, layer, n):
+    return (out * np.float32(1 + 1e-3)).astype(np.float32)
+
+
+def one_layer(out, layer, n):
+    return noise(out, layer, n) if layer == 1 else out
+
+
+def after_100(out, layer, n):
+    return noise(out, layer, n) if n >= 100 else out
+
+
+LIES = {"noise": noise, "zeros": zeros, "scaled": scaled, "one-layer": one_layer, "after-100": after_100}
+
+
+class Liar:
+    """Answers every expert of the model with ``lie(honest, layer, n)`` (n: replies sent so far);
+    counts the lies it told before it heard its own quarantine announced."""
+
+    def __init__(self, model_path, url: str, lie, node: str = "liar"):
+        self.engine, self.url, self.lie, self.node = Engine(model_path), url, lie, node
+        self.model = model_fingerprint(self.engine.reader)
+        self.sent = 0
+        self.lies_before_quarantine = 0
+        self.quarantined = threading.Event()
+        self.bus = LoopThread("liar")
+
+    def __enter__(self) -> "Liar":
+        self.nc = self.bus.run(connect(self.url, name=f"kvasir-test-{self.node}"))
+        self.bus.run(self._listen())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bus.run(self.nc.close())
+        self.bus.stop()
+
+    async def _listen(self) -> None:
+        subjects = Subjects(self.model)
+        await self.nc.subscribe(subjects.dispatch_all(), cb=self._answer)
+        await self.nc.subscribe(subjects.quarantine(), cb=self._heard)
+        await self.nc.flush()
+
+    async def _heard(self, msg) -> None:
+        if market_codec.decode_quarantine(msg.data).node == self.node:
+            self.quarantined.set()
+
+    async def _answer(self, msg) -> None:
+        req = codec.decode_request(msg.data)
+        layer = parse_dispatch(msg.subject).layer
+        honest = expert_ffn(*self.engine.weights.expert(layer, req.expert), req.rows, routed=True)
+        out = self.lie(honest, layer, self.sent)
+        if not np.array_equal(out, honest) and not self.quarantined.is_set():
+            self.lies_before_quarantine += 1
+        self.sent += 1
+        reply = codec.DispatchReply(request_id=req.request_id, node=self.node, rows=out, kernel=kernel_label())
+        await self.nc.publish(msg.reply, reply.encode())
+
+
+@pytest.fixture(scope="module")
+def model(models):
+    return models("qwen3moe", "q4_k")
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    return np.random.default_rng(3).integers(0, Engine(model).cfg.n_vocab, N_PROMPT).tolist()
+
+
+def n_decode(lie: str) -> int:
+    """Long enough for the liar that waits for 100 honest replies to start lying (~4 per step)."""
+    return 64 if lie == "after-100" else N_DECODE
+
+
+@pytest.fixture(scope="module")
+def monolithic(model, prompt):
+    cache = {}
+
+    def run(n: int = N_DECODE):
+        if n not in cache:
+            gen = generate(Engine(model), prompt, n, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
+            cache[n] = gen.tokens, gen.logits_array()
+        return cache[n]
+
+    return run
+
+
+def sharded(model, url, prompt, audit: AuditConfig, n: int = N_DECODE):
+    engine = Engine(model)
+    cfg = BackboneConfig(model_path=str(model), nats_url=url, market=False, serve_manifest=False,
+                         dispatch=DispatchConfig(timeout_s=30.0, audit=audit))
+    with BackboneService(engine, cfg) as backbone:
+        gen = generate(engine, prompt, n, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
+        return gen.tokens, gen.logits_array(), backbone.stats.to_dict()
+
+
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_with_every_reply_audited_a_liar_changes_nothing_and_is_quarantined(lie, model, prompt, monolithic,
+                                                                             nats_server):
+    with Liar(model, nats_server.url, LIES[lie]) as liar:
+        tokens, logits, stats = sharded(model, nats_server.url, prompt, AuditConfig(rate=1.0), n_decode(lie))
+    assert tokens == monolithic(n_decode(lie))[0]
+    assert np.array_equal(logits, monolithic(n_decode(lie))[1])
+    assert stats["quarantined"] == ["liar"]
+    assert stats["audit_failures"] >= 1 and liar.sent > 0
+
+
+@pytest.mark.parametrize("lie", sorted(LIES))
+def test_with_the_default_audit_each_liar_is_quarantined_within_the_stated_bound(lie, model, prompt, nats_server):
+    cfg = AuditConfig()  # rate 0.1: one audit in every 10 replies of a node on a layer
+    with Liar(model, nats_server.url, LIES[lie]) as liar:
+        _, _, stats = sharded(model, nats_server.url, prompt, cfg, n_decode(lie))
+        assert liar.quarantined.wait(10), f"{lie}: never quarantined ({liar.sent} replies)"
+    assert stats["quarantined"] == ["liar"]
+    # README: caught within ceil(1/R) lying replies on a layer, plus those of the same layer
+    # step already in flight (top-k per step on this model).
+    top_k = Engine(model).cfg.n_expert_used
+    assert liar.lies_before_quarantine <= cfg.max_replies_to_catch + top_k, liar.lies_before_quarantine
+
+
+def test_an_honest_worker_on_the_numpy_kernel_is_never_quarantined(model, prompt, monolithic, nats_server,
+                                                                    tmp_path, monkeypatch):
+    monkeypatch.setenv("KVASIR_KERNEL", "numpy")
+    log = open(tmp_path / "numpy-worker.log", "w")
+    worker = spawn_worker(nats_server.url, "numpy-w", ["--model", str(model), "--layer", "all", "--experts", "0-7"],
+                          log_file=log)
+    monkeypatch.delenv("KVASIR_KERNEL")
+    try:
+        fp = model_fingerprint(Engine(model).reader)
+        asyncio.run(wait_for_nodes(nats_server.url, fp, {"numpy-w"}, procs=[worker]))
+        tokens, logits, stats = sharded(model, nats_server.url, prompt, AuditConfig(rate=1.0))
+    finally:
+        worker.stop()
+    assert stats["quarantined"] == [] and stats["audit_failures"] == 0
+    assert stats["audits"] == stats["totals"]["remote"] > 0
+    assert tokens == monolithic()[0] and np.array_equal(logits, monolithic()[1])
