@@ -117,6 +117,7 @@ class RemoteExperts:
         self.model = model
         self.stats = DispatchStats()
         self.timeout = AdaptiveTimeout(cfg)
+        self.observe_reply = None  # metrics hook (backbone.metrics): (layer, seconds) of each winning reply
         self._pending: dict[str, tuple[asyncio.Future, int, float]] = {}
         self._finished: OrderedDict[str, tuple[str, int]] = OrderedDict()  # token -> (how, layer)
         self._ids = itertools.count()
@@ -231,6 +232,7 @@ class RemoteExperts:
                 return None
             parts.append(part)
         self.timeout.observe(latency)
+        self.observe_reply is None or self.observe_reply(layer, latency)
         stats.remote += 1
         stats.rows_remote += len(rows)
         stats.latency_sum_s += latency
