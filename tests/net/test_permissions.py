@@ -151,3 +151,43 @@ def test_anonymous_and_unknown_keys_are_refused(deployment, secure_server, arun,
                           connect_deadline=3)
 
     arun(go())
+
+
+def test_every_role_answers_srv_for_itself_and_the_observer_may_ask(deployment, secure_server, arun):
+    import json
+
+    from kvasir_bus import micro
+
+    async def go():
+        clients = {name: await Client.open(secure_server.url, deployment / f"{name}.creds")
+                   for name in ("w1", "market", "backbone", "observer")}
+        services = [await micro.start_service(clients[name].nc, micro.Card(role, name, "abc123"))
+                    for name, role in (("w1", "worker"), ("market", "market"), ("backbone", "backbone"))]
+        obs = clients["observer"].nc
+        inbox, replies = obs.new_inbox(), []
+
+        async def on_reply(msg):
+            replies.append(json.loads(msg.data)["name"])
+
+        await obs.subscribe(inbox, cb=on_reply)
+        await obs.publish("$SRV.PING", b"", reply=inbox)
+        for _ in range(300):
+            if len(replies) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(replies) == ["kvasir-backbone", "kvasir-market", "kvasir-worker"]
+        info = await obs.request("$SRV.INFO.kvasir-worker", b"", timeout=2)
+        assert json.loads(info.data)["metadata"]["node"] == "w1"
+        assert all(not c.errors for c in clients.values())
+        # A worker may not listen as another role's service, nor ask anyone.
+        w1 = clients["w1"]
+        await w1.nc.subscribe("$SRV.PING.kvasir-market.x")
+        await w1.refused("$SRV.PING.kvasir-market.x")
+        await w1.nc.publish("$SRV.PING", b"")
+        await w1.refused("$SRV.PING")
+        for svc in services:
+            await micro.stop_service(svc)
+        for c in clients.values():
+            await c.nc.close()
+
+    arun(go())
