@@ -39,7 +39,8 @@ def service_name(role: str) -> str:
 
 
 def connection_name(role: str, node: str | None = None, pid: int | None = None) -> str:
-    """``kvasir-<role>-<node>-<pid>``: who a connection is, unique per process.
+    """``kvasir-<role>-<node>-<pid>``: who a connection is, unique per process. ``role`` is a
+    service role or a tool's name (``status``, ``tap``, ``up``).
 
     ``node`` defaults to the host name; a node named like its role (the market's default node is
     ``market``) is replaced by the host name, so no name reads ``kvasir-market-market``."""

@@ -182,13 +182,14 @@ async def _serve(info, cfg, url) -> int:
     import signal
 
     from kvasir_bus.connect import connect_or_stop, shutdown
+    from kvasir_bus.micro import connection_name
     from workers.runtime import Worker
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await connect_or_stop(stop, url, name=f"kvasir-worker-{cfg.node}")
+    nc = await connect_or_stop(stop, url, name=connection_name("worker", cfg.node))
     if nc is None:  # SIGTERM before the bus answered
         return 0
     worker = Worker(info, cfg)
