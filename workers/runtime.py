@@ -49,6 +49,7 @@ class WorkerConfig:
     queue_group: str | None = None  # None: replicas race (first reply wins); a name: load-balance
     budget_bytes: int = 0
     drain_timeout_s: float = 30.0
+    metrics: str | None = None  # [HOST:]PORT to serve Prometheus /metrics on (workers.metrics)
 
 
 class State(enum.Enum):
@@ -69,6 +70,7 @@ class Worker:
         self.compute_s = 0.0  # kernel time of every request served, for $SRV.STATS
         self.on_compute = None  # metrics hook: (layer, seconds) per request (workers.metrics)
         self._service = None  # the $SRV micro service (kvasir_bus.micro)
+        self.metrics_server = None  # kvasir_bus.metrics.MetricsServer, with cfg.metrics
         self._nc = None
         self._subs = []
         self._tasks: set[asyncio.Task] = set()
@@ -86,6 +88,8 @@ class Worker:
         if self.state is not State.NEW:
             raise RuntimeError(f"worker already {self.state.value}")
         self._nc = nc
+        if self.cfg.metrics is not None:  # first: a port in use fails before we subscribe
+            await self._start_metrics()
         for layer, expert in self.slice.experts():
             subject = self.subjects.dispatch(layer, expert)
             kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
@@ -113,6 +117,8 @@ class Worker:
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=self.cfg.drain_timeout_s)
         await micro.stop_service(self._service)
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         if self._heartbeat:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
@@ -126,6 +132,16 @@ class Worker:
 
     async def __aexit__(self, *exc) -> None:
         await self.stop()
+
+    async def _start_metrics(self) -> None:
+        from kvasir_bus.metrics import MetricsServer, parse_listen, registry
+        from workers.metrics import WorkerCollector
+
+        host, port = parse_listen(self.cfg.metrics)
+        collector = WorkerCollector(self)
+        self.on_compute = collector.observe_compute
+        self.metrics_server = await MetricsServer(registry(collector), host, port).start()
+        self.log.info("worker_metrics", url=f"{self.metrics_server.url}/metrics")
 
     # -- discovery ($SRV) ----------------------------------------------------------------------
 
