@@ -164,21 +164,21 @@ def test_every_role_answers_srv_for_itself_and_the_observer_may_ask(deployment, 
         services = [await micro.start_service(clients[name].nc, micro.Card(role, name, "abc123"))
                     for name, role in (("w1", "worker"), ("market", "market"), ("backbone", "backbone"))]
         obs = clients["observer"].nc
-        inbox, replies = obs.new_inbox(), []
+        inbox, replies, all_three = obs.new_inbox(), [], asyncio.Event()
 
         async def on_reply(msg):
             replies.append(json.loads(msg.data)["name"])
+            if len(replies) == 3:
+                all_three.set()
 
         await obs.subscribe(inbox, cb=on_reply)
+        await obs.flush()
         await obs.publish("$SRV.PING", b"", reply=inbox)
-        for _ in range(300):
-            if len(replies) == 3:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(all_three.wait(), 10)
         assert sorted(replies) == ["kvasir-backbone", "kvasir-market", "kvasir-worker"]
-        info = await obs.request("$SRV.INFO.kvasir-worker", b"", timeout=2)
+        info = await obs.request("$SRV.INFO.kvasir-worker", b"", timeout=5)
         assert json.loads(info.data)["metadata"]["node"] == "w1"
-        assert all(not c.errors for c in clients.values())
+        assert {n: c.errors for n, c in clients.items() if c.errors} == {}
         # A worker may not listen as another role's service, nor ask anyone.
         w1 = clients["w1"]
         await w1.nc.subscribe("$SRV.PING.kvasir-market.x")
@@ -190,4 +190,4 @@ def test_every_role_answers_srv_for_itself_and_the_observer_may_ask(deployment, 
         for c in clients.values():
             await c.nc.close()
 
-    arun(go())
+    arun(go(), timeout=30)
