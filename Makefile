@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 $(DEMO_MODEL): | $(STAMP)
 	@mkdir -p $(MODELS)
-	$(BIN)/kvasir synth --arch qwen3moe --preset small --type q4_k --seed 0 -o $@
+	$(BIN)/kvasir synth --arch qwen3moe --preset small --type q4_k --seed 0 --force -o $@
 
 demo: $(STAMP) $(DEMO_MODEL)
 	$(BIN)/kvasir up --model $(DEMO_MODEL) --workers 4 --prompt "$(DEMO_PROMPT)" -n 24 --check

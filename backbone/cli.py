@@ -114,12 +114,26 @@ def cmd_serve_http(args) -> int:
                             deterministic=args.deterministic)
     cfg = ServerConfig(host=host, port=port, model_name=args.model_name or Path(args.model).stem, scheduler=sched)
     configure("info")
+    check_ctx(args.ctx)
     engine = Engine(args.model, n_ctx=args.ctx)  # validates the file first
+    check_ctx(args.ctx, engine)
     tok = Tokenizer(args.model)
     serve_forever(engine, tok, cfg, on_ready=lambda url: print(
         f"serving {cfg.model_name} at {url}/v1 (OpenAI API; {engine.cfg.arch}, context {engine.n_ctx}, "
         f"{'deterministic, ' if args.deterministic else ''}up to {args.max_active} sequences per step)", flush=True))
     return 0
+
+
+def check_ctx(ctx: int | None, engine=None) -> None:
+    """``--ctx`` must be 1..the model's trained context (the engine would clamp a larger one
+    silently); without ``engine`` only the lower bound is checked (before the model is read)."""
+    from kvasir_bus.errors import UsageError
+
+    if ctx is None:
+        return
+    limit = engine.cfg.n_ctx_train if engine is not None else None
+    if ctx < 1 or (limit is not None and ctx > limit):
+        raise UsageError(f"--ctx must be 1..{limit if limit is not None else 'the model context'}, got {ctx}")
 
 
 def _sampler(args):
@@ -140,9 +154,17 @@ def cmd_generate(args) -> int:
 
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
+    if args.dump_logits:  # fail now, not after the whole run
+        from pathlib import Path
+
+        folder = Path(args.dump_logits).resolve().parent
+        if not folder.is_dir():
+            raise UsageError(f"--dump-logits {args.dump_logits}: directory {folder} does not exist")
+    check_ctx(args.ctx)
     sampler = _sampler(args)
     cfg = backbone_config(args)  # flags checked before the model is read
     engine = Engine(cfg.model_path, n_ctx=cfg.n_ctx, wire_dtype=cfg.wire_dtype)  # validates the file first
+    check_ctx(args.ctx, engine)
     tok = Tokenizer(args.model)
     prompt = tok.encode(args.prompt)
     if len(prompt) + args.n > engine.n_ctx:

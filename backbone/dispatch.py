@@ -158,6 +158,7 @@ class RemoteExperts:
         self.model = model
         self.stats = DispatchStats()
         self.timeout = AdaptiveTimeout(cfg)
+        self.observe_reply = None  # metrics hook (backbone.metrics): (layer, seconds) of each winning reply
         self._pending: dict[str, tuple[asyncio.Future, int, int]] = {}  # token -> (future, layer, expert)
         self._finished: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # token -> (how, layer, expert)
         self._probes: OrderedDict[str, tuple[int, int]] = OrderedDict()  # token -> (layer, expert)
@@ -329,6 +330,7 @@ class RemoteExperts:
             start += len(chunk)
         self.coverage.mark_answered(layer, expert)
         self.timeout.observe(latency)
+        self.observe_reply is None or self.observe_reply(layer, latency)
         stats.remote += 1
         stats.rows_remote += len(rows)
         stats.latency_sum_s += latency

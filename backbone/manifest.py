@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import os
 import secrets
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -161,9 +162,10 @@ def _write_cache(where: str, key: dict, manifest: Manifest) -> None:
             pass
 
 
-async def serve_manifest(nc, manifest: Manifest):
+async def serve_manifest(nc, manifest: Manifest, tally=None):
     """Answer ``kvasir.<model>.manifest`` requests with ``manifest``; returns the subscription
-    (``await sub.unsubscribe()`` to stop). The payload is encoded once, here."""
+    (``await sub.unsubscribe()`` to stop). The payload is encoded once, here. ``tally``
+    (a :class:`kvasir_bus.micro.Tally`) counts the requests for ``$SRV.STATS``."""
     payload = manifest.encode()
     limit = getattr(nc, "max_payload", 0) or 0
     if limit and len(payload) > limit:
@@ -176,11 +178,14 @@ async def serve_manifest(nc, manifest: Manifest):
     async def on_request(msg) -> None:
         if not msg.reply:
             return
+        t0 = time.perf_counter()
         try:
             await nc.publish(msg.reply, payload, headers=headers)
         except Exception as exc:  # the asker is gone or the bus hiccuped; keep serving
             served.warning("manifest_reply_failed", error=str(exc))
+            tally is None or tally.record(time.perf_counter() - t0, str(exc))
             return
+        tally is None or tally.record(time.perf_counter() - t0)
         served.debug("manifest_served", bytes=len(payload))
 
     sub = await nc.subscribe(subject, cb=on_request)

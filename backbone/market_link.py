@@ -146,7 +146,7 @@ class MarketLink:
         stats = mc.RoutingStats(model=self.model, node=self.node, window_s=self.interval_s,
                                 hits=tuple((layer, e, rows) for (layer, e), rows in sorted(hits.items())),
                                 fallback_rate=local / calls if calls else None)
-        await self.nc.publish(self.subjects.routing(), stats.encode())
+        await self.nc.publish(self.subjects.routing(), stats.encode(), headers=mc.headers_for(stats))
 
     async def _flush_ledger(self) -> bool:
         """Batch new events, then (re)send every unacknowledged batch. True if all were acked."""
@@ -165,7 +165,8 @@ class MarketLink:
         all_acked = True
         for batch in batches:
             try:
-                msg = await self.nc.request(self.subjects.ledger(), batch.encode(), timeout=self.ack_timeout_s)
+                msg = await self.nc.request(self.subjects.ledger(), batch.encode(), timeout=self.ack_timeout_s,
+                                            headers=mc.headers_for(batch))
                 reply = mc.decode_ledger_reply(msg.data)
             except Exception as exc:  # no market, timeout, garbage: keep the batch for later
                 self._no_market = type(exc).__name__ == "NoRespondersError"

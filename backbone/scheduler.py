@@ -121,6 +121,7 @@ class Scheduler:
         self.kv_bytes = cfg.kv_bytes if cfg.kv_bytes is not None else \
             cfg.max_active * self._cells(engine.n_ctx) * self.cell_bytes
         self.stats = Stats()
+        self.on_step = None  # metrics hook (backbone.metrics): (tokens generated) after each step
         self._queue: list[Job] = []
         self._active: list[Job] = []
         self._reserved = 0
@@ -270,6 +271,7 @@ class Scheduler:
             return
         s = self.stats
         s.steps += 1
+        generated = s.generated_tokens
         s.max_step_sequences = max(s.max_step_sequences, len(batch))
         s.max_step_tokens = max(s.max_step_tokens, sum(len(ids) for _, ids in batch))
         eos = self.engine.cfg.eos_id
@@ -289,6 +291,7 @@ class Scheduler:
                 finished.append((job, "stop"))
             elif len(job.tokens) >= job.request.max_tokens:
                 finished.append((job, "length"))
+        self.on_step is None or self.on_step(s.generated_tokens - generated)
         if finished:
             with self._cond:
                 for job, _ in finished:

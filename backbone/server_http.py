@@ -31,11 +31,13 @@ from typing import AsyncIterator
 import structlog
 from aiohttp import web
 
+from backbone.metrics import DispatchCollector, backbone_registry
 from backbone.chat import parse_messages, template_for
 from backbone.sampling import SamplerConfig
 from backbone.scheduler import GenRequest, Overloaded, Scheduler, SchedulerConfig
 from backbone.tokenizer import StreamDecoder
 from kvasir_bus.errors import KvasirError, UsageError
+from kvasir_bus.metrics import metrics_handler
 
 log = structlog.get_logger("kvasir.serve")
 
@@ -139,10 +141,13 @@ class HttpServer:
     """``await start()`` binds and starts the engine thread; ``await stop()`` undoes both
     (idempotent). ``url`` is known once started (port 0 picks a free port)."""
 
-    def __init__(self, engine, tokenizer, cfg: ServerConfig = ServerConfig()):
+    def __init__(self, engine, tokenizer, cfg: ServerConfig = ServerConfig(), *,
+                 metrics: DispatchCollector | None = None):
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.template = template_for(engine.reader)  # a broken template fails here, at startup
         self.scheduler = Scheduler(engine, cfg.scheduler)
+        self.metrics = metrics or _collector(engine)
+        self.scheduler.on_step = self._count_step
         self.created = int(time.time())
         self.url: str | None = None
         self._runner = None
@@ -155,6 +160,7 @@ class HttpServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", metrics_handler(backbone_registry(self.metrics)))
         # Cancel the handler of a client that disconnects: its sequence is dropped at once.
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -170,6 +176,10 @@ class HttpServer:
         log.info("http_serving", url=self.url, model=self.cfg.model_name, n_ctx=self.engine.n_ctx,
                  max_active=self.cfg.scheduler.max_active, deterministic=self.cfg.scheduler.deterministic)
         return self.url
+
+    def _count_step(self, tokens: int) -> None:
+        self.metrics.steps.inc()
+        self.metrics.tokens.inc(tokens)
 
     async def stop(self) -> None:
         if self._runner is None:
@@ -394,6 +404,18 @@ class HttpServer:
     def _log(self, rid: str, chat: bool, counts: dict, finish: str | None, t0: float) -> None:
         log.info("request", id=rid, api="chat" if chat else "completions", finish=finish,
                  seconds=round(time.perf_counter() - t0, 3), **counts)
+
+
+def _collector(engine) -> DispatchCollector:
+    """The backbone's metrics over whatever computes its experts now: the dispatch statistics
+    when the engine asks workers (a ``RemoteExperts``), none while every expert is local."""
+    from kvasir_bus.fingerprint import model_fingerprint
+
+    collector = DispatchCollector(lambda: getattr(engine.experts, "stats", None),
+                                  model_fingerprint(engine.reader))
+    if hasattr(engine.experts, "observe_reply"):
+        engine.experts.observe_reply = collector.observe_reply
+    return collector
 
 
 class StopText:

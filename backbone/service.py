@@ -28,9 +28,12 @@ from backbone.coverage_view import CoverageView
 from backbone.audit import AuditConfig
 from backbone.dispatch import DispatchConfig, RemoteExperts, log_summary
 from backbone.dispatch_stats import DispatchStats
+from backbone.metrics import DispatchCollector
 from backbone.model import WIRE_DTYPES
+from kvasir_bus import micro
 from kvasir_bus.errors import UsageError
 from kvasir_bus.loopthread import LoopThread
+from kvasir_bus.subjects import Subjects
 
 log = structlog.get_logger("kvasir.backbone")
 
@@ -129,6 +132,8 @@ class _Running:
     weights: object = None
     manifest: object = None
     subs: list = field(default_factory=list)
+    service: object = None  # the $SRV micro service
+    manifest_tally: micro.Tally = field(default_factory=micro.Tally)
 
 
 class BackboneService:
@@ -136,6 +141,7 @@ class BackboneService:
         self.engine, self.cfg = engine, cfg
         self.state = State.NEW
         self.model: str | None = None  # the fingerprint, known once started
+        self.metrics: DispatchCollector | None = None  # Prometheus collector, once started
         self._run: _Running | None = None
 
     # -- what callers read ------------------------------------------------------------------------
@@ -187,6 +193,29 @@ class BackboneService:
 
         return self._run.bus.run(ask(), timeout=timeout_s + 5)
 
+    # -- discovery ($SRV) -------------------------------------------------------------------------
+
+    def card(self) -> micro.Card:
+        from kernels.backend import kernel_label
+
+        return micro.Card(role="backbone", node=self.cfg.node, model=self.model or "", kernel=kernel_label())
+
+    def _served(self) -> list[micro.Served]:
+        """The manifest it answers, and the expert calls it makes: errors are the calls that
+        fell back to this node, processing time the winning replies' round trips."""
+        run, subjects = self._run, Subjects(self.model)
+
+        def dispatch() -> micro.Tally:
+            t = run.dispatch.stats.totals()
+            return micro.Tally(requests=t.remote + t.local, errors=t.local,
+                               processing_ns=int(t.latency_sum_s * 1e9),
+                               data=run.dispatch.stats.to_dict()["totals"])
+        served = [micro.Served("dispatch", subjects.dispatch_all(), stats=dispatch,
+                               metadata={"direction": "out: asks the workers, falls back to itself"})]
+        if self.cfg.serve_manifest:
+            served.append(micro.Served("manifest", subjects.manifest(), stats=lambda: run.manifest_tally))
+        return served
+
     # -- lifecycle --------------------------------------------------------------------------------
 
     def start(self) -> "BackboneService":
@@ -205,7 +234,7 @@ class BackboneService:
         self.state = State.RUNNING
         try:
             self.model = model_fingerprint(self.engine.reader)
-            run.nc = run.bus.run(connect(cfg.nats_url, name=f"kvasir-{cfg.node}"))
+            run.nc = run.bus.run(connect(cfg.nats_url, name=micro.connection_name("backbone", cfg.node)))
             if cfg.market:
                 from backbone.market_link import MarketLink
 
@@ -216,6 +245,8 @@ class BackboneService:
                                                                  n_expert=self.engine.cfg.n_expert),
                                          recorder=run.link)
             run.bus.run(run.dispatch.start())
+            self.metrics = DispatchCollector(lambda: self._run.dispatch.stats if self._run else None, self.model)
+            run.dispatch.observe_reply = self.metrics.observe_reply
             if run.link is not None:
                 run.bus.run(run.link.start())
             if cfg.serve_weights is not None:
@@ -228,7 +259,8 @@ class BackboneService:
                 from backbone.manifest import build_manifest, serve_manifest
 
                 run.manifest = build_manifest(self.engine.path, source_url=self.weights_url or "")
-                run.subs.append(run.bus.run(serve_manifest(run.nc, run.manifest)))
+                run.subs.append(run.bus.run(serve_manifest(run.nc, run.manifest, tally=run.manifest_tally)))
+            run.service = run.bus.run(micro.start_service(run.nc, self.card(), self._served()))
         except BaseException:
             self.stop()
             raise
@@ -248,6 +280,7 @@ class BackboneService:
         if run.dispatch is not None and self.engine.experts is run.dispatch:
             self.engine.use_experts(None)
         try:
+            run.bus.run(micro.stop_service(run.service), timeout=timeout)
             for sub in run.subs:
                 run.bus.run(sub.unsubscribe(), timeout=timeout)
             run.subs.clear()

@@ -23,7 +23,10 @@ Rights (:func:`permissions`) follow the message flow of :mod:`kvasir_bus.subject
   requests it receives (``allow_responses``), nothing else;
 - backbone: the only publisher of dispatch, routing and ledger; answers manifest requests;
 - market: the only publisher of demand; answers volunteer, status and ledger requests;
-- observer: reads everything under ``kvasir.>``; may only ask the market for its status.
+- observer: reads everything under ``kvasir.>``; may only ask the market for its status and
+  every service who it is (``$SRV.>``);
+- worker, backbone, market: each answers ``$SRV.PING/INFO/STATS`` for its own service name
+  (``kvasir-<role>``, :func:`service_subjects`), nothing else under ``$SRV``.
 
 Each identity's reply inbox is ``_INBOX_<its public key>`` (:func:`kvasir_bus.connect.inbox_prefix_for`)
 and it may subscribe to no other inbox: nobody reads another node's replies.
@@ -50,6 +53,7 @@ RESPONSE_EXPIRY = "2m"
 
 _P = subjects.PREFIX
 _DISPATCH = f"{_P}.*.x.*.*"
+SRV = "$SRV"  # the NATS micro protocol's discovery prefix
 
 
 @dataclass(frozen=True)
@@ -72,27 +76,37 @@ class Deployment:
         return {i.name for i in self.identities}
 
 
+def service_subjects(role: str) -> list[str]:
+    """The ``$SRV`` subjects a role's micro service listens on (:mod:`kvasir_bus.micro`):
+    ``$SRV.PING``, ``$SRV.PING.kvasir-<role>``, ``$SRV.PING.kvasir-<role>.<id>`` and the same
+    for INFO and STATS. It answers through ``allow_responses``."""
+    name = f"kvasir-{role}"
+    return [f"{SRV}.*", f"{SRV}.*.{name}", f"{SRV}.*.{name}.*"]
+
+
 def permissions(role: str, name: str, public_key: str) -> dict:
     """The nats-server ``permissions`` block of one identity (a JSON-able dict)."""
     inbox = f"{inbox_prefix_for(public_key)}.>"
     if role == "worker":
         return {"publish": {"allow": [f"{_P}.*.coverage.{subjects.check_node(name)}",
                                       f"{_P}.*.market.volunteer", f"{_P}.*.manifest"]},
-                "subscribe": {"allow": [_DISPATCH, inbox]},
+                "subscribe": {"allow": [_DISPATCH, inbox, *service_subjects(role)]},
                 "allow_responses": {"max": 1, "expires": RESPONSE_EXPIRY}}
     if role == "backbone":
         return {"publish": {"allow": [_DISPATCH, f"{_P}.*.routing", f"{_P}.*.ledger",
                                       f"{_P}.*.market.status"]},
-                "subscribe": {"allow": [f"{_P}.*.manifest", f"{_P}.*.coverage.*", inbox]},
+                "subscribe": {"allow": [f"{_P}.*.manifest", f"{_P}.*.coverage.*", inbox,
+                                        *service_subjects(role)]},
                 "allow_responses": True}
     if role == "market":
         return {"publish": {"allow": [f"{_P}.*.demand", f"{_P}.*.manifest"]},
                 "subscribe": {"allow": [subjects.ALL_COVERAGE, subjects.ALL_ROUTING,
                                         subjects.ALL_LEDGER, subjects.ALL_VOLUNTEER,
-                                        subjects.ALL_STATUS, subjects.MARKET_OVERVIEW, inbox]},
+                                        subjects.ALL_STATUS, subjects.MARKET_OVERVIEW, inbox,
+                                        *service_subjects(role)]},
                 "allow_responses": True}
-    if role == "observer":
-        return {"publish": {"allow": [subjects.ALL_STATUS, subjects.MARKET_OVERVIEW]},
+    if role == "observer":  # may ask every service who it is ($SRV.PING/INFO/STATS)
+        return {"publish": {"allow": [subjects.ALL_STATUS, subjects.MARKET_OVERVIEW, f"{SRV}.>"]},
                 "subscribe": {"allow": [subjects.ALL, inbox]}}
     raise ValueError(f"no permissions for role {role!r}")
 

@@ -11,6 +11,9 @@ proxy in front, in place of the config's ``websocket {}`` block.
 from __future__ import annotations
 
 import argparse
+import errno
+import re
+import socket
 import signal
 import sys
 from pathlib import Path
@@ -58,6 +61,47 @@ def default_config() -> Path:
     raise UsageError(f"no {CONFIG_NAME} found (looked in {looked}); pass --config FILE")
 
 
+_TOP_LEVEL = re.compile(r"^(port|host|listen|http|http_port|monitor_port)\s*[:=]\s*\"?([^\"\s#]+)", re.M)
+
+
+def listen_ports(config: Path, port: int | None, http_port: int | None) -> list[tuple[str, str, int]]:
+    """(what, host, port) of the client and monitoring listeners the server will open: the
+    flags, else the config's top-level settings (indented blocks such as websocket are not
+    read), else nats-server's defaults for the client port. Port 0 (any free port) is left out."""
+    found = dict(m.groups() for m in _TOP_LEVEL.finditer(config.read_text(errors="replace")))
+    host = found.get("host", "0.0.0.0")
+    client = (host, int(found.get("port", 4222)))
+    if "listen" in found:
+        h, _, p = found["listen"].rpartition(":")
+        client = (h or host, int(p))
+    monitor = None
+    if "http" in found:
+        h, _, p = found["http"].rpartition(":")
+        monitor = (h or host, int(p))
+    elif "http_port" in found or "monitor_port" in found:
+        monitor = (host, int(found.get("http_port") or found["monitor_port"]))
+    if port is not None:
+        client = (client[0], port)
+    if http_port is not None:
+        monitor = (monitor[0] if monitor else host, http_port)
+    out = [("client", *client)] + ([("monitoring", *monitor)] if monitor else [])
+    return [(what, h, p) for what, h, p in out if p > 0]
+
+
+def check_free(listeners: list[tuple[str, str, int]]) -> None:
+    """Raise a one-line :class:`UsageError` if one of ``listeners`` is taken already (a second
+    ``kvasir nats``): nats-server would print its start-up banner and a fatal line instead."""
+    for what, host, port in listeners:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as nats-server binds
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise UsageError(f"port {port} ({what}, {host}) is taken: is another kvasir nats "
+                                     "running? stop it, or choose --port/--http-port") from None
+
+
 class _Stop(Exception):
     """Raised from the SIGTERM handler to leave the wait."""
 
@@ -73,6 +117,7 @@ def cmd_nats(args: argparse.Namespace) -> int:
     if not config.is_file():
         raise UsageError(f"nats-server config {config} does not exist")
     ws_host, ws_port = parse_websocket(args.websocket) if args.websocket else (None, None)
+    check_free(listen_ports(config, args.port, args.http_port))
     server = EmbeddedNats(config=config, port=args.port, host=None, http_port=args.http_port,
                           websocket_port=ws_port, websocket_host=ws_host, inherit_output=True)
     previous = signal.signal(signal.SIGTERM, _raise_stop)

@@ -371,7 +371,13 @@ def headers_for(msg: Record) -> dict[str, str]:
     They are a view for people and tools; receivers trust the payload, not the headers.
     """
     msg = _registered(msg, "no headers for")
-    return {"Kvasir-Version": str(VERSION), **msg.headers()}
+    # Kind and model on every message, so `nats sub 'kvasir.>'` tells what flows and for which
+    # model without decoding a payload (replies carry no model: their request named it).
+    common = {"Kvasir-Version": str(VERSION), "Kvasir-Kind": type(msg).what.replace(" ", "_")}
+    model = getattr(msg, "model", None)
+    if isinstance(model, str) and model:
+        common["Kvasir-Model"] = model
+    return {**common, **msg.headers()}
 
 
 def unpack(data: Any, max_bytes: int, kinds: tuple[str, ...], what: str) -> dict:

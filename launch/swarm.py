@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kvasir_bus import codec
 from kvasir_bus.connect import connect
+from kvasir_bus.micro import connection_name
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.subjects import Subjects
 
@@ -71,7 +72,7 @@ def spawn_worker(url: str, node: str, source_args: list[str], *, heartbeat_s: fl
 async def wait_for_nodes(url: str, model: str, nodes: set[str], timeout: float = 60.0,
                          procs: list[WorkerProcess] = ()) -> dict[str, codec.Heartbeat]:
     """Wait until every node in ``nodes`` has sent a heartbeat for ``model``."""
-    nc = await connect(url, name="kvasir-swarm-watch")
+    nc = await connect(url, name=connection_name("up"))
     seen: dict[str, codec.Heartbeat] = {}
     arrived = asyncio.Event()
 

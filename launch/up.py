@@ -65,6 +65,9 @@ def register(sub) -> None:
                    help="the market's ledger file (default: a temporary one, gone at exit)")
     add_weights_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--logs", metavar="DIR", default=None,
+                   help="keep the market's and each worker's log here (default: a temporary "
+                   "directory, removed at exit)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser(
@@ -150,7 +153,14 @@ def cmd_up(args) -> int:
 
     with ExitStack() as stack:
         url = args.nats or os.environ.get("NATS_URL")
-        logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvasir-up-")))
+        if args.logs is not None:
+            logdir = Path(args.logs)
+            try:
+                logdir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UsageError(f"--logs {args.logs}: {exc.strerror or exc}") from None
+        else:
+            logdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvasir-up-")))
         creds = None  # role -> credentials file, with --secure
         if args.secure is not None:
             if url:
@@ -189,6 +199,10 @@ def cmd_up(args) -> int:
               + ", ".join(f"{w.node} experts {lo}-{hi}" for w, (lo, hi) in zip(workers, ranges)), file=out)
         if market is not None:
             print(f"market: kvasir status --nats {url}   (ledger {args.db or 'in a temporary file'})", file=out)
+        kept = "kept" if args.logs is not None else "removed at exit; keep them with --logs DIR"
+        print(f"logs ({kept}): " + ", ".join(
+            [str(logdir / "market.log")] * (market is not None)
+            + [f"{w.node} {logdir / f'worker-{i}.log'}" for i, w in enumerate(workers)]), file=out)
         if backbone.weights_url:
             print(f"weights: {backbone.weights_url}; volunteers: kvasir worker --nats {url} --budget 64MB "
                   f"--source {backbone.weights_url}" + (" --token TOKEN" if cfg.tokens else ""), file=out)
@@ -203,8 +217,7 @@ def cmd_up(args) -> int:
         gen = generate(engine, prompt, args.n, Sampler(SamplerConfig()), stop_on_eos=True, keep_logits=args.check)
         stats = backbone.stats.to_dict()
         result = {"nats": url, "model": fp, "text": tok.decode(gen.tokens), "tokens": gen.tokens,
-                  "workers": {w.node: {"experts": f"{lo}-{hi}", **stats["per_node"].get(w.node, {"calls": 0, "rows": 0})}
-                              for w, (lo, hi) in zip(workers, ranges)},
+                  "workers": served_by(stats["per_node"], {w.node: f"{lo}-{hi}" for w, (lo, hi) in zip(workers, ranges)}),
                   "dispatch": stats["totals"],
                   "decode_tokens_per_s": round((len(gen.tokens) - 1) / gen.decode_s, 2)
                   if len(gen.tokens) > 1 and gen.decode_s else None}
@@ -229,6 +242,14 @@ def cmd_up(args) -> int:
         print("kvasir up: error: the sharded run differs from the monolithic run", file=sys.stderr)
         return 1
     return 0
+
+
+def served_by(per_node: dict, started: dict[str, str]) -> dict[str, dict]:
+    """Every node that served (``per_node`` of the dispatch statistics) and every worker this
+    command started (``started``: node -> its inclusive expert range): a volunteer or a
+    worker started elsewhere is listed too, with experts ``-`` (the market knows them)."""
+    nodes = list(started) + sorted(n for n in per_node if n not in started)
+    return {n: {"experts": started.get(n, "-"), **per_node.get(n, {"calls": 0, "rows": 0})} for n in nodes}
 
 
 def _print_report(result: dict, n_prompt: int) -> None:

@@ -10,6 +10,7 @@ import argparse
 import json
 
 from kvasir_bus.connect import add_connection_flags
+from kvasir_bus.micro import connection_name
 from kvasir_bus.errors import KvasirError, UsageError
 from market import DEFAULT_DB
 
@@ -116,7 +117,7 @@ async def _serve(cfg, url, http=None) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await connect_or_stop(stop, url, name=f"kvasir-market-{cfg.node}")
+    nc = await connect_or_stop(stop, url, name=connection_name("market", cfg.node))
     if nc is None:  # SIGTERM before the bus answered
         return 0
     market = Market(nc, cfg)
@@ -146,7 +147,7 @@ async def _ask(url: str | None, subject: str, timeout: float):
     from kvasir_bus.connect import connect
     from kvasir_bus.market_codec import decode_status_reply
 
-    nc = await connect(url, name="kvasir-status")
+    nc = await connect(url, name=connection_name("status"))
     try:
         try:
             msg = await nc.request(subject, b"", timeout=timeout)
@@ -306,7 +307,7 @@ async def _tap(url, subject, count, duration) -> None:
     def emit(text: str) -> None:
         print(text, flush=True)
 
-    nc = await connect(url, name="kvasir-tap")
+    nc = await connect(url, name=connection_name("tap"))
     task = asyncio.ensure_future(tap(nc, subject, emit, count=count, duration=duration))
     loop = asyncio.get_running_loop()
     try:

@@ -42,7 +42,7 @@ import nats.errors
 import numpy as np
 import structlog
 
-from kvasir_bus import codec, market_codec as mc, subjects
+from kvasir_bus import codec, market_codec as mc, micro, subjects
 from kvasir_bus.codec import CodecError, ErrorReply
 from kvasir_bus.subjects import Subjects
 from market.assign import NoFit, choose
@@ -155,6 +155,8 @@ class Market:
         self._tasks: set[asyncio.Task] = set()
         self._pool: ThreadPoolExecutor | None = None
         self._ready_at = 0.0  # loop time at which the warm-up ends
+        self.tallies: dict[str, micro.Tally] = {}  # per subscribed subject, for $SRV.STATS
+        self._service = None
         self.log = log.bind(market=self.cfg.node)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -172,15 +174,19 @@ class Market:
             for model, node, holdings, budget, until in await self._db(
                     self.ledger.assignments, now):
                 self._model(model).coverage.assign(node, holdings, budget, now, until=until)
-            for wildcard, handler in (
-                    (subjects.ALL_COVERAGE, self._on_heartbeat),
-                    (subjects.ALL_ROUTING, self._on_routing),
-                    (subjects.ALL_VOLUNTEER, self._on_volunteer),
-                    (subjects.ALL_LEDGER, self._on_ledger),
-                    (subjects.ALL_STATUS, self._on_status),
-                    (subjects.MARKET_OVERVIEW, self._on_overview)):
-                self._subs.append(await self.nc.subscribe(wildcard, cb=self._guard(handler)))
-            await self.nc.flush()
+            served = []
+            for name, wildcard, handler in (
+                    ("coverage", subjects.ALL_COVERAGE, self._on_heartbeat),
+                    ("routing", subjects.ALL_ROUTING, self._on_routing),
+                    ("volunteer", subjects.ALL_VOLUNTEER, self._on_volunteer),
+                    ("ledger", subjects.ALL_LEDGER, self._on_ledger),
+                    ("status", subjects.ALL_STATUS, self._on_status),
+                    ("overview", subjects.MARKET_OVERVIEW, self._on_overview)):
+                tally = self.tallies[name] = micro.Tally()
+                served.append(micro.Served(name, wildcard, stats=lambda t=tally: t))
+                self._subs.append(await self.nc.subscribe(wildcard, cb=self._guard(handler, tally)))
+            self._service = await micro.start_service(self.nc, micro.Card(
+                "market", self.cfg.node, ",".join(self.cfg.models) or "*"), served)
             for model in self.cfg.models:
                 self._model(model)
             self._spawn(self._tick_loop(), "tick")
@@ -202,6 +208,7 @@ class Market:
             except Exception:  # the connection may be gone already
                 pass
         self._subs.clear()
+        await micro.stop_service(self._service)
         await _cancel_all(self._tasks)
         if self.ledger is not None:
             await self._db(self.ledger.close)
@@ -230,10 +237,13 @@ class Market:
         fsync)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    def _guard(self, handler: Callable[[Any], Awaitable[None]]):
+    def _guard(self, handler: Callable[[Any], Awaitable[None]], tally: micro.Tally | None = None):
+        tally = tally if tally is not None else micro.Tally()
+
         async def cb(msg: Any) -> None:
             try:
-                await handler(msg)
+                with tally.timer():
+                    await handler(msg)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the market never dies on input

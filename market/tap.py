@@ -111,13 +111,13 @@ def summarize_payload(data: bytes) -> str:
 
 
 def headers_text(headers: dict[str, str] | None) -> str:
-    """``{layer=3 expert=17}``: Kvasir headers without prefix and version; others as they
-    are."""
+    """``{layer=3 expert=17}``: Kvasir headers without prefix, version, kind and model (the
+    subject and the summary say those); others as they are."""
     if not headers:
         return ""
     parts = []
     for key, value in headers.items():
-        if key == "Kvasir-Version":
+        if key in ("Kvasir-Version", "Kvasir-Kind", "Kvasir-Model"):  # the line shows them already
             continue
         name = key[len("Kvasir-"):].lower() if key.startswith("Kvasir-") else key
         parts.append(f"{name}={_short(value, 40)}")

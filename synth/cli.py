@@ -10,6 +10,9 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
+
+from kvasir_bus.errors import UsageError
 
 # The choices, repeated here so the parser needs no numpy; a test checks they match
 # synth.model's tables.
@@ -46,6 +49,7 @@ def register(subparsers) -> None:
                    help="type of the weight matrices; norms and routers stay f32 (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     p.add_argument("-o", "--output", required=True, metavar="FILE.gguf", help="file to write")
+    p.add_argument("--force", action="store_true", help="overwrite FILE.gguf if it exists")
     sizes = p.add_argument_group("size overrides")
     for flag, text in _SIZE_FLAGS:
         sizes.add_argument(flag, type=int, metavar="N", help=text)
@@ -67,6 +71,8 @@ def run_synth(args: argparse.Namespace) -> int:
     overrides = {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
                  for flag, _ in _SIZE_FLAGS}
     cfg = synth.make_config(args.arch, args.preset, args.qtype, args.seed, **overrides)
+    if Path(args.output).exists() and not args.force:
+        raise UsageError(f"{args.output} exists: give --force to overwrite it")
     progress = _ProgressLine() if sys.stderr.isatty() else None
     try:
         report = synth.write_model(args.output, cfg, progress=progress)

@@ -105,6 +105,8 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-rows", type=int, default=16384, metavar="N", help="largest request in rows")
     p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="B",
                    help="largest request in bytes (default 8 MiB, the max_payload of deploy/nats.conf)")
+    p.add_argument("--metrics", metavar="[HOST:]PORT", default=None,
+                   help="serve Prometheus /metrics here (host 127.0.0.1 unless given; port 0: any free port)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     # M3 self-enrolment: ask the market for the scarcest range that fits, download only that
     v = p.add_argument_group("volunteering (instead of --slice/--model)")
@@ -152,8 +154,12 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         check_node(node)
     except ValueError as exc:
         raise UsageError(f"--node: {exc}") from None
+    if args.metrics is not None:
+        from kvasir_bus.metrics import parse_listen
+
+        parse_listen(args.metrics)  # a bad address is one line now, not after connecting
     cfg = WorkerConfig(node=node, heartbeat_s=args.heartbeat, max_rows=args.max_rows,
-                       max_bytes=args.max_request_bytes, queue_group=args.queue_group)
+                       max_bytes=args.max_request_bytes, queue_group=args.queue_group, metrics=args.metrics)
     if volunteering:
         import os
 
@@ -182,13 +188,14 @@ async def _serve(info, cfg, url) -> int:
     import signal
 
     from kvasir_bus.connect import connect_or_stop, shutdown
+    from kvasir_bus.micro import connection_name
     from workers.runtime import Worker
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    nc = await connect_or_stop(stop, url, name=f"kvasir-worker-{cfg.node}")
+    nc = await connect_or_stop(stop, url, name=connection_name("worker", cfg.node))
     if nc is None:  # SIGTERM before the bus answered
         return 0
     worker = Worker(info, cfg)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import structlog
 
-from kvasir_bus import __version__, codec
+from kvasir_bus import __version__, codec, micro
 from kvasir_bus.subjects import Subjects, parse_dispatch
 from kernels.expert import expert_ffn
 from kernels.backend import kernel_label
@@ -49,6 +49,7 @@ class WorkerConfig:
     queue_group: str | None = None  # None: replicas race (first reply wins); a name: load-balance
     budget_bytes: int = 0
     drain_timeout_s: float = 30.0
+    metrics: str | None = None  # [HOST:]PORT to serve Prometheus /metrics on (workers.metrics)
 
 
 class State(enum.Enum):
@@ -66,6 +67,10 @@ class Worker:
         self.served = 0
         self.errors = 0
         self.rows = 0
+        self.compute_s = 0.0  # kernel time of every request served, for $SRV.STATS
+        self.on_compute = None  # metrics hook: (layer, seconds) per request (workers.metrics)
+        self._service = None  # the $SRV micro service (kvasir_bus.micro)
+        self.metrics_server = None  # kvasir_bus.metrics.MetricsServer, with cfg.metrics
         self._nc = None
         self._subs = []
         self._tasks: set[asyncio.Task] = set()
@@ -83,12 +88,15 @@ class Worker:
         if self.state is not State.NEW:
             raise RuntimeError(f"worker already {self.state.value}")
         self._nc = nc
+        if self.cfg.metrics is not None:  # first: a port in use fails before we subscribe
+            await self._start_metrics()
         for layer, expert in self.slice.experts():
             subject = self.subjects.dispatch(layer, expert)
             kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
             self._subs.append(await nc.subscribe(subject, cb=self._on_request, **kw))
         await nc.flush()  # subscriptions are live on the server before we say so
         self.state = State.RUNNING
+        self._service = await micro.start_service(nc, self.card(), [self._served()])
         await self._publish_heartbeat()
         self._heartbeat = asyncio.create_task(self._heartbeat_loop())
         self.log.info("worker_started", experts=self.slice.n_held, holdings=len(self.slice.holdings),
@@ -108,6 +116,9 @@ class Worker:
         self._subs.clear()
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=self.cfg.drain_timeout_s)
+        await micro.stop_service(self._service)
+        if self.metrics_server is not None:
+            await self.metrics_server.stop()
         if self._heartbeat:
             self._heartbeat.cancel()
             await asyncio.gather(self._heartbeat, return_exceptions=True)
@@ -121,6 +132,33 @@ class Worker:
 
     async def __aexit__(self, *exc) -> None:
         await self.stop()
+
+    async def _start_metrics(self) -> None:
+        from kvasir_bus.metrics import MetricsServer, parse_listen, registry
+        from workers.metrics import WorkerCollector
+
+        host, port = parse_listen(self.cfg.metrics)
+        collector = WorkerCollector(self)
+        self.on_compute = collector.observe_compute
+        self.metrics_server = await MetricsServer(registry(collector), host, port).start()
+        self.log.info("worker_metrics", url=f"{self.metrics_server.url}/metrics")
+
+    # -- discovery ($SRV) ----------------------------------------------------------------------
+
+    def card(self) -> micro.Card:
+        return micro.Card(role="worker", node=self.cfg.node, model=self.slice.fingerprint,
+                          kernel=self._kernel)
+
+    def _served(self) -> micro.Served:
+        holdings = ",".join(str(h) for h in self.slice.holdings)  # L0:0-31, inclusive
+        return micro.Served(
+            name="experts", subject=self.subjects.dispatch_all(), queue_group=self.cfg.queue_group or "",
+            metadata={"holdings": holdings, "experts": str(self.slice.n_held),
+                      "replicas": "load-balanced" if self.cfg.queue_group else "race (first reply wins)"},
+            stats=lambda: micro.Tally(requests=self.served + self.errors, errors=self.errors,
+                                      processing_ns=int(self.compute_s * 1e9),
+                                      data={"rows": self.rows, "in_flight": self.in_flight,
+                                            "holdings": holdings}))
 
     # -- heartbeats ---------------------------------------------------------------------------
 
@@ -163,7 +201,10 @@ class Worker:
             rows = np.ascontiguousarray(req.rows, dtype=np.float32)
             loop = asyncio.get_running_loop()
             # A slice holds routed experts only: compute them as llama.cpp computes those.
-            out = await loop.run_in_executor(self._pool, lambda: expert_ffn(*weights, rows, routed=True))
+            out, seconds = await loop.run_in_executor(self._pool, _timed, weights, rows)
+            self.compute_s += seconds
+            if self.on_compute is not None:
+                self.on_compute(req.layer, seconds)
             reply = codec.DispatchReply(request_id=req.request_id, node=self.cfg.node, rows=out,
                                         kernel=self._kernel)
         except _Refused as exc:
@@ -205,6 +246,12 @@ class Worker:
             raise _Refused(codec.ERR_BAD_REQUEST, f"payload names layer {req.layer} expert {req.expert}, "
                            f"subject names layer {where.layer} expert {where.expert}")
         return req, self.slice.expert_weights(req.layer, req.expert)
+
+
+def _timed(weights, rows):
+    t0 = time.perf_counter()
+    out = expert_ffn(*weights, rows, routed=True)
+    return out, time.perf_counter() - t0
 
 
 class _Refused(Exception):

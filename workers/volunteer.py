@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import nats.errors
 import structlog
 
-from kvasir_bus import market_codec
+from kvasir_bus import market_codec, micro
 from kvasir_bus.codec import CodecError, ErrorReply
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.market_codec import Assignment, Manifest, VolunteerRequest
@@ -219,7 +219,7 @@ async def volunteer_and_serve(cfg: VolunteerConfig, worker_cfg, url: str | None)
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal)
-    nc = await connect_or_stop(stop, url, name=f"kvasir-worker-{worker_cfg.node}")
+    nc = await connect_or_stop(stop, url, name=micro.connection_name("worker", worker_cfg.node))
     if nc is None:  # stopped before the bus answered
         return 0
     progress = TerminalProgress(sys.stderr) if sys.stderr.isatty() else None

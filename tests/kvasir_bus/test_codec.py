@@ -397,13 +397,15 @@ def test_encoding_something_else_is_refused():
 def test_headers_describe_a_request():
     h = codec.headers_for(request(rows=rows(4, 8, np.float16), layer=11, expert=200,
                                   request_id="q9"))
-    assert h == {"Kvasir-Version": "1", "Kvasir-Layer": "11", "Kvasir-Expert": "200",
+    assert h == {"Kvasir-Version": "1", "Kvasir-Kind": "dispatch_request", "Kvasir-Model": h["Kvasir-Model"],
+                 "Kvasir-Layer": "11", "Kvasir-Expert": "200",
                  "Kvasir-Rows": "4", "Kvasir-Dtype": "float16", "Kvasir-Request": "q9"}
 
 
 def test_headers_describe_replies_and_heartbeats():
     reply = codec.headers_for(DispatchReply("q9", "gpu-1", rows(4, 8)))
-    assert reply == {"Kvasir-Version": "1", "Kvasir-Node": "gpu-1", "Kvasir-Request": "q9",
+    assert reply == {"Kvasir-Version": "1", "Kvasir-Kind": "dispatch_reply", "Kvasir-Node": "gpu-1",
+                     "Kvasir-Request": "q9",
                      "Kvasir-Rows": "4", "Kvasir-Dtype": "float32"}
     err = codec.headers_for(ErrorReply("q9", "gpu-1", "overloaded", "busy"))
     assert err["Kvasir-Error"] == "overloaded" and err["Kvasir-Node"] == "gpu-1"

@@ -174,7 +174,8 @@ def test_status_and_overview_round_trip():
 
 def test_headers_describe_every_message():
     assert mc.headers_for(VolunteerRequest(FP, "n", 5)) == {
-        "Kvasir-Version": "1", "Kvasir-Node": "n", "Kvasir-Budget": "5"}
+        "Kvasir-Version": "1", "Kvasir-Kind": "volunteer_request", "Kvasir-Model": FP,
+        "Kvasir-Node": "n", "Kvasir-Budget": "5"}
     assert mc.headers_for(batch())["Kvasir-Events"] == "2"
     assert mc.headers_for(manifest())["Kvasir-Slabs"] == "24"
     for msg in (Assignment(FP, "n", [(0, 0, 1)], 1, 1.0), RoutingStats(FP, "b", 1.0, []),

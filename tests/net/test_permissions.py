@@ -151,3 +151,43 @@ def test_anonymous_and_unknown_keys_are_refused(deployment, secure_server, arun,
                           connect_deadline=3)
 
     arun(go())
+
+
+def test_every_role_answers_srv_for_itself_and_the_observer_may_ask(deployment, secure_server, arun):
+    import json
+
+    from kvasir_bus import micro
+
+    async def go():
+        clients = {name: await Client.open(secure_server.url, deployment / f"{name}.creds")
+                   for name in ("w1", "market", "backbone", "observer")}
+        services = [await micro.start_service(clients[name].nc, micro.Card(role, name, "abc123"))
+                    for name, role in (("w1", "worker"), ("market", "market"), ("backbone", "backbone"))]
+        obs = clients["observer"].nc
+        inbox, replies, all_three = obs.new_inbox(), [], asyncio.Event()
+
+        async def on_reply(msg):
+            replies.append(json.loads(msg.data)["name"])
+            if len(replies) == 3:
+                all_three.set()
+
+        await obs.subscribe(inbox, cb=on_reply)
+        await obs.flush()
+        await obs.publish("$SRV.PING", b"", reply=inbox)
+        await asyncio.wait_for(all_three.wait(), 10)
+        assert sorted(replies) == ["kvasir-backbone", "kvasir-market", "kvasir-worker"]
+        info = await obs.request("$SRV.INFO.kvasir-worker", b"", timeout=5)
+        assert json.loads(info.data)["metadata"]["node"] == "w1"
+        assert {n: c.errors for n, c in clients.items() if c.errors} == {}
+        # A worker may not listen as another role's service, nor ask anyone.
+        w1 = clients["w1"]
+        await w1.nc.subscribe("$SRV.PING.kvasir-market.x")
+        await w1.refused("$SRV.PING.kvasir-market.x")
+        await w1.nc.publish("$SRV.PING", b"")
+        await w1.refused("$SRV.PING")
+        for svc in services:
+            await micro.stop_service(svc)
+        for c in clients.values():
+            await c.nc.close()
+
+    arun(go(), timeout=30)

@@ -1,0 +1,111 @@
+"""Headers everywhere: every message kind says what it is, and every publish site sends them.
+
+``nats sub 'kvasir.>'`` (or any NATS tool) shows a message's headers without decoding msgpack:
+routing statistics and ledger batches carried none before this test existed.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+from pathlib import Path
+
+import numpy as np
+
+from backbone.market_link import MarketLink
+from kvasir_bus import codec, market_codec as mc, wire
+from kvasir_bus.connect import connect
+from kvasir_bus.subjects import Subjects
+
+ROOT = Path(__file__).resolve().parents[2]
+FP = "0123456789abcdef"
+
+
+def samples() -> dict[str, wire.Record]:
+    """One valid record of every kind the wire registry knows."""
+    rows = np.zeros((2, 4), np.float32)
+    ev = mc.LedgerEvent(event_id="bb:1:0", node="w1", layer=0, expert=1, rows=2, at=1.0)
+    hb = codec.Heartbeat(FP, "w1", ((0, 0, 8),), 0, 0.0, 0, "0.1.0", "numpy", 1.0)
+    records = [
+        codec.DispatchRequest(model=FP, layer=0, expert=1, rows=rows, request_id="r1"),
+        codec.DispatchReply("r1", "w1", rows), hb,
+        wire.ErrorReply("r1", "w1", "bad_request", "no"),
+        mc.VolunteerRequest(FP, "w1", 5), mc.Assignment(FP, "w1", [(0, 0, 1)], 1, 1.0),
+        mc.RoutingStats(FP, "bb", 1.0, [(0, 1, 2)]), mc.DemandMap(FP, 1.0, ()),
+        mc.LedgerBatch(FP, "bb", "bb:1:b0", (ev,)), mc.LedgerAck("bb:1:b0", 1, 0),
+        mc.Quarantine(FP, "w1", 0, 1, "numpy-x86_64", True, 0.5, 1.0),
+        mc.MarketStatus(FP, "market", 1.0, False, 0, 0, 8, 10.0, (), (), ()), mc.MarketOverview(1.0, ()),
+    ]
+    return {type(r).kind: r for r in records}
+
+
+def test_every_record_kind_has_readable_headers_with_its_kind_and_model():
+    made = samples()
+    missing = set(wire.RECORDS) - set(made) - {"mf"}  # the manifest: tests/kvasir_bus builds one
+    assert not missing, f"add a sample of {missing}"
+    for kind, msg in made.items():
+        h = wire.headers_for(msg)
+        assert h["Kvasir-Kind"] == type(msg).what.replace(" ", "_"), kind
+        if getattr(msg, "model", None):
+            assert h["Kvasir-Model"] == msg.model
+        assert len(h) > 2 and all(isinstance(v, str) and v for v in h.values()), (kind, h)
+    assert wire.headers_for(made["hb"])["Kvasir-Node"] == "w1"
+    assert wire.headers_for(made["q"])["Kvasir-Layer"] == "0"
+
+
+def _publish_calls(path: Path):
+    """(line, method, has headers) of every ``.publish``/``.request`` whose payload is a
+    record's ``.encode()``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("publish", "request") and len(node.args) >= 2):
+            payload = node.args[1]
+            if isinstance(payload, ast.Call) and isinstance(payload.func, ast.Attribute) \
+                    and payload.func.attr == "encode":
+                yield node.lineno, node.func.attr, any(k.arg == "headers" for k in node.keywords)
+
+
+def test_every_publish_site_of_a_record_sends_its_headers():
+    sites = [(f"{p.relative_to(ROOT)}:{line}", has)
+             for folder in ("kvasir_bus", "workers", "backbone", "market", "launch", "synth")
+             for p in sorted((ROOT / folder).rglob("*.py"))
+             for line, _, has in _publish_calls(p)]
+    assert len(sites) >= 6  # the scan sees the roles' publish sites
+    assert [where for where, has in sites if not has] == []
+
+
+def test_routing_and_ledger_messages_carry_headers_on_the_bus(nats_server, arun):
+    subjects = Subjects(FP)
+
+    async def go():
+        seen = {}
+        tap = await connect(nats_server.url, "test-tap")
+
+        async def on_msg(msg):
+            seen[msg.subject] = msg.headers or {}
+            if msg.reply:  # act as the market: acknowledge the batch
+                batch = mc.decode_ledger(msg.data)
+                ack = mc.LedgerAck(batch.batch_id, len(batch.events), 0)
+                await tap.publish(msg.reply, ack.encode(), headers=mc.headers_for(ack))
+
+        await tap.subscribe(subjects.everything(), cb=on_msg)
+        await tap.flush()
+        nc = await connect(nats_server.url, "test-backbone")
+        link = MarketLink(nc, FP, "bb", interval_s=0.05)
+        link.record_call(0, 1, 3, remote=True)
+        link.record_win("w1", 0, 1, 3)
+        await link.start()
+        for _ in range(200):
+            if len(seen) >= 2:
+                break
+            await asyncio.sleep(0.01)
+        await link.stop()
+        await nc.close()
+        await tap.close()
+        return seen
+
+    seen = arun(go())
+    routing, ledger = seen[subjects.routing()], seen[subjects.ledger()]
+    assert routing["Kvasir-Kind"] == "routing_stats" and routing["Kvasir-Node"] == "bb"
+    assert routing["Kvasir-Model"] == FP
+    assert ledger["Kvasir-Kind"] == "ledger_batch" and ledger["Kvasir-Events"] == "1"
