@@ -101,6 +101,10 @@ class _NoResponders(Exception):
     pass
 
 
+class _OnlyLiars(Exception):
+    """Only quarantined nodes answered, and no honest replica within a short grace after."""
+
+
 class Local(Protocol):
     """The fallback replica (:class:`backbone.experts.LocalExperts`)."""
 
@@ -312,6 +316,10 @@ class RemoteExperts:
             self.coverage.mark_uncovered(layer, expert)
             stats.no_responders += 1
             return None
+        except _OnlyLiars:
+            self._forget(tokens, "ignored")
+            self.coverage.mark_silent(layer, expert)  # probe from now on: a liar's word is no life
+            return None
         except asyncio.TimeoutError:
             self._forget(tokens, "timeout")
             stats.timeouts += 1
@@ -400,7 +408,10 @@ class RemoteExperts:
         self.stats.layer(layer).bytes_in += len(msg.data)
         reply = self._decode(msg.data)
         if isinstance(reply, (codec.DispatchReply, codec.ErrorReply)) and self.auditor.is_quarantined(reply.node):
-            self.stats.layer(layer).ignored += 1  # a liar: wait on for an honest replica
+            self.stats.layer(layer).ignored += 1  # a liar: wait a little longer for an honest replica
+            grace = max(self.cfg.timeout_floor_s, 2 * (self.timeout.srtt or 0.0))
+            asyncio.get_running_loop().call_later(
+                grace, lambda: fut.done() or fut.set_exception(_OnlyLiars()))
             return
         self._pending.pop(token, None)
         self._finished[token] = ("won", layer, expert)

@@ -130,7 +130,7 @@ def monolithic(model, prompt):
 def sharded(model, url, prompt, audit: AuditConfig, n: int = N_DECODE):
     engine = Engine(model)
     cfg = BackboneConfig(model_path=str(model), nats_url=url, market=False, serve_manifest=False,
-                         dispatch=DispatchConfig(timeout_s=30.0, audit=audit))
+                         dispatch=DispatchConfig(audit=audit))
     with BackboneService(engine, cfg) as backbone:
         gen = generate(engine, prompt, n, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
         return gen.tokens, gen.logits_array(), backbone.stats.to_dict()
