@@ -32,6 +32,8 @@ class ArchTraits:
     ffn_norm: str = "ffn_norm"  # tensor name of the norm before the MoE (qwen35moe: post_attention_norm)
     delta_net: bool = False  # gated delta-net layers (ssm_*), full attention every few layers
     attn_q_gate: bool = False  # attn_q yields (q, gate) per head; attention out * sigmoid(gate)
+    ssm_ba: bool = False  # qwen3next: beta and alpha from one ssm_ba, interleaved per Q/K head, and Q/K
+    # heads repeated interleaved (V head h reads Q/K head h // (Hv/Hk); qwen35moe: h % Hk)
 
 
 ARCHES: dict[str, ArchTraits] = {
@@ -46,6 +48,10 @@ ARCHES: dict[str, ArchTraits] = {
     "qwen35moe": ArchTraits("imrope", qk_norm=True, qkv_bias=False, norm_topk=True, shared_expert=True,
                             expert_ffn_key="expert_feed_forward_length", shexp_gate="sigmoid",
                             ffn_norm="post_attention_norm", delta_net=True, attn_q_gate=True),
+    # Qwen3-Next: the same family with NEOX RoPE and beta/alpha in one interleaved ssm_ba.
+    "qwen3next": ArchTraits("neox", qk_norm=True, qkv_bias=False, norm_topk=True, shared_expert=True,
+                            expert_ffn_key="expert_feed_forward_length", shexp_gate="sigmoid",
+                            ffn_norm="post_attention_norm", delta_net=True, attn_q_gate=True, ssm_ba=True),
 }
 
 

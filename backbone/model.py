@@ -59,6 +59,7 @@ class Layer:
     ssm_a: np.ndarray | None = None  # (Hv,) -exp(A_log)
     ssm_beta: QTensor | None = None  # (D -> Hv)
     ssm_alpha: QTensor | None = None  # (D -> Hv)
+    ssm_ba: QTensor | None = None  # qwen3next: (D -> 2*Hv), per Q/K head [beta x Hv/Hk, alpha x Hv/Hk]
     ssm_norm: np.ndarray | None = None  # (S,)
     ssm_out: QTensor | None = None  # (Hv*S -> D)
     attn_q_bias: np.ndarray | None = None
@@ -120,8 +121,9 @@ def load_weights(tensors: dict[str, QTensor], cfg: ModelConfig, path: str) -> We
                 ssm_conv1d=shaped(b + "ssm_conv1d.weight", (W, C)).f32().reshape(C, W),
                 ssm_dt=shaped(b + "ssm_dt.bias", (Hv,)).f32().reshape(-1),
                 ssm_a=shaped(b + "ssm_a", (Hv,)).f32().reshape(-1),
-                ssm_beta=shaped(b + "ssm_beta.weight", (D, Hv)),
-                ssm_alpha=shaped(b + "ssm_alpha.weight", (D, Hv)),
+                **(dict(ssm_ba=shaped(b + "ssm_ba.weight", (D, 2 * Hv))) if cfg.traits.ssm_ba else
+                   dict(ssm_beta=shaped(b + "ssm_beta.weight", (D, Hv)),
+                        ssm_alpha=shaped(b + "ssm_alpha.weight", (D, Hv)))),
                 ssm_norm=shaped(b + "ssm_norm.weight", (S,)).f32().reshape(-1),
                 ssm_out=shaped(b + "ssm_out.weight", (Hv * S, D)),
             )
@@ -358,12 +360,17 @@ class Engine:
         chunk through ``kernels.deltanet.delta_net`` with its own conv and recurrent state."""
         c = self.cfg
         qkv, z = matmul(blk.attn_qkv, h), matmul(blk.attn_gate, h)
-        beta, alpha = matmul(blk.ssm_beta, h), matmul(blk.ssm_alpha, h)
+        if blk.ssm_ba is not None:  # qwen3next: split as llama.cpp's views do (copies, no rounding)
+            T, Hk, Hv = h.shape[0], c.ssm_k_heads, c.ssm_v_heads
+            ba = matmul(blk.ssm_ba, h).reshape(T, Hk, 2, Hv // Hk)
+            beta, alpha = ba[:, :, 0].reshape(T, Hv), ba[:, :, 1].reshape(T, Hv)
+        else:
+            beta, alpha = matmul(blk.ssm_beta, h), matmul(blk.ssm_alpha, h)
         out = np.empty((h.shape[0], c.ssm_v_heads * c.ssm_head_dim), dtype=np.float32)
         for (seq, _), a, b in zip(batch, starts[:-1], starts[1:]):
             out[a:b], seq.conv[il], seq.ssm[il] = deltanet.delta_net(
                 qkv[a:b], z[a:b], beta[a:b], alpha[a:b], seq.conv[il], seq.ssm[il], blk.ssm_conv1d, blk.ssm_dt,
-                blk.ssm_a, blk.ssm_norm, k_heads=c.ssm_k_heads, eps=c.rms_eps)
+                blk.ssm_a, blk.ssm_norm, k_heads=c.ssm_k_heads, eps=c.rms_eps, interleave=c.traits.ssm_ba)
         return matmul(blk.ssm_out, out)
 
     def _moe(self, il: int, blk: Layer, h: np.ndarray) -> np.ndarray:

@@ -52,13 +52,15 @@ def _f32(a, shape: tuple[int, ...], what: str) -> np.ndarray:
 
 def delta_net(qkv: np.ndarray, z: np.ndarray, beta_logits: np.ndarray, alpha_logits: np.ndarray,
               conv_state: np.ndarray, state: np.ndarray, conv_w: np.ndarray, dt_bias: np.ndarray,
-              ssm_a: np.ndarray, norm_w: np.ndarray, *, k_heads: int, eps: float
+              ssm_a: np.ndarray, norm_w: np.ndarray, *, k_heads: int, eps: float, interleave: bool = False
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One sequence chunk through a delta-net layer (the module docstring's steps).
 
     qkv (L, C), z (L, Hv*S), beta_logits and alpha_logits (L, Hv): the input projections.
     conv_state (C, W-1) and state (Hv, S, S): this sequence's states before the chunk.
     conv_w (C, W) float32, dt_bias, ssm_a (Hv,), norm_w (S,): the layer's weights.
+    V head h reads Q/K head ``h % k_heads`` (qwen35moe: the fused op's own tiling), or with
+    ``interleave`` head ``h // (Hv/k_heads)`` (qwen3next repeats Q and K interleaved first).
     Returns y (L, Hv*S) float32 (before ``ssm_out``), the new conv state and the new state.
     """
     state = np.asarray(state)
@@ -115,6 +117,11 @@ def delta_net(qkv: np.ndarray, z: np.ndarray, beta_logits: np.ndarray, alpha_log
             v = g.view(lib.ggml_view_4d(ctx, conv, S, Hv, L, 1, S * f4, row, row * L, 2 * k_heads * S * f4))
             q = g.scratch(lib.ggml_scale(ctx, g.scratch(lib.ggml_rms_norm(ctx, q, float(l2_eps))), float(l2_scale)))
             k = g.scratch(lib.ggml_scale(ctx, g.scratch(lib.ggml_rms_norm(ctx, k, float(l2_eps))), float(l2_scale)))
+            if interleave and Hv != k_heads:  # qwen3next's ggml_repeat_4d, exact copies
+                r = Hv // k_heads
+                q, k = (g.view(lib.ggml_reshape_4d(ctx, g.scratch(lib.ggml_repeat_4d(
+                    ctx, g.view(lib.ggml_reshape_4d(ctx, x, S, 1, k_heads, L)), S, r, k_heads, L)), S, Hv, L, 1))
+                    for x in (q, k))
             beta = g.scratch(lib.ggml_sigmoid(ctx, g.view(lib.ggml_reshape_4d(ctx, bt, 1, Hv, L, 1))))
             gate = g.scratch(lib.ggml_add(ctx, at, dt))
             gate = g.scratch(lib.ggml_softplus(ctx, gate))
@@ -134,7 +141,7 @@ def delta_net(qkv: np.ndarray, z: np.ndarray, beta_logits: np.ndarray, alpha_log
 
     packed = np.empty((L + S, Hv * S), dtype=np.float32)
     y = np.empty((L, Hv * S), dtype=np.float32)
-    key = ("gdn", L, C, W, Hv, S, k_heads, float(eps), threads)
+    key = ("gdn", L, C, W, Hv, S, k_heads, float(eps), bool(interleave), threads)
     run_cached(key, build, (conv_in, conv_w, z, beta_logits, alpha_logits, state, dt_bias, ssm_a, norm_w,
                             packed, y))
     return y, new_conv, np.ascontiguousarray(packed[L:].reshape(Hv, S, S))

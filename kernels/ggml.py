@@ -198,6 +198,7 @@ class Lib:
         fn(base, "ggml_add", _PT, c_ctx, _PT, _PT)
         fn(base, "ggml_reshape_3d", _PT, c_ctx, _PT, i64, i64, i64)
         fn(base, "ggml_reshape_4d", _PT, c_ctx, _PT, i64, i64, i64, i64)
+        fn(base, "ggml_repeat_4d", _PT, c_ctx, _PT, i64, i64, i64, i64)
         fn(base, "ggml_nbytes", sz, _PT)
         fn(base, "ggml_new_graph_custom", ctypes.c_void_p, c_ctx, sz, ctypes.c_bool)
         fn(base, "ggml_build_forward_expand", None, ctypes.c_void_p, _PT)

@@ -134,7 +134,7 @@ def silu_gate(g: np.ndarray) -> np.ndarray:
 
 
 def gated_delta_net(qkv, z, beta_logits, alpha_logits, conv_state, state, conv_w, dt_bias, ssm_a, norm_w, *,
-                    k_heads: int, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    k_heads: int, eps: float, interleave: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A gated delta-net layer's mixer for one sequence chunk, in float64 (the reference that
     ``kernels.deltanet.delta_net`` is checked against; that one rounds as llama.cpp does).
 
@@ -161,7 +161,8 @@ def gated_delta_net(qkv, z, beta_logits, alpha_logits, conv_state, state, conv_w
     o = np.empty((L, Hv, S))
     for t in range(L):
         for h in range(Hv):
-            kh, qh = k[t, h % k_heads], q[t, h % k_heads]
+            src = h // (Hv // k_heads) if interleave else h % k_heads
+            kh, qh = k[t, src], q[t, src]
             m = state[h] * np.exp(g[t, h])
             delta = (v[t, h] - m @ kh) * beta[t, h]
             m = m + np.outer(delta, kh)

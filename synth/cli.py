@@ -13,7 +13,7 @@ import time
 
 # The choices, repeated here so the parser needs no numpy; a test checks they match
 # synth.model's tables.
-ARCH_CHOICES = ("qwen3moe", "qwen2moe", "mixtral", "qwen35moe")
+ARCH_CHOICES = ("qwen3moe", "qwen2moe", "mixtral", "qwen35moe", "qwen3next")
 PRESET_CHOICES = ("tiny", "small", "122b-layer")
 TYPE_CHOICES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 

@@ -13,6 +13,7 @@ text prompts work end to end. Three architecture families:
   the last are gated delta-net layers (``attn_qkv``, ``attn_gate``, ``ssm_*``), the last gated
   attention (``attn_q`` holds query and gate per head, Q/K norms, IMROPE); the FFN norm is
   ``post_attention_norm``; a shared expert gated by ``sigmoid(ffn_gate_inp_shexp . x)``.
+- ``qwen3next``: the same family with NEOX RoPE and beta/alpha in one ``ssm_ba`` tensor.
 
 The file is written streaming: the header, metadata and tensor table first, then every tensor's
 data one chunk at a time (one expert of a 3-D ``*_exps`` tensor, or a block of rows), generated
@@ -83,6 +84,7 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen2moe": ArchSpec("qwen2moe", tied_output=False, rms_eps=1e-6, rope_base=1_000_000.0),
     "mixtral": ArchSpec("llama", tied_output=True, rms_eps=1e-5, rope_base=1_000_000.0),
     "qwen35moe": ArchSpec("qwen35moe", tied_output=False, rms_eps=1e-6, rope_base=10_000_000.0),
+    "qwen3next": ArchSpec("qwen3next", tied_output=False, rms_eps=1e-6, rope_base=10_000_000.0),
 }
 
 QTYPES: dict[str, QT] = {
@@ -401,8 +403,8 @@ def _delta_net_tensors(cfg: SynthConfig, b: str, matrix, f32) -> list[TensorPlan
         f32(b + "ssm_conv1d.weight", (C, W), W ** -0.5),  # ggml_ssm_conv takes float32 only
         f32(b + "ssm_dt.bias", (Hv,), 0.5),
         f32(b + "ssm_a", (Hv,), 0.1, -1.0),
-        matrix(b + "ssm_beta.weight", (Hv, d), d ** -0.5),
-        matrix(b + "ssm_alpha.weight", (Hv, d), d ** -0.5),
+        *([matrix(b + "ssm_ba.weight", (2 * Hv, d), d ** -0.5)] if cfg.spec.traits.ssm_ba else
+          [matrix(b + "ssm_beta.weight", (Hv, d), d ** -0.5), matrix(b + "ssm_alpha.weight", (Hv, d), d ** -0.5)]),
         f32(b + "ssm_norm.weight", (S,), 0.1, 1.0),
         matrix(b + "ssm_out.weight", (d, Hv * S), (Hv * S) ** -0.5),
     ]

@@ -1,4 +1,5 @@
-"""qwen35moe (Qwen3.5 MoE: gated delta-net + gated attention) against llama.cpp and itself.
+"""qwen35moe (Qwen3.5 MoE: gated delta-net + gated attention) and qwen3next (the same family,
+NEOX RoPE, one ssm_ba tensor, Q/K heads repeated interleaved) against llama.cpp and itself.
 
 The same checks as tests/backbone/test_parity.py and test_sharding.py on the new architecture:
 llama.cpp parity for f32, f16, q8_0 and q4_k over a 36+ token prompt and 16 greedy steps;
@@ -54,8 +55,9 @@ def test_tiny_has_three_delta_net_layers_then_one_gated_attention_layer(models):
 
 
 @pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_k"])
-def test_logits_match_llama_cpp_over_prompt_and_greedy_steps(models, qtype):
-    path = models(ARCH, qtype)
+@pytest.mark.parametrize("arch", [ARCH, "qwen3next"])
+def test_logits_match_llama_cpp_over_prompt_and_greedy_steps(models, arch, qtype):
+    path = models(arch, qtype)
     prompt = Tokenizer(path).encode(PROMPT)
     assert len(prompt) >= 36
     gen = generate(Engine(path), prompt, 16, greedy(), stop_on_eos=False, keep_logits=True)
@@ -68,9 +70,9 @@ def test_logits_match_llama_cpp_over_prompt_and_greedy_steps(models, qtype):
     assert report["max_abs_diff"] <= MAX_ABS_DIFF, report
 
 
-@pytest.mark.parametrize("qtype", ["q4_k", "f32"])
-def test_prefill_then_decode_equals_full_recompute(models, qtype):
-    engine = Engine(models(ARCH, qtype))
+@pytest.mark.parametrize("arch,qtype", [(ARCH, "q4_k"), (ARCH, "f32"), ("qwen3next", "f16")])
+def test_prefill_then_decode_equals_full_recompute(models, arch, qtype):
+    engine = Engine(models(arch, qtype))
     tokens = np.random.default_rng(0).integers(0, engine.cfg.n_vocab, 40)
     seq = engine.new_sequence()
     steps = [engine.forward([(seq, tokens[:30])])[0]]
@@ -82,8 +84,9 @@ def test_prefill_then_decode_equals_full_recompute(models, qtype):
     assert np.array_equal(incremental, full)
 
 
-def test_batch_of_three_sequences_gives_each_its_logits_alone(models):
-    engine = Engine(models(ARCH, "q8_0"))
+@pytest.mark.parametrize("arch", [ARCH, "qwen3next"])
+def test_batch_of_three_sequences_gives_each_its_logits_alone(models, arch):
+    engine = Engine(models(arch, "q8_0"))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, engine.cfg.n_vocab, n) for n in (5, 17, 33)]
     alone = [engine.forward([(engine.new_sequence(), p)])[0] for p in prompts]
@@ -101,7 +104,8 @@ def test_batch_of_three_sequences_gives_each_its_logits_alone(models):
     assert np.array_equal(mixed[1], ref1)
 
 
-def test_ggml_delta_net_agrees_with_the_numpy_reference():
+@pytest.mark.parametrize("interleave", [False, True])
+def test_ggml_delta_net_agrees_with_the_numpy_reference(interleave):
     rng = np.random.default_rng(3)
     L, Hk, Hv, S, W = 9, 2, 4, 16, 4
     C = (2 * Hk + Hv) * S
@@ -111,18 +115,18 @@ def test_ggml_delta_net_agrees_with_the_numpy_reference():
                 conv_w=0.5 * rng.standard_normal((C, W)), dt_bias=0.5 * rng.standard_normal(Hv),
                 ssm_a=-1 - 0.1 * rng.standard_normal(Hv), norm_w=1 + 0.1 * rng.standard_normal(S))
     args = {k: v.astype(np.float32) for k, v in args.items()}
-    got = deltanet.delta_net(**args, k_heads=Hk, eps=1e-6)
-    want = ops.gated_delta_net(**args, k_heads=Hk, eps=1e-6)
+    got = deltanet.delta_net(**args, k_heads=Hk, eps=1e-6, interleave=interleave)
+    want = ops.gated_delta_net(**args, k_heads=Hk, eps=1e-6, interleave=interleave)
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-5)
     # in two chunks == in one (the states carry everything between them)
     a = {k: (v[:4] if k in ("qkv", "z", "beta_logits", "alpha_logits") else v) for k, v in args.items()}
-    y1, conv1, s1 = deltanet.delta_net(**a, k_heads=Hk, eps=1e-6)
+    y1, conv1, s1 = deltanet.delta_net(**a, k_heads=Hk, eps=1e-6, interleave=interleave)
     b = {**{k: v[4:] for k, v in args.items() if k in ("qkv", "z", "beta_logits", "alpha_logits")},
          **{k: v for k, v in args.items() if k not in ("qkv", "z", "beta_logits", "alpha_logits")},
          "conv_state": conv1, "state": s1}
-    y2, conv2, s2 = deltanet.delta_net(**b, k_heads=Hk, eps=1e-6)
+    y2, conv2, s2 = deltanet.delta_net(**b, k_heads=Hk, eps=1e-6, interleave=interleave)
     assert np.array_equal(np.concatenate([y1, y2]), got[0])
     assert np.array_equal(conv2, got[1]) and np.array_equal(s2, got[2])
 
