@@ -1,8 +1,10 @@
 """The model config: everything the forward pass needs to know, read once from GGUF metadata.
 
 Every difference between the supported architectures is a field here (RoPE style, Q/K norm,
-QKV bias, shared expert and its gate, renormalised top-k, tied output), filled from the
-:data:`ARCHES` table, so the forward pass in :mod:`backbone.model` has no ``if arch == ...``.
+QKV bias, shared expert and its gate, renormalised top-k, tied output, gated delta-net layers),
+filled from the :data:`ARCHES` table, so the forward pass in :mod:`backbone.model` has no
+``if arch == ...``: where an architecture adds structure (qwen35moe's delta-net layers), the
+engine asks a trait or the per-layer ``recurrent`` list.
 """
 
 from __future__ import annotations
@@ -19,12 +21,19 @@ from kvasir_bus.errors import ModelFileError
 class ArchTraits:
     """How one llama.cpp architecture computes (see DESIGN.md section 8)."""
 
-    rope_style: Literal["neox", "norm"]  # NEOX pairs (i, i+n_rot/2); NORM pairs (2i, 2i+1)
+    rope_style: Literal["neox", "norm", "imrope"]  # NEOX pairs (i, i+n_rot/2); NORM pairs (2i, 2i+1);
+    # IMROPE: NEOX pairs, angles from 4 interleaved position sections (ggml_rope_multi)
     qk_norm: bool  # RMS norm per head on Q and K before RoPE (qwen3moe)
     qkv_bias: bool  # Q/K/V projections carry biases (qwen2moe)
     norm_topk: bool  # top-k weights divided by their sum (qwen3moe, Mixtral)
     shared_expert: bool  # a shared expert gated by silu(g)/g, g = cur . gate_inp_shexp (qwen2moe)
     expert_ffn_key: str  # metadata key (after "<arch>.") holding the routed expert FFN width
+    shexp_gate: Literal["silu_div", "sigmoid"] = "silu_div"  # same function, rounded differently
+    ffn_norm: str = "ffn_norm"  # tensor name of the norm before the MoE (qwen35moe: post_attention_norm)
+    delta_net: bool = False  # gated delta-net layers (ssm_*), full attention every few layers
+    attn_q_gate: bool = False  # attn_q yields (q, gate) per head; attention out * sigmoid(gate)
+    ssm_ba: bool = False  # qwen3next: beta and alpha from one ssm_ba, interleaved per Q/K head, and Q/K
+    # heads repeated interleaved (V head h reads Q/K head h // (Hv/Hk); qwen35moe: h % Hk)
 
 
 ARCHES: dict[str, ArchTraits] = {
@@ -35,6 +44,14 @@ ARCHES: dict[str, ArchTraits] = {
     # Mixtral is llama.cpp's "llama" architecture with experts.
     "llama": ArchTraits("norm", qk_norm=False, qkv_bias=False, norm_topk=True,
                         shared_expert=False, expert_ffn_key="feed_forward_length"),
+    # Qwen3.5 MoE (the 122B-A10B): 3 of 4 layers gated delta-net, the rest gated attention.
+    "qwen35moe": ArchTraits("imrope", qk_norm=True, qkv_bias=False, norm_topk=True, shared_expert=True,
+                            expert_ffn_key="expert_feed_forward_length", shexp_gate="sigmoid",
+                            ffn_norm="post_attention_norm", delta_net=True, attn_q_gate=True),
+    # Qwen3-Next: the same family with NEOX RoPE and beta/alpha in one interleaved ssm_ba.
+    "qwen3next": ArchTraits("neox", qk_norm=True, qkv_bias=False, norm_topk=True, shared_expert=True,
+                            expert_ffn_key="expert_feed_forward_length", shexp_gate="sigmoid",
+                            ffn_norm="post_attention_norm", delta_net=True, attn_q_gate=True, ssm_ba=True),
 }
 
 
@@ -59,11 +76,27 @@ class ModelConfig:
     tied_output: bool  # no output.weight: the head reuses token_embd
     bos_id: int | None
     eos_id: int | None
+    # Gated delta-net (traits.delta_net): which layers are recurrent, and their sizes.
+    recurrent: tuple[bool, ...] = ()  # per layer; empty: none
+    ssm_conv_kernel: int = 0  # causal conv width; the conv state keeps kernel - 1 columns
+    ssm_k_heads: int = 0  # Q/K heads (ssm.group_count)
+    ssm_v_heads: int = 0  # V heads (ssm.time_step_rank)
+    ssm_head_dim: int = 0  # S: head size of Q, K and V (ssm.state_size)
+    rope_sections: tuple[int, ...] = ()  # IMROPE: 4 section sizes, in rotated pairs
+    n_layer_nextn: int = 0  # multi-token-prediction blocks past n_layer: loaded, never executed
 
     @property
     def n_gqa(self) -> int:
         """Query heads per KV head."""
         return self.n_head // self.n_head_kv
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        """Channels of the delta-net conv: Q, K and V side by side."""
+        return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_head_dim
+
+    def is_recurrent(self, layer: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[layer]
 
 
 def read_config(reader: GGUFReader, path: str = "model") -> ModelConfig:
@@ -94,10 +127,21 @@ def read_config(reader: GGUFReader, path: str = "model") -> ModelConfig:
     if traits.shared_expert and n_ff_shexp == 0 and "blk.0.ffn_gate_shexp.weight" in names:
         n_ff_shexp = meta.int(f"{arch}.feed_forward_length")
     n_ff_exp = meta.int(f"{arch}.{traits.expert_ffn_key}", 0) or meta.int(f"{arch}.feed_forward_length") // n_expert_used
+    n_layer_all = meta.int(f"{arch}.block_count")
+    n_layer_nextn = meta.int(f"{arch}.nextn_predict_layers", 0)
+    if not 0 <= n_layer_nextn < n_layer_all:
+        raise ModelFileError(f"{path}: nextn_predict_layers {n_layer_nextn} is not in 0..{n_layer_all - 1}")
+    n_layer = n_layer_all - n_layer_nextn
+    ssm = _delta_net_config(meta, arch, n_layer, path) if traits.delta_net else {}
+    sections = ()
+    if traits.rope_style == "imrope":
+        sections = tuple(meta.int_array(f"{arch}.rope.dimension_sections"))
+        if len(sections) != 4 or min(sections) < 0 or sum(sections) == 0:
+            raise ModelFileError(f"{path}: rope.dimension_sections {list(sections)} must be 4 sizes, not all 0")
     return ModelConfig(
         arch=arch,
         traits=traits,
-        n_layer=meta.int(f"{arch}.block_count"),
+        n_layer=n_layer,
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=n_head_kv,
@@ -114,7 +158,37 @@ def read_config(reader: GGUFReader, path: str = "model") -> ModelConfig:
         tied_output="output.weight" not in names,
         bos_id=meta.int("tokenizer.ggml.bos_token_id", -1) if "tokenizer.ggml.bos_token_id" in reader.fields else None,
         eos_id=meta.int("tokenizer.ggml.eos_token_id", -1) if "tokenizer.ggml.eos_token_id" in reader.fields else None,
+        rope_sections=sections,
+        n_layer_nextn=n_layer_nextn,
+        **ssm,
     )
+
+
+def _delta_net_config(meta: "_Meta", arch: str, n_layer: int, path: str) -> dict:
+    """The delta-net keys llama.cpp reads (llama_model_qwen35moe::load_arch_hparams): which layers
+    are recurrent (``attention.recurrent_layers``, else all but every ``full_attention_interval``-th,
+    default 4) and the head sizes; S = ssm.state_size must equal inner_size / time_step_rank."""
+    if f"{arch}.attention.recurrent_layers" in meta.reader.fields:
+        flags = meta.int_array(f"{arch}.attention.recurrent_layers")
+        if len(flags) < n_layer:
+            raise ModelFileError(f"{path}: attention.recurrent_layers has {len(flags)} entries for {n_layer} layers")
+        recurrent = tuple(bool(f) for f in flags[:n_layer])
+    else:
+        interval = meta.int(f"{arch}.full_attention_interval", 4)
+        if interval <= 0:
+            raise ModelFileError(f"{path}: full_attention_interval {interval} must be positive")
+        recurrent = tuple((i + 1) % interval != 0 for i in range(n_layer))
+    kernel = meta.int(f"{arch}.ssm.conv_kernel")
+    inner = meta.int(f"{arch}.ssm.inner_size")
+    state = meta.int(f"{arch}.ssm.state_size")
+    v_heads = meta.int(f"{arch}.ssm.time_step_rank")
+    k_heads = meta.int(f"{arch}.ssm.group_count")
+    if min(kernel, inner, state, v_heads, k_heads) <= 0 or v_heads % k_heads or inner != v_heads * state:
+        raise ModelFileError(f"{path}: delta-net sizes do not fit: conv_kernel {kernel}, inner_size {inner}, "
+                             f"state_size {state}, time_step_rank {v_heads}, group_count {k_heads} "
+                             "(need inner_size = time_step_rank * state_size, group_count | time_step_rank)")
+    return dict(recurrent=recurrent, ssm_conv_kernel=kernel, ssm_k_heads=k_heads, ssm_v_heads=v_heads,
+                ssm_head_dim=state)
 
 
 class _Meta:
@@ -148,6 +222,15 @@ class _Meta:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ModelFileError(f"{self.path}: metadata key {key!r} = {value!r} is not an integer")
         return value
+
+    def int_array(self, key: str) -> list[int]:
+        field = self.reader.fields.get(key)
+        if field is None:
+            raise ModelFileError(f"{self.path}: metadata key {key!r} is missing")
+        if not field.types or field.types[0] != GGUFValueType.ARRAY or len(field.types) < 2 \
+                or field.types[1] in (GGUFValueType.STRING, GGUFValueType.FLOAT32, GGUFValueType.FLOAT64):
+            raise ModelFileError(f"{self.path}: metadata key {key!r} is not an array of integers")
+        return [int(field.parts[i][0]) for i in field.data]
 
     def float(self, key: str, default=_MISSING) -> float:
         value = self._scalar(key, default)

@@ -3,7 +3,9 @@
     x = token_embd[ids]
     for each layer:
         x = x + attn(rms_norm(x) * attn_norm)          # RoPE, GQA, per-sequence KV cache
-        h = rms_norm(x) * ffn_norm
+                                                        # (qwen35moe: Q-gated attention, or a gated
+                                                        #  delta-net with per-sequence conv + state)
+        h = rms_norm(x) * ffn_norm                      # (qwen35moe: post_attention_norm)
         ids, w = route(h @ ffn_gate_inp, k)             # the router runs once, here
         x = x + combine(experts(h rows by expert), w) + shared_expert(h)
     logits = (rms_norm(x) * output_norm) @ output
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kernels import dense, ops
+from kernels import deltanet, dense, ops
 from backbone.config import ModelConfig, read_config
 from backbone.experts import ExpertBackend, LocalExperts
 from kvasir_bus.errors import ModelFileError, UsageError
@@ -36,18 +38,30 @@ WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
 
 @dataclass(frozen=True)
 class Layer:
-    """One transformer block; attribute names are the GGUF tensor names."""
+    """One transformer block; attribute names are the GGUF tensor names. An attention layer
+    has ``attn_q``..``attn_output``; a gated delta-net layer (qwen35moe) has ``attn_qkv``,
+    ``attn_gate`` and the ``ssm_*`` tensors instead."""
 
     attn_norm: np.ndarray
-    attn_q: QTensor
-    attn_k: QTensor
-    attn_v: QTensor
-    attn_output: QTensor
-    ffn_norm: np.ndarray
+    ffn_norm: np.ndarray  # the GGUF's ffn_norm, or post_attention_norm (traits.ffn_norm)
     ffn_gate_inp: QTensor  # router, (D -> E), never quantized
     ffn_gate_exps: QTensor  # (D, F, E)
     ffn_up_exps: QTensor  # (D, F, E)
     ffn_down_exps: QTensor  # (F, D, E)
+    attn_q: QTensor | None = None  # (D -> H*Dh), or H*2*Dh with the per-head gate (attn_q_gate)
+    attn_k: QTensor | None = None
+    attn_v: QTensor | None = None
+    attn_output: QTensor | None = None
+    attn_qkv: QTensor | None = None  # delta-net: (D -> C), Q, K and V of the conv
+    attn_gate: QTensor | None = None  # delta-net: (D -> Hv*S), z of the gated output norm
+    ssm_conv1d: np.ndarray | None = None  # (C, W) float32
+    ssm_dt: np.ndarray | None = None  # (Hv,) bias of alpha
+    ssm_a: np.ndarray | None = None  # (Hv,) -exp(A_log)
+    ssm_beta: QTensor | None = None  # (D -> Hv)
+    ssm_alpha: QTensor | None = None  # (D -> Hv)
+    ssm_ba: QTensor | None = None  # qwen3next: (D -> 2*Hv), per Q/K head [beta x Hv/Hk, alpha x Hv/Hk]
+    ssm_norm: np.ndarray | None = None  # (S,)
+    ssm_out: QTensor | None = None  # (Hv*S -> D)
     attn_q_bias: np.ndarray | None = None
     attn_k_bias: np.ndarray | None = None
     attn_v_bias: np.ndarray | None = None
@@ -89,31 +103,61 @@ def load_weights(tensors: dict[str, QTensor], cfg: ModelConfig, path: str) -> We
         t = get(name, optional)
         return None if t is None else t.f32().reshape(-1)
 
+    def shaped(name: str, ne: tuple[int, ...]) -> QTensor:
+        t = get(name)
+        if tuple(t.ne) != ne:
+            raise ModelFileError(f"{path}: {name} has shape {tuple(t.ne)}, expected {ne}")
+        return t
+
     layers = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
+        if cfg.is_recurrent(i):
+            D, C, W = cfg.n_embd, cfg.ssm_conv_channels, cfg.ssm_conv_kernel
+            Hv, S = cfg.ssm_v_heads, cfg.ssm_head_dim
+            mixer = dict(
+                attn_qkv=shaped(b + "attn_qkv.weight", (D, C)),
+                attn_gate=shaped(b + "attn_gate.weight", (D, Hv * S)),
+                ssm_conv1d=shaped(b + "ssm_conv1d.weight", (W, C)).f32().reshape(C, W),
+                ssm_dt=shaped(b + "ssm_dt.bias", (Hv,)).f32().reshape(-1),
+                ssm_a=shaped(b + "ssm_a", (Hv,)).f32().reshape(-1),
+                **(dict(ssm_ba=shaped(b + "ssm_ba.weight", (D, 2 * Hv))) if cfg.traits.ssm_ba else
+                   dict(ssm_beta=shaped(b + "ssm_beta.weight", (D, Hv)),
+                        ssm_alpha=shaped(b + "ssm_alpha.weight", (D, Hv)))),
+                ssm_norm=shaped(b + "ssm_norm.weight", (S,)).f32().reshape(-1),
+                ssm_out=shaped(b + "ssm_out.weight", (Hv * S, D)),
+            )
+        else:
+            mixer = dict(
+                attn_q=get(b + "attn_q.weight"),
+                attn_k=get(b + "attn_k.weight"),
+                attn_v=get(b + "attn_v.weight"),
+                attn_output=get(b + "attn_output.weight"),
+                attn_q_bias=vec(b + "attn_q.bias", optional=not cfg.traits.qkv_bias),
+                attn_k_bias=vec(b + "attn_k.bias", optional=not cfg.traits.qkv_bias),
+                attn_v_bias=vec(b + "attn_v.bias", optional=not cfg.traits.qkv_bias),
+                attn_q_norm=vec(b + "attn_q_norm.weight", optional=not cfg.traits.qk_norm),
+                attn_k_norm=vec(b + "attn_k_norm.weight", optional=not cfg.traits.qk_norm),
+            )
         layers.append(Layer(
             attn_norm=vec(b + "attn_norm.weight"),
-            attn_q=get(b + "attn_q.weight"),
-            attn_k=get(b + "attn_k.weight"),
-            attn_v=get(b + "attn_v.weight"),
-            attn_output=get(b + "attn_output.weight"),
-            ffn_norm=vec(b + "ffn_norm.weight"),
+            ffn_norm=vec(b + cfg.traits.ffn_norm + ".weight"),
             ffn_gate_inp=get(b + "ffn_gate_inp.weight"),
             ffn_gate_exps=get(b + "ffn_gate_exps.weight"),
             ffn_up_exps=get(b + "ffn_up_exps.weight"),
             ffn_down_exps=get(b + "ffn_down_exps.weight"),
-            attn_q_bias=vec(b + "attn_q.bias", optional=not cfg.traits.qkv_bias),
-            attn_k_bias=vec(b + "attn_k.bias", optional=not cfg.traits.qkv_bias),
-            attn_v_bias=vec(b + "attn_v.bias", optional=not cfg.traits.qkv_bias),
-            attn_q_norm=vec(b + "attn_q_norm.weight", optional=not cfg.traits.qk_norm),
-            attn_k_norm=vec(b + "attn_k_norm.weight", optional=not cfg.traits.qk_norm),
+            **mixer,
             ffn_gate_inp_shexp=vec(b + "ffn_gate_inp_shexp.weight", optional=True),
             ffn_gate_shexp=get(b + "ffn_gate_shexp.weight", optional=not cfg.n_ff_shexp),
             ffn_up_shexp=get(b + "ffn_up_shexp.weight", optional=not cfg.n_ff_shexp),
             ffn_down_shexp=get(b + "ffn_down_shexp.weight", optional=not cfg.n_ff_shexp),
         ))
         _check_experts(layers[-1], cfg, i, path)
+        if cfg.traits.attn_q_gate and layers[-1].attn_q is not None:
+            want = (cfg.n_embd, 2 * cfg.n_head * cfg.head_dim)
+            if tuple(layers[-1].attn_q.ne) != want:
+                raise ModelFileError(f"{path}: {b}attn_q.weight has shape {tuple(layers[-1].attn_q.ne)}, "
+                                     f"expected {want} (query and gate per head)")
     token_embd = get("token_embd.weight")
     return Weights(
         token_embd=token_embd,
@@ -147,6 +191,10 @@ class Sequence:
     n_past: int = 0
     k: list[np.ndarray] = field(default_factory=list)
     v: list[np.ndarray] = field(default_factory=list)
+    # Delta-net layers (None elsewhere): the last W-1 conv inputs (C, W-1) and the recurrent
+    # state (Hv, S, S), float32 as in llama.cpp's recurrent memory; both start at zero.
+    conv: list[np.ndarray | None] = field(default_factory=list)
+    ssm: list[np.ndarray | None] = field(default_factory=list)
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store this chunk's keys and values (L, Hkv, Dh) at positions n_past.."""
@@ -210,6 +258,9 @@ class Engine:
         # Attention (RoPE, QK, softmax, PV) through ggml, bit-identical to llama.cpp, when the
         # kernels are ggml's; the numpy version of the same math otherwise.
         self.ggml_attention = backend_name() == "ggml" and dense.available()
+        if (cfg.traits.delta_net or cfg.traits.rope_style == "imrope") and not self.ggml_attention:
+            raise UsageError(f"architecture {cfg.arch} runs on ggml's kernels only (its delta-net and "
+                             "multi-section RoPE have no numpy path in the engine); unset KVASIR_KERNELS")
 
     def use_experts(self, experts: ExpertBackend | None) -> None:
         """From the next step on, ``experts`` computes the routed experts (None: this node)."""
@@ -218,8 +269,13 @@ class Engine:
     def new_sequence(self) -> Sequence:
         c = self.cfg
         gqa = c.n_head_kv * c.head_dim
+        rec = [c.is_recurrent(il) for il in range(c.n_layer)]
+        conv = (c.ssm_conv_channels, c.ssm_conv_kernel - 1)
+        ssm = (c.ssm_v_heads, c.ssm_head_dim, c.ssm_head_dim)
         return Sequence(self.n_ctx, k=[np.zeros((0, gqa), dtype=np.float16) for _ in range(c.n_layer)],
-                        v=[np.zeros((gqa, 0), dtype=np.float16) for _ in range(c.n_layer)])
+                        v=[np.zeros((gqa, 0), dtype=np.float16) for _ in range(c.n_layer)],
+                        conv=[np.zeros(conv, dtype=np.float32) if r else None for r in rec],
+                        ssm=[np.zeros(ssm, dtype=np.float32) if r else None for r in rec])
 
     # -- the forward pass -------------------------------------------------------------------
 
@@ -246,7 +302,10 @@ class Engine:
         x = embed(w.token_embd, ids)  # (T, D)
         for il, blk in enumerate(w.layers):
             h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
-            x = x + self._attention(il, blk, h, rope, batch, starts)
+            if blk.ssm_out is not None:
+                x = x + self._delta_net(il, blk, h, batch, starts)
+            else:
+                x = x + self._attention(il, blk, h, rope, batch, starts)
             h = ops.rms_norm(x, blk.ffn_norm, c.rms_eps)
             x = x + self._moe(il, blk, h)
         for seq, L in zip((s for s, _ in batch), lengths):
@@ -266,13 +325,19 @@ class Engine:
         q, k, v = matmul(blk.attn_q, h), matmul(blk.attn_k, h), matmul(blk.attn_v, h)
         if blk.attn_q_bias is not None:
             q, k, v = q + blk.attn_q_bias, k + blk.attn_k_bias, v + blk.attn_v_bias
+        gate = None
+        if c.traits.attn_q_gate:  # per head: Dh query values, then Dh gate values
+            qg = q.reshape(T, c.n_head, 2, c.head_dim)
+            q, gate = qg[:, :, 0], qg[:, :, 1].reshape(T, c.n_head * c.head_dim)
         q = q.reshape(T, c.n_head, c.head_dim)  # (T, H, Dh)
         k = k.reshape(T, c.n_head_kv, c.head_dim)  # (T, Hkv, Dh)
         v = v.reshape(T, c.n_head_kv, c.head_dim)
         if blk.attn_q_norm is not None:  # per-head RMS norm before RoPE (qwen3moe)
             q = ops.rms_norm(q, blk.attn_q_norm, c.rms_eps)
             k = ops.rms_norm(k, blk.attn_k_norm, c.rms_eps)
-        if self.ggml_attention:
+        if c.traits.rope_style == "imrope":
+            q, k = deltanet.rope_multi_qk(q, k, rope, c.n_rot, c.rope_sections, c.rope_base, c.n_ctx_train)
+        elif self.ggml_attention:
             q, k = dense.rope_qk(q, k, rope, c.n_rot, c.traits.rope_style, c.rope_base, c.n_ctx_train)
         else:
             q = ops.rope(q, *rope, c.traits.rope_style)
@@ -286,7 +351,27 @@ class Engine:
             else:
                 end = seq.n_past + (b - a)
                 out[a:b] = ops.attention(q[a:b], *seq.kv_heads(il, end, c.n_head_kv), seq.n_past)
+        if gate is not None:
+            out = deltanet.sigmoid_gate(out, gate)
         return matmul(blk.attn_output, out)
+
+    def _delta_net(self, il: int, blk: Layer, h: np.ndarray, batch, starts) -> np.ndarray:
+        """A gated delta-net layer: the projections on all rows at once, then each sequence's
+        chunk through ``kernels.deltanet.delta_net`` with its own conv and recurrent state."""
+        c = self.cfg
+        qkv, z = matmul(blk.attn_qkv, h), matmul(blk.attn_gate, h)
+        if blk.ssm_ba is not None:  # qwen3next: split as llama.cpp's views do (copies, no rounding)
+            T, Hk, Hv = h.shape[0], c.ssm_k_heads, c.ssm_v_heads
+            ba = matmul(blk.ssm_ba, h).reshape(T, Hk, 2, Hv // Hk)
+            beta, alpha = ba[:, :, 0].reshape(T, Hv), ba[:, :, 1].reshape(T, Hv)
+        else:
+            beta, alpha = matmul(blk.ssm_beta, h), matmul(blk.ssm_alpha, h)
+        out = np.empty((h.shape[0], c.ssm_v_heads * c.ssm_head_dim), dtype=np.float32)
+        for (seq, _), a, b in zip(batch, starts[:-1], starts[1:]):
+            out[a:b], seq.conv[il], seq.ssm[il] = deltanet.delta_net(
+                qkv[a:b], z[a:b], beta[a:b], alpha[a:b], seq.conv[il], seq.ssm[il], blk.ssm_conv1d, blk.ssm_dt,
+                blk.ssm_a, blk.ssm_norm, k_heads=c.ssm_k_heads, eps=c.rms_eps, interleave=c.traits.ssm_ba)
+        return matmul(blk.ssm_out, out)
 
     def _moe(self, il: int, blk: Layer, h: np.ndarray) -> np.ndarray:
         c = self.cfg
@@ -306,7 +391,7 @@ class Engine:
             shared = expert_ffn(blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp, h, routed=False)
             if blk.ffn_gate_inp_shexp is not None:
                 if self.ggml_attention:
-                    gate = dense.shared_expert_gate(h, blk.ffn_gate_inp_shexp)  # (T, 1)
+                    gate = dense.shared_expert_gate(h, blk.ffn_gate_inp_shexp, c.traits.shexp_gate)  # (T, 1)
                 else:
                     gate = ops.silu_gate((h @ blk.ffn_gate_inp_shexp)[:, None].astype(np.float32))
                 shared = shared * gate

@@ -326,9 +326,10 @@ def softmax(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def shared_expert_gate(h: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """qwen2moe's shared-expert gate as llama.cpp builds it: ``g = mul_mat(w, h)`` with the
-    (D,) f32 weight as a (D, 1) matrix, then ``silu(g) / g``. h (T, D) -> (T, 1) float32.
+def shared_expert_gate(h: np.ndarray, w: np.ndarray, kind: str = "silu_div") -> np.ndarray:
+    """The shared-expert gate as llama.cpp builds it: ``g = mul_mat(w, h)`` with the (D,) f32
+    weight as a (D, 1) matrix, then ``silu(g) / g`` (qwen2moe) or ``sigmoid(g)`` (qwen35moe):
+    the same function, rounded differently. h (T, D) -> (T, 1) float32.
 
     One row is computed as two (the row duplicated), like every dense product here, so that a
     decode step equals the same row inside a batch (tinyBLAS from two rows, vec_dot for one)."""
@@ -336,8 +337,10 @@ def shared_expert_gate(h: np.ndarray, w: np.ndarray) -> np.ndarray:
     w = np.ascontiguousarray(w, dtype=np.float32)
     if h.ndim != 2 or w.shape != (h.shape[1],):
         raise ValueError(f"h {h.shape} and w {w.shape}: expected (T, D) and (D,)")
+    if kind not in ("silu_div", "sigmoid"):
+        raise ValueError(f"unknown shared-expert gate {kind!r}")
     if h.shape[0] == 1:
-        return shared_expert_gate(np.repeat(h, 2, axis=0), w)[:1]
+        return shared_expert_gate(np.repeat(h, 2, axis=0), w, kind)[:1]
     T, D = h.shape
     lib = ggml.load()
 
@@ -347,13 +350,16 @@ def shared_expert_gate(h: np.ndarray, w: np.ndarray) -> np.ndarray:
             wt = g.input(_F32, (D, 1))
             ht = g.input(_F32, (D, T))
             gate = g.scratch(lib.ggml_mul_mat(g.ctx, wt, ht))  # (1, T)
-            silu = g.scratch(lib.ggml_silu(g.ctx, gate))
-            g.output(lib.ggml_div(g.ctx, silu, gate))
+            if kind == "sigmoid":
+                g.output(lib.ggml_sigmoid(g.ctx, gate))
+            else:
+                silu = g.scratch(lib.ggml_silu(g.ctx, gate))
+                g.output(lib.ggml_div(g.ctx, silu, gate))
             return g.finish(1)
         except BaseException:
             g.free()
             raise
 
     out = np.empty((T, 1), dtype=np.float32)
-    run_cached(("shexp_gate", T, D), build, (w, h, out))
+    run_cached(("shexp_gate", kind, T, D), build, (w, h, out))
     return out

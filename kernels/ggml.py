@@ -187,6 +187,18 @@ class Lib:
         fn(base, "ggml_mul", _PT, c_ctx, _PT, _PT)
         fn(base, "ggml_silu", _PT, c_ctx, _PT)
         fn(base, "ggml_div", _PT, c_ctx, _PT, _PT)
+        # gated delta-net (qwen35moe), multi-section RoPE, and the element-wise ops around them
+        fn(base, "ggml_ssm_conv", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_gated_delta_net", _PT, c_ctx, _PT, _PT, _PT, _PT, _PT, _PT, i64)
+        fn(base, "ggml_rope_multi", _PT, c_ctx, _PT, _PT, _PT, i32, ctypes.POINTER(ctypes.c_int), i32, i32, f32, f32,
+           f32, f32, f32, f32)
+        fn(base, "ggml_sigmoid", _PT, c_ctx, _PT)
+        fn(base, "ggml_softplus", _PT, c_ctx, _PT)
+        fn(base, "ggml_scale", _PT, c_ctx, _PT, f32)
+        fn(base, "ggml_add", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_reshape_3d", _PT, c_ctx, _PT, i64, i64, i64)
+        fn(base, "ggml_reshape_4d", _PT, c_ctx, _PT, i64, i64, i64, i64)
+        fn(base, "ggml_repeat_4d", _PT, c_ctx, _PT, i64, i64, i64, i64)
         fn(base, "ggml_nbytes", sz, _PT)
         fn(base, "ggml_new_graph_custom", ctypes.c_void_p, c_ctx, sz, ctypes.c_bool)
         fn(base, "ggml_build_forward_expand", None, ctypes.c_void_p, _PT)
@@ -304,14 +316,15 @@ class Graph:
     keeps the arrays it passes alive for the call, the graph never reads them afterwards.
     """
 
-    def __init__(self, lib: Lib, n_tensors: int):
+    def __init__(self, lib: Lib, n_tensors: int, nodes: int = GRAPH_NODES):
         self.lib = lib
         # One object header + struct per tensor, the graph, and slack for alignment padding.
-        size = lib.tensor_overhead * (n_tensors + 2) + lib.graph_overhead + 1024
+        overhead = lib.graph_overhead if nodes == GRAPH_NODES else lib.ggml_graph_overhead_custom(nodes, False)
+        size = lib.tensor_overhead * (n_tensors + 2) + overhead + 1024
         self.ctx = lib.ggml_init(InitParams(size, None, True))
         if not self.ctx:
             raise MemoryError("ggml_init failed")
-        self.graph = lib.ggml_new_graph_custom(self.ctx, GRAPH_NODES, False)
+        self.graph = lib.ggml_new_graph_custom(self.ctx, nodes, False)
         self.keep: list[np.ndarray] = []
         self.scratch_bytes = 0
         self.inputs: list[Tensor] = []  # bound per call, in this order

@@ -131,3 +131,45 @@ def silu_gate(g: np.ndarray) -> np.ndarray:
     """qwen2moe's shared-expert gate ``silu(g)/g`` (a sigmoid, computed as llama.cpp does)."""
     silu = g / (np.float32(1.0) + np.exp(-g))
     return silu / g
+
+
+def gated_delta_net(qkv, z, beta_logits, alpha_logits, conv_state, state, conv_w, dt_bias, ssm_a, norm_w, *,
+                    k_heads: int, eps: float, interleave: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A gated delta-net layer's mixer for one sequence chunk, in float64 (the reference that
+    ``kernels.deltanet.delta_net`` is checked against; that one rounds as llama.cpp does).
+
+    qkv (L, C), z (L, Hv*S), beta_logits, alpha_logits (L, Hv), conv_state (C, W-1), state
+    (Hv, S, S) with ``state[h, j, i]`` = S_h[i][j] (ggml's transposed layout), conv_w (C, W),
+    dt_bias, ssm_a (Hv,), norm_w (S,). V head h reads Q/K head ``h % k_heads`` (ggml's tiling).
+    Returns y (L, Hv*S) float32, the new conv state (C, W-1) and the new state (Hv, S, S).
+    """
+    f = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
+    state = f(state).copy()
+    Hv, S, _ = state.shape
+    L, C = np.shape(qkv)
+    W = np.shape(conv_w)[1]
+    conv_in = np.concatenate([f(conv_state), f(qkv).T], axis=1)  # (C, W-1+L)
+    x = np.stack([(conv_in[:, t:t + W] * f(conv_w)).sum(axis=1) for t in range(L)])  # (L, C)
+    x = x / (1.0 + np.exp(-x))  # silu
+    q = x[:, :k_heads * S].reshape(L, k_heads, S)
+    k = x[:, k_heads * S:2 * k_heads * S].reshape(L, k_heads, S)
+    v = x[:, 2 * k_heads * S:].reshape(L, Hv, S)
+    q = q / np.sqrt((q * q).sum(-1, keepdims=True) + eps)  # l2 norm: rms_norm(eps/S) / sqrt(S)
+    k = k / np.sqrt((k * k).sum(-1, keepdims=True) + eps)
+    beta = 1.0 / (1.0 + np.exp(-f(beta_logits)))
+    g = np.log1p(np.exp(f(alpha_logits) + f(dt_bias))) * f(ssm_a)  # softplus * a
+    o = np.empty((L, Hv, S))
+    for t in range(L):
+        for h in range(Hv):
+            src = h // (Hv // k_heads) if interleave else h % k_heads
+            kh, qh = k[t, src], q[t, src]
+            m = state[h] * np.exp(g[t, h])
+            delta = (v[t, h] - m @ kh) * beta[t, h]
+            m = m + np.outer(delta, kh)
+            o[t, h] = (m @ qh) / np.sqrt(S)
+            state[h] = m
+    y = o / np.sqrt((o * o).mean(-1, keepdims=True) + eps) * f(norm_w)
+    zz = f(z).reshape(L, Hv, S)
+    y = y * (zz / (1.0 + np.exp(-zz)))
+    return (y.reshape(L, Hv * S).astype(np.float32), conv_in[:, L:].astype(np.float32),
+            state.astype(np.float32))

@@ -16,7 +16,7 @@ from kvasir_bus.errors import UsageError
 
 # The choices, repeated here so the parser needs no numpy; a test checks they match
 # synth.model's tables.
-ARCH_CHOICES = ("qwen3moe", "qwen2moe", "mixtral")
+ARCH_CHOICES = ("qwen3moe", "qwen2moe", "mixtral", "qwen35moe", "qwen3next")
 PRESET_CHOICES = ("tiny", "small", "122b-layer")
 TYPE_CHOICES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
 
@@ -30,7 +30,14 @@ _SIZE_FLAGS = (
     ("--kv-heads", "key/value heads (GQA); must divide --heads"),
     ("--vocab", "vocabulary size (at least 258)"),
     ("--ctx", "training context length written to the file"),
-    ("--shared-expert-ffn", "FFN width of the shared expert (qwen2moe only)"),
+    ("--shared-expert-ffn", "FFN width of the shared expert (qwen2moe, qwen35moe)"),
+    ("--head-dim", "attention head size (qwen35moe; default hidden / heads)"),
+    ("--rope-dims", "rotated dimensions per head (qwen35moe; default per preset)"),
+    ("--ssm-k-heads", "delta-net query/key heads (qwen35moe)"),
+    ("--ssm-v-heads", "delta-net value heads (qwen35moe); a multiple of --ssm-k-heads"),
+    ("--ssm-head-dim", "delta-net head size (qwen35moe)"),
+    ("--conv-kernel", "delta-net causal conv width (qwen35moe)"),
+    ("--full-attention-interval", "every N-th layer is full attention, the rest delta-net (qwen35moe)"),
 )
 
 
@@ -43,7 +50,8 @@ def register(subparsers) -> None:
         "flags override the preset. K-quant types need rows that are a multiple of 256; "
         "matrices that do not fit fall back like llama.cpp's quantizer (with a warning).")
     p.add_argument("--arch", choices=ARCH_CHOICES, default="qwen3moe",
-                   help="architecture family (mixtral = llama.cpp's llama with experts; default %(default)s)")
+                   help="architecture family (mixtral = llama.cpp's llama with experts; qwen35moe = "
+                   "Qwen3.5 MoE, gated delta-net + gated attention; default %(default)s)")
     p.add_argument("--preset", choices=PRESET_CHOICES, default="tiny", help="sizes (default %(default)s)")
     p.add_argument("--type", dest="qtype", choices=TYPE_CHOICES, default="f32",
                    help="type of the weight matrices; norms and routers stay f32 (default %(default)s)")

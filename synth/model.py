@@ -9,6 +9,11 @@ text prompts work end to end. Three architecture families:
   ``ffn_gate_inp_shexp``); llama.cpp requires ``output.weight``.
 - ``mixtral``: llama.cpp's ``llama`` architecture with experts (NORM rope); the output is tied
   (no ``output.weight``: llama.cpp falls back to ``token_embd``).
+- ``qwen35moe``: Qwen3.5 MoE (the 122B-A10B). Of every ``full_attention_interval`` layers all but
+  the last are gated delta-net layers (``attn_qkv``, ``attn_gate``, ``ssm_*``), the last gated
+  attention (``attn_q`` holds query and gate per head, Q/K norms, IMROPE); the FFN norm is
+  ``post_attention_norm``; a shared expert gated by ``sigmoid(ffn_gate_inp_shexp . x)``.
+- ``qwen3next``: the same family with NEOX RoPE and beta/alpha in one ``ssm_ba`` tensor.
 
 The file is written streaming: the header, metadata and tensor table first, then every tensor's
 data one chunk at a time (one expert of a 3-D ``*_exps`` tensor, or a block of rows), generated
@@ -78,6 +83,8 @@ ARCHS: dict[str, ArchSpec] = {
     "qwen3moe": ArchSpec("qwen3moe", tied_output=False, rms_eps=1e-6, rope_base=1_000_000.0),
     "qwen2moe": ArchSpec("qwen2moe", tied_output=False, rms_eps=1e-6, rope_base=1_000_000.0),
     "mixtral": ArchSpec("llama", tied_output=True, rms_eps=1e-5, rope_base=1_000_000.0),
+    "qwen35moe": ArchSpec("qwen35moe", tied_output=False, rms_eps=1e-6, rope_base=10_000_000.0),
+    "qwen3next": ArchSpec("qwen3next", tied_output=False, rms_eps=1e-6, rope_base=10_000_000.0),
 }
 
 QTYPES: dict[str, QT] = {
@@ -115,8 +122,25 @@ PRESETS: dict[str, dict[str, int]] = {
 # K-quants (explicit overrides win, and fall back with a warning if they do not fit).
 _TINY_K_QUANT = dict(hidden=256, expert_ffn=256, shared_expert_ffn=256)
 
+# Sizes only the delta-net family has (0 elsewhere). head_dim 0 = hidden / heads; rope_dims 0 =
+# head_dim. The 122b-layer row is Qwen3.5-122B-A10B's config as we read it: 32 query heads and
+# 2 KV heads of 256 (64 rotated, sections 11/11/10), 16 Q/K and 64 V delta-net heads of 128,
+# conv width 4, full attention every 4th layer; one layer by default (a delta-net layer), pass
+# --layers 4 for one full period with its attention layer.
+DELTA_NET_FIELDS = ("head_dim", "rope_dims", "ssm_k_heads", "ssm_v_heads", "ssm_head_dim", "conv_kernel",
+                    "full_attention_interval")
+_DELTA_NET_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(layers=4, head_dim=0, rope_dims=8, ssm_k_heads=2, ssm_v_heads=4, ssm_head_dim=16,
+                 conv_kernel=4, full_attention_interval=4),
+    "small": dict(head_dim=0, rope_dims=16, ssm_k_heads=4, ssm_v_heads=8, ssm_head_dim=64, conv_kernel=4,
+                  full_attention_interval=4),
+    "122b-layer": dict(head_dim=256, rope_dims=64, ssm_k_heads=16, ssm_v_heads=64, ssm_head_dim=128,
+                       conv_kernel=4, full_attention_interval=4),
+}
+_DELTA_NET_TINY_K_QUANT = dict(ssm_head_dim=64)  # ssm_out rows (v heads x head size) of 256
+
 SIZE_FIELDS = ("layers", "experts", "experts_used", "hidden", "expert_ffn", "heads", "kv_heads",
-               "vocab", "ctx", "shared_expert_ffn")
+               "vocab", "ctx", "shared_expert_ffn") + DELTA_NET_FIELDS
 
 
 @dataclass(frozen=True)
@@ -138,6 +162,18 @@ class SynthConfig:
     vocab: int
     ctx: int
     shared_expert_ffn: int
+    # delta-net family only (0 elsewhere): see DELTA_NET_FIELDS
+    head_dim: int = 0
+    rope_dims: int = 0
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_head_dim: int = 0
+    conv_kernel: int = 0
+    full_attention_interval: int = 0
+
+    def __post_init__(self):
+        if not self.head_dim:  # the attention head size defaults to hidden / heads
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
 
     @property
     def spec(self) -> ArchSpec:
@@ -148,8 +184,22 @@ class SynthConfig:
         return QTYPES[self.qtype]
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def n_rot(self) -> int:
+        return self.rope_dims or self.head_dim
+
+    @property
+    def rope_sections(self) -> tuple[int, int, int, int]:
+        """IMROPE sections over the n_rot/2 rotated pairs, split 11:11:10 like Qwen3.5's 32."""
+        pairs = self.n_rot // 2
+        t = h = (pairs * 11 + 16) // 32
+        return (t, h, pairs - t - h, 0)
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.spec.traits.delta_net and (layer + 1) % self.full_attention_interval != 0
+
+    @property
+    def ssm_conv_channels(self) -> int:
+        return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_head_dim
 
 
 def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32", seed: int = 0,
@@ -169,13 +219,24 @@ def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32"
         raise UsageError(f"--seed must be a non-negative integer, got {seed!r}")
     given = {k: v for k, v in overrides.items() if v is not None}
     shared_expert = ARCHS[arch].traits.shared_expert
+    delta_net = ARCHS[arch].traits.delta_net
     if given.get("shared_expert_ffn") is not None and not shared_expert:
         having = ", ".join(a for a, spec in ARCHS.items() if spec.traits.shared_expert)
         raise UsageError(f"--shared-expert-ffn: architecture {arch} has no shared expert "
                          f"(only {having} has one)")
+    if not delta_net:
+        for name in DELTA_NET_FIELDS:
+            if given.get(name) is not None:
+                having = ", ".join(a for a, spec in ARCHS.items() if spec.traits.delta_net)
+                raise UsageError(f"--{name.replace('_', '-')}: only for delta-net architectures ({having})")
     sizes = dict(PRESETS[preset])
+    sizes.update(dict.fromkeys(DELTA_NET_FIELDS, 0))
+    if delta_net:
+        sizes.update(_DELTA_NET_PRESETS[preset])
     if preset == "tiny" and QTYPES[qtype] in K_QUANTS:
         sizes.update(_TINY_K_QUANT)
+        if delta_net:
+            sizes.update(_DELTA_NET_TINY_K_QUANT)
     sizes.update(given)
     if not shared_expert:
         sizes["shared_expert_ffn"] = 0
@@ -183,6 +244,8 @@ def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32"
         value = sizes[name]
         if name == "shared_expert_ffn" and not shared_expert:
             continue
+        if name in DELTA_NET_FIELDS and (not delta_net or name in ("head_dim", "rope_dims")) and value == 0:
+            continue  # not this family's, or "derive it"
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
     cfg = SynthConfig(arch=arch, preset=preset, qtype=qtype, seed=seed, **sizes)
@@ -196,7 +259,9 @@ def _check_choice(what: str, value: str, known: dict) -> None:
 
 
 def _check_consistent(cfg: SynthConfig) -> None:
-    if cfg.hidden % cfg.heads:
+    if cfg.spec.traits.delta_net:
+        _check_delta_net(cfg)
+    elif cfg.hidden % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --hidden {cfg.hidden}")
     if cfg.heads % cfg.kv_heads:
         raise UsageError(f"--kv-heads {cfg.kv_heads} does not divide --heads {cfg.heads}")
@@ -211,6 +276,17 @@ def _check_consistent(cfg: SynthConfig) -> None:
     if cfg.vocab < vocab_mod.MIN_VOCAB:
         raise UsageError(f"--vocab {cfg.vocab} is too small: the byte-level tokenizer needs at "
                          f"least {vocab_mod.MIN_VOCAB} (256 bytes, <|endoftext|>, one merge)")
+
+
+def _check_delta_net(cfg: SynthConfig) -> None:
+    if cfg.head_dim <= 0:
+        raise UsageError(f"--heads {cfg.heads} is more than --hidden {cfg.hidden}; give --head-dim")
+    if cfg.n_rot % 2 or cfg.n_rot > cfg.head_dim or cfg.n_rot < 8:
+        raise UsageError(f"--rope-dims {cfg.n_rot} must be even and in 8..{cfg.head_dim} (the head size)")
+    if cfg.ssm_v_heads % cfg.ssm_k_heads:
+        raise UsageError(f"--ssm-k-heads {cfg.ssm_k_heads} does not divide --ssm-v-heads {cfg.ssm_v_heads}")
+    if cfg.conv_kernel < 2:
+        raise UsageError(f"--conv-kernel {cfg.conv_kernel} must be at least 2")
 
 
 # --- the tensor plan --------------------------------------------------------------------------
@@ -277,7 +353,15 @@ def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
     for i in range(cfg.layers):
         b = f"blk.{i}."
         plan.append(f32(b + "attn_norm.weight", (d,), 0.1, 1.0))
+        if cfg.is_recurrent(i):
+            plan += _delta_net_tensors(cfg, b, matrix, f32)
+            plan += _moe_tensors(cfg, b, matrix, f32)
+            continue
+        if traits.attn_q_gate:  # query and gate per head, interleaved by head
+            q_dim *= 2
         plan.append(matrix(b + "attn_q.weight", (q_dim, d), d ** -0.5))
+        if traits.attn_q_gate:
+            q_dim //= 2
         plan.append(matrix(b + "attn_k.weight", (kv_dim, d), d ** -0.5))
         plan.append(matrix(b + "attn_v.weight", (kv_dim, d), d ** -0.5))
         if traits.qkv_bias:
@@ -287,19 +371,43 @@ def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
             plan.append(f32(b + "attn_q_norm.weight", (hd,), 0.1, 1.0))
             plan.append(f32(b + "attn_k_norm.weight", (hd,), 0.1, 1.0))
         plan.append(matrix(b + "attn_output.weight", (d, q_dim), q_dim ** -0.5))
-        plan.append(f32(b + "ffn_norm.weight", (d,), 0.1, 1.0))
-        # router logits with std ~2: top-k differs from token to token, softmax not one-hot
-        plan.append(f32(b + "ffn_gate_inp.weight", (E, d), 2.0 / math.sqrt(d)))
-        plan.append(matrix(b + "ffn_gate_exps.weight", (E, ff, d), d ** -0.5))
-        plan.append(matrix(b + "ffn_up_exps.weight", (E, ff, d), d ** -0.5))
-        plan.append(matrix(b + "ffn_down_exps.weight", (E, d, ff), ff ** -0.5))
-        if traits.shared_expert:
-            sff = cfg.shared_expert_ffn
-            plan.append(f32(b + "ffn_gate_inp_shexp.weight", (d,), d ** -0.5))
-            plan.append(matrix(b + "ffn_gate_shexp.weight", (sff, d), d ** -0.5))
-            plan.append(matrix(b + "ffn_up_shexp.weight", (sff, d), d ** -0.5))
-            plan.append(matrix(b + "ffn_down_shexp.weight", (d, sff), sff ** -0.5))
+        plan += _moe_tensors(cfg, b, matrix, f32)
     return plan
+
+
+def _moe_tensors(cfg: SynthConfig, b: str, matrix, f32) -> list[TensorPlan]:
+    traits, d, ff, E = cfg.spec.traits, cfg.hidden, cfg.expert_ffn, cfg.experts
+    plan = [f32(b + traits.ffn_norm + ".weight", (d,), 0.1, 1.0),
+            # router logits with std ~2: top-k differs from token to token, softmax not one-hot
+            f32(b + "ffn_gate_inp.weight", (E, d), 2.0 / math.sqrt(d)),
+            matrix(b + "ffn_gate_exps.weight", (E, ff, d), d ** -0.5),
+            matrix(b + "ffn_up_exps.weight", (E, ff, d), d ** -0.5),
+            matrix(b + "ffn_down_exps.weight", (E, d, ff), ff ** -0.5)]
+    if traits.shared_expert:
+        sff = cfg.shared_expert_ffn
+        plan.append(f32(b + "ffn_gate_inp_shexp.weight", (d,), d ** -0.5))
+        plan.append(matrix(b + "ffn_gate_shexp.weight", (sff, d), d ** -0.5))
+        plan.append(matrix(b + "ffn_up_shexp.weight", (sff, d), d ** -0.5))
+        plan.append(matrix(b + "ffn_down_shexp.weight", (d, sff), sff ** -0.5))
+    return plan
+
+
+def _delta_net_tensors(cfg: SynthConfig, b: str, matrix, f32) -> list[TensorPlan]:
+    """A gated delta-net layer's mixer, shaped as llama_model_qwen35moe::load_arch_tensors wants.
+    ssm_a (= -exp(A_log)) is drawn around -1 with std 0.1, so it is always negative: every
+    token's decay exp(softplus(.) * ssm_a) stays below 1 and the recurrent state bounded."""
+    d, S, Hv, C, W = cfg.hidden, cfg.ssm_head_dim, cfg.ssm_v_heads, cfg.ssm_conv_channels, cfg.conv_kernel
+    return [
+        matrix(b + "attn_qkv.weight", (C, d), d ** -0.5),
+        matrix(b + "attn_gate.weight", (Hv * S, d), d ** -0.5),
+        f32(b + "ssm_conv1d.weight", (C, W), W ** -0.5),  # ggml_ssm_conv takes float32 only
+        f32(b + "ssm_dt.bias", (Hv,), 0.5),
+        f32(b + "ssm_a", (Hv,), 0.1, -1.0),
+        *([matrix(b + "ssm_ba.weight", (2 * Hv, d), d ** -0.5)] if cfg.spec.traits.ssm_ba else
+          [matrix(b + "ssm_beta.weight", (Hv, d), d ** -0.5), matrix(b + "ssm_alpha.weight", (Hv, d), d ** -0.5)]),
+        f32(b + "ssm_norm.weight", (S,), 0.1, 1.0),
+        matrix(b + "ssm_out.weight", (d, Hv * S), (Hv * S) ** -0.5),
+    ]
 
 
 # --- metadata ----------------------------------------------------------------------------------
@@ -327,7 +435,17 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: SynthConfig) -> None:
     w.add_head_count_kv(cfg.kv_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.n_rot)
+    if traits.rope_style == "imrope":
+        w.add_array(f"{cfg.spec.gguf_arch}.rope.dimension_sections", list(cfg.rope_sections))
+    if traits.delta_net:
+        a = cfg.spec.gguf_arch
+        w.add_uint32(f"{a}.ssm.conv_kernel", cfg.conv_kernel)
+        w.add_uint32(f"{a}.ssm.inner_size", cfg.ssm_v_heads * cfg.ssm_head_dim)
+        w.add_uint32(f"{a}.ssm.state_size", cfg.ssm_head_dim)
+        w.add_uint32(f"{a}.ssm.time_step_rank", cfg.ssm_v_heads)
+        w.add_uint32(f"{a}.ssm.group_count", cfg.ssm_k_heads)
+        w.add_uint32(f"{a}.full_attention_interval", cfg.full_attention_interval)
     w.add_rope_freq_base(spec.rope_base)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_expert_count(cfg.experts)
