@@ -313,6 +313,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
     args = ap.parse_args()
+    from kvasir_bus.logs import configure
+
+    configure("warning")  # the swarm's logs on stderr: stdout is the JSON alone
 
     path = Path(args.models) / f"{args.preset}-{args.arch}-{args.type}.gguf"
     if not path.exists():
