@@ -14,6 +14,11 @@ carry ``usage`` and ``finish_reason`` ("stop": end-of-sequence token or a stop s
 longer than the context, ``max_tokens`` out of range), 404 for an unknown model or route, 429
 with ``Retry-After`` when the queue is full, 500 when the engine fails.
 
+With ``ServerConfig.bus_model`` set (``kvasir serve --http --nats``), the same scheduler also
+serves the bus API ``kvasir.<model>.generate`` (:mod:`backbone.generate_bus`): HTTP and bus
+streams share every engine step. Whether the experts are local or on the swarm is the engine's
+business (:class:`backbone.service.BackboneService` hands it the remote experts).
+
 A client that goes away (aiohttp cancels its handler) has its sequence dropped at the next
 engine step. Text is streamed as it becomes whole UTF-8 and cannot still turn into a stop
 string; a stop string ends the sequence without being sent.
