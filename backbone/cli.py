@@ -91,20 +91,43 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve_http(args) -> int:
-    from pathlib import Path
+    """``kvasir serve --http``: every expert local, or with ``--nats`` the experts go to the
+    swarm (the engine gets the backbone service's remote experts) and the bus API
+    ``kvasir.<model>.generate`` is served beside HTTP."""
+    from kvasir_bus.errors import DependencyError
 
-    from kvasir_bus.errors import DependencyError, UsageError
-
-    if getattr(args, "nats", None):
-        raise UsageError("--http with --nats is not wired yet: drop --nats to serve with every expert local")
     try:
-        from backbone.server_http import ServerConfig, parse_http, serve_forever
+        import backbone.server_http  # noqa: F401  (aiohttp present?)
     except ImportError as exc:
         raise DependencyError(f"the HTTP server needs {exc.name} (pip install 'kvasir-bus[backbone]')") from None
     from backbone.model import Engine
-    from backbone.scheduler import SchedulerConfig
-    from backbone.tokenizer import Tokenizer
     from kvasir_bus.logs import configure
+
+    server_cfg = http_config(args)  # flags checked before the model is read
+    check_ctx(args.ctx)
+    if not getattr(args, "nats", None):
+        configure("info")
+        engine = Engine(args.model, n_ctx=args.ctx)  # validates the file first
+        check_ctx(args.ctx, engine)
+        run_http(engine, args, server_cfg)
+        return 0
+    from backbone.service import BackboneConfig, BackboneService
+
+    cfg = BackboneConfig.from_args(args)
+    configure("info")
+    engine = Engine(cfg.model_path, n_ctx=cfg.n_ctx, wire_dtype=cfg.wire_dtype)
+    with BackboneService(engine, cfg) as backbone:
+        run_http(engine, args, server_cfg, bus_model=backbone.model, bus_url=cfg.nats_url, node=cfg.node)
+    return 0
+
+
+def http_config(args):
+    """The :class:`ServerConfig` of ``--http`` and the scheduler flags (model name aside)."""
+    from pathlib import Path
+
+    from backbone.scheduler import SchedulerConfig
+    from backbone.server_http import ServerConfig, parse_http
+    from kvasir_bus.errors import UsageError
 
     host, port = parse_http(args.http)
     if args.kv_mb is not None and not args.kv_mb > 0:
@@ -112,16 +135,25 @@ def cmd_serve_http(args) -> int:
     sched = SchedulerConfig(max_active=args.max_active, max_queue=args.max_queue, step_tokens=args.step_tokens,
                             kv_bytes=int(args.kv_mb * 2**20) if args.kv_mb else None,
                             deterministic=args.deterministic)
-    cfg = ServerConfig(host=host, port=port, model_name=args.model_name or Path(args.model).stem, scheduler=sched)
-    configure("info")
-    check_ctx(args.ctx)
-    engine = Engine(args.model, n_ctx=args.ctx)  # validates the file first
-    check_ctx(args.ctx, engine)
+    return ServerConfig(host=host, port=port, model_name=args.model_name or Path(args.model).stem, scheduler=sched)
+
+
+def run_http(engine, args, cfg, bus_model: str | None = None, bus_url: str | None = None,
+             node: str = "backbone") -> None:
+    """Serve ``engine`` (local or remote experts) over HTTP, and on the bus with ``bus_model``,
+    until SIGINT/SIGTERM."""
+    from dataclasses import replace
+
+    from backbone.server_http import serve_forever
+    from backbone.tokenizer import Tokenizer
+
+    cfg = replace(cfg, bus_model=bus_model, bus_url=bus_url, node=node)
     tok = Tokenizer(args.model)
+    where = f"experts on the bus, generate API on kvasir.{bus_model}.generate" if bus_model else "all experts local"
     serve_forever(engine, tok, cfg, on_ready=lambda url: print(
-        f"serving {cfg.model_name} at {url}/v1 (OpenAI API; {engine.cfg.arch}, context {engine.n_ctx}, "
-        f"{'deterministic, ' if args.deterministic else ''}up to {args.max_active} sequences per step)", flush=True))
-    return 0
+        f"serving {cfg.model_name} at {url}/v1 (OpenAI API; {engine.cfg.arch}, context {engine.n_ctx}, {where}, "
+        f"{'deterministic, ' if cfg.scheduler.deterministic else ''}up to {cfg.scheduler.max_active} sequences "
+        f"per step)", flush=True))
 
 
 def check_ctx(ctx: int | None, engine=None) -> None:

@@ -14,6 +14,11 @@ carry ``usage`` and ``finish_reason`` ("stop": end-of-sequence token or a stop s
 longer than the context, ``max_tokens`` out of range), 404 for an unknown model or route, 429
 with ``Retry-After`` when the queue is full, 500 when the engine fails.
 
+With ``ServerConfig.bus_model`` set (``kvasir serve --http --nats``), the same scheduler also
+serves the bus API ``kvasir.<model>.generate`` (:mod:`backbone.generate_bus`): HTTP and bus
+streams share every engine step. Whether the experts are local or on the swarm is the engine's
+business (:class:`backbone.service.BackboneService` hands it the remote experts).
+
 A client that goes away (aiohttp cancels its handler) has its sequence dropped at the next
 engine step. Text is streamed as it becomes whole UTF-8 and cannot still turn into a stop
 string; a stop string ends the sequence without being sent.
@@ -52,6 +57,11 @@ class ServerConfig:
     model_name: str = "model"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_body_bytes: int = 8 << 20
+    # The bus API (backbone.generate_bus): with a model fingerprint, the server also answers
+    # kvasir.<bus_model>.generate on the bus at bus_url (None: $NATS_URL, else the default).
+    bus_model: str | None = None
+    bus_url: str | None = None
+    node: str = "backbone"
 
 
 class ApiError(Exception):
@@ -151,6 +161,8 @@ class HttpServer:
         self.created = int(time.time())
         self.url: str | None = None
         self._runner = None
+        self.bus = None  # the GenerateBus, when cfg.bus_model is set
+        self._nc = None
 
     async def start(self) -> str:
         if self._runner is not None:
@@ -173,6 +185,12 @@ class HttpServer:
         self.scheduler.start()
         host, port = runner.addresses[0][:2]
         self.url = f"http://{host}:{port}"
+        if self.cfg.bus_model is not None:
+            try:
+                await self._start_bus()
+            except BaseException:
+                await self.stop()
+                raise
         log.info("http_serving", url=self.url, model=self.cfg.model_name, n_ctx=self.engine.n_ctx,
                  max_active=self.cfg.scheduler.max_active, deterministic=self.cfg.scheduler.deterministic)
         return self.url
@@ -181,11 +199,27 @@ class HttpServer:
         self.metrics.steps.inc()
         self.metrics.tokens.inc(tokens)
 
+    async def _start_bus(self) -> None:
+        from backbone.generate_bus import GenerateBus
+        from kvasir_bus.connect import connect
+
+        self._nc = await connect(self.cfg.bus_url, name=f"kvasir-{self.cfg.node}-generate")
+        self.bus = await GenerateBus(self._nc, self.cfg.bus_model, self.cfg.node, self.scheduler, self.tokenizer,
+                                     self.engine.cfg.eos_id).start()
+
     async def stop(self) -> None:
         if self._runner is None:
             return
         runner, self._runner = self._runner, None
+        if self.bus is not None:
+            await self.bus.stop()
         self.scheduler.stop()
+        if self._nc is not None:
+            try:
+                await asyncio.wait_for(self._nc.drain(), 10)
+            except Exception as exc:  # leaving anyway
+                log.warning("bus_disconnect_failed", error=f"{type(exc).__name__}: {exc}")
+            self._nc = None
         await runner.cleanup()
 
     # -- middleware: every failure is an OpenAI error body ---------------------------------
@@ -222,8 +256,10 @@ class HttpServer:
                      "n_vocab": c.n_vocab}}]})
 
     async def health(self, request):
+        bus = {"bus": {"subject": self.bus.subject, "served": self.bus.served}} if self.bus is not None else {}
         return web.json_response({"status": "ok", "model": self.cfg.model_name,
-                                  "deterministic": self.cfg.scheduler.deterministic, **self.scheduler.snapshot()})
+                                  "deterministic": self.cfg.scheduler.deterministic, **self.scheduler.snapshot(),
+                                  **bus})
 
     async def _body(self, request) -> dict:
         try:

@@ -1,5 +1,7 @@
-"""Aggregate generation throughput of `kvasir serve --http` (all experts local) against llama.cpp's
-own batched speed on the same model, measured side by side in this run. Prints JSON.
+"""Aggregate generation throughput of `kvasir serve --http`: (a) all experts local, against
+llama.cpp's own batched speed on the same model; (b) sharded over a loopback NATS bus with 2 and
+4 worker processes; (c) sharded with an injected round trip r (20 and 50 ms) between the workers
+and the bus, with the latency bound S / (L x r) beside it. All measured in this run; prints JSON.
 
 For each concurrency C: C streaming clients (aiohttp, OpenAI's SSE format) each ask for the same
 number of tokens (``ignore_eos``) after a prompt of their own; aggregate tokens/s is all generated
@@ -13,7 +15,16 @@ decodes C tokens, one per sequence, in one ``llama_decode`` (what llama-server's
 batching does once all slots are busy). The same token counts, timed the same way (prefill
 included); with C = 16 this is the "16-token batch" bound of issue 11.
 
-    python bench/throughput.py [--arch qwen3moe] [--type q4_k] [--concurrency 1 4 16] [--tokens 32]
+(b) and (c): an embedded nats-server on loopback, N ``kvasir worker`` processes splitting every
+layer's experts (1 ggml thread each), and ``kvasir serve --http --nats URL`` dispatching to them
+(every MoE layer step sends one request per selected expert carrying the rows of every stream).
+For (c) the workers connect through :class:`DelayProxy`, a TCP proxy in this script (asyncio,
+loopback only) that holds every chunk r/2 in each direction, so each expert call waits r more;
+the bound is what S streams can reach if every token costs its L serial round trips and nothing
+else: S / (L x r) tokens/s.
+
+    python bench/throughput.py [--arch qwen3moe] [--type q4_k] [--concurrency 1 4 16 32] [--tokens 16]
+        [--sharded 2 4] [--rtt-ms 20 50] [--skip-local]
 """
 
 from __future__ import annotations
@@ -51,13 +62,15 @@ def pct(values: list[float], q: float) -> float | None:
 
 # -- ours: clients against `kvasir serve --http` --------------------------------------------------
 
-def start_server(path: Path, max_active: int, threads: int | None) -> tuple[subprocess.Popen, str]:
+def start_server(path: Path, max_active: int, threads: int | None, nats: str | None = None
+                 ) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if threads:
         env["KVASIR_THREADS"] = str(threads)
+    bus = ["--nats", nats, "--deterministic"] if nats else []
     proc = subprocess.Popen([sys.executable, "-m", "kvasir_bus.cli", "serve", "--model", str(path),
                              "--http", "127.0.0.1:0", "--model-name", "bench", "--max-active", str(max_active),
-                             "--step-tokens", str(max(256, max_active))],
+                             "--step-tokens", str(max(256, max_active)), *bus],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     line = proc.stdout.readline()
     match = re.search(r"(http://\S+)/v1", line)
@@ -160,17 +173,149 @@ class LlamaBatched:
                 "decode_only_tok_s": round(len(batch) * (n - 1) / (t2 - t1), 2) if n > 1 else None}
 
 
+# -- (b), (c): the swarm behind the server ------------------------------------------------------
+
+class DelayProxy:
+    """A loopback TCP proxy that delays every chunk by ``delay_s`` in each direction (a round
+    trip of 2 x ``delay_s``), keeping order. Bounded: at most ``max_chunks`` chunks wait per
+    direction (the reader stops reading beyond, as a real link's window would), and the whole
+    proxy stops by itself after ``lifetime_s`` or at :meth:`close`. Runs on its own thread."""
+
+    def __init__(self, upstream: tuple[str, int], delay_s: float, lifetime_s: float = 3600.0,
+                 max_chunks: int = 1024):
+        import threading
+
+        self.upstream, self.delay_s, self.max_chunks = upstream, delay_s, max_chunks
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(lifetime_s),),
+                                        name="delay-proxy", daemon=True)
+        self._thread.start()
+        self._ready.wait(10)
+
+    async def _main(self, lifetime_s: float) -> None:
+        self._stop = asyncio.Event()
+        server = await asyncio.start_server(self._client, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        try:
+            await asyncio.wait_for(self._stop.wait(), lifetime_s)
+        except asyncio.TimeoutError:
+            pass
+        server.close()
+        for task in [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]:
+            task.cancel()
+
+    async def _client(self, reader, writer) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True)
+
+    async def _pipe(self, reader, writer) -> None:
+        queue: asyncio.Queue = asyncio.Queue(self.max_chunks)
+
+        async def send() -> None:
+            while True:
+                due, data = await queue.get()
+                if data is None:
+                    break
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        sender = asyncio.ensure_future(send())
+        try:
+            while data := await reader.read(65536):
+                await queue.put((time.monotonic() + self.delay_s, data))
+        finally:
+            await queue.put((0.0, None))
+            await sender
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(10)
+
+
+def moe_layers(path: Path) -> int:
+    from backbone.model import Engine
+
+    return Engine(path).cfg.n_layer  # every block of the synthetic presets is MoE
+
+
+def run_sharded(path: Path, n_workers: int, rtt_ms: float, args, threads: int | None) -> dict:
+    """One sharded configuration: bus, workers (through the delay proxy when rtt_ms > 0),
+    server; every concurrency; everything stopped after."""
+    from backbone.model import Engine
+    from kvasir_bus.fingerprint import model_fingerprint
+    from kvasir_bus.server import EmbeddedNats
+    from launch.swarm import spawn_worker, split_experts, wait_for_nodes
+
+    engine = Engine(path)
+    fp, n_expert = model_fingerprint(engine.reader), engine.cfg.n_expert
+    del engine
+    top = max(args.concurrency)
+    out = {"workers": n_workers, "rtt_ms": rtt_ms, "results": []}
+    with EmbeddedNats() as nats:
+        proxy = None
+        if rtt_ms:
+            host, port = nats.url.rsplit("//", 1)[1].rsplit(":", 1)
+            proxy = DelayProxy((host, int(port)), rtt_ms / 2000.0)
+        workers = [spawn_worker(proxy.url if proxy else nats.url, f"bench-{i}",
+                                ["--model", str(path), "--layer", "all", "--experts", f"{lo}-{hi}"])
+                   for i, (lo, hi) in enumerate(split_experts(n_expert, n_workers))]
+        proc = None
+        try:
+            asyncio.run(wait_for_nodes(nats.url, fp, {w.node for w in workers}, procs=workers, timeout=300))
+            proc, url = start_server(path, max_active=top, threads=threads, nats=nats.url)
+            asyncio.run(run_clients(url, prompts(1, args.prompt_tokens), 2))  # warm up
+            for c in args.concurrency:
+                res = asyncio.run(run_clients(url, prompts(c, args.prompt_tokens), args.tokens))
+                if rtt_ms:
+                    res["latency_bound_tok_s"] = round(c / (args.layers * rtt_ms / 1000.0), 2)
+                out["results"].append({"concurrency": c, **res})
+                print(f"# sharded {n_workers} workers, rtt {rtt_ms} ms, {c} streams: {res['tok_s']} tok/s",
+                      file=sys.stderr, flush=True)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
+            for w in workers:
+                w.stop()
+            if proxy is not None:
+                proxy.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="qwen3moe")
     ap.add_argument("--type", default="q4_k")
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--tokens", type=int, default=32, help="generated per client (default 32)")
-    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
+    ap.add_argument("--tokens", type=int, default=16, help="generated per client (default 16)")
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--sharded", type=int, nargs="*", default=[2, 4], metavar="N",
+                    help="(b): worker counts over loopback NATS (default 2 4; none: skip)")
+    ap.add_argument("--rtt-ms", type=float, nargs="*", default=[20, 50], metavar="MS",
+                    help="(c): injected round trips between the workers and the bus (default 20 50)")
+    ap.add_argument("--rtt-workers", type=int, default=2, help="workers for (c) (default 2)")
+    ap.add_argument("--skip-local", action="store_true", help="skip (a)")
     ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
     args = ap.parse_args()
+    from kvasir_bus.logs import configure
+
+    configure("warning")  # the swarm's logs on stderr: stdout is the JSON alone
 
     path = Path(args.models) / f"{args.preset}-{args.arch}-{args.type}.gguf"
     if not path.exists():
@@ -179,9 +324,21 @@ def main() -> None:
     threads = args.threads or os.cpu_count()
     top = max(args.concurrency)
     n_ctx = top * (args.prompt_tokens + args.tokens) + 256
+    args.layers = moe_layers(path)
     out = {"bench": "throughput", "model": path.name, "file_mb": round(path.stat().st_size / 2**20, 1),
-           "experts": "all local", "tokens_per_client": args.tokens, "prompt_tokens": args.prompt_tokens,
-           "threads": threads, "results": []}
+           "moe_layers": args.layers, "tokens_per_client": args.tokens, "prompt_tokens": args.prompt_tokens,
+           "threads": threads, "cpus": os.cpu_count(), "results": [], "sharded": []}
+    if not args.skip_local:
+        run_local(path, args, top, n_ctx, threads, out)
+    for n in args.sharded:
+        out["sharded"].append(run_sharded(path, n, 0.0, args, args.threads))
+    for rtt in args.rtt_ms:
+        out["sharded"].append(run_sharded(path, args.rtt_workers, rtt, args, args.threads))
+    print(json.dumps(out, indent=2))
+
+
+def run_local(path: Path, args, top: int, n_ctx: int, threads: int, out: dict) -> None:
+    """(a): all experts local, against llama.cpp's batched decode on the same model."""
     proc, url = start_server(path, max_active=top, threads=args.threads)
     ref = LlamaBatched(path, n_seq=top, n_ctx=n_ctx, threads=threads)
     try:
@@ -193,11 +350,12 @@ def main() -> None:
             theirs = ref.run(batch, args.tokens)
             out["results"].append({"concurrency": c, "kvasir_serve": ours, "llama_cpp_batched": theirs,
                                    "ratio": round(ours["tok_s"] / theirs["tok_s"], 3)})
+            print(f"# local, {c} streams: {ours['tok_s']} tok/s (llama.cpp {theirs['tok_s']})",
+                  file=sys.stderr, flush=True)
     finally:
         ref.close()
         proc.terminate()
         proc.wait(timeout=30)
-    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -160,6 +160,11 @@ class Subjects:
         """``kvasir.<model>.market.status``: request/reply, the market's view of this model."""
         return f"{self.root}.market.status"
 
+    def generate(self) -> str:
+        """``kvasir.<model>.generate``: request in, tokens streamed to the reply inbox; every
+        backbone of the model answers in one queue group (:mod:`kvasir_bus.generate_codec`)."""
+        return f"{self.root}.generate"
+
     def everything(self) -> str:
         """``kvasir.<model>.>``: every subject of this model."""
         return f"{self.root}.>"

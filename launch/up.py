@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from backbone.cli import add_audit_flags, add_http_flags, cmd_serve_http
+from backbone.cli import add_audit_flags, add_http_flags, cmd_serve_http, http_config, run_http
 from backbone.service import BackboneConfig, BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
@@ -64,6 +64,7 @@ def register(sub) -> None:
     p.add_argument("--db", metavar="FILE", default=None,
                    help="the market's ledger file (default: a temporary one, gone at exit)")
     add_weights_flags(p)
+    add_http_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--logs", metavar="DIR", default=None,
                    help="keep the market's and each worker's log here (default: a temporary "
@@ -141,7 +142,12 @@ def cmd_up(args) -> int:
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
     cfg = BackboneConfig.from_args(args, nats_url=None, market=not args.no_market, market_interval_s=0.5)
-    engine = Engine(cfg.model_path)
+    http = None
+    if args.http is not None:  # the swarm behind an OpenAI-compatible server and the bus API
+        if args.prompt is not None:
+            raise UsageError("--http serves until Ctrl-C; leave out --prompt")
+        http = http_config(args)
+    engine = Engine(cfg.model_path, n_ctx=cfg.n_ctx)
     fp = model_fingerprint(engine.reader)
     ranges = split_experts(engine.cfg.n_expert, args.workers) if args.workers else []
     tok = Tokenizer(args.model) if args.prompt is not None else None
@@ -207,6 +213,10 @@ def cmd_up(args) -> int:
             print(f"weights: {backbone.weights_url}; volunteers: kvasir worker --nats {url} --budget 64MB "
                   f"--source {backbone.weights_url}" + (" --token TOKEN" if cfg.tokens else ""), file=out)
 
+        if http is not None:
+            run_http(engine, args, http, bus_model=fp, bus_url=url, node=cfg.node)
+            print("stopping the swarm", file=out)
+            return 0
         if args.prompt is None:
             print(f"serving until Ctrl-C; try: kvasir generate --nats {url} --model {args.model} "
                   f"--prompt 'Hello' -n 16", file=out, flush=True)

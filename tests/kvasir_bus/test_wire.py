@@ -7,7 +7,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvasir_bus import codec, market_codec as mc, wire
+from kvasir_bus import codec, generate_codec as gc, market_codec as mc, wire
 from kvasir_bus.wire import CodecError, Holding, Record
 from tests.kvasir_bus.test_market_codec import batch, manifest, status
 
@@ -33,6 +33,9 @@ def one_of_each() -> list[Record]:
         mc.Quarantine(FP, "w-1", 3, 7, "numpy-x86_64", True, float("inf"), 1.0),
         status(),
         mc.MarketOverview(1.0, (status(),)),
+        gc.GenerateRequest("g-1", (1, 2, 3), "", 8),
+        gc.GenerateToken("g-1", 0, 42, "hi"),
+        gc.GenerateDone("g-1", "bb", "length", 3, 8),
     ]
 
 

@@ -1,0 +1,184 @@
+"""Wire records of the bus generation API: text generation without HTTP.
+
+A client publishes a :class:`GenerateRequest` on ``kvasir.<model>.generate`` with a reply
+inbox it has subscribed to. Every backbone serving the model listens in one NATS queue group,
+so exactly one of them takes the request (a second backbone adds capacity with no
+configuration). That backbone streams one :class:`GenerateToken` per generated token to the
+inbox, in order (``index`` 0, 1, ...), then one :class:`GenerateDone` with the finish reason
+and the token counts; or an ``e`` :class:`~kvasir_bus.wire.ErrorReply` instead (a request that
+cannot run, a full queue: code ``overloaded``, an engine failure). With nobody serving the
+model, the NATS server answers the inbox with a ``Status: 503`` header (no responders).
+
+Messages (``t``):
+
+* ``gq`` :class:`GenerateRequest` client -> backbone on ``kvasir.<model>.generate``
+* ``gt`` :class:`GenerateToken`   backbone -> client inbox, one per token
+* ``gd`` :class:`GenerateDone`    backbone -> client inbox, the last message
+* ``e``  :class:`~kvasir_bus.wire.ErrorReply` backbone -> client inbox, instead of ``gd``
+
+The prompt is either token ids or text (the backbone tokenizes it, with its BOS); never both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+from kvasir_bus.wire import (  # noqa: F401 (the names callers know generate_codec by)
+    DEFAULT_MAX_BYTES, ERR_BAD_REQUEST, ERR_INTERNAL, ERR_OVERLOADED, MAX_ERROR_MESSAGE, NO_LIMITS, CodecError,
+    ErrorReply, Limits, Record, check_bool, check_float, check_id, check_int, check_node,
+    check_str, decode, encode, fail, headers_for, need, record)
+
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_PROMPT_CHARS = 4 << 20
+MAX_NEW_TOKENS = 1 << 20
+MAX_PIECE_CHARS = 4096  # one token's text (a token is at most a few hundred bytes)
+FINISH_REASONS = ("stop", "length")
+GENERATE_MAX_BYTES = 8 << 20  # a request; every reply is far smaller
+
+
+@record
+@dataclass(frozen=True)
+class GenerateRequest(Record):
+    """Generate up to ``max_tokens`` after ``prompt_ids`` or ``prompt_text``.
+
+    Sampling as in :mod:`backbone.sampling`: ``temperature`` 0 is greedy; ``top_p`` in
+    (0, 1]; ``seed`` makes a sampled stream reproducible. ``stop_on_eos`` False runs to
+    ``max_tokens`` whatever the model says (llama-server's ``ignore_eos``)."""
+
+    kind: ClassVar[str] = "gq"
+    what: ClassVar[str] = "generate request"
+
+    request_id: str
+    prompt_ids: tuple[int, ...] = ()
+    prompt_text: str = ""
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_on_eos: bool = True
+
+    def __post_init__(self) -> None:
+        r, s = self.what, lambda name, value: object.__setattr__(self, name, value)
+        check_id(r, "request_id", self.request_id)
+        ids = self.prompt_ids
+        if not isinstance(ids, (list, tuple)):
+            raise fail(r, "prompt_ids", f"must be a list of token ids, got {type(ids).__name__}")
+        if len(ids) > MAX_PROMPT_TOKENS:
+            raise fail(r, "prompt_ids", f"has {len(ids)} tokens (max {MAX_PROMPT_TOKENS})")
+        s("prompt_ids", tuple(check_int(r, "prompt_ids", t, 0, (1 << 31) - 1) for t in ids))
+        check_str(r, "prompt_text", self.prompt_text, max_len=MAX_PROMPT_CHARS)
+        if bool(self.prompt_ids) == bool(self.prompt_text):
+            raise fail(r, "prompt_ids", "and prompt_text: exactly one must be given (and not empty)")
+        s("max_tokens", check_int(r, "max_tokens", self.max_tokens, 1, MAX_NEW_TOKENS))
+        temperature = check_float(r, "temperature", self.temperature)
+        if temperature > 2.0:
+            raise fail(r, "temperature", f"must be in [0, 2], got {temperature}")
+        s("temperature", temperature)
+        top_p = check_float(r, "top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise fail(r, "top_p", f"must be in (0, 1], got {top_p}")
+        s("top_p", top_p)
+        s("seed", check_int(r, "seed", self.seed, 0, (1 << 64) - 1))
+        s("stop_on_eos", check_bool(r, "stop_on_eos", self.stop_on_eos))
+
+    def body(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
+                "prompt_text": self.prompt_text, "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                "stop_on_eos": self.stop_on_eos}
+
+    @classmethod
+    def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> GenerateRequest:
+        return cls(**{f: need(body, cls.what, f) for f in (
+            "request_id", "prompt_ids", "prompt_text", "max_tokens", "temperature", "top_p", "seed",
+            "stop_on_eos")})
+
+    def headers(self) -> dict[str, str]:
+        return {"Kvasir-Request": self.request_id, "Kvasir-Max-Tokens": str(self.max_tokens)}
+
+
+@record
+@dataclass(frozen=True)
+class GenerateToken(Record):
+    """Token number ``index`` of the stream (0-based) and the text it completes ("" while a
+    multi-byte character is still incomplete)."""
+
+    kind: ClassVar[str] = "gt"
+    what: ClassVar[str] = "generated token"
+
+    request_id: str
+    index: int
+    token: int
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        r = self.what
+        check_id(r, "request_id", self.request_id)
+        object.__setattr__(self, "index", check_int(r, "index", self.index, 0, MAX_NEW_TOKENS))
+        object.__setattr__(self, "token", check_int(r, "token", self.token, 0, (1 << 31) - 1))
+        check_str(r, "text", self.text, max_len=MAX_PIECE_CHARS)
+
+    def body(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "index": self.index, "token": self.token, "text": self.text}
+
+    @classmethod
+    def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> GenerateToken:
+        return cls(**{f: need(body, cls.what, f) for f in ("request_id", "index", "token", "text")})
+
+    def headers(self) -> dict[str, str]:
+        return {"Kvasir-Request": self.request_id}
+
+
+@record
+@dataclass(frozen=True)
+class GenerateDone(Record):
+    """The end of a stream: why it ended (``stop``: end-of-sequence token; ``length``:
+    ``max_tokens``), the usage counts, and which backbone ``node`` served it."""
+
+    kind: ClassVar[str] = "gd"
+    what: ClassVar[str] = "generation done"
+
+    request_id: str
+    node: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+    def __post_init__(self) -> None:
+        r = self.what
+        check_id(r, "request_id", self.request_id)
+        check_node(r, "node", self.node)
+        if self.finish_reason not in FINISH_REASONS:
+            raise fail(r, "finish_reason", f"is {self.finish_reason!r}, expected one of {', '.join(FINISH_REASONS)}")
+        object.__setattr__(self, "prompt_tokens", check_int(r, "prompt_tokens", self.prompt_tokens))
+        object.__setattr__(self, "completion_tokens", check_int(r, "completion_tokens", self.completion_tokens))
+
+    @property
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def body(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "node": self.node, "finish_reason": self.finish_reason,
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+
+    @classmethod
+    def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> GenerateDone:
+        return cls(**{f: need(body, cls.what, f) for f in (
+            "request_id", "node", "finish_reason", "prompt_tokens", "completion_tokens")})
+
+    def headers(self) -> dict[str, str]:
+        return {"Kvasir-Request": self.request_id, "Kvasir-Node": self.node,
+                "Kvasir-Finish": self.finish_reason}
+
+
+def decode_generate_request(data: bytes, *, max_bytes: int = GENERATE_MAX_BYTES) -> GenerateRequest:
+    """Bytes -> :class:`GenerateRequest`."""
+    return decode(data, ("gq",), GenerateRequest.what, max_bytes=max_bytes)
+
+
+def decode_generate_reply(data: bytes, *, max_bytes: int = 64 * 1024
+                          ) -> Union[GenerateToken, GenerateDone, ErrorReply]:
+    """Bytes -> one message of a generation stream: a token, the end, or a refusal."""
+    return decode(data, ("gt", "gd", "e"), "generate reply", max_bytes=max_bytes)
