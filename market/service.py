@@ -444,16 +444,18 @@ class Market:
             model, node = subjects.parse_coverage(msg.subject)
             hb = codec.decode_heartbeat(msg.data)
         except (ValueError, CodecError) as exc:
-            self.log.warning("heartbeat_dropped", subject=msg.subject, error=str(exc))
+            self.refusals.warning(msg.subject, "heartbeat_dropped", subject=msg.subject,
+                                  error=str(exc))
             return
         if hb.model != model or hb.node != node:
-            self.refusals.warning(node, "heartbeat_dropped", subject=msg.subject,
+            self.refusals.warning(msg.subject, "heartbeat_dropped", subject=msg.subject,
                                   error=f"payload names model {hb.model} node {hb.node}")
             return
         ms = self._model(model)
         bad = self._out_of_range(ms, ((h.layer, h.lo, h.hi) for h in hb.holdings))
         if bad:
-            self.refusals.warning(node, "heartbeat_refused", model=model, node=node, error=bad)
+            self.refusals.warning(msg.subject, "heartbeat_refused", model=model, node=node,
+                                  error=bad)
             return
         if ms.coverage.observe(hb, self.clock()):
             ms.stale = True
