@@ -74,7 +74,7 @@ from market.ledger import DEFAULT_DB, Ledger
 log = structlog.get_logger("kvasir.market")
 
 ERR_QUARANTINED = "quarantined"
-SUB_LIMITS = dict(pending_msgs_limit=50_000, pending_bytes_limit=64 * 1024 * 1024)
+SUB_LIMITS = dict(pending_msgs_limit=20_000, pending_bytes_limit=8 * 1024 * 1024)
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,8 @@ class MarketConfig:
     warmup_s: float | None = None             # after a restart: see Market (None: expiry_s)
     request_rate: float = 20.0                # status/volunteer/overview per sender per second
     request_burst: float = 40.0
+    heartbeat_rate: float = 10.0              # heartbeats per node per second (workers: ~1)
+    heartbeat_total_rate: float = 5000.0      # heartbeats of all nodes per second
     log_interval_s: float = 60.0              # one refusal line per sender per this
     stream_manifest_wait_s: float = 30.0      # ledger events of a model without a manifest
 
@@ -186,6 +188,8 @@ class Market:
         self.log = log.bind(market=self.cfg.node)
         self.refusals = ThrottledLog(self.log, self.cfg.log_interval_s)
         self.limits = RateLimiter(self.cfg.request_rate, self.cfg.request_burst)
+        self.beats = RateLimiter(self.cfg.heartbeat_rate, 2 * self.cfg.heartbeat_rate,
+                                 total_rate=self.cfg.heartbeat_total_rate, max_keys=65_536)
         self.stream_applied = 0  # stream messages applied since start (tests wait on it)
         self._status_cache: dict[str | None, tuple[float, bytes, dict]] = {}
 
@@ -440,6 +444,12 @@ class Market:
             return None
 
     async def _on_heartbeat(self, msg: Any) -> None:
+        # Before any decoding: a node's heartbeats beyond its budget are dropped unread, and
+        # every heartbeat yields once, so a flood of them cannot starve the request handlers
+        # (a subscription's task otherwise runs its whole backlog without yielding).
+        await asyncio.sleep(0)
+        if not self.beats.allow(msg.subject):
+            return
         try:
             model, node = subjects.parse_coverage(msg.subject)
             hb = codec.decode_heartbeat(msg.data)
