@@ -75,6 +75,7 @@ log = structlog.get_logger("kvasir.market")
 
 ERR_QUARANTINED = "quarantined"
 SUB_LIMITS = dict(pending_msgs_limit=20_000, pending_bytes_limit=8 * 1024 * 1024)
+REQUEST_LIMITS = dict(pending_msgs_limit=100_000, pending_bytes_limit=16 * 1024 * 1024)
 
 
 @dataclass(frozen=True)
@@ -211,8 +212,10 @@ class Market:
                     (subjects.ALL_VOLUNTEER, self._on_volunteer),
                     (subjects.ALL_STATUS, self._on_status),
                     (subjects.MARKET_OVERVIEW, self._on_overview)):
+                limits = SUB_LIMITS if handler in (self._on_heartbeat, self._on_routing) \
+                    else REQUEST_LIMITS  # a backlog a flood fills is dropped, never the probe behind it
                 self._subs.append(await self.nc.subscribe(wildcard, cb=self._guard(handler),
-                                                          **SUB_LIMITS))
+                                                          **limits))
             await self.nc.flush()
             for model in self.cfg.models:
                 self._model(model)

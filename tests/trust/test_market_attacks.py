@@ -90,7 +90,7 @@ def test_a_forged_ledger_batch_from_an_anonymous_client_credits_nothing(nats_ser
                 # the honest backbone's work after the forgery still counts
                 await bb.ledger(mc.LedgerBatch(FP, "backbone", "real-1", (
                     mc.LedgerEvent("real:1", "honest", 0, 3, 7, 1.0),)))
-                await wait_for(lambda: market.stream_applied >= 3, what="the stream read")
+                await wait_for(lambda: market.stream_applied >= 3, timeout=40, what="the stream read")
             st = await market.status(FP)
             assert [(t.node, t.rows) for t in st.totals] == [("honest", 7)]
             refused = [line for line in lines if line["event"] == "ledger_events_refused"]
