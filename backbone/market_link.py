@@ -4,9 +4,20 @@
   ``interval_s`` the counts of the window go out as :class:`RoutingStats` on
   ``kvasir.<model>.routing`` with the window's fallback rate. The market turns them into demand.
 * Ledger: every reply that wins becomes a :class:`LedgerEvent` (node, layer, expert, rows) with
-  an id unique for all time. Events are sent in batches by request on ``kvasir.<model>.ledger``
-  and kept until the market acknowledges them (it acknowledges only once they are durable and
-  ignores ids it has seen), so none is lost while the market restarts and none counts twice.
+  an id unique for all time, logged at debug level (``ledger_win``, one line per won reply).
+  Events go in batches into the JetStream stream of :mod:`kvasir_bus.ledger_stream` on
+  ``kvasir.<model>.ledger`` (``Nats-Msg-Id`` = the batch id, so a re-send is stored once), and
+  are kept here until the stream acknowledges them: stored on disk by the server, they survive
+  this process and the market; the market's durable consumer counts each once.
+* The bound: the rows each worker's reply won per (layer, expert) travel in the routing
+  statistics (``remote``), which go into the same stream *before* the batch that credits them;
+  the market never credits more than that.
+* ``void(node)``: an audit caught ``node`` lying: its wins not yet handed to the stream are
+  dropped, and later wins of it are not recorded.
+
+Not covered: a SIGKILL between a win and the stream's acknowledgement of its batch loses that
+win (at most ``flush_s`` plus one round trip of wins); ``wait_acked`` tells the caller when
+everything recorded so far is safe.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ from collections import Counter, OrderedDict, deque
 
 import structlog
 
-from kvasir_bus import market_codec as mc
+from kvasir_bus import ledger_stream, market_codec as mc
 from kvasir_bus.subjects import Subjects
 
 log = structlog.get_logger("kvasir.market_link")
@@ -28,11 +39,18 @@ log = structlog.get_logger("kvasir.market_link")
 
 class MarketLink:
     def __init__(self, nc, model: str, node: str = "backbone", *, interval_s: float = 1.0,
-                 batch_events: int = 5000, max_unacked: int = 200_000, ack_timeout_s: float = 2.0):
+                 batch_events: int = 5000, max_unacked: int = 200_000, ack_timeout_s: float = 2.0,
+                 flush_s: float = 0.05):
         self.nc, self.model, self.node = nc, model, node
         self.subjects = Subjects(model)
         self.interval_s, self.batch_events = interval_s, batch_events
-        self.max_unacked, self.ack_timeout_s = max_unacked, ack_timeout_s
+        self.max_unacked, self.ack_timeout_s, self.flush_s = max_unacked, ack_timeout_s, flush_s
+        self._remote: Counter = Counter()  # rows won by workers' replies, not yet published
+        self._routing: deque[tuple[str, mc.RoutingStats]] = deque()  # published, not yet stored by the stream
+        self._void: set[str] = set()
+        self._last_seq = 0                 # the stream sequence of our last stored message
+        self._wake: asyncio.Event | None = None
+        self._loop = None
         self._lock = threading.Lock()  # hits are counted from the engine's thread
         self._hits: Counter = Counter()
         self._published: Counter = Counter()  # every routing count handed to the bus, for all time
@@ -61,14 +79,27 @@ class MarketLink:
         event = mc.LedgerEvent(event_id=f"{self.node}:{self._boot}:{next(self._seq):x}", node=node,
                                layer=layer, expert=expert, rows=rows, at=time.time())
         with self._lock:
+            self._remote[(layer, expert)] += rows  # the bound, whoever is paid for it
+            if node in self._void:
+                return
             self._events.append(event)
+        log.debug("ledger_win", event_id=event.event_id, node=node, layer=layer, expert=expert, rows=rows)
+        if self._loop is not None and self._wake is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._wake.set)
+            except RuntimeError:  # the loop is closed: stop() flushes what is left
+                pass
 
-    def void(self, node: str) -> None:
-        """``node`` was caught lying: its wins not yet handed to the market are never paid."""
+    def void(self, node: str) -> int:
+        """``node`` failed an audit: drop its wins not yet handed to the stream, record none of
+        its later ones. Returns the events dropped. Thread-safe."""
         with self._lock:
+            self._void.add(node)
             kept = deque(e for e in self._events if e.node != node)
-            self.voided_events = getattr(self, "voided_events", 0) + len(self._events) - len(kept)
+            dropped = len(self._events) - len(kept)
             self._events = kept
+        log.warning("ledger_node_void", node=node, events_dropped=dropped)
+        return dropped
 
     @property
     def pending_hits(self) -> int:
@@ -85,12 +116,14 @@ class MarketLink:
     @property
     def unacked_events(self) -> int:
         with self._lock:
-            return len(self._events) + sum(len(b.events) for b in self._unacked.values())
+            return len(self._events) + sum(len(b.events) for b in self._unacked.values()) \
+                + len(self._routing)
 
     async def wait_acked(self, timeout_s: float) -> bool:
-        """Wait until every event recorded so far is acknowledged by the market (or refused
-        for good); False if that did not happen within ``timeout_s``. Woken by the flushes of
-        the link's own loop, every ``interval_s``: no polling here."""
+        """Wait until every event recorded so far is stored by the stream and read (acked) by
+        the market's durable consumer; False if that did not happen within ``timeout_s``.
+        The first part is woken by the link's own flushes; the second asks the server for the
+        consumer's ack floor every 50 ms."""
         deadline = time.monotonic() + timeout_s
         while self.unacked_events:  # events recorded meanwhile need the next flush too
             self._settled.clear()
@@ -98,12 +131,28 @@ class MarketLink:
                 await asyncio.wait_for(self._settled.wait(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 return False
-        return True
+        target = self._last_seq
+        js = self.nc.jetstream()
+        while True:
+            try:
+                info = await js.consumer_info(ledger_stream.STREAM, ledger_stream.CONSUMER,
+                                              timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+                if info.ack_floor.stream_seq >= target:
+                    return True
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # no market consumer yet, or a slow answer: ask again
+                pass
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)
 
     # -- the loop -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         if self._task is None:
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
             self._task = asyncio.create_task(self._run())
 
     async def stop(self, flush_timeout_s: float = 5.0) -> None:
@@ -115,6 +164,7 @@ class MarketLink:
         deadline = time.monotonic() + flush_timeout_s
         await self._publish_routing()
         while self.unacked_events and time.monotonic() < deadline:
+            await self._publish_routing()
             if await self._flush_ledger():
                 continue
             if self._no_market:
@@ -126,8 +176,18 @@ class MarketLink:
                     reason="no market on the bus" if self._no_market else "no acknowledgement before shutdown")
 
     async def _run(self) -> None:
+        next_routing = time.monotonic() + self.interval_s
         while True:
-            await asyncio.sleep(self.interval_s)
+            # A win wakes the loop (after flush_s, to batch its neighbours); routing goes out
+            # every interval_s and before every ledger flush (it carries the bound).
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, next_routing - time.monotonic()))
+                await asyncio.sleep(self.flush_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            if time.monotonic() >= next_routing:
+                next_routing = time.monotonic() + self.interval_s
             try:
                 await self._publish_routing()
                 await self._flush_ledger()
@@ -136,21 +196,21 @@ class MarketLink:
             except Exception as exc:  # the bus may be down for a moment; keep everything
                 log.warning("market_link_error", error=f"{type(exc).__name__}: {exc}")
 
-    async def _publish_routing(self) -> None:
+    def _cut(self) -> None:
+        """Under the lock, at once: the window's routing counts become a RoutingStats, and the
+        events recorded so far become batches. Their wins' rows are all in that RoutingStats
+        or an earlier one, which the stream stores first: the market has the bound before the
+        claim."""
         with self._lock:
-            hits, calls, local = self._hits, self._calls, self._local
-            self._hits, self._calls, self._local = Counter(), 0, 0
+            hits, calls, local, remote = self._hits, self._calls, self._local, self._remote
+            self._hits, self._calls, self._local, self._remote = Counter(), 0, 0, Counter()
             self._published.update(hits)
-        if not hits:
-            return
-        stats = mc.RoutingStats(model=self.model, node=self.node, window_s=self.interval_s,
-                                hits=tuple((layer, e, rows) for (layer, e), rows in sorted(hits.items())),
-                                fallback_rate=local / calls if calls else None)
-        await self.nc.publish(self.subjects.routing(), stats.encode(), headers=mc.headers_for(stats))
-
-    async def _flush_ledger(self) -> bool:
-        """Batch new events, then (re)send every unacknowledged batch. True if all were acked."""
-        with self._lock:
+            if hits or remote:
+                self._routing.append((f"{self.node}:{self._boot}:r{next(self._batches):x}", mc.RoutingStats(
+                    model=self.model, node=self.node, window_s=self.interval_s,
+                    hits=tuple((layer, e, rows) for (layer, e), rows in sorted(hits.items())),
+                    fallback_rate=local / calls if calls else None,
+                    remote=tuple((layer, e, rows) for (layer, e), rows in sorted(remote.items())))))
             while self._events:
                 n = min(self.batch_events, len(self._events))
                 events = tuple(self._events.popleft() for _ in range(n))
@@ -160,32 +220,58 @@ class MarketLink:
             while sum(len(b.events) for b in self._unacked.values()) > self.max_unacked:
                 _, oldest = self._unacked.popitem(last=False)  # bounded memory: say so loudly
                 self.dropped_events += len(oldest.events)
-                log.error("ledger_events_dropped", events=len(oldest.events), reason="no market for too long")
+                log.error("ledger_events_dropped", events=len(oldest.events), reason="no stream for too long")
+
+    async def _publish_routing(self) -> None:
+        """Cut, then hand the routing statistics to the stream in order; kept until stored."""
+        self._cut()
+        with self._lock:
+            pending = list(self._routing)
+        js = self.nc.jetstream()
+        for item in pending:
+            msg_id, stats = item
+            if await self._store(js, self.subjects.routing(), stats, msg_id) is None:
+                return
+            with self._lock:
+                if self._routing and self._routing[0] is item:
+                    self._routing.popleft()
+
+    async def _store(self, js, subject: str, record, msg_id: str):
+        """Publish ``record`` into the stream (with its readable headers and the id the stream
+        dedupes by) and wait for its acknowledgement; None if not stored."""
+        try:
+            ack = await js.publish(subject, record.encode(), timeout=self.ack_timeout_s,
+                                   headers={**mc.headers_for(record), ledger_stream.MSG_ID: msg_id})
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # no JetStream, no stream yet, a timeout: keep it for later
+            self._no_market = type(exc).__name__ in ("NoRespondersError", "NoStreamResponseError")
+            log.debug("ledger_not_stored", msg_id=msg_id, error=f"{type(exc).__name__}: {exc}")
+            if self._no_market:
+                try:
+                    await ledger_stream.ensure_stream(js)
+                except Exception:
+                    pass
+            return None
+        self._no_market = False
+        self._last_seq = max(self._last_seq, ack.seq)
+        return ack
+
+    async def _flush_ledger(self) -> bool:
+        """(Re)send every batch the stream has not stored, once the routing statistics before
+        them are stored. True if nothing is left."""
+        with self._lock:
             batches = list(self._unacked.values())
-        all_acked = True
+        if self._routing:  # the bound must be stored before the batches it backs
+            return False
+        js = self.nc.jetstream()
         for batch in batches:
-            try:
-                msg = await self.nc.request(self.subjects.ledger(), batch.encode(), timeout=self.ack_timeout_s,
-                                            headers=mc.headers_for(batch))
-                reply = mc.decode_ledger_reply(msg.data)
-            except Exception as exc:  # no market, timeout, garbage: keep the batch for later
-                self._no_market = type(exc).__name__ == "NoRespondersError"
-                log.debug("ledger_not_acked", batch=batch.batch_id, error=type(exc).__name__)
+            if await self._store(js, self.subjects.ledger(), batch, batch.batch_id) is None:
                 return False
-            self._no_market = False
-            if isinstance(reply, mc.LedgerAck) and reply.batch_id == batch.batch_id:
-                with self._lock:
-                    self._unacked.pop(batch.batch_id, None)
-                self.acked_events += len(batch.events)
-            elif mc.should_retry(reply):  # "not yet" (warming up after a restart...): keep it
-                log.info("ledger_not_yet", batch=batch.batch_id, code=getattr(reply, "code", "?"))
-                return False
-            else:  # the market read the batch and refused it: re-sending cannot help
-                with self._lock:
-                    self._unacked.pop(batch.batch_id, None)
-                self.dropped_events += len(batch.events)
-                all_acked = False
-                log.error("ledger_refused", batch=batch.batch_id, reply=str(reply)[:200])
+            with self._lock:
+                self._unacked.pop(batch.batch_id, None)
+            self.acked_events += len(batch.events)
+            log.debug("ledger_stored", batch=batch.batch_id, events=len(batch.events))
         if not self.unacked_events:
             self._settled.set()
-        return all_acked
+        return True

@@ -291,13 +291,16 @@ async def connect(url: str | None = None, name: str = "kvasir", *,
     shown = ",".join(_redact(s) for s in servers)
     log = structlog.get_logger("kvasir.nats").bind(conn=name)
     state = {"connected": False, "last_error": None, "refused": None}
+    from kvasir_bus.throttle import ThrottledLog
+    throttled = ThrottledLog(log, 60.0)  # a flood makes one slow-consumer error per message
 
     async def error_cb(exc: Exception) -> None:
         state["last_error"] = exc
         if "authorization" in str(exc).lower():  # the reason to report, whatever follows it
             state["refused"] = exc
         if state["connected"]:
-            log.warning("nats error", error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+            throttled.warning(type(exc).__name__, "nats error",
+                              error=f"{type(exc).__name__}: {exc}".rstrip(": "))
         else:
             log.debug("nats connect attempt failed", url=shown, error=str(exc) or repr(exc))
 

@@ -343,6 +343,39 @@ class Assignment(Record):
 
 # -- routing statistics ---------------------------------------------------------------------
 
+def _hit_list(r: str, field: str, value: Any) -> tuple[tuple[int, int, int], ...]:
+    """``(layer, expert, rows)`` triples, checked."""
+    if isinstance(value, np.ndarray):
+        value = tuple(tuple(int(v) for v in row) for row in value.reshape(-1, 3))
+    if not isinstance(value, (list, tuple)):
+        raise fail(r, field, f"must be a list of (layer, expert, rows), got {type(value).__name__}")
+    if len(value) > MAX_HITS:
+        raise fail(r, field, f"has {len(value)} entries (max {MAX_HITS})")
+    out = []
+    for i, item in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise fail(r, where, f"must be (layer, expert, rows), got {item!r}")
+        out.append((check_index(r, where + ".layer", item[0]),
+                    check_index(r, where + ".expert", item[1]),
+                    check_int(r, where + ".rows", item[2], 0, (1 << 63) - 1)))
+    return tuple(out)
+
+
+def _hit_body(count: str, prefix: str, hits) -> dict[str, Any]:
+    a = np.asarray(hits, dtype=np.uint64).reshape(-1, 3)
+    return {count: len(hits), f"{prefix}_layer": a[:, 0].astype(_U32).tobytes(),
+            f"{prefix}_expert": a[:, 1].astype(_U32).tobytes(),
+            f"{prefix}_rows": a[:, 2].astype(_U64).tobytes()}
+
+
+def _hit_read(body: dict, r: str, count: str, prefix: str) -> tuple:
+    n = check_int(r, count, need(body, r, count), 0, MAX_HITS)
+    return tuple(zip(_array(body, r, f"{prefix}_layer", _U32, n).tolist(),
+                     _array(body, r, f"{prefix}_expert", _U32, n).tolist(),
+                     _array(body, r, f"{prefix}_rows", _U64, n).tolist()))
+
+
 @record
 @dataclass(frozen=True)
 class RoutingStats(Record):
@@ -351,6 +384,8 @@ class RoutingStats(Record):
     ``hits``: sparse ``(layer, expert, rows)``, rows = token rows routed to that expert
     (experts not listed had none). ``fallback_rate``: expert calls the backbone computed
     itself / all expert calls in the window (None: not measured). ``node``: the backbone.
+    ``remote``: sparse ``(layer, expert, rows)`` of the rows a worker's reply won (optional,
+    added for issue 8): the market never credits more rows to (layer, expert) than these.
     """
 
     kind: ClassVar[str] = "rs"
@@ -361,6 +396,7 @@ class RoutingStats(Record):
     window_s: float
     hits: tuple[tuple[int, int, int], ...]
     fallback_rate: float | None = None
+    remote: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         r = self.what
@@ -369,42 +405,23 @@ class RoutingStats(Record):
         s("node", check_node(r, "node", self.node))
         s("window_s", check_float(r, "window_s", self.window_s))
         s("fallback_rate", check_opt_float(r, "fallback_rate", self.fallback_rate, 0.0, 1.0))
-        if isinstance(self.hits, np.ndarray):
-            s("hits", tuple(tuple(int(v) for v in row) for row in self.hits.reshape(-1, 3)))
-        if not isinstance(self.hits, (list, tuple)):
-            raise fail(r, "hits", f"must be a list of (layer, expert, rows), got "
-                                   f"{type(self.hits).__name__}")
-        if len(self.hits) > MAX_HITS:
-            raise fail(r, "hits", f"has {len(self.hits)} entries (max {MAX_HITS})")
-        out = []
-        for i, item in enumerate(self.hits):
-            where = f"hits[{i}]"
-            if not isinstance(item, (list, tuple)) or len(item) != 3:
-                raise fail(r, where, f"must be (layer, expert, rows), got {item!r}")
-            out.append((check_index(r, where + ".layer", item[0]),
-                        check_index(r, where + ".expert", item[1]),
-                        check_int(r, where + ".rows", item[2], 0, (1 << 63) - 1)))
-        s("hits", tuple(out))
+        s("hits", _hit_list(r, "hits", self.hits))
+        s("remote", _hit_list(r, "remote", self.remote))
 
     def body(self) -> dict[str, Any]:
-        hits = np.asarray(self.hits, dtype=np.uint64).reshape(-1, 3)
-        return {"model": self.model, "node": self.node, "window_s": self.window_s,
-                "fallback_rate": self.fallback_rate, "n_hits": len(self.hits),
-                "hit_layer": hits[:, 0].astype(_U32).tobytes(),
-                "hit_expert": hits[:, 1].astype(_U32).tobytes(),
-                "hit_rows": hits[:, 2].astype(_U64).tobytes()}
+        out = {"model": self.model, "node": self.node, "window_s": self.window_s,
+               "fallback_rate": self.fallback_rate, **_hit_body("n_hits", "hit", self.hits)}
+        if self.remote:  # absent when empty: older readers see the record they know
+            out.update(_hit_body("n_remote", "remote", self.remote))
+        return out
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> RoutingStats:
         r = cls.what
-        n = check_int(r, "n_hits", need(body, r, "n_hits"), 0, MAX_HITS)
-        layer = _array(body, r, "hit_layer", _U32, n)
-        expert = _array(body, r, "hit_expert", _U32, n)
-        rows = _array(body, r, "hit_rows", _U64, n)
-        hits = tuple(zip(layer.tolist(), expert.tolist(), rows.tolist()))
         return cls(model=need(body, r, "model"), node=need(body, r, "node"),
-                   window_s=need(body, r, "window_s"), hits=hits,
-                   fallback_rate=body.get("fallback_rate"))
+                   window_s=need(body, r, "window_s"), hits=_hit_read(body, r, "n_hits", "hit"),
+                   fallback_rate=body.get("fallback_rate"),
+                   remote=_hit_read(body, r, "n_remote", "remote") if "n_remote" in body else ())
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Node": self.node, "Kvasir-Hits": str(len(self.hits))}

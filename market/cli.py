@@ -60,9 +60,9 @@ def _add_market(subparsers: argparse._SubParsersAction) -> None:
                    "170 MB of the 122B model)")
     p.add_argument("--demand-interval", type=float, default=5.0, metavar="S",
                    help="publish the demand map this often, and on every change (default 5)")
-    p.add_argument("--grace", type=float, default=300.0, metavar="S",
+    p.add_argument("--grace", type=float, default=60.0, metavar="S",
                    help="an assignment counts as a replica this long before the worker "
-                   "heartbeats it (its download time; default 300)")
+                   "heartbeats it (its download time; default 60)")
     p.add_argument("--max-replicas", type=int, default=3, metavar="N",
                    help="replica target of the hottest ranges (default 3)")
     p.add_argument("--model", action="append", default=[], metavar="FP",

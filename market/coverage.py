@@ -5,10 +5,16 @@ time by hand.
 
 * A heartbeat makes a node *live* with the holdings it announces. A node whose last heartbeat is
   older than ``expiry_s`` drops out (:meth:`CoverageMap.expire`).
-* An assignment handed to a volunteer is *pending* until the node heartbeats holdings that
-  include it, or until ``grace_s`` has passed. Pending experts count as replicas, so the next
-  volunteer is not sent to the same hole while the first one is still downloading its slice.
+* Claims are not proof: an announced holding counts as a replica only once the node has
+  answered for one of its experts (a winning reply the backbone's ledger event names,
+  :meth:`CoverageMap.mark_served`). Per holding, not per expert: a cold expert may go unrouted
+  for a long time, and the backbone computes any expert nobody answers for itself.
+* An assignment handed to a volunteer is *pending* until the node serves it, or until
+  ``grace_s`` has passed. Pending experts count for the assigner only (``pending=True``), so
+  the next volunteer is not sent to the same hole; they are never replicas in the demand map.
 * Heartbeat times are the market's receipt times, never the worker's clock.
+* Bounded: at most ``max_nodes`` nodes; nothing here expands a claimed range into a set, so a
+  heartbeat claiming experts 0..10^9 costs what one claiming 0..8 does.
 """
 
 from __future__ import annotations
@@ -49,19 +55,61 @@ class NodeEntry:
         return self.holdings + self.pending
 
 
-def _experts(holdings: Iterable[Holding]) -> set[tuple[int, int]]:
-    return {(h.layer, e) for h in holdings for e in range(h.lo, h.hi)}
+MAX_NODES = 65_536
 
 
 class CoverageMap:
     """Nodes and their holdings, with heartbeat expiry and pending assignments."""
 
-    def __init__(self, expiry_s: float, grace_s: float) -> None:
+    def __init__(self, expiry_s: float, grace_s: float, max_nodes: int = MAX_NODES) -> None:
         if expiry_s <= 0 or grace_s < 0:
             raise ValueError(f"expiry_s must be > 0 and grace_s >= 0, got {expiry_s}, {grace_s}")
         self.expiry_s = expiry_s
         self.grace_s = grace_s
+        self.max_nodes = max_nodes
         self._nodes: dict[str, NodeEntry] = {}
+        self._served: dict[str, set[tuple[int, int]]] = {}  # node -> (layer, expert) answered for
+        self.banned: set[str] = set()                       # quarantined: never counted again
+
+    def _verified(self, node: str, holdings: Iterable[Holding]) -> tuple[Holding, ...]:
+        served = self._served.get(node)
+        if not served:
+            return ()
+        return tuple(h for h in holdings if any(l == h.layer and h.lo <= e < h.hi for l, e in served))
+
+    def verified(self, node: str) -> tuple[Holding, ...]:
+        """The node's announced holdings it has answered for."""
+        entry = self._nodes.get(node)
+        return () if entry is None else self._verified(node, entry.holdings)
+
+    def mark_served(self, node: str, layer: int, expert: int) -> tuple[bool, bool]:
+        """A winning reply of ``node`` for (layer, expert) was credited. Returns (counted
+        holdings changed, a pending assignment was confirmed by it)."""
+        if node in self.banned:
+            return False, False
+        served = self._served.get(node)
+        if served is None:
+            if len(self._served) >= self.max_nodes:
+                return False, False
+            served = self._served[node] = set()
+        if (layer, expert) in served:
+            return False, False
+        entry = self._nodes.get(node)
+        before = self.verified(node)
+        served.add((layer, expert))
+        if entry is None:
+            return False, False
+        confirmed = bool(entry.pending) and any(
+            h.layer == layer and h.lo <= expert < h.hi for h in entry.pending)
+        if confirmed:  # the worker serves what it was assigned: no longer pending
+            self._nodes[node] = replace(entry, pending=(), pending_until=0.0)
+        return self.verified(node) != before or confirmed, confirmed
+
+    def ban(self, node: str) -> bool:
+        """Quarantine ``node``: dropped now, its heartbeats and services ignored from now on."""
+        self.banned.add(node)
+        self._served.pop(node, None)
+        return self._nodes.pop(node, None) is not None
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -78,11 +126,11 @@ class CoverageMap:
 
     def observe(self, hb: Heartbeat, now: float) -> bool:
         """Take a heartbeat in; True if what the node counts for changed (new node, other
-        holdings, or its pending assignment confirmed)."""
+        holdings). A banned node, or a new one beyond ``max_nodes``, is ignored (False)."""
         old = self._nodes.get(hb.node)
+        if hb.node in self.banned or (old is None and len(self._nodes) >= self.max_nodes):
+            return False
         pending, until = (old.pending, old.pending_until) if old else ((), 0.0)
-        if pending and _experts(pending) <= _experts(hb.holdings):
-            pending, until = (), 0.0  # the worker now serves what it was assigned
         entry = NodeEntry(node=hb.node, holdings=tuple(hb.holdings), pending=pending,
                           pending_until=until, budget_bytes=hb.budget_bytes, load=hb.load,
                           served=hb.served, version=hb.version, kernel=hb.kernel,
@@ -90,19 +138,22 @@ class CoverageMap:
         self._nodes[hb.node] = entry
         if old is None or old.seen_at is None:
             return True
-        return _experts(old.counted) != _experts(entry.counted)
+        return old.holdings != entry.holdings
 
     def assign(self, node: str, holdings: Iterable[Holding], budget_bytes: int,
                now: float, until: float | None = None) -> None:
         """Record an assignment: ``holdings`` count for ``node`` until it heartbeats them or
         ``until`` (default ``now + grace_s``). Replaces any earlier pending assignment."""
+        if node in self.banned:
+            return
         old = self._nodes.get(node) or NodeEntry(node=node)
         self._nodes[node] = replace(old, pending=tuple(holdings), budget_bytes=budget_bytes,
                                     pending_until=now + self.grace_s if until is None
                                     else until)
 
     def forget(self, node: str) -> bool:
-        """Drop a node entirely (a volunteer starts afresh); True if it was known."""
+        """Drop a node entirely (a volunteer starts afresh; what it served stays known);
+        True if it was known."""
         return self._nodes.pop(node, None) is not None
 
     def expire(self, now: float) -> list[str]:
@@ -128,16 +179,19 @@ class CoverageMap:
                 changed.append(node)
         return changed
 
-    def copies(self, n_layer: int, n_expert: int) -> np.ndarray:
-        """How many nodes hold each expert: int32 (n_layer, n_expert). A node counts once per
-        expert however its holdings overlap; holdings beyond the shape are ignored."""
+    def copies(self, n_layer: int, n_expert: int, pending: bool = False) -> np.ndarray:
+        """How many nodes hold each expert: int32 (n_layer, n_expert), counting announced
+        holdings the node has answered for (and, with ``pending``, its pending assignment).
+        A node counts once per expert however its holdings overlap; holdings beyond the shape
+        are ignored."""
         out = np.zeros((n_layer, n_expert), dtype=np.int32)
         mask = np.zeros((n_layer, n_expert), dtype=bool)
         for entry in self._nodes.values():
-            if not entry.counted:
+            counted = self._verified(entry.node, entry.holdings) + (entry.pending if pending else ())
+            if not counted:
                 continue
             mask[:] = False
-            for h in entry.counted:
+            for h in counted:
                 if h.layer < n_layer and h.lo < n_expert:
                     mask[h.layer, h.lo:min(h.hi, n_expert)] = True
             out += mask

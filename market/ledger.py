@@ -9,6 +9,16 @@ one transaction; :meth:`Ledger.record` returns only after it is committed (WAL j
 The same file keeps the market's pending assignments, so a restarted market still counts a
 volunteer that is downloading its slice.
 
+What the market reads from the ledger stream (:mod:`kvasir_bus.ledger_stream`) is applied with
+:meth:`Ledger.apply_routing`, :meth:`Ledger.apply_batch` and :meth:`Ledger.apply_quarantine`,
+each one transaction that also stores the stream sequence it applied: a message redelivered
+after a crash between commit and ack changes nothing. ``bounds`` holds, per (model, backbone,
+layer, expert), the rows the backbone's replies from workers won (``routed``, from its routing
+statistics) and the rows credited so far: an event that would credit more than was routed is
+refused ("unbacked"). A quarantined node's events are void (reward 0; ``void`` = 1) and its
+later events are refused. The model manifests the market learned are kept too, so a restarted
+market can check the stream's events against the geometry with no backbone on the bus.
+
 Not thread-safe by itself: the service calls it from one worker thread.
 """
 
@@ -42,6 +52,29 @@ CREATE TABLE IF NOT EXISTS events (
     recorded_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_by_node ON events (model, node);
+CREATE TABLE IF NOT EXISTS bounds (
+    model       TEXT NOT NULL,
+    source      TEXT NOT NULL,
+    layer       INTEGER NOT NULL,
+    expert      INTEGER NOT NULL,
+    routed      INTEGER NOT NULL,
+    credited    INTEGER NOT NULL,
+    PRIMARY KEY (model, source, layer, expert)
+);
+CREATE TABLE IF NOT EXISTS quarantined (
+    model       TEXT NOT NULL,
+    node        TEXT NOT NULL,
+    at          REAL NOT NULL,
+    PRIMARY KEY (model, node)
+);
+CREATE TABLE IF NOT EXISTS manifests (
+    model       TEXT PRIMARY KEY,
+    data        BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS stream (
+    name        TEXT PRIMARY KEY,
+    seq         INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS assignments (
     model       TEXT NOT NULL,
     node        TEXT NOT NULL,
@@ -73,6 +106,9 @@ class Ledger:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._db.executescript(_SCHEMA)
+                cols = {r[1] for r in self._db.execute("PRAGMA table_info(events)")}
+                if "void" not in cols:  # a ledger file from before issue 8
+                    self._db.execute("ALTER TABLE events ADD COLUMN void INTEGER NOT NULL DEFAULT 0")
                 self._db.commit()
             self._db.execute("SELECT count(*) FROM events").fetchone()
         except sqlite3.DatabaseError as exc:
@@ -112,7 +148,11 @@ class Ledger:
 
     def totals(self, model: str | None = None) -> list[NodeTotals]:
         """Events, rows and reward per node (of one model, or of all), sorted by node."""
-        where, args = ("WHERE model = ?", (model,)) if model else ("", ())
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(events)")}
+        conds, args = (["model = ?"], [model]) if model else ([], [])
+        if "void" in cols:  # void events (a quarantined node's) earn nothing and count nothing
+            conds.append("void = 0")
+        where = f"WHERE {' AND '.join(conds)}" if conds else ""
         rows = self._db.execute(
             f"SELECT node, count(*), sum(rows), sum(reward) FROM events {where} "
             "GROUP BY node ORDER BY node", args).fetchall()
@@ -146,3 +186,97 @@ class Ledger:
             holdings = tuple(Holding(*h) for h in json.loads(text))
             out.append((model, node, holdings, int(budget), float(until)))
         return out
+
+    # -- the ledger stream ------------------------------------------------------------------
+    def stream_seq(self, name: str) -> int:
+        """The last stream sequence applied (0: none)."""
+        got = self._db.execute("SELECT seq FROM stream WHERE name = ?", (name,)).fetchone()
+        return int(got[0]) if got else 0
+
+    def _applied(self, name: str, seq: int) -> bool:
+        """Inside a transaction: True if ``seq`` was applied before; else mark it applied."""
+        if seq <= self.stream_seq(name):
+            return True
+        self._db.execute("INSERT OR REPLACE INTO stream VALUES (?, ?)", (name, seq))
+        return False
+
+    def apply_routing(self, stream: str, seq: int, model: str, source: str,
+                      remote: Iterable[tuple[int, int, int]]) -> bool:
+        """Add ``(layer, expert, rows)`` won by workers to the bounds of ``source``; False if
+        ``seq`` was applied already."""
+        with self._db:
+            if self._applied(stream, seq):
+                return False
+            self._db.executemany(
+                "INSERT INTO bounds VALUES (?, ?, ?, ?, ?, 0) ON CONFLICT (model, source, layer, "
+                "expert) DO UPDATE SET routed = routed + excluded.routed",
+                [(model, source, layer, expert, rows) for layer, expert, rows in remote if rows > 0])
+        return True
+
+    def apply_batch(self, stream: str, seq: int, model: str, source: str, batch_id: str,
+                    priced: Iterable[tuple[LedgerEvent, float]], now: float
+                    ) -> tuple[dict[str, int], list[LedgerEvent]] | None:
+        """Store ``(event, rate)`` pairs that are backed by routed rows and not from a
+        quarantined node. Returns counts ``accepted``, ``duplicates``, ``unbacked``,
+        ``quarantined`` and the accepted events (None if ``seq`` was applied already)."""
+        out = dict(accepted=0, duplicates=0, unbacked=0, quarantined=0)
+        accepted: list[LedgerEvent] = []
+        with self._db:
+            if self._applied(stream, seq):
+                return None
+            banned = self.quarantined(model)
+            for event, rate in priced:
+                if event.node in banned:
+                    out["quarantined"] += 1
+                    continue
+                if self._db.execute("SELECT 1 FROM events WHERE event_id = ?",
+                                    (event.event_id,)).fetchone():
+                    out["duplicates"] += 1
+                    continue
+                got = self._db.execute(
+                    "SELECT routed, credited FROM bounds WHERE model = ? AND source = ? AND "
+                    "layer = ? AND expert = ?", (model, source, event.layer, event.expert)).fetchone()
+                if got is None or got[1] + event.rows > got[0]:
+                    out["unbacked"] += 1
+                    continue
+                self._db.execute(
+                    "UPDATE bounds SET credited = credited + ? WHERE model = ? AND source = ? AND "
+                    "layer = ? AND expert = ?", (event.rows, model, source, event.layer, event.expert))
+                self._db.execute(
+                    "INSERT INTO events (event_id, model, node, layer, expert, rows, at, rate, "
+                    "reward, source, batch_id, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (event.event_id, model, event.node, event.layer, event.expert, event.rows,
+                     event.at, rate, rate * event.rows, source, batch_id, now))
+                out["accepted"] += 1
+                accepted.append(event)
+        return out, accepted
+
+    def apply_quarantine(self, stream: str, seq: int, model: str, node: str, at: float) -> int | None:
+        """Quarantine ``node``: its events so far are void (unpaid: nothing in this ledger
+        pays out yet, so that is all of them) and it is refused from now on. Returns the rows
+        voided (None if ``seq`` was applied already)."""
+        with self._db:
+            if self._applied(stream, seq):
+                return None
+            self._db.execute("INSERT OR IGNORE INTO quarantined VALUES (?, ?, ?)", (model, node, at))
+            got = self._db.execute("SELECT sum(rows) FROM events WHERE model = ? AND node = ? AND "
+                                   "void = 0", (model, node)).fetchone()
+            self._db.execute("UPDATE events SET void = 1, reward = 0 WHERE model = ? AND node = ?",
+                             (model, node))
+        return int(got[0] or 0)
+
+    def quarantined(self, model: str) -> set[str]:
+        return {n for (n,) in self._db.execute("SELECT node FROM quarantined WHERE model = ?",
+                                               (model,))}
+
+    def served(self) -> list[tuple[str, str, int, int]]:
+        """Every (model, node, layer, expert) with a credited event: who answered for what."""
+        return list(self._db.execute("SELECT DISTINCT model, node, layer, expert FROM events "
+                                     "WHERE void = 0"))
+
+    def save_manifest(self, model: str, data: bytes) -> None:
+        with self._db:
+            self._db.execute("INSERT OR REPLACE INTO manifests VALUES (?, ?)", (model, data))
+
+    def manifests(self) -> list[tuple[str, bytes]]:
+        return [(m, bytes(d)) for m, d in self._db.execute("SELECT model, data FROM manifests")]

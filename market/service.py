@@ -6,11 +6,29 @@
 ``kvasir.*.coverage.*``            worker heartbeats -> the coverage map (with expiry)
 ``kvasir.*.routing``               backbone routing statistics -> usage -> targets
 ``kvasir.*.market.volunteer``      request: budget -> Assignment, or ErrorReply (no_fit,
-                                   no_manifest, bad_request, wrong_model)
-``kvasir.*.ledger``                request: LedgerBatch -> persisted, then LedgerAck
+                                   no_manifest, bad_request, wrong_model, quarantined)
 ``kvasir.*.market.status``         request: -> MarketStatus of that model
 ``kvasir._market.status``          request: -> MarketOverview of every model
+stream ``KVASIR_LEDGER``           durable consumer: routing (the bound), LedgerBatch (the
+                                   credit), Quarantine (the verdict), in stream order
 =================================  =========================================================
+
+Trust nothing on the bus (issue 8):
+
+* Claims are not proof. Heartbeats and ledger events are checked against the model's geometry
+  (layers with experts, experts per layer) from its manifest; an out-of-range claim is refused
+  with one log line per sender per minute (:class:`~kvasir_bus.throttle.ThrottledLog`). An
+  announced holding counts as a replica only once the node answered for one of its experts, as
+  the backbone's credited ledger events say (:mod:`market.coverage`); pending assignments count
+  only for the assigner, and only for ``assign_grace_s``.
+* Rewards only for verified work. Ledger events are read only from the ledger stream (see
+  :mod:`kvasir_bus.ledger_stream`), never taken by request; per (backbone, layer, expert) the
+  rows credited never exceed the rows that backbone's routing statistics say workers' replies
+  won there; a quarantined node earns nothing from its quarantine on, and its events so far are
+  void. Who may publish on those subjects at all is the NATS permissions' job (the backbone's
+  identity only, ``deploy/``); the market's checks bound what a forger can reach without them.
+* Floods. Per-sender token buckets on the request subjects (the sender is the reply inbox of
+  the asking connection), bounded subscription queues, bounded maps, throttled log lines.
 
 and publishes each model's :class:`~kvasir_bus.market_codec.DemandMap` on
 ``kvasir.<model>.demand`` every ``demand_interval_s`` and as soon as any range's replicas or
@@ -18,13 +36,14 @@ target change.
 
 A model becomes known from any message about it; the market then asks the backbone for its
 manifest on ``kvasir.<model>.manifest``, retrying with exponential backoff until it gets one.
-Until then volunteers and ledger batches get ``no_manifest`` (after waiting
-``volunteer_wait_s`` for it); the backbone keeps such batches and sends them again.
+Until then volunteers get ``no_manifest`` (after waiting ``volunteer_wait_s`` for it) and the
+ledger stream waits (``stream_manifest_wait_s`` at most per model, then such events are refused).
+Manifests are kept in the ledger file, so a restarted market checks events with no backbone up.
 
 Nothing on the wire can stop the market: bad payloads are dropped with a warning line, or
 answered with an ErrorReply when they were requests. A restart loses nothing that matters:
-the coverage map is rebuilt from heartbeats within one expiry, the ledger and the pending
-assignments are in the SQLite file.
+the coverage map is rebuilt from heartbeats within one expiry, the ledger, what each node has
+served and the pending assignments are in the SQLite file, unread ledger events in the stream.
 """
 
 from __future__ import annotations
@@ -42,9 +61,10 @@ import nats.errors
 import numpy as np
 import structlog
 
-from kvasir_bus import codec, market_codec as mc, micro, subjects
+from kvasir_bus import codec, ledger_stream, market_codec as mc, micro, subjects
 from kvasir_bus.codec import CodecError, ErrorReply
 from kvasir_bus.subjects import Subjects
+from kvasir_bus.throttle import RateLimiter, ThrottledLog
 from market.assign import NoFit, choose
 from market.coverage import CoverageMap
 from market.demand import DEFAULT_RANGE_EXPERTS, Layout, Policy, RangeStats, UsageTracker, \
@@ -52,6 +72,10 @@ from market.demand import DEFAULT_RANGE_EXPERTS, Layout, Policy, RangeStats, Usa
 from market.ledger import DEFAULT_DB, Ledger
 
 log = structlog.get_logger("kvasir.market")
+
+ERR_QUARANTINED = "quarantined"
+SUB_LIMITS = dict(pending_msgs_limit=20_000, pending_bytes_limit=8 * 1024 * 1024)
+REQUEST_LIMITS = dict(pending_msgs_limit=100_000, pending_bytes_limit=16 * 1024 * 1024)
 
 
 @dataclass(frozen=True)
@@ -61,7 +85,7 @@ class MarketConfig:
     node: str = "market"                      # its id on the bus (in error replies, status)
     db_path: str = DEFAULT_DB                 # SQLite ledger file
     expiry_s: float = 10.0                    # a node silent this long drops out of the map
-    assign_grace_s: float = 300.0             # a pending assignment counts this long
+    assign_grace_s: float = 60.0              # a pending assignment counts this long
     range_experts: int = DEFAULT_RANGE_EXPERTS  # experts per range
     demand_interval_s: float = 5.0            # periodic demand map
     usage_half_life_s: float = 300.0          # decay of routing statistics
@@ -72,6 +96,12 @@ class MarketConfig:
     manifest_retry_max_s: float = 30.0        # longest pause
     volunteer_wait_s: float = 1.0             # a request waits this long for a manifest
     warmup_s: float | None = None             # after a restart: see Market (None: expiry_s)
+    request_rate: float = 20.0                # status/volunteer/overview per sender per second
+    request_burst: float = 40.0
+    heartbeat_rate: float = 10.0              # heartbeats per node per second (workers: ~1)
+    heartbeat_total_rate: float = 5000.0      # heartbeats of all nodes per second
+    log_interval_s: float = 60.0              # one refusal line per sender per this
+    stream_manifest_wait_s: float = 30.0      # ledger events of a model without a manifest
 
     def __post_init__(self) -> None:
         subjects.check_node(self.node)
@@ -122,7 +152,8 @@ class _Model:
         self.usage = UsageTracker(cfg.usage_half_life_s)
         self.fallback: dict[str, tuple[float, float]] = {}  # backbone -> (rate, valid until)
         self.stats: RangeStats | None = None
-        self.copies: np.ndarray | None = None
+        self.copies: np.ndarray | None = None      # verified replicas per expert
+        self.assignable: np.ndarray | None = None  # ... and pending assignments
         self.usage_now: np.ndarray | None = None
         self.stale = True
         self.last_signature: tuple | None = None
@@ -158,6 +189,12 @@ class Market:
         self.tallies: dict[str, micro.Tally] = {}  # per subscribed subject, for $SRV.STATS
         self._service = None
         self.log = log.bind(market=self.cfg.node)
+        self.refusals = ThrottledLog(self.log, self.cfg.log_interval_s)
+        self.limits = RateLimiter(self.cfg.request_rate, self.cfg.request_burst)
+        self.beats = RateLimiter(self.cfg.heartbeat_rate, 2 * self.cfg.heartbeat_rate,
+                                 total_rate=self.cfg.heartbeat_total_rate, max_keys=65_536)
+        self.stream_applied = 0  # stream messages applied since start (tests wait on it)
+        self._status_cache: dict[str | None, tuple[float, bytes, dict]] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> Market:
@@ -170,26 +207,26 @@ class Market:
             warmup = self.cfg.expiry_s if self.cfg.warmup_s is None else self.cfg.warmup_s
             self._ready_at = asyncio.get_running_loop().time() + (warmup if restarted else 0.0)
             self.ledger = await self._db(Ledger, self.cfg.db_path)
-            now = self.clock()
-            for model, node, holdings, budget, until in await self._db(
-                    self.ledger.assignments, now):
-                self._model(model).coverage.assign(node, holdings, budget, now, until=until)
+            await self._restore()
             served = []
             for name, wildcard, handler in (
                     ("coverage", subjects.ALL_COVERAGE, self._on_heartbeat),
                     ("routing", subjects.ALL_ROUTING, self._on_routing),
                     ("volunteer", subjects.ALL_VOLUNTEER, self._on_volunteer),
-                    ("ledger", subjects.ALL_LEDGER, self._on_ledger),
                     ("status", subjects.ALL_STATUS, self._on_status),
                     ("overview", subjects.MARKET_OVERVIEW, self._on_overview)):
+                limits = SUB_LIMITS if handler in (self._on_heartbeat, self._on_routing) \
+                    else REQUEST_LIMITS  # a backlog a flood fills is dropped, never the probe behind it
                 tally = self.tallies[name] = micro.Tally()
                 served.append(micro.Served(name, wildcard, stats=lambda t=tally: t))
-                self._subs.append(await self.nc.subscribe(wildcard, cb=self._guard(handler, tally)))
+                self._subs.append(await self.nc.subscribe(wildcard, cb=self._guard(handler, tally), **limits))
+            await self.nc.flush()
             self._service = await micro.start_service(self.nc, micro.Card(
                 "market", self.cfg.node, ",".join(self.cfg.models) or "*"), served)
             for model in self.cfg.models:
                 self._model(model)
             self._spawn(self._tick_loop(), "tick")
+            self._spawn(self._stream_loop(), "ledger-stream")
         except BaseException:
             await self.stop()
             raise
@@ -277,6 +314,28 @@ class Market:
                                 f"heartbeats for {remaining:.1f} s more; ask again then")
         return False
 
+    async def _restore(self) -> None:
+        """What the ledger file knows: manifests, quarantined nodes, who served what, pending
+        assignments."""
+        for model, data in await self._db(self.ledger.manifests):
+            try:
+                self._set_manifest(self._model(model), mc.decode_manifest(data), save=False)
+            except CodecError as exc:
+                self.log.warning("stored_manifest_invalid", model=model, error=str(exc))
+        for ms in list(self.models.values()):
+            for node in await self._db(self.ledger.quarantined, ms.name):
+                ms.coverage.ban(node)
+        for model, node, layer, expert in await self._db(self.ledger.served):
+            self._model(model).coverage.mark_served(node, layer, expert)
+        now = self.clock()
+        for model, node, holdings, budget, until in await self._db(self.ledger.assignments, now):
+            self._model(model).coverage.assign(node, holdings, budget, now, until=until)
+
+    @staticmethod
+    def _sender(msg: Any) -> str:
+        """Who asks: the reply inbox of its connection (``_INBOX.<per connection>.<token>``)."""
+        return (msg.reply or "").rsplit(".", 1)[0]
+
     def _model(self, name: str) -> _Model:
         ms = self.models.get(name)
         if ms is None:
@@ -314,7 +373,10 @@ class Market:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.cfg.manifest_retry_max_s)
 
-    def _set_manifest(self, ms: _Model, manifest: mc.Manifest) -> None:
+    def _set_manifest(self, ms: _Model, manifest: mc.Manifest, save: bool = True) -> None:
+        if save and self.ledger is not None:  # for a restart with no backbone on the bus
+            self._spawn(self._db(self.ledger.save_manifest, ms.name, manifest.encode()),
+                        f"save-manifest-{ms.name}")
         ms.manifest = manifest
         ms.layout = Layout.from_manifest(manifest, self.cfg.range_experts)
         ms.stale = True
@@ -331,6 +393,7 @@ class Market:
         if ms.stale or ms.stats is None:
             lay = ms.layout
             ms.copies = ms.coverage.copies(lay.n_layer, lay.n_expert)
+            ms.assignable = ms.coverage.copies(lay.n_layer, lay.n_expert, pending=True)
             ms.usage_now = ms.usage.matrix(lay.n_layer, lay.n_expert, now)
             ms.stats = range_stats(lay, ms.copies, ms.usage_now, self.cfg.policy)
             ms.stale = False
@@ -394,24 +457,47 @@ class Market:
             return None
 
     async def _on_heartbeat(self, msg: Any) -> None:
+        # Before any decoding: a node's heartbeats beyond its budget are dropped unread, and
+        # every heartbeat yields once, so a flood of them cannot starve the request handlers
+        # (a subscription's task otherwise runs its whole backlog without yielding).
+        await asyncio.sleep(0)
+        if not self.beats.allow(msg.subject):
+            return
         try:
             model, node = subjects.parse_coverage(msg.subject)
             hb = codec.decode_heartbeat(msg.data)
         except (ValueError, CodecError) as exc:
-            self.log.warning("heartbeat_dropped", subject=msg.subject, error=str(exc))
+            self.refusals.warning(msg.subject, "heartbeat_dropped", subject=msg.subject,
+                                  error=str(exc))
             return
         if hb.model != model or hb.node != node:
-            self.log.warning("heartbeat_dropped", subject=msg.subject,
-                             error=f"payload names model {hb.model} node {hb.node}")
+            self.refusals.warning(msg.subject, "heartbeat_dropped", subject=msg.subject,
+                                  error=f"payload names model {hb.model} node {hb.node}")
             return
         ms = self._model(model)
-        had_pending = bool((entry := ms.coverage.get(node)) and entry.pending)
+        bad = self._out_of_range(ms, ((h.layer, h.lo, h.hi) for h in hb.holdings))
+        if bad:
+            self.refusals.warning(msg.subject, "heartbeat_refused", model=model, node=node,
+                                  error=bad)
+            return
         if ms.coverage.observe(hb, self.clock()):
             ms.stale = True
-        entry = ms.coverage.get(node)
-        if had_pending and entry is not None and not entry.pending:
-            self.log.info("assignment_confirmed", model=model, node=node)
-            await self._db(self.ledger.drop_assignment, model, node)
+
+    def _out_of_range(self, ms: _Model, claims) -> str | None:
+        """Why a claim of ``(layer, lo, hi)`` experts (half-open) is outside the model's
+        geometry, or None. Before the manifest is known nothing can be checked: such claims
+        are kept, but count for nothing until the node has served (nothing expands them)."""
+        lay = ms.layout
+        if lay is None:
+            return None
+        moe = set(lay.layers)
+        for layer, lo, hi in claims:
+            if layer not in moe:
+                return f"layer {layer} has no experts (model: {sorted(moe)[:8]}...)" if moe else \
+                    f"layer {layer}: the model has no expert layers"
+            if hi > lay.n_expert or lo >= hi:
+                return f"experts {lo}..{hi - 1} of layer {layer}: the model has {lay.n_expert}"
+        return None
 
     async def _on_routing(self, msg: Any) -> None:
         model = self._model_of(msg.subject)
@@ -449,7 +535,8 @@ class Market:
         try:
             record = decode(msg.data)
         except CodecError as exc:
-            self.log.warning(f"{what}_refused", subject=msg.subject, error=str(exc))
+            self.refusals.warning(self._sender(msg), f"{what}_refused", subject=msg.subject,
+                                  error=str(exc))
             await self._reply_error(msg, mc.ERR_BAD_REQUEST, str(exc))
             return None
         if record.model != model:
@@ -467,10 +554,19 @@ class Market:
         return ms, model, record
 
     async def _on_volunteer(self, msg: Any) -> None:
+        if not self.limits.allow(self._sender(msg)):
+            return  # over its budget: no answer (an answer would cost what the flood costs)
         accepted = await self._accept(msg, mc.decode_volunteer, "volunteer")
         if accepted is None:
             return
         ms, model, req = accepted
+        if not self.limits.allow(("volunteer", req.node)):
+            return
+        if req.node in ms.coverage.banned:
+            await self._reply_error(msg, ERR_QUARANTINED,
+                                    f"node {req.node} failed an audit of model {model}: it is "
+                                    "quarantined and gets no assignment")
+            return
         if ms.layout is None:
             await self._reply_error(msg, mc.ERR_NO_MANIFEST,
                                     f"the market has no manifest for model {model} yet (the "
@@ -484,7 +580,7 @@ class Market:
             ms.stale = True
         self._refresh(ms, now)
         try:
-            got = choose(ms.layout, ms.copies, ms.usage_now, self.cfg.policy, req.budget_bytes)
+            got = choose(ms.layout, ms.assignable, ms.usage_now, self.cfg.policy, req.budget_bytes)
         except NoFit as exc:
             self.log.info("volunteer_no_fit", model=model, node=req.node,
                           budget=req.budget_bytes)
@@ -505,56 +601,161 @@ class Market:
         await self._reply(msg, reply)
         await self._publish_demand(ms, now, force=True)
 
-    async def _on_ledger(self, msg: Any) -> None:
-        accepted = await self._accept(msg, mc.decode_ledger, "ledger")
-        if accepted is None:
-            return
-        ms, model, batch = accepted
+    # -- the ledger stream ------------------------------------------------------------------
+    async def _stream_loop(self) -> None:
+        """Read the ledger stream with the durable consumer; ack each message once applied.
+        Reconnects (throttled error line) if JetStream is missing or goes away."""
+        from nats.js.errors import FetchTimeoutError
+
+        delay = 0.2
+        while self.state is State.RUNNING:
+            try:
+                js = self.nc.jetstream()
+                await ledger_stream.ensure_stream(js)
+                await js.add_consumer(ledger_stream.STREAM, ledger_stream.consumer_config())
+                psub = await js.pull_subscribe_bind(durable=ledger_stream.CONSUMER,
+                                                    stream=ledger_stream.STREAM)
+                self._subs.append(psub)  # stop() unsubscribes it (a drain would wait for it)
+                delay = 0.2
+                while self.state is State.RUNNING:
+                    remaining = self._ready_at - asyncio.get_running_loop().time()
+                    if remaining > 0:  # no event is priced on a half-known coverage map
+                        await asyncio.sleep(min(1.0, remaining))
+                        continue
+                    try:
+                        msgs = await psub.fetch(64, timeout=1.0)
+                    except (FetchTimeoutError, nats.errors.TimeoutError, asyncio.TimeoutError):
+                        continue
+                    for m in msgs:
+                        await self._apply_stream(m)
+                        await m.ack()
+                        self.stream_applied += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.refusals.error("stream", "ledger_stream_unavailable",
+                                    error=f"{type(exc).__name__}: {exc}",
+                                    note="is JetStream on? (nats-server -js)")
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 5.0)
+
+    async def _apply_stream(self, m: Any) -> bool:
+        """Apply one stream message (waiting up to ``stream_manifest_wait_s`` for its model's
+        manifest). Bad messages are refused: one line per sender a minute."""
+        seq = m.metadata.sequence.stream
+        parts = m.subject.split(".")
+        if len(parts) != 3 or parts[2] not in ("ledger", "routing", "quarantine"):
+            self.refusals.warning(m.subject, "stream_message_refused", subject=m.subject)
+            return True
+        model = self._model_of(m.subject)
+        if model is None:
+            return True
+        decode = {"ledger": mc.decode_ledger, "routing": mc.decode_routing,
+                  "quarantine": mc.decode_quarantine}[parts[2]]
+        try:
+            record = decode(m.data)
+        except CodecError as exc:
+            self.refusals.warning(m.subject, f"{parts[2]}_refused", subject=m.subject,
+                                  error=str(exc))
+            return True
+        if record.model != model:
+            self.refusals.warning(m.subject, f"{parts[2]}_refused", subject=m.subject,
+                                  error=f"payload names model {record.model}")
+            return True
+        ms = self._model(model)
+        if ms.layout is None:
+            # The stream is applied in order (the bound before the claim): wait here, a while.
+            try:
+                await asyncio.wait_for(ms.known.wait(), self.cfg.stream_manifest_wait_s)
+            except asyncio.TimeoutError:
+                self.refusals.warning(model, "stream_no_manifest", model=model, subject=m.subject,
+                                      note="refused: no manifest for this model")
+                return True
+        stream = ledger_stream.STREAM
+        if isinstance(record, mc.RoutingStats):
+            remote = [(layer, e, min(rows, 1 << 40)) for layer, e, rows in record.remote
+                      if not self._out_of_range(ms, ((layer, e, e + 1),))]
+            await self._db(self.ledger.apply_routing, stream, seq, model, record.node, remote)
+        elif isinstance(record, mc.Quarantine):
+            voided = await self._db(self.ledger.apply_quarantine, stream, seq, model,
+                                    record.node, record.at)
+            if ms.coverage.ban(record.node):
+                ms.stale = True
+            self.log.warning("node_quarantined", model=model, node=record.node,
+                             layer=record.layer, expert=record.expert, error=record.error,
+                             rows_voided=voided)
+        else:
+            await self._apply_batch(ms, seq, record)
+        return True
+
+    async def _apply_batch(self, ms: _Model, seq: int, batch: mc.LedgerBatch) -> None:
         now = self.clock()
         self._expire(ms, now)
         stats = self._refresh(ms, now)
-        if stats is None:
-            await self._reply_error(msg, mc.ERR_NO_MANIFEST,
-                                    f"the market has no manifest for model {model} yet: keep "
-                                    "the batch and send it again")
-            return
-        priced, unknown = [], 0
+        priced, refused = [], 0
         for event in batch.events:
-            index = ms.layout.range_index(event.layer, event.expert)
+            index = None if self._out_of_range(ms, ((event.layer, event.expert,
+                                                     event.expert + 1),)) \
+                else ms.layout.range_index(event.layer, event.expert)
             if index is None:
-                unknown += 1
-            priced.append((event, 0.0 if index is None else float(stats.reward_rate[index])))
-        if unknown:
-            self.log.warning("ledger_unknown_experts", model=model, batch=batch.batch_id,
-                             events=unknown, note="recorded at rate 0")
-        try:
-            accepted, duplicates = await self._db(self.ledger.record, model, batch.source,
-                                                  batch.batch_id, priced, now)
-        except Exception as exc:  # not stored: the backbone keeps the batch and re-sends it
-            self.log.error("ledger_write_failed", batch=batch.batch_id, error=str(exc))
-            await self._reply_error(msg, mc.ERR_INTERNAL, f"ledger not written: {exc}")
-            return
-        self.log.info("ledger_batch", model=model, source=batch.source, batch=batch.batch_id,
-                      accepted=accepted, duplicates=duplicates)
-        await self._reply(msg, mc.LedgerAck(batch_id=batch.batch_id, accepted=accepted,
-                                            duplicates=duplicates))
+                refused += 1
+                continue
+            priced.append((event, float(stats.reward_rate[index])))
+        if refused:
+            self.refusals.warning(batch.source, "ledger_events_out_of_range", model=ms.name,
+                                  source=batch.source, batch=batch.batch_id, events=refused)
+        got = await self._db(self.ledger.apply_batch, ledger_stream.STREAM, seq, ms.name,
+                             batch.source, batch.batch_id, priced, now)
+        if got is None:
+            return  # applied before a crash, acked now
+        got, served = got
+        if got["unbacked"] or got["quarantined"]:
+            self.refusals.warning(batch.source, "ledger_events_refused", model=ms.name,
+                                  source=batch.source, batch=batch.batch_id,
+                                  unbacked=got["unbacked"], quarantined=got["quarantined"],
+                                  note="more rows than the backbone's replies won, or a "
+                                       "quarantined node")
+        for event in served:
+            changed, confirmed = ms.coverage.mark_served(event.node, event.layer, event.expert)
+            ms.stale |= changed
+            if confirmed:
+                self.log.info("assignment_confirmed", model=ms.name, node=event.node)
+                await self._db(self.ledger.drop_assignment, ms.name, event.node)
+        self.log.info("ledger_batch", model=ms.name, source=batch.source, batch=batch.batch_id,
+                      out_of_range=refused, **got)
 
     async def _on_status(self, msg: Any) -> None:
-        if not msg.reply:
-            return
+        if not msg.reply or not self.limits.allow(self._sender(msg)):
+            return  # over its budget: dropped before any work
         model = self._model_of(msg.subject)
         if model is None or model not in self.models:
             await self._reply_error(msg, mc.ERR_UNKNOWN_MODEL,
                                     f"the market knows no model {model}; known: "
-                                    f"{', '.join(sorted(self.models)) or 'none'}")
+                                    f"{', '.join(sorted(self.models)[:20]) or 'none'}")
             return
-        await self._reply(msg, await self.status(model))
+        await self._reply_cached(msg, model)
 
     async def _on_overview(self, msg: Any) -> None:
-        if not msg.reply:
+        if not msg.reply or not self.limits.allow(self._sender(msg)):
             return
-        models = [await self.status(m) for m in sorted(self.models)]
-        await self._reply(msg, mc.MarketOverview(sent_at=self.clock(), models=tuple(models)))
+        await self._reply_cached(msg, None)
+
+    async def _reply_cached(self, msg: Any, model: str | None, max_age_s: float = 0.2) -> None:
+        """Answer with a status (``model``) or overview (None) at most ``max_age_s`` old: many
+        askers within the limits still cost one status a tick."""
+        now = asyncio.get_running_loop().time()
+        got = self._status_cache.get(model)
+        if got is None or now - got[0] > max_age_s:
+            if model is None:
+                record = mc.MarketOverview(sent_at=self.clock(), models=tuple(
+                    [await self.status(m) for m in sorted(self.models)]))
+            else:
+                record = await self.status(model)
+            got = self._status_cache[model] = (now, record.encode(), mc.headers_for(record))
+        try:
+            await self.nc.publish(msg.reply, got[1], headers=got[2])
+        except Exception as exc:
+            self.refusals.warning("reply", "reply_failed", subject=msg.subject, error=str(exc))
 
     # -- status -----------------------------------------------------------------------------
     async def status(self, model: str) -> mc.MarketStatus:

@@ -1,16 +1,19 @@
 """Fakes for the market tests: a synthetic manifest, a fake backbone, fake workers.
 
-No compute anywhere: the backbone only answers manifest requests and publishes routing
-statistics; a worker only volunteers and then heartbeats what it was assigned.
+No compute anywhere: the backbone only answers manifest requests and puts routing statistics
+and ledger batches into the ledger stream; a worker only volunteers and then heartbeats what it
+was assigned (it counts as a replica once the backbone reports it served: ``serve``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
+import itertools
 import time
 
-from kvasir_bus import codec, market_codec as mc
+from kvasir_bus import codec, ledger_stream, market_codec as mc
 from kvasir_bus.wire import Holding
 from kvasir_bus.connect import connect
 from kvasir_bus.subjects import Subjects
@@ -67,6 +70,7 @@ class FakeBackbone:
         self.subjects = Subjects(manifest.model)
         self.nc = None
         self.manifest_requests = 0
+        self._ids = itertools.count()
 
     async def start(self) -> FakeBackbone:
         self.nc = await connect(self.url, name="fake-backbone")
@@ -81,17 +85,34 @@ class FakeBackbone:
         return self
 
     async def routing(self, hits, fallback_rate: float | None = None,
-                      window_s: float = 1.0) -> None:
+                      window_s: float = 1.0, remote=()) -> None:
+        """Routing statistics, into the ledger stream as the real backbone does (``remote``:
+        the rows workers' replies won, the market's bound on credit)."""
         stats = mc.RoutingStats(self.manifest.model, self.node, window_s, tuple(hits),
-                                fallback_rate=fallback_rate)
-        await self.nc.publish(self.subjects.routing(), stats.encode(),
-                              headers=mc.headers_for(stats))
-        await self.nc.flush()
+                                fallback_rate=fallback_rate, remote=tuple(remote))
+        await self._store(self.subjects.routing(), stats.encode(), f"r-{next(self._ids)}")
 
-    async def ledger(self, batch: mc.LedgerBatch, timeout: float = 2.0):
-        msg = await self.nc.request(self.subjects.ledger(), batch.encode(), timeout=timeout,
-                                    headers=mc.headers_for(batch))
-        return mc.decode_ledger_reply(msg.data)
+    async def _store(self, subject: str, data: bytes, msg_id: str):
+        js = self.nc.jetstream()
+        await ledger_stream.ensure_stream(js)
+        return await js.publish(subject, data, headers={ledger_stream.MSG_ID: msg_id})
+
+    async def ledger(self, batch: mc.LedgerBatch, backed: bool = True):
+        """A ledger batch into the stream (after routing that backs every row, unless
+        ``backed`` is False). Returns the stream's PubAck (``duplicate`` on a re-send)."""
+        if backed:
+            won = collections.Counter()
+            for e in batch.events:
+                won[(e.layer, e.expert)] += e.rows
+            await self.routing((), remote=[(layer, e, r) for (layer, e), r in sorted(won.items())])
+        return await self._store(self.subjects.ledger(), batch.encode(), batch.batch_id)
+
+    async def serve(self, node: str, holdings) -> None:
+        """``node`` won one reply for the first expert of each holding."""
+        events = tuple(mc.LedgerEvent(f"served-{node}-{next(self._ids)}", node, h.layer, h.lo, 1,
+                                      1.0) for h in holdings)
+        await self.ledger(mc.LedgerBatch(self.manifest.model, self.node,
+                                         f"serve-{next(self._ids)}", events))
 
     async def stop(self) -> None:
         if self.nc is not None:

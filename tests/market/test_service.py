@@ -96,10 +96,13 @@ class Swarm:
             await wait_for(lambda: self.watch.latest, what="a demand map")
         return self
 
-    async def worker(self, name: str, budget: int = ONE_RANGE) -> FakeWorker:
+    async def worker(self, name: str, budget: int = ONE_RANGE, serve: bool = True) -> FakeWorker:
+        """A volunteer that heartbeats its assignment and (``serve``) wins a reply for it."""
         w = FakeWorker(self.url, FP, name, budget)
         await w.start()
         self.workers.append(w)
+        if serve:
+            await self.backbone.serve(name, w.holdings)
         return w
 
     async def restart_market(self) -> None:
@@ -184,8 +187,11 @@ def test_twice_as_many_volunteers_as_ranges_give_hot_ranges_replicas_first(nats_
             assert sorted(got[:6]) == RANGES          # first every hole
             assert got[6] == HOT                      # the first second replica: the hottest
             assert got[6:9].count(HOT) == 2 and WARM in got[6:9]
-            entries = swarm.market.demand_map(FP).entries
-            rep = {e.holding: e.replicas for e in entries}
+            def replicas():  # once the market read every volunteer's first served reply
+                rep = {e.holding: e.replicas for e in swarm.market.demand_map(FP).entries}
+                return rep if sum(rep.values()) == 12 else None
+
+            rep = await wait_for(replicas, what="12 served replicas")
             cold = [rep[r] for r in RANGES if r not in (HOT, WARM)]
             assert rep[HOT] > rep[WARM] > max(cold) >= min(cold) >= 1
             assert sum(rep.values()) == 12
@@ -233,8 +239,10 @@ def test_a_restarted_market_warms_up_before_it_assigns_or_prices(nats_server, ar
             assert "ask again" in reply.message
             batch = mc.LedgerBatch(FP, "backbone", "b-1",
                                    (mc.LedgerEvent("e-1", "eager", 0, 0, 1, 1.0),))
-            got = await bb.ledger(batch)
-            assert isinstance(got, ErrorReply) and got.code == mc.ERR_WARMING_UP
+            await bb.ledger(batch)                   # kept in the stream, not priced yet
+            await asyncio.sleep(0.3)  # a chance to (wrongly) apply it: nothing to wait for
+            assert market.stream_applied == 0
+            assert (await market.status(FP)).totals == ()
         finally:
             await w.kill()
             await market.stop()
@@ -254,15 +262,18 @@ def test_a_volunteer_before_the_manifest_gets_no_manifest_then_an_assignment(nat
         try:
             reply = await w.volunteer()
             assert isinstance(reply, ErrorReply) and reply.code == mc.ERR_NO_MANIFEST
+            bb = FakeBackbone(nats_server.url, make_manifest())
+            bb.nc = await connect(nats_server.url, name="backbone-without-manifest")
             ledger = mc.LedgerBatch(FP, "backbone", "b-0",
                                     (mc.LedgerEvent("e-0", "early", 0, 0, 1, 1.0),))
-            got = await request(nats_server.url, Subjects(FP).ledger(), ledger.encode(),
-                                mc.decode_ledger_reply)
-            assert isinstance(got, ErrorReply) and got.code == mc.ERR_NO_MANIFEST
+            await bb.ledger(ledger)                  # waits in the stream for the manifest
+            await bb.nc.close()
             bb = await FakeBackbone(nats_server.url, make_manifest()).start()
             reply = await wait_for(lambda: _assigned(w), timeout=5, what="an assignment")
             assert reply.holdings == (Holding(0, 0, 8),)
             assert bb.manifest_requests >= 1
+            await wait_for(lambda: market.stream_applied >= 2, what="the stream applied")
+            assert [(t.node, t.rows) for t in (await market.status(FP)).totals] == [("early", 1)]
         finally:
             await w.kill()
             await market.stop()
@@ -295,23 +306,26 @@ def test_ledger_totals_equal_rows_served_and_survive_a_market_restart(nats_serve
         swarm = await Swarm(nats_server.url, db).start()
         try:
             bb = swarm.backbone
-            ack = await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-1", events(0, 40)))
-            assert ack == mc.LedgerAck("b-1", 40, 0)
-            ack = await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-1", events(0, 40)))
-            assert ack == mc.LedgerAck("b-1", 0, 40)           # a re-send counts nothing
-            ack = await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-2", events(30, 60)))
-            assert ack == mc.LedgerAck("b-2", 20, 10)
-            st = await swarm.market.status(FP)
+            market = swarm.market
+            assert not (await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-1", events(0, 40)))).duplicate
+            # a re-send of the same batch: stored once (Nats-Msg-Id), counted once
+            assert (await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-1", events(0, 40)),
+                                    backed=False)).duplicate
+            # overlapping events in another batch: the ids already counted are duplicates
+            await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-2", events(30, 60)))
+            await wait_for(lambda: market.stream_applied >= 4, what="4 stream messages")
+            st = await market.status(FP)
             assert {t.node: t.rows for t in st.totals} == rows
             # priced by scarcity: nothing is covered, target 1 -> 1.0 per row
             assert {t.node: t.reward for t in st.totals} == {n: float(r) for n, r in
                                                              rows.items()}
             await swarm.restart_market()
-            ack = await wait_for(lambda: _acked(bb, events(0, 60)), timeout=5,
-                                 what="the restarted market's ack")
-            assert ack == mc.LedgerAck("b-3", 0, 60)           # nothing counted twice
+            # a batch stored while the market is away is read by the restarted one
+            await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-3", events(0, 60)))
+            await wait_for(lambda: swarm.market.stream_applied >= 2, timeout=5,
+                           what="the restarted market reading the stream")
             st = await swarm.market.status(FP)
-            assert {t.node: t.rows for t in st.totals} == rows
+            assert {t.node: t.rows for t in st.totals} == rows      # nothing counted twice
         finally:
             await swarm.stop()
 
@@ -327,18 +341,6 @@ def test_ledger_totals_equal_rows_served_and_survive_a_market_restart(nats_serve
     assert "w-0" in text and f"{sum(rows.values())}" in text
 
 
-async def _acked(bb: FakeBackbone, events):
-    """What a backbone does with an unacknowledged batch: send it again until acked."""
-    try:
-        got = await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-3", events))
-    except nats.errors.NoRespondersError:
-        # Right after the market resubscribes, a publisher connection that saw "no
-        # responders" before may still be told so for a moment (nats-server's per-client
-        # subject cache): a real backbone retries exactly like this.
-        return None
-    return got if isinstance(got, mc.LedgerAck) else None  # warming up / no manifest yet
-
-
 def test_a_scarce_range_pays_more_per_row(nats_server, arun, tmp_path):
     async def go():
         swarm = await Swarm(nats_server.url, tmp_path / "m.db").start(hot={HOT: 20})
@@ -350,12 +352,16 @@ def test_a_scarce_range_pays_more_per_row(nats_server, arun, tmp_path):
             batch = mc.LedgerBatch(FP, "backbone", "b-1", (
                 mc.LedgerEvent("e-1", "w-0", HOT.layer, HOT.lo, 10, 1.0),   # 3.0 per row
                 mc.LedgerEvent("e-2", "w-0", 0, 0, 10, 1.0),                # hole: 1.0
-                mc.LedgerEvent("e-3", "w-0", 7, 0, 10, 1.0)))               # no such expert
+                mc.LedgerEvent("e-3", "w-0", 7, 0, 10, 1.0)))               # no such layer
+            applied = swarm.market.stream_applied
             with capture() as lines:
-                assert await bb.ledger(batch) == mc.LedgerAck("b-1", 3, 0)
-            assert any(line["event"] == "ledger_unknown_experts" for line in lines)
+                await bb.ledger(batch)
+                await wait_for(lambda: swarm.market.stream_applied >= applied + 2,
+                               what="routing and batch applied")
+            assert any(line["event"] == "ledger_events_out_of_range" for line in lines)
             st = await swarm.market.status(FP)
-            assert [(t.node, t.rows, t.reward) for t in st.totals] == [("w-0", 30, 40.0)]
+            # + the 1 row of HOT it served when it joined (3.0); layer 7 is refused: no pay
+            assert [(t.node, t.rows, t.reward) for t in st.totals] == [("w-0", 21, 43.0)]
         finally:
             await swarm.stop()
 
@@ -395,12 +401,14 @@ def test_malformed_messages_are_dropped_or_refused_and_the_market_keeps_running(
                 reply = await ask(s.volunteer(), mc.VolunteerRequest(FP, "tiny", 100).encode())
                 assert reply.code == "no_fit" and "3,000 bytes" in reply.message
                 for payload in (b"junk", mc.VolunteerRequest(FP, "n", 1).encode()):
-                    msg = await nc.request(s.ledger(), payload, timeout=3.0)
-                    got = mc.decode_ledger_reply(msg.data)
-                    assert isinstance(got, ErrorReply) and got.code == "bad_request"
+                    await nc.publish(s.ledger(), payload)  # into the stream: read, refused
                 await nc.publish(s.volunteer(), mc.VolunteerRequest(FP, "n", 1).encode())
+                await nc.flush()
+                await wait_for(lambda: swarm.market.stream_applied >= 5,
+                               what="the stream's garbage read")
             events = [line["event"] for line in lines]
-            assert events.count("heartbeat_dropped") == 3
+            assert events.count("heartbeat_dropped") == 1   # one line per sender a minute
+            assert events.count("ledger_refused") == 1
             assert events.count("routing_dropped") == 2
             assert "bad_subject" in events
             # still alive: a good volunteer gets a range, status answers, no ghost node

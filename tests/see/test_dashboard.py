@@ -90,6 +90,7 @@ class Swarm:
     def worker(self, name: str) -> FakeWorker:
         w = FakeWorker(self.url, FP, name, ONE_RANGE)
         self.loop.run(w.start(), timeout=20)
+        self.loop.run(self.backbone.serve(name, w.holdings), timeout=20)  # counted once served
         self.workers[name] = w
         return w
 

@@ -68,6 +68,7 @@ def test_market_metrics_show_coverage_demand_fallback_and_rewards(nats_server, a
             for name in ("w-a", "w-b"):
                 w = FakeWorker(nats_server.url, FP, name, ONE_RANGE)
                 await w.start()
+                await backbone.serve(name, w.holdings)  # a replica once it served (issue 8)
                 workers.append(w)
             held = {w.node: w.holdings[0] for w in workers}
             def confirmed():
@@ -77,8 +78,9 @@ def test_market_metrics_show_coverage_demand_fallback_and_rewards(nats_server, a
             batch = mc.LedgerBatch(model=FP, source="backbone", batch_id="b1", events=(
                 mc.LedgerEvent("e1", "w-a", held["w-a"].layer, held["w-a"].lo, 5, 1.0),
                 mc.LedgerEvent("e2", "w-a", held["w-a"].layer, held["w-a"].lo, 7, 2.0)))
-            ack = await backbone.ledger(batch)
-            assert ack.accepted == 2
+            applied = market.stream_applied
+            await backbone.ledger(batch)               # into the ledger stream (routing first)
+            await wait_for(lambda: market.stream_applied >= applied + 2, what="the batch read")
 
             async with aiohttp.ClientSession() as http:
                 async with http.get(dash.url + "/metrics") as resp:
@@ -99,8 +101,8 @@ def test_market_metrics_show_coverage_demand_fallback_and_rewards(nats_server, a
             assert sum(v for (name, _l), v in got.items()
                        if name == "kvasir_market_range_replicas") == 2
             a = (("model", FP), ("node", "w-a"))
-            assert got[("kvasir_market_rows_rewarded_total", a)] == 12
-            assert got[("kvasir_market_ledger_events_total", a)] == 2
+            assert got[("kvasir_market_rows_rewarded_total", a)] == 1 + 12   # + the serve row
+            assert got[("kvasir_market_ledger_events_total", a)] == 1 + 2
             assert got[("kvasir_market_reward_total", a)] > 0
             assert got[("kvasir_market_node_info", (("kernel", "fake"), ("model", FP),
                                                     ("node", "w-b"), ("version", "0.1.0")))] == 1
