@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from backbone.market_link import MarketLink
-from kvasir_bus import codec, market_codec as mc, wire
+from kvasir_bus import codec, ledger_stream, market_codec as mc, wire
 from kvasir_bus.connect import connect
 from kvasir_bus.subjects import Subjects
 
@@ -22,21 +22,10 @@ FP = "0123456789abcdef"
 
 
 def samples() -> dict[str, wire.Record]:
-    """One valid record of every kind the wire registry knows."""
-    rows = np.zeros((2, 4), np.float32)
-    ev = mc.LedgerEvent(event_id="bb:1:0", node="w1", layer=0, expert=1, rows=2, at=1.0)
-    hb = codec.Heartbeat(FP, "w1", ((0, 0, 8),), 0, 0.0, 0, "0.1.0", "numpy", 1.0)
-    records = [
-        codec.DispatchRequest(model=FP, layer=0, expert=1, rows=rows, request_id="r1"),
-        codec.DispatchReply("r1", "w1", rows), hb,
-        wire.ErrorReply("r1", "w1", "bad_request", "no"),
-        mc.VolunteerRequest(FP, "w1", 5), mc.Assignment(FP, "w1", [(0, 0, 1)], 1, 1.0),
-        mc.RoutingStats(FP, "bb", 1.0, [(0, 1, 2)]), mc.DemandMap(FP, 1.0, ()),
-        mc.LedgerBatch(FP, "bb", "bb:1:b0", (ev,)), mc.LedgerAck("bb:1:b0", 1, 0),
-        mc.Quarantine(FP, "w1", 0, 1, "numpy-x86_64", True, 0.5, 1.0),
-        mc.MarketStatus(FP, "market", 1.0, False, 0, 0, 8, 10.0, (), (), ()), mc.MarketOverview(1.0, ()),
-    ]
-    return {type(r).kind: r for r in records}
+    """One valid record of every kind the wire registry knows (the wire tests' own samples)."""
+    from tests.kvasir_bus.test_wire import one_of_each
+
+    return {type(r).kind: r for r in one_of_each()}
 
 
 def test_every_record_kind_has_readable_headers_with_its_kind_and_model():
@@ -49,8 +38,8 @@ def test_every_record_kind_has_readable_headers_with_its_kind_and_model():
         if getattr(msg, "model", None):
             assert h["Kvasir-Model"] == msg.model
         assert len(h) > 2 and all(isinstance(v, str) and v for v in h.values()), (kind, h)
-    assert wire.headers_for(made["hb"])["Kvasir-Node"] == "w1"
-    assert wire.headers_for(made["q"])["Kvasir-Layer"] == "0"
+    assert wire.headers_for(made["hb"])["Kvasir-Node"] == "w-1"
+    assert wire.headers_for(made["q"])["Kvasir-Layer"] == str(made["q"].layer)
 
 
 def _publish_calls(path: Path):
@@ -81,30 +70,27 @@ def test_routing_and_ledger_messages_carry_headers_on_the_bus(nats_server, arun)
         seen = {}
         tap = await connect(nats_server.url, "test-tap")
 
-        async def on_msg(msg):
+        async def on_msg(msg):  # ledger batches go into a JetStream stream: a plain subscriber sees them too
             seen[msg.subject] = msg.headers or {}
-            if msg.reply:  # act as the market: acknowledge the batch
-                batch = mc.decode_ledger(msg.data)
-                ack = mc.LedgerAck(batch.batch_id, len(batch.events), 0)
-                await tap.publish(msg.reply, ack.encode(), headers=mc.headers_for(ack))
 
         await tap.subscribe(subjects.everything(), cb=on_msg)
         await tap.flush()
         nc = await connect(nats_server.url, "test-backbone")
+        await ledger_stream.ensure_stream(nc.jetstream())
         link = MarketLink(nc, FP, "bb", interval_s=0.05)
         link.record_call(0, 1, 3, remote=True)
         link.record_win("w1", 0, 1, 3)
         await link.start()
-        for _ in range(200):
+        for _ in range(1000):
             if len(seen) >= 2:
                 break
             await asyncio.sleep(0.01)
-        await link.stop()
+        await link.stop(flush_timeout_s=0.5)  # no market here to acknowledge anything
         await nc.close()
         await tap.close()
         return seen
 
-    seen = arun(go())
+    seen = arun(go(), timeout=30)
     routing, ledger = seen[subjects.routing()], seen[subjects.ledger()]
     assert routing["Kvasir-Kind"] == "routing_stats" and routing["Kvasir-Node"] == "bb"
     assert routing["Kvasir-Model"] == FP
