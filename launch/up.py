@@ -173,8 +173,8 @@ def cmd_up(args) -> int:
                 raise UsageError("--secure starts its own server: leave out --nats and $NATS_URL "
                                  "(for a server of your own, give each command --creds)")
             creds = _secure_deployment(Path(args.secure or logdir / "creds"), len(ranges))
-            server = stack.enter_context(EmbeddedNats(config=creds["nats.conf"], port=None, host=None,
-                                                      jetstream=True))  # the ledger stream
+            # the generated nats.conf runs JetStream for the ledger stream itself
+            server = stack.enter_context(EmbeddedNats(config=creds["nats.conf"], port=None, host=None))
             url = server.url
             ConnectOptions(creds=creds["backbone"]).install()  # this process is the backbone
         elif not url:
