@@ -234,7 +234,12 @@ class BackboneService:
         self.state = State.RUNNING
         try:
             self.model = model_fingerprint(self.engine.reader)
-            run.nc = run.bus.run(connect(cfg.nats_url, name=micro.connection_name("backbone", cfg.node)))
+            pending = run.bus.submit(connect(cfg.nats_url, name=micro.connection_name("backbone", cfg.node)))
+            try:
+                run.nc = pending.result()
+            except BaseException:  # SIGTERM while the bus is unreachable: stop the reconnect loop too
+                pending.cancel()
+                raise
             if cfg.market:
                 from backbone.market_link import MarketLink
 

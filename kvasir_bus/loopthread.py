@@ -35,10 +35,12 @@ class LoopThread:
     def run(self, coro: Coroutine, timeout: float | None = None) -> Any:
         return self.submit(coro).result(timeout)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the loop, cancel what still runs on it, wait for the thread (at most ``timeout``:
+        it is a daemon thread, so a task that ignores cancellation cannot keep the process)."""
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join()
+            self._thread.join(timeout)
 
     def __enter__(self) -> "LoopThread":
         return self
