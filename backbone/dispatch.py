@@ -51,6 +51,7 @@ from backbone.dispatch_stats import DispatchStats, LayerStats  # noqa: F401  (La
 from kvasir_bus import codec, market_codec
 from kvasir_bus.loopthread import LoopThread
 from kvasir_bus.subjects import Subjects
+from kvasir_bus.throttle import ThrottledLog
 
 log = structlog.get_logger("kvasir.dispatch")
 
@@ -156,6 +157,7 @@ class RemoteExperts:
                  recorder: Recorder | None = None, auditor: Auditor | None = None):
         self.bus, self.nc, self.local, self.n_embd, self.cfg = bus, nc, local, n_embd, cfg
         self.auditor = auditor or Auditor(cfg.audit)
+        self.refusals = ThrottledLog(log, 60.0)
         self.coverage = coverage or CoverageView(cfg.uncovered_ttl_s)
         self.recorder = recorder
         self.subjects = Subjects(model)
@@ -325,7 +327,8 @@ class RemoteExperts:
             stats.timeouts += 1
             self.timeout.timed_out()
             self.coverage.mark_silent(layer, expert)
-            log.info("dispatch_timeout", layer=layer, expert=expert, timeout_ms=round(1000 * self.timeout.current(), 1))
+            self.refusals.info(("timeout", layer), "dispatch_timeout", layer=layer, expert=expert,
+                               timeout_ms=round(1000 * self.timeout.current(), 1))
             return None
         latency = time.perf_counter() - t0
         parts, start = [], 0
@@ -349,12 +352,13 @@ class RemoteExperts:
         return _Won(tuple(parts))
 
     def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | None:
-        bound = log.bind(layer=layer, expert=expert, request_id=token)
+        # Replies come from strangers: one line per node and kind a minute, not one per reply.
         if isinstance(reply, codec.CodecError):
-            bound.warning("reply_invalid", error=str(reply))
+            self.refusals.warning(("invalid", None), "reply_invalid", layer=layer, expert=expert, error=str(reply))
             return None
         if isinstance(reply, codec.ErrorReply):
-            bound.warning("reply_error", node=reply.node, code=reply.code, message=reply.message)
+            self.refusals.warning(("error", reply.node, reply.code), "reply_error", layer=layer, expert=expert,
+                                  node=reply.node, code=reply.code, message=reply.message)
             return None
         problem = None
         if reply.request_id != token:
@@ -364,7 +368,8 @@ class RemoteExperts:
         elif not codec.all_finite(reply.rows):
             problem = "NaN or Inf in the rows"
         if problem:
-            bound.warning("reply_invalid", node=reply.node, error=problem)
+            self.refusals.warning(("invalid", reply.node), "reply_invalid", layer=layer, expert=expert,
+                                  node=reply.node, error=problem)
             return None
         return reply
 

@@ -27,6 +27,7 @@ import structlog
 
 from kvasir_bus import __version__, codec, micro
 from kvasir_bus.subjects import Subjects, parse_dispatch
+from kvasir_bus.throttle import ThrottledLog
 from kernels.expert import expert_ffn
 from kernels.backend import kernel_label
 from modelfile.slice_file import SliceInfo
@@ -50,6 +51,8 @@ class WorkerConfig:
     budget_bytes: int = 0
     drain_timeout_s: float = 30.0
     metrics: str | None = None  # [HOST:]PORT to serve Prometheus /metrics on (workers.metrics)
+    max_in_flight: int = 256  # requests decoded or computing at once; more are refused (overloaded)
+    log_interval_s: float = 60.0  # one refusal line per sender and kind this often
 
 
 class State(enum.Enum):
@@ -78,6 +81,8 @@ class Worker:
         self._pool = ThreadPoolExecutor(max_workers=cfg.compute_threads, thread_name_prefix="expert")
         self._kernel = kernel_label()  # announced in heartbeats and replies: how audits compare
         self.log = log.bind(node=cfg.node, model=slice_info.fingerprint)
+        # Bad requests come from strangers: one line per sender and kind a minute, not one each.
+        self.refusals = ThrottledLog(self.log, cfg.log_interval_s)
 
     @property
     def in_flight(self) -> int:
@@ -183,7 +188,17 @@ class Worker:
     # -- requests -----------------------------------------------------------------------------
 
     async def _on_request(self, msg) -> None:
-        # Subscription callbacks run one at a time: hand each request to its own task at once.
+        # Subscription callbacks run one at a time: hand each request to its own task at once,
+        # up to a bound: past it, refuse at once without decoding (a flood costs its sender).
+        if len(self._tasks) >= self.cfg.max_in_flight:
+            self.errors += 1
+            self.refusals.warning(("overloaded", _sender(msg.reply)), "request_refused", code=codec.ERR_OVERLOADED,
+                                  in_flight=len(self._tasks))
+            if msg.reply:
+                busy = codec.ErrorReply(request_id="", node=self.cfg.node, code=codec.ERR_OVERLOADED,
+                                        message=f"{len(self._tasks)} requests in flight")
+                await self._nc.publish(msg.reply, busy.encode(), headers=codec.headers_for(busy))
+            return
         task = asyncio.create_task(self._serve(msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -191,7 +206,7 @@ class Worker:
     async def _serve(self, msg) -> None:
         if not msg.reply:
             self.errors += 1
-            self.log.warning("request_without_reply_subject", subject=msg.subject)
+            self.refusals.warning(("no_reply", msg.subject), "request_without_reply_subject", subject=msg.subject)
             return
         t0 = time.perf_counter()
         request_id = (msg.headers or {}).get("Kvasir-Request", "")
@@ -211,8 +226,8 @@ class Worker:
             self.errors += 1
             reply = codec.ErrorReply(request_id=_safe_id(request_id), node=self.cfg.node, code=exc.code,
                                      message=str(exc)[:codec.MAX_ERROR_MESSAGE])
-            self.log.warning("request_refused", subject=msg.subject, request_id=reply.request_id,
-                             code=exc.code, error=str(exc))
+            self.refusals.warning((exc.code, _sender(msg.reply)), "request_refused", subject=msg.subject,
+                                  request_id=reply.request_id, code=exc.code, error=str(exc))
         except Exception as exc:  # the kernel failed: say so, keep serving
             self.errors += 1
             reply = codec.ErrorReply(request_id=_safe_id(request_id), node=self.cfg.node, code=codec.ERR_INTERNAL,
@@ -258,6 +273,11 @@ class _Refused(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+def _sender(reply: str | None) -> str:
+    """Who asked, as far as the bus tells: the reply inbox without its last token."""
+    return (reply or "").rpartition(".")[0][:128]
 
 
 def _safe_id(request_id: str) -> str:

@@ -157,3 +157,42 @@ def test_sigterm_drains_and_exits_cleanly(nats_server, model, tmp_path):
     assert proc.proc.wait(20) == 0
     text = (tmp_path / "w.log").read_text()
     assert "worker_stopped" in text and "Traceback" not in text
+
+
+def test_a_flood_of_bad_requests_logs_a_few_lines_and_refuses_past_the_in_flight_bound(nats_server, arun,
+                                                                                        slice_info):
+    from kvasir_bus.logs import capture
+
+    info = slice_info
+    subj = Subjects(info.fingerprint)
+
+    async def go():
+        nc = await connect(nats_server.url, "test-worker")
+        worker = Worker(info, WorkerConfig(node="w-flood", heartbeat_s=60, max_in_flight=4))
+        await worker.start(nc)
+        flooder = await connect(nats_server.url, "test-flooder")
+        replies, all_in = [], asyncio.Event()
+
+        async def got(msg):
+            replies.append(codec.decode_reply(msg.data))
+            if len(replies) == 2000:
+                all_in.set()
+
+        inbox = flooder.new_inbox()
+        await flooder.subscribe(f"{inbox}.*", cb=got)
+        with capture() as logs:
+            for i in range(2000):
+                await flooder.publish(subj.dispatch(0, 2), b"\x93garbage", reply=f"{inbox}.{i}")
+            await flooder.flush()
+            await asyncio.wait_for(all_in.wait(), 30)  # every request gets an answer
+        await worker.stop()
+        await flooder.drain()
+        await nc.drain()
+        return replies, logs, worker
+
+    replies, logs, worker = arun(go(), timeout=60)
+    assert len(replies) == 2000 and all(isinstance(r, codec.ErrorReply) for r in replies)
+    assert {r.code for r in replies} <= {codec.ERR_BAD_REQUEST, codec.ERR_OVERLOADED}
+    refused = [e for e in logs if e["event"] in ("request_refused", "request_without_reply_subject")]
+    assert len(refused) <= 4  # one line per sender and kind a minute, not 2000
+    assert worker.errors == 2000
