@@ -94,10 +94,14 @@ def sharded_run(model, url, prompt, on_token=None):
     from backbone.generate import generate
     from backbone.model import Engine
     from backbone.sampling import Sampler, SamplerConfig
+    from backbone.dispatch import DispatchConfig
     from backbone.service import BackboneConfig, BackboneService
 
     engine = Engine(model)
-    cfg = BackboneConfig(model_path=engine.path, nats_url=url, serve_manifest=False)
+    # A generous fixed timeout: these tests count remote calls, and on a loaded machine the
+    # adaptive one may (rightly) give up on a call.
+    cfg = BackboneConfig(model_path=engine.path, nats_url=url, serve_manifest=False,
+                         dispatch=DispatchConfig(timeout_s=30.0))
     with BackboneService(engine, cfg) as backbone:
         remote = backbone.dispatch
         hook = (lambda t: on_token(remote)) if on_token else None
