@@ -101,7 +101,7 @@ def sharded_run(model, url, prompt, on_token=None):
     # A generous fixed timeout: these tests count remote calls, and on a loaded machine the
     # adaptive one may (rightly) give up on a call.
     cfg = BackboneConfig(model_path=engine.path, nats_url=url, serve_manifest=False,
-                         dispatch=DispatchConfig(timeout_s=30.0))
+                         dispatch=DispatchConfig(timeout_s=10.0))
     with BackboneService(engine, cfg) as backbone:
         remote = backbone.dispatch
         hook = (lambda t: on_token(remote)) if on_token else None
