@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -64,7 +65,8 @@ class Liar:
         self.engine, self.url, self.lie, self.node = Engine(model_path), url, lie, node
         self.model = model_fingerprint(self.engine.reader)
         self.sent = 0
-        self.lies_before_quarantine = 0
+        self.replies: list[tuple[float, bool]] = []  # (when sent, whether it lied)
+        self.caught_at: float | None = None  # the backbone's decision time (Quarantine.at)
         self.quarantined = threading.Event()
         self.bus = LoopThread("liar")
 
@@ -84,16 +86,23 @@ class Liar:
         await self.nc.flush()
 
     async def _heard(self, msg) -> None:
-        if market_codec.decode_quarantine(msg.data).node == self.node:
+        event = market_codec.decode_quarantine(msg.data)
+        if event.node == self.node:
+            self.caught_at = event.at
             self.quarantined.set()
+
+    @property
+    def lies_before_quarantine(self) -> int:
+        """Lies sent before the backbone decided (same clock: one machine). Those sent after it
+        are ignored by the backbone, however long the announcement takes to arrive."""
+        return sum(lied for at, lied in self.replies if self.caught_at is None or at < self.caught_at)
 
     async def _answer(self, msg) -> None:
         req = codec.decode_request(msg.data)
         layer = parse_dispatch(msg.subject).layer
         honest = expert_ffn(*self.engine.weights.expert(layer, req.expert), req.rows, routed=True)
         out = self.lie(honest, layer, self.sent)
-        if not np.array_equal(out, honest) and not self.quarantined.is_set():
-            self.lies_before_quarantine += 1
+        self.replies.append((time.time(), not np.array_equal(out, honest)))
         self.sent += 1
         reply = codec.DispatchReply(request_id=req.request_id, node=self.node, rows=out, kernel=kernel_label())
         await self.nc.publish(msg.reply, reply.encode())
