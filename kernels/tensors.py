@@ -28,6 +28,9 @@ class QTensor:
     ggml_type: GGMLQuantizationType
     ne: tuple[int, ...]  # ggml order: ne[0] is the row length (input features)
     data: np.ndarray  # uint8, 1-D, exactly nbytes long, C-contiguous
+    # What a routed expert's projection carries besides its matrix (gpt-oss; None/"swiglu" elsewhere):
+    bias: np.ndarray | None = None  # float32 (ne[1],), added to every output row (llama.cpp: ggml_add_id)
+    glu: str = "swiglu"  # on an expert's gate: the gated activation joining it to up (swiglu, swiglu_oai)
 
     @property
     def row_bytes(self) -> int:
@@ -52,12 +55,14 @@ class QTensor:
         """nb[2]: the size of one expert's slab."""
         return self.ne[1] * self.row_bytes
 
-    def expert(self, e: int) -> "QTensor":
-        """Expert ``e`` of a 3-D expert tensor, as a 2-D tensor viewing the same bytes."""
+    def expert(self, e: int, bias: np.ndarray | None = None, glu: str = "swiglu") -> "QTensor":
+        """Expert ``e`` of a 3-D expert tensor, as a 2-D tensor viewing the same bytes.
+        ``bias``: the expert tensor's bias rows (E, ne[1]) float32, of which row ``e`` goes along."""
         if not 0 <= e < self.n_expert:
             raise IndexError(f"{self.name}: expert {e} out of range 0..{self.n_expert - 1}")
         nb2 = self.expert_bytes
-        return QTensor(f"{self.name}[{e}]", self.ggml_type, self.ne[:2], self.data[e * nb2:(e + 1) * nb2])
+        return QTensor(f"{self.name}[{e}]", self.ggml_type, self.ne[:2], self.data[e * nb2:(e + 1) * nb2],
+                       None if bias is None else bias[e], glu)
 
     def f32(self) -> np.ndarray:
         """Dequantised copy in numpy order (``ne`` reversed), float32."""
