@@ -35,6 +35,12 @@ from kernels.checks import check_ffn
 from kernels.tensors import QTensor
 
 
+# The routed experts' activation per llama.cpp architecture, where it is not swiglu (the same
+# as backbone.config's ArchTraits.expert_glu, which a test keeps equal): what a slice of that
+# architecture's model computes, and whether its experts carry bias rows.
+EXPERT_GLU: dict[str, str] = {"gpt-oss": "swiglu_oai"}
+
+
 def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,
                routed: bool, backend: str | None = None) -> np.ndarray:
     """One expert's SwiGLU FFN: down(silu(gate(x)) * up(x)). x (n, n_embd) f32 -> (n, n_embd) f32.

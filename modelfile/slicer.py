@@ -28,7 +28,8 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType,
 
 from kvasir_bus.errors import ModelFileError, UsageError
 from kvasir_bus.fingerprint import model_fingerprint
-from modelfile.slice_file import (KEYS, KINDS, SLICE_VERSION, Holding, slice_from_reader, slice_tensor_name,
+from modelfile.slice_file import (KEYS, KINDS, SLICE_VERSION, SLICE_VERSION_BIAS, Holding, has_expert_bias,
+                                slice_bias_name, slice_from_reader, slice_tensor_name, source_bias_name,
                                 source_tensor_name)
 from kernels.tensors import open_gguf
 
@@ -64,15 +65,16 @@ class SliceTensor:
     holding: Holding
     kind: str  # gate | up | down
     ggml_type: GGMLQuantizationType
-    ne: tuple[int, int, int]  # ggml order; ne[2] = experts held
+    ne: tuple[int, ...]  # ggml order; the last = experts held: (ne0, ne1, n) weights, (rows, n) bias rows
     src_offset: int  # absolute offset in the source file
     nbytes: int
+    bias: bool = False  # the held experts' bias rows of ``kind`` (F32), not their weights
 
     @property
-    def byte_shape(self) -> tuple[int, int, int]:
+    def byte_shape(self) -> tuple[int, ...]:
         """Numpy-order shape in bytes (what GGUFWriter takes with ``raw_dtype``)."""
         block, type_size = GGML_QUANT_SIZES[self.ggml_type]
-        return self.ne[2], self.ne[1], self.ne[0] // block * type_size
+        return (*reversed(self.ne[1:]), self.ne[0] // block * type_size)
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,8 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
     block_count = _meta(reader, f"{arch}.block_count")
     n_layer = max(int(block_count) if isinstance(block_count, int) else 0, max(layers) + 1)
     expert_layers = sorted(layers)
+    biases = {t.name: t for t in reader.tensors if t.name.endswith("_exps.bias")}
+    with_bias = has_expert_bias(arch)
 
     wanted: dict[int, list[Span]] = {}
     for layer_span, expert_span in requests:
@@ -192,6 +196,17 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
                 tensors.append(SliceTensor(
                     slice_tensor_name(layer, kind, first, last), h, kind, gtype, (ne0, ne1, h.count),
                     int(t.data_offset) + first * nb2, h.count * nb2))
+            if with_bias:  # the held experts' bias rows: again one contiguous range per kind
+                for kind in KINDS:
+                    rows = n_embd if kind == "down" else n_ff
+                    b = biases.get(source_bias_name(layer, kind))
+                    if b is None or tuple(int(n) for n in b.shape) != (rows, n_expert) \
+                            or int(b.tensor_type) != GGMLQuantizationType.F32:
+                        raise ModelFileError(f"{source}: {arch} needs {source_bias_name(layer, kind)} as F32 "
+                                             f"ne=({rows}, {n_expert})")
+                    tensors.append(SliceTensor(
+                        slice_bias_name(layer, kind, first, last), h, kind, GGMLQuantizationType.F32,
+                        (rows, h.count), int(b.data_offset) + first * rows * 4, h.count * rows * 4, bias=True))
 
     alignment = reader.alignment if "general.alignment" in reader.fields else GGUF_DEFAULT_ALIGNMENT
     name = _meta(reader, "general.name")
@@ -230,7 +245,7 @@ def write_slice_header(plan: SlicePlan, path: str) -> None:
         w.add_custom_alignment(plan.alignment)
     if plan.name:
         w.add_name(plan.name)
-    w.add_uint32(KEYS.VERSION, SLICE_VERSION)
+    w.add_uint32(KEYS.VERSION, SLICE_VERSION_BIAS if any(t.bias for t in plan.tensors) else SLICE_VERSION)
     w.add_string(KEYS.SOURCE_FINGERPRINT, plan.fingerprint)
     w.add_string(KEYS.SOURCE_NAME, os.path.basename(plan.source))
     w.add_uint32(KEYS.BLOCK_COUNT, plan.n_layer)
