@@ -156,7 +156,7 @@ _DELTA_NET_TINY_K_QUANT = dict(ssm_head_dim=64)  # ssm_out rows (v heads x head 
 # sliding-window layers really mask.
 GPT_OSS_FIELDS = ("head_dim", "sliding_window")
 _GPT_OSS_PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(layers=2, head_dim=16, sliding_window=8),
+    "tiny": dict(layers=2, heads=8, kv_heads=2, head_dim=16, sliding_window=8),  # Q is 128 wide, hidden 64
     "small": dict(experts=32, experts_used=4, expert_ffn=512, heads=8, kv_heads=2, head_dim=64, sliding_window=128),
     "122b-layer": dict(experts=128, experts_used=4, hidden=2880, expert_ffn=2880, heads=64, kv_heads=8,
                        head_dim=64, sliding_window=128),
