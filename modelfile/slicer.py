@@ -31,7 +31,7 @@ from kvasir_bus.fingerprint import model_fingerprint
 from modelfile.slice_file import (KEYS, KINDS, SLICE_VERSION, SLICE_VERSION_BIAS, Holding, has_expert_bias,
                                 slice_bias_name, slice_from_reader, slice_tensor_name, source_bias_name,
                                 source_tensor_name)
-from kernels.tensors import open_gguf
+from kernels.tensors import SplitReader, open_gguf, part_of
 
 CHUNK_BYTES = 8 << 20  # the copy buffer: the most memory the byte copy ever uses
 _VERIFY_BYTES = 4096  # bytes compared with the source at each end of every tensor after writing
@@ -69,6 +69,7 @@ class SliceTensor:
     src_offset: int  # absolute offset in the source file
     nbytes: int
     bias: bool = False  # the held experts' bias rows of ``kind`` (F32), not their weights
+    src_path: str = ""  # the file src_offset is in, when not the plan's source (a part of a split GGUF)
 
     @property
     def byte_shape(self) -> tuple[int, ...]:
@@ -151,6 +152,9 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
     n_layer = max(int(block_count) if isinstance(block_count, int) else 0, max(layers) + 1)
     expert_layers = sorted(layers)
     biases = {t.name: t for t in reader.tensors if t.name.endswith("_exps.bias")}
+
+    def _part_path(name: str) -> str:  # "" (the source itself) unless the source is split
+        return part_of(reader, name, source)[0] if isinstance(reader, SplitReader) else ""
     with_bias = has_expert_bias(arch)
 
     wanted: dict[int, list[Span]] = {}
@@ -195,7 +199,7 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
                 nb2 = ne1 * (ne0 // block) * type_size
                 tensors.append(SliceTensor(
                     slice_tensor_name(layer, kind, first, last), h, kind, gtype, (ne0, ne1, h.count),
-                    int(t.data_offset) + first * nb2, h.count * nb2))
+                    int(t.data_offset) + first * nb2, h.count * nb2, src_path=_part_path(t.name)))
             if with_bias:  # the held experts' bias rows: again one contiguous range per kind
                 for kind in KINDS:
                     rows = n_embd if kind == "down" else n_ff
@@ -206,7 +210,8 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
                                              f"ne=({rows}, {n_expert})")
                     tensors.append(SliceTensor(
                         slice_bias_name(layer, kind, first, last), h, kind, GGMLQuantizationType.F32,
-                        (rows, h.count), int(b.data_offset) + first * rows * 4, h.count * rows * 4, bias=True))
+                        (rows, h.count), int(b.data_offset) + first * rows * 4, h.count * rows * 4, bias=True,
+                        src_path=_part_path(b.name)))
 
     alignment = reader.alignment if "general.alignment" in reader.fields else GGUF_DEFAULT_ALIGNMENT
     name = _meta(reader, "general.name")
@@ -272,11 +277,16 @@ def _copy_data(plan: SlicePlan, path: str, progress: Progress | None) -> list[in
     done = 0
     offsets = []
     buf = memoryview(bytearray(max(1, min(CHUNK_BYTES, max((t.nbytes for t in plan.tensors), default=1)))))
-    with open(plan.source, "rb", buffering=0) as src, open(path, "ab", buffering=0) as dst:
+    sources: dict[str, object] = {}
+    with open(path, "ab", buffering=0) as dst:
         pos = dst.seek(0, os.SEEK_END)
         for t in plan.tensors:
             pos += _pad(dst, pos, plan.alignment)
             offsets.append(pos)
+            src_path = t.src_path or plan.source
+            if src_path not in sources:
+                sources[src_path] = open(src_path, "rb", buffering=0)
+            src = sources[src_path]
             src.seek(t.src_offset)
             left = t.nbytes
             while left:
@@ -292,6 +302,8 @@ def _copy_data(plan: SlicePlan, path: str, progress: Progress | None) -> list[in
                     progress(done, total)
         pos += _pad(dst, pos, plan.alignment)
         os.fsync(dst.fileno())
+        for src in sources.values():
+            src.close()
     return offsets
 
 
@@ -302,12 +314,12 @@ def _verify(plan: SlicePlan, path: str, offsets: Sequence[int]) -> None:
     if info.fingerprint != plan.fingerprint or info.holdings != plan.holdings:
         raise ModelFileError(f"{path}: read back different holdings or fingerprint (bug)")
     got = {t.name: t for t in reader.tensors}
-    with open(plan.source, "rb", buffering=0) as src:
-        for t, off in zip(plan.tensors, offsets):
-            r = got[t.name]
-            if int(r.data_offset) != off or int(r.n_bytes) != t.nbytes or int(r.tensor_type) != t.ggml_type:
-                raise ModelFileError(f"{path}: tensor {t.name} read back at offset {int(r.data_offset)} "
-                                     f"({int(r.n_bytes)} bytes), written at {off} ({t.nbytes} bytes) (bug)")
+    for t, off in zip(plan.tensors, offsets):
+        r = got[t.name]
+        if int(r.data_offset) != off or int(r.n_bytes) != t.nbytes or int(r.tensor_type) != t.ggml_type:
+            raise ModelFileError(f"{path}: tensor {t.name} read back at offset {int(r.data_offset)} "
+                                 f"({int(r.n_bytes)} bytes), written at {off} ({t.nbytes} bytes) (bug)")
+        with open(t.src_path or plan.source, "rb", buffering=0) as src:
             for rel in {0, max(0, t.nbytes - _VERIFY_BYTES)}:
                 n = min(_VERIFY_BYTES, t.nbytes - rel)
                 want = os.pread(src.fileno(), n, t.src_offset + rel)

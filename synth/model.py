@@ -733,7 +733,7 @@ def describe_model(path: str | os.PathLike) -> dict:
     down = next((t for t in exps if "ffn_down_exps" in t.name), None)
     expert_ffn = int(down.shape[0]) if down is not None else \
         _field(reader, f"{arch}.expert_feed_forward_length")
-    file_bytes = path.stat().st_size
+    file_bytes = sum(os.path.getsize(p) for p in getattr(reader, "paths", [path]))  # all parts of a split
     return {
         "architecture": arch,
         "layers": _field(reader, f"{arch}.block_count"),
