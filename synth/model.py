@@ -258,10 +258,13 @@ def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32"
                          f"(only {having} has one)")
     for name in set(DELTA_NET_FIELDS + GPT_OSS_FIELDS) - own:
         if given.get(name) is not None:
-            having = ", ".join(a for a, spec in ARCHS.items()
-                               if (spec.traits.delta_net and name in DELTA_NET_FIELDS)
-                               or (spec.traits.attn_sinks and name in GPT_OSS_FIELDS))
-            raise UsageError(f"--{name.replace('_', '-')}: only for {having}")
+            families = []
+            if name in DELTA_NET_FIELDS:
+                having = ", ".join(a for a, spec in ARCHS.items() if spec.traits.delta_net)
+                families.append(f"delta-net architectures ({having})")
+            if name in GPT_OSS_FIELDS:
+                families.append(", ".join(a for a, spec in ARCHS.items() if spec.traits.attn_sinks))
+            raise UsageError(f"--{name.replace('_', '-')}: only for {' and '.join(families)}")
     sizes = dict(PRESETS[preset])
     sizes.update(dict.fromkeys(DELTA_NET_FIELDS + GPT_OSS_FIELDS, 0))
     if delta_net:
