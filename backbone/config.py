@@ -34,6 +34,14 @@ class ArchTraits:
     attn_q_gate: bool = False  # attn_q yields (q, gate) per head; attention out * sigmoid(gate)
     ssm_ba: bool = False  # qwen3next: beta and alpha from one ssm_ba, interleaved per Q/K head, and Q/K
     # heads repeated interleaved (V head h reads Q/K head h // (Hv/Hk); qwen35moe: h % Hk)
+    # gpt-oss (llama.cpp's openai-moe):
+    attn_sinks: bool = False  # a learned per-head logit in every softmax (attn_sinks), an output bias
+    # (attn_output.bias), and sliding-window attention on the layers the pattern names
+    router: Literal["softmax", "softmax_weight"] = "softmax"  # softmax over all experts then top-k, or
+    # top-k on the (biased) logits then softmax over the k chosen (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT)
+    router_bias: bool = False  # ffn_gate_inp.bias added to the router logits
+    expert_glu: Literal["swiglu", "swiglu_oai"] = "swiglu"  # the routed experts' activation; swiglu_oai
+    # experts carry biases on gate, up and down (ffn_*_exps.bias)
 
 
 ARCHES: dict[str, ArchTraits] = {
@@ -52,6 +60,10 @@ ARCHES: dict[str, ArchTraits] = {
     "qwen3next": ArchTraits("neox", qk_norm=True, qkv_bias=False, norm_topk=True, shared_expert=True,
                             expert_ffn_key="expert_feed_forward_length", shexp_gate="sigmoid",
                             ffn_norm="post_attention_norm", delta_net=True, attn_q_gate=True, ssm_ba=True),
+    # gpt-oss (20b, 120b): sinks, sliding window on alternate layers, biases everywhere, swiglu_oai.
+    "gpt-oss": ArchTraits("neox", qk_norm=False, qkv_bias=True, norm_topk=False, shared_expert=False,
+                          expert_ffn_key="expert_feed_forward_length", ffn_norm="post_attention_norm",
+                          attn_sinks=True, router="softmax_weight", router_bias=True, expert_glu="swiglu_oai"),
 }
 
 
@@ -84,6 +96,11 @@ class ModelConfig:
     ssm_head_dim: int = 0  # S: head size of Q, K and V (ssm.state_size)
     rope_sections: tuple[int, ...] = ()  # IMROPE: 4 section sizes, in rotated pairs
     n_layer_nextn: int = 0  # multi-token-prediction blocks past n_layer: loaded, never executed
+    # Sliding-window attention (gpt-oss): which layers see only the last n_swa positions, and
+    # the RoPE base those layers use.
+    swa: tuple[bool, ...] = ()  # per layer; empty: none
+    n_swa: int = 0
+    rope_base_swa: float = 0.0
 
     @property
     def n_gqa(self) -> int:
@@ -97,6 +114,17 @@ class ModelConfig:
 
     def is_recurrent(self, layer: int) -> bool:
         return bool(self.recurrent) and self.recurrent[layer]
+
+    def is_swa(self, layer: int) -> bool:
+        return bool(self.swa) and self.swa[layer]
+
+    def layer_rope_base(self, layer: int) -> float:
+        """llama_model::get_rope_freq_base: sliding-window layers have a base of their own."""
+        return self.rope_base_swa if self.is_swa(layer) else self.rope_base
+
+    def layer_window(self, layer: int) -> int:
+        """Positions a query of ``layer`` sees (itself included); 0: all before it."""
+        return self.n_swa if self.is_swa(layer) else 0
 
 
 def read_config(reader: GGUFReader, path: str = "model") -> ModelConfig:
@@ -133,6 +161,7 @@ def read_config(reader: GGUFReader, path: str = "model") -> ModelConfig:
         raise ModelFileError(f"{path}: nextn_predict_layers {n_layer_nextn} is not in 0..{n_layer_all - 1}")
     n_layer = n_layer_all - n_layer_nextn
     ssm = _delta_net_config(meta, arch, n_layer, path) if traits.delta_net else {}
+    swa = _swa_config(meta, arch, n_layer, path) if traits.attn_sinks else {}
     sections = ()
     if traits.rope_style == "imrope":
         sections = tuple(meta.int_array(f"{arch}.rope.dimension_sections"))
@@ -161,7 +190,36 @@ def read_config(reader: GGUFReader, path: str = "model") -> ModelConfig:
         rope_sections=sections,
         n_layer_nextn=n_layer_nextn,
         **ssm,
+        **swa,
     )
+
+
+def _swa_config(meta: "_Meta", arch: str, n_layer: int, path: str) -> dict:
+    """The sliding-window keys llama.cpp reads for gpt-oss (llama_model_openai_moe::load_arch_hparams):
+    ``attention.sliding_window``; the pattern (an array of per-layer flags, or a period n whose
+    layers il with il % n < n - 1 slide; default 2: the even layers); ``rope.freq_base_swa``,
+    default the model's base. A file with RoPE scaling (YaRN) is refused: the engine does not
+    compute it, and an engine that ignored it would be silently wrong."""
+    n_swa = meta.int(f"{arch}.attention.sliding_window")
+    if n_swa <= 0:
+        raise ModelFileError(f"{path}: attention.sliding_window {n_swa} must be positive")
+    key = f"{arch}.attention.sliding_window_pattern"
+    field = meta.reader.fields.get(key)
+    if field is not None and field.types and field.types[0] == GGUFValueType.ARRAY:
+        flags = meta.int_array(key)
+        if len(flags) < n_layer:
+            raise ModelFileError(f"{path}: {key} has {len(flags)} entries for {n_layer} layers")
+        swa = tuple(bool(f) for f in flags[:n_layer])
+    else:
+        period = meta.int(key, 2)
+        if period < 0:
+            raise ModelFileError(f"{path}: {key} {period} must not be negative")
+        swa = tuple(period == 0 or il % period < period - 1 for il in range(n_layer))
+    scaling = meta.str(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear") or meta.float(f"{arch}.rope.scaling.factor", 1.0) not in (0.0, 1.0):
+        raise ModelFileError(f"{path}: RoPE scaling {scaling!r} is not supported by the engine")
+    base = meta.float(f"{arch}.rope.freq_base", 10000.0)
+    return dict(swa=swa, n_swa=n_swa, rope_base_swa=meta.float(f"{arch}.rope.freq_base_swa", base))
 
 
 def _delta_net_config(meta: "_Meta", arch: str, n_layer: int, path: str) -> dict:

@@ -62,6 +62,9 @@ def build_manifest(path: str | os.PathLike, *, source_url: str = "", cache: bool
 
     path = os.fspath(path)
     plan = plan_slice(path, [(None, None)])  # validates the model: every expert tensor, shapes
+    if any(t.src_path for t in plan.tensors):
+        raise ModelFileError(f"{path}: a split GGUF: the manifest names offsets in one file, so volunteers' "
+                             "partial download needs the merged model (llama-gguf-split --merge)")
     st = os.stat(path)
     key = {"fingerprint": plan.fingerprint, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     where = os.fspath(cache_path) if cache_path is not None else cache_path_for(path)
@@ -73,6 +76,8 @@ def build_manifest(path: str | os.PathLike, *, source_url: str = "", cache: bool
 
     jobs = []  # (tensor, expert count, bytes per expert)
     for t in plan.tensors:
+        if t.bias:  # a few KB of bias rows (gpt-oss): not slabs of the market's manifest (yet)
+            continue
         count = t.holding.count
         jobs.append((t, count, t.nbytes // count))
     total = sum(t.nbytes for t, _, _ in jobs)

@@ -71,6 +71,13 @@ class Layer:
     ffn_gate_shexp: QTensor | None = None
     ffn_up_shexp: QTensor | None = None
     ffn_down_shexp: QTensor | None = None
+    # gpt-oss
+    attn_output_bias: np.ndarray | None = None  # (D,)
+    attn_sinks: np.ndarray | None = None  # (H,) one extra logit per head in every softmax row
+    ffn_gate_inp_bias: np.ndarray | None = None  # (E,) router bias
+    ffn_gate_exps_bias: np.ndarray | None = None  # (E, F) one bias row per expert
+    ffn_up_exps_bias: np.ndarray | None = None  # (E, F)
+    ffn_down_exps_bias: np.ndarray | None = None  # (E, D)
 
 
 @dataclass(frozen=True)
@@ -79,15 +86,19 @@ class Weights:
     output_norm: np.ndarray
     output: QTensor  # token_embd when the output head is tied
     layers: tuple[Layer, ...]
+    expert_glu: str = "swiglu"  # the routed experts' activation (ArchTraits.expert_glu)
 
     _experts: dict = field(default_factory=dict, compare=False, repr=False)  # (layer, e) -> views
 
     def expert(self, layer: int, e: int) -> tuple[QTensor, QTensor, QTensor]:
-        """Expert ``e`` of ``layer``: 2-D views of its gate/up/down slabs (made once, then kept)."""
+        """Expert ``e`` of ``layer``: 2-D views of its gate/up/down slabs, with their bias rows
+        and the activation where the architecture has them (made once, then kept)."""
         views = self._experts.get((layer, e))
         if views is None:
             blk = self.layers[layer]
-            views = blk.ffn_gate_exps.expert(e), blk.ffn_up_exps.expert(e), blk.ffn_down_exps.expert(e)
+            views = (blk.ffn_gate_exps.expert(e, blk.ffn_gate_exps_bias, self.expert_glu),
+                     blk.ffn_up_exps.expert(e, blk.ffn_up_exps_bias),
+                     blk.ffn_down_exps.expert(e, blk.ffn_down_exps_bias))
             self._experts[(layer, e)] = views
         return views
 
@@ -139,6 +150,16 @@ def load_weights(tensors: dict[str, QTensor], cfg: ModelConfig, path: str) -> We
                 attn_q_norm=vec(b + "attn_q_norm.weight", optional=not cfg.traits.qk_norm),
                 attn_k_norm=vec(b + "attn_k_norm.weight", optional=not cfg.traits.qk_norm),
             )
+            if cfg.traits.attn_sinks:
+                mixer.update(attn_output_bias=shaped(b + "attn_output.bias", (cfg.n_embd,)).f32(),
+                             attn_sinks=shaped(b + "attn_sinks.weight", (cfg.n_head,)).f32())
+        moe_bias = {}
+        if cfg.traits.router_bias:
+            moe_bias["ffn_gate_inp_bias"] = shaped(b + "ffn_gate_inp.bias", (cfg.n_expert,)).f32()
+        if cfg.traits.expert_glu == "swiglu_oai":  # bias rows, (E, rows) float32 contiguous
+            E, F, D = cfg.n_expert, cfg.n_ff_exp, cfg.n_embd
+            for kind, rows in (("gate", F), ("up", F), ("down", D)):
+                moe_bias[f"ffn_{kind}_exps_bias"] = shaped(b + f"ffn_{kind}_exps.bias", (rows, E)).f32()
         layers.append(Layer(
             attn_norm=vec(b + "attn_norm.weight"),
             ffn_norm=vec(b + cfg.traits.ffn_norm + ".weight"),
@@ -151,6 +172,7 @@ def load_weights(tensors: dict[str, QTensor], cfg: ModelConfig, path: str) -> We
             ffn_gate_shexp=get(b + "ffn_gate_shexp.weight", optional=not cfg.n_ff_shexp),
             ffn_up_shexp=get(b + "ffn_up_shexp.weight", optional=not cfg.n_ff_shexp),
             ffn_down_shexp=get(b + "ffn_down_shexp.weight", optional=not cfg.n_ff_shexp),
+            **moe_bias,
         ))
         _check_experts(layers[-1], cfg, i, path)
         if cfg.traits.attn_q_gate and layers[-1].attn_q is not None:
@@ -164,6 +186,7 @@ def load_weights(tensors: dict[str, QTensor], cfg: ModelConfig, path: str) -> We
         output_norm=vec("output_norm.weight"),
         output=get("output.weight", optional=True) or token_embd,
         layers=tuple(layers),
+        expert_glu=cfg.traits.expert_glu,
     )
 
 
@@ -258,9 +281,11 @@ class Engine:
         # Attention (RoPE, QK, softmax, PV) through ggml, bit-identical to llama.cpp, when the
         # kernels are ggml's; the numpy version of the same math otherwise.
         self.ggml_attention = backend_name() == "ggml" and dense.available()
-        if (cfg.traits.delta_net or cfg.traits.rope_style == "imrope") and not self.ggml_attention:
-            raise UsageError(f"architecture {cfg.arch} runs on ggml's kernels only (its delta-net and "
-                             "multi-section RoPE have no numpy path in the engine); unset KVASIR_KERNELS")
+        if (cfg.traits.delta_net or cfg.traits.rope_style == "imrope" or cfg.traits.attn_sinks) \
+                and not self.ggml_attention:
+            raise UsageError(f"architecture {cfg.arch} runs on ggml's kernels only (its delta-net, "
+                             "multi-section RoPE and attention sinks have no numpy path in the engine); "
+                             "unset KVASIR_KERNEL")
 
     def use_experts(self, experts: ExpertBackend | None) -> None:
         """From the next step on, ``experts`` computes the routed experts (None: this node)."""
@@ -338,22 +363,26 @@ class Engine:
         if c.traits.rope_style == "imrope":
             q, k = deltanet.rope_multi_qk(q, k, rope, c.n_rot, c.rope_sections, c.rope_base, c.n_ctx_train)
         elif self.ggml_attention:
-            q, k = dense.rope_qk(q, k, rope, c.n_rot, c.traits.rope_style, c.rope_base, c.n_ctx_train)
+            q, k = dense.rope_qk(q, k, rope, c.n_rot, c.traits.rope_style, c.layer_rope_base(il), c.n_ctx_train)
         else:
             q = ops.rope(q, *rope, c.traits.rope_style)
             k = ops.rope(k, *rope, c.traits.rope_style)
         k16, v16 = k.astype(np.float16), v.astype(np.float16)  # the KV cache is f16
         out = np.empty((T, c.n_head * c.head_dim), dtype=np.float32)
+        # gpt-oss: sinks, a sliding window on some layers, and the scale 1/sqrt(n_rot)
+        extra = dict(sinks=blk.attn_sinks, window=c.layer_window(il), scale=dense.kq_scale(c.n_rot)) \
+            if blk.attn_sinks is not None else {}
         for (seq, _), a, b in zip(batch, starts[:-1], starts[1:]):
             seq.append(il, k16[a:b], v16[a:b])
             if self.ggml_attention:
-                out[a:b] = dense.attention(q[a:b], seq.k[il], seq.v[il], seq.n_past)
+                out[a:b] = dense.attention(q[a:b], seq.k[il], seq.v[il], seq.n_past, **extra)
             else:
                 end = seq.n_past + (b - a)
                 out[a:b] = ops.attention(q[a:b], *seq.kv_heads(il, end, c.n_head_kv), seq.n_past)
         if gate is not None:
             out = deltanet.sigmoid_gate(out, gate)
-        return matmul(blk.attn_output, out)
+        out = matmul(blk.attn_output, out)
+        return out if blk.attn_output_bias is None else out + blk.attn_output_bias
 
     def _delta_net(self, il: int, blk: Layer, h: np.ndarray, batch, starts) -> np.ndarray:
         """A gated delta-net layer: the projections on all rows at once, then each sequence's
@@ -376,8 +405,13 @@ class Engine:
     def _moe(self, il: int, blk: Layer, h: np.ndarray) -> np.ndarray:
         c = self.cfg
         router_logits = matmul(blk.ffn_gate_inp, h)  # (T, E)
+        if blk.ffn_gate_inp_bias is not None:
+            router_logits = router_logits + blk.ffn_gate_inp_bias
         softmax = dense.softmax if self.ggml_attention else ops.softmax
-        ids, weights = ops.route(router_logits, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
+        if c.traits.router == "softmax_weight":
+            ids, weights = ops.route_softmax_weight(router_logits, c.n_expert_used, softmax)  # (T, K)
+        else:
+            ids, weights = ops.route(router_logits, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
         # Whatever rounding the wire applies to the rows, the local path applies too.
         rows = h.astype(self.wire_dtype).astype(np.float32)
         experts = np.unique(ids)

@@ -28,7 +28,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 
 from kernels import actquant
-from kernels.checks import ACT_FORMAT, check_ffn, check_rows, check_weight
+from kernels.checks import ACT_FORMAT, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, check_ffn, check_rows, check_weight
 from kernels.tensors import QTensor
 
 
@@ -152,7 +152,25 @@ class NumpyBackend:
         x = check_ffn(gate, up, down, x)
         g = self.matmul(gate, x, routed=routed)  # (n, n_ff)
         u = self.matmul(up, x, routed=routed)  # (n, n_ff)
-        return self.matmul(down, silu_mul(g, u), routed=routed)  # (n, n_embd)
+        if gate.bias is not None:
+            g = g + gate.bias
+        if up.bias is not None:
+            u = u + up.bias
+        h = swiglu_oai(g, u) if gate.glu == "swiglu_oai" else silu_mul(g, u)
+        y = self.matmul(down, h, routed=routed)  # (n, n_embd)
+        return y if down.bias is None else y + down.bias
+
+
+def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """gpt-oss' activation, as ``ggml_swiglu_oai`` computes it: x = min(g, limit), y = clamp(u,
+    -limit, limit), x * sigmoid(alpha x) * (y + 1), float32 (n, n_ff) each -> (n, n_ff); the
+    sigmoid in float64 and rounded once (ggml's expf may differ by an ulp)."""
+    x = np.minimum(g, np.float32(SWIGLU_OAI_LIMIT))
+    y = np.clip(u, np.float32(-SWIGLU_OAI_LIMIT), np.float32(SWIGLU_OAI_LIMIT))
+    x64 = x.astype(np.float64)
+    with np.errstate(over="ignore"):
+        glu = (x64 / (1.0 + np.exp(np.float64(np.float32(SWIGLU_OAI_ALPHA)) * -x64))).astype(np.float32)
+    return glu * (y + np.float32(1.0))
 
 
 def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:

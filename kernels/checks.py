@@ -72,7 +72,8 @@ def check_rows(x: np.ndarray, width: int, what: str) -> np.ndarray:
 def check_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray) -> np.ndarray:
     """Validate an expert FFN's weights and input; returns x as C-contiguous (n, n_embd) float32.
 
-    gate/up ne = (n_embd, n_ff), down ne = (n_ff, n_embd).
+    gate/up ne = (n_embd, n_ff), down ne = (n_ff, n_embd); biases, where present, (n_ff,), (n_ff,)
+    and (n_embd,) float32; the gate's activation one of :data:`GLUS`.
     """
     for w in (gate, up, down):
         check_weight(w)
@@ -82,4 +83,19 @@ def check_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray) -> np.nd
     if down.ne != (n_ff, n_embd):
         raise ValueError(f"{down.name}: expected ne=({n_ff}, {n_embd}) to match {gate.name} ne={gate.ne}, "
                          f"got {down.ne}")
+    if gate.glu not in GLUS:
+        raise ValueError(f"{gate.name}: unknown gated activation {gate.glu!r} (known: {', '.join(GLUS)})")
+    for w in (gate, up, down):
+        b = w.bias
+        if b is not None and (not isinstance(b, np.ndarray) or b.dtype != np.float32 or b.shape != (w.ne[1],)
+                              or not b.flags.c_contiguous):
+            raise ValueError(f"{w.name}: bias must be a C-contiguous float32 array of shape ({w.ne[1]},), got "
+                             f"{getattr(b, 'dtype', type(b).__name__)} {getattr(b, 'shape', '')}")
     return check_rows(x, n_embd, gate.name)
+
+
+# The gated activations an expert's gate may name, and swiglu_oai's constants (llama.cpp's
+# build_moe_ffn, LLM_FFN_SWIGLU_OAI_MOE: fixed there too, not read from the file).
+GLUS = ("swiglu", "swiglu_oai")
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0

@@ -83,16 +83,22 @@ def cache_cells_for(used: int, n_ctx: int | None = None) -> int:
 _masks: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
 
 
-def causal_mask(q_pos0: int, L: int, n_kv: int, rows: int | None = None) -> np.ndarray:
+def causal_mask(q_pos0: int, L: int, n_kv: int, rows: int | None = None, window: int = 0) -> np.ndarray:
     """llama.cpp's KQ mask (``llama_kv_cache::set_input_kq_mask``) for one sequence whose cells
     0.. hold positions 0..: (rows, n_kv) float32, 0 where query i (at position q_pos0 + i) sees
-    cell j (j <= q_pos0 + i), -inf elsewhere; rows past L repeat row L-1. Read-only, cached."""
+    cell j (j <= q_pos0 + i), -inf elsewhere; rows past L repeat row L-1. ``window`` > 0: a
+    sliding-window layer's mask (LLAMA_SWA_TYPE_STANDARD), which also hides the cells j with
+    q_pos0 + i - j >= window. Read-only, cached."""
     rows = L if rows is None else rows
-    key = (q_pos0, L, rows, n_kv)
+    key = (q_pos0, L, rows, n_kv, window)
     m = _masks.get(key)
     if m is None:
         last = q_pos0 + np.minimum(np.arange(rows), L - 1)
-        m = np.where(np.arange(n_kv)[None, :] <= last[:, None], np.float32(0), np.float32(-np.inf))
+        cells = np.arange(n_kv)[None, :]
+        visible = cells <= last[:, None]
+        if window > 0:
+            visible &= last[:, None] - cells < window
+        m = np.where(visible, np.float32(0), np.float32(-np.inf))
         m = m.astype(np.float32)
         m.flags.writeable = False
         _masks[key] = m
@@ -113,7 +119,8 @@ def _check_cache(a, what: str) -> None:
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: int, n_kv: int | None = None,
-              *, scale: float | None = None, min_rows: int = 2) -> np.ndarray:
+              *, scale: float | None = None, min_rows: int = 2, sinks: np.ndarray | None = None,
+              window: int = 0) -> np.ndarray:
     """Causal GQA attention of one sequence chunk against its KV cache, as llama.cpp computes it.
 
     q: (L, H, Dh) float32 after RoPE, query i at position ``q_pos0 + i``.
@@ -123,6 +130,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
     least finite) in the cells past it. ``n_kv``: the cells the graph sees (default
     :func:`n_kv_for`); ``scale`` defaults to ``1/sqrt(Dh)``; with fewer than ``min_rows`` queries
     the last one is repeated (see the module docstring) and the extra rows dropped.
+    gpt-oss: ``sinks`` (H,) float32, one more logit per head in every softmax row
+    (``ggml_soft_max_add_sinks``), and ``window`` > 0, a sliding window (:func:`causal_mask`).
     Returns (L, H*Dh) float32.
     """
     if not isinstance(q, np.ndarray) or q.ndim != 3 or q.size == 0:
@@ -146,6 +155,13 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
     if not used <= n_kv <= kv_size:
         raise ValueError(f"n_kv={n_kv} must lie in [{used}, {kv_size}]")
     scale = kq_scale(Dh) if scale is None else np.float32(scale)
+    if sinks is not None:
+        sinks = np.ascontiguousarray(sinks, dtype=np.float32)
+        if sinks.shape != (H,):
+            raise ValueError(f"sinks: expected shape ({H},), got {sinks.shape}")
+    window = int(window)
+    if window < 0:
+        raise ValueError(f"window must not be negative, got {window}")
 
     # Long chunks in pieces (as llama.cpp's ubatches bound its KQ): each query row's result does
     # not depend on the other rows of its piece as long as there are at least 2.
@@ -156,7 +172,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
         a = 0
         for i in range(n):
             b = a + L // n + (i < L % n)
-            out[a:b] = attention(q[a:b], k_cache, v_cache, q_pos0 + a, n_kv, scale=scale, min_rows=min_rows)
+            out[a:b] = attention(q[a:b], k_cache, v_cache, q_pos0 + a, n_kv, scale=scale, min_rows=min_rows,
+                                 sinks=sinks, window=window)
             a = b
         return out
 
@@ -167,18 +184,20 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
         qx[L:] = q[L - 1]
     else:
         qx = np.ascontiguousarray(q, dtype=np.float32)
-    mask = causal_mask(q_pos0, L, n_kv, rows)
+    mask = causal_mask(q_pos0, L, n_kv, rows, window)
     out = np.empty((rows, H * Dh), dtype=np.float32)
     lib = ggml.load()
     threads = threads_for(rows * n_kv * H * Dh)
-    key = ("attn", rows, H, Hkv, Dh, n_kv, kv_size, float(scale), threads)
-    run_cached(key, lambda: _build_attention(lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads),
-               (qx, k_cache, v_cache, mask, out))
+    has_sinks = sinks is not None
+    key = ("attn", rows, H, Hkv, Dh, n_kv, kv_size, float(scale), threads, has_sinks)
+    arrays = (qx, k_cache, v_cache, mask) + ((sinks,) if has_sinks else ()) + (out,)
+    run_cached(key, lambda: _build_attention(lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads, has_sinks),
+               arrays)
     return out[:L] if rows > L else out
 
 
-def _build_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads) -> Graph:
-    """The graph of ``build_attn_mha`` for one stream; inputs q, K cache, V cache, mask, output."""
+def _build_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads, has_sinks=False) -> Graph:
+    """The graph of ``build_attn_mha`` for one stream; inputs q, K cache, V cache, mask, [sinks,] output."""
     g = Graph(lib, n_tensors=20)
     try:
         ctx, gqa = g.ctx, Hkv * Dh
@@ -187,6 +206,7 @@ def _build_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, thre
         kc = g.input(_F16, (gqa, kv_size))  # llama.cpp's layers[il].k: ne = (n_embd_k_gqa, kv_size)
         vc = g.input(_F16, (kv_size, gqa))  # layers[il].v with v_trans: ne = (kv_size, n_embd_v_gqa)
         mt = g.input(_F32, (n_kv, rows))
+        st = g.input(_F32, (H,)) if has_sinks else None
         qc = qt.contents
         # build_attn_mha views q per stream (one here) ...
         q = g.view(lib.ggml_view_4d(ctx, qt, Dh, H, rows, 1, qc.nb[1], qc.nb[2], qc.nb[2] * rows, 0))
@@ -201,6 +221,8 @@ def _build_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, thre
         kq = g.scratch(lib.ggml_mul_mat(ctx, k, q))  # (n_kv, rows, H)
         lib.ggml_prec_set_acc(kq, GGML_PREC_F32)
         kq = g.scratch(lib.ggml_soft_max_ext(ctx, kq, mt, float(scale), 0.0))
+        if st is not None:
+            lib.ggml_soft_max_add_sinks(kq, st)
         kqv = g.scratch(lib.ggml_mul_mat(ctx, v, kq))  # (Dh, rows, H)
         cur = g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, rows)
         g.output(lib.ggml_cont_2d(ctx, cur, Dh * H, rows))

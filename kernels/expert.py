@@ -6,6 +6,16 @@ with ``gate``/``up`` of ne (n_embd, n_ff) and ``down`` of ne (n_ff, n_embd), eac
 its GGUF quantization. The result is the expert's output before the router weight is applied
 (llama.cpp multiplies by the weight after ``down``).
 
+gpt-oss' experts are the same function with what their tensors carry: a bias row on each
+projection (``QTensor.bias``, added after the product) and, named by the gate
+(``QTensor.glu``), the clamped activation ``swiglu_oai``:
+
+    y = down( swiglu_oai(gate x + bg, up x + bu) ) + bd,
+    swiglu_oai(g, u) = min(g, 7) * sigmoid(1.702 * min(g, 7)) * (clamp(u, -7, 7) + 1)
+
+The weights arrive as the same three tensors either way, from the backbone's GGUF or from a
+worker's slice (which stores the bias rows of the experts it holds), so no caller changes.
+
 Rounding follows llama.cpp on CPU: each matmul rounds its input the ggml way
 (``kernels/actquant.py``), ``silu(g) * u`` is rounded to float32 before ``down`` quantizes
 it. With the ggml backend the three matmuls and the SwiGLU run as one ggml graph, the same ops
@@ -25,9 +35,16 @@ from kernels.checks import check_ffn
 from kernels.tensors import QTensor
 
 
+# The routed experts' activation per llama.cpp architecture, where it is not swiglu (the same
+# as backbone.config's ArchTraits.expert_glu, which a test keeps equal): what a slice of that
+# architecture's model computes, and whether its experts carry bias rows.
+EXPERT_GLU: dict[str, str] = {"gpt-oss": "swiglu_oai"}
+
+
 def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,
                routed: bool, backend: str | None = None) -> np.ndarray:
     """One expert's SwiGLU FFN: down(silu(gate(x)) * up(x)). x (n, n_embd) f32 -> (n, n_embd) f32.
+    With biases and ``gate.glu == "swiglu_oai"``: gpt-oss' expert (see the module docstring).
 
     gate/up have ne (n_embd, n_ff), down has ne (n_ff, n_embd). Pure function; the exact code
     a worker runs. ``routed``: compute as llama.cpp computes a routed expert (True) or a dense

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kernels.checks import ACT_FORMAT, check_ffn, check_rows, check_weight
+from kernels.checks import ACT_FORMAT, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, check_ffn, check_rows, check_weight
 from kernels.tensors import QTensor
 
 T = GGMLQuantizationType
@@ -176,6 +176,10 @@ class Lib:
         fn(base, "ggml_mul_mat", _PT, c_ctx, _PT, _PT)
         fn(base, "ggml_mul_mat_id", _PT, c_ctx, _PT, _PT, _PT)
         fn(base, "ggml_swiglu_split", _PT, c_ctx, _PT, _PT)
+        # gpt-oss: expert biases, its clamped activation, attention sinks
+        fn(base, "ggml_add_id", _PT, c_ctx, _PT, _PT, _PT)
+        fn(base, "ggml_swiglu_oai", _PT, c_ctx, _PT, _PT, f32, f32)
+        fn(base, "ggml_soft_max_add_sinks", None, _PT, _PT)
         fn(base, "ggml_view_4d", _PT, c_ctx, _PT, i64, i64, i64, i64, sz, sz, sz, sz)
         fn(base, "ggml_permute", _PT, c_ctx, _PT, i32, i32, i32, i32)
         fn(base, "ggml_prec_set_acc", ctypes.c_bool, _PT, i32)
@@ -552,7 +556,9 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     x (n, n_embd) float32 -> (n, n_embd) float32. ``routed=True`` uses ``ggml_mul_mat_id``
     (llama.cpp's ``build_moe_ffn``), ``routed=False`` ``ggml_mul_mat`` (``build_ffn``, the
     shared expert). ``ggml_swiglu_split`` rounds silu(g)*u to float32 and the down matmul
-    quantizes that, as in llama.cpp.
+    quantizes that, as in llama.cpp. gpt-oss' experts: each product's bias is added with
+    ``ggml_add_id`` (``ggml_add`` when not routed) and the activation is ``ggml_swiglu_oai``
+    when the gate says so (``gate.glu``), the ops and order of ``build_moe_ffn``.
     """
     x = check_ffn(gate, up, down, x)
     if not routed and x.shape[0] == 1:  # batch invariance: see _one_row
@@ -562,9 +568,13 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     lib = load()
     threads = threads_for(3 * n * n_embd * n_ff)
 
+    biases = [w.bias for w in (gate, up, down) if w.bias is not None]
+    has_bias = tuple(w.bias is not None for w in (gate, up, down))
+
     def build() -> Graph:
-        g = Graph(lib, n_tensors=10)
+        g = Graph(lib, n_tensors=16)
         try:
+            ids = None
             if routed:
                 ids = g.constant(T.I32, (1, n), np.zeros(n, dtype=np.int32))
                 xt = g.input(T.F32, (n_embd, 1, n))
@@ -580,16 +590,35 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
                 dw = g.input(down.ggml_type, down.ne)
                 gt = g.scratch(lib.ggml_mul_mat(g.ctx, gw, xt))  # (n, n_ff)
                 ut = g.scratch(lib.ggml_mul_mat(g.ctx, uw, xt))
-            h = g.scratch(lib.ggml_swiglu_split(g.ctx, gt, ut))  # silu(g) * u, float32
-            g.output(lib.ggml_mul_mat_id(g.ctx, dw, h, ids) if routed else lib.ggml_mul_mat(g.ctx, dw, h))
+            # bias inputs in gate, up, down order (the order of their arrays in run_cached)
+            bt = {role: g.input(T.F32, (w.ne[1], 1) if routed else (w.ne[1],))
+                  for role, w in (("gate", gate), ("up", up), ("down", down)) if w.bias is not None}
+
+            def biased(t, role: str):
+                b = bt.get(role)
+                if b is None:
+                    return t
+                return g.scratch(lib.ggml_add_id(g.ctx, t, b, ids) if routed else lib.ggml_add(g.ctx, t, b))
+
+            # build_moe_ffn's order: up and its bias, then gate and its bias
+            ut = biased(ut, "up")
+            gt = biased(gt, "gate")
+            if gate.glu == "swiglu_oai":
+                h = g.scratch(lib.ggml_swiglu_oai(g.ctx, gt, ut, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT))
+            else:
+                h = g.scratch(lib.ggml_swiglu_split(g.ctx, gt, ut))  # silu(g) * u, float32
+            y = lib.ggml_mul_mat_id(g.ctx, dw, h, ids) if routed else lib.ggml_mul_mat(g.ctx, dw, h)
+            if "down" in bt:
+                y = biased(g.scratch(y), "down")
+            g.output(y)
             return g.finish(threads)
         except BaseException:
             g.free()
             raise
 
     out = np.empty((n, n_embd), dtype=np.float32)
-    key = ("ffn", routed, n, threads, _weight_key(gate), _weight_key(up), _weight_key(down))
-    run_cached(key, build, (x, gate.data, up.data, down.data, out))
+    key = ("ffn", routed, n, threads, _weight_key(gate), _weight_key(up), _weight_key(down), has_bias, gate.glu)
+    run_cached(key, build, (x, gate.data, up.data, down.data, *biases, out))
     return out
 
 

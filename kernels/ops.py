@@ -114,6 +114,15 @@ def route(logits: np.ndarray, k: int, renormalise: bool, softmax=softmax) -> tup
     return ids, weights
 
 
+def route_softmax_weight(logits: np.ndarray, k: int, softmax=softmax) -> tuple[np.ndarray, np.ndarray]:
+    """gpt-oss' router (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT): top-k on the logits
+    themselves, then a softmax over the k chosen. logits (T, E) -> ids (T, K) int64 in
+    descending order, weights (T, K) float32."""
+    logits = np.ascontiguousarray(logits, dtype=np.float32)
+    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    return ids, softmax(np.take_along_axis(logits, ids, axis=-1))
+
+
 def combine(expert_out: np.ndarray, weights: np.ndarray) -> np.ndarray:
     """Weighted sum of expert outputs in top-k order, as llama.cpp adds them.
 

@@ -10,6 +10,7 @@ memory-mapped file; nothing is copied or dequantised). For the 3-D expert tensor
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,9 @@ class QTensor:
     ggml_type: GGMLQuantizationType
     ne: tuple[int, ...]  # ggml order: ne[0] is the row length (input features)
     data: np.ndarray  # uint8, 1-D, exactly nbytes long, C-contiguous
+    # What a routed expert's projection carries besides its matrix (gpt-oss; None/"swiglu" elsewhere):
+    bias: np.ndarray | None = None  # float32 (ne[1],), added to every output row (llama.cpp: ggml_add_id)
+    glu: str = "swiglu"  # on an expert's gate: the gated activation joining it to up (swiglu, swiglu_oai)
 
     @property
     def row_bytes(self) -> int:
@@ -52,12 +56,14 @@ class QTensor:
         """nb[2]: the size of one expert's slab."""
         return self.ne[1] * self.row_bytes
 
-    def expert(self, e: int) -> "QTensor":
-        """Expert ``e`` of a 3-D expert tensor, as a 2-D tensor viewing the same bytes."""
+    def expert(self, e: int, bias: np.ndarray | None = None, glu: str = "swiglu") -> "QTensor":
+        """Expert ``e`` of a 3-D expert tensor, as a 2-D tensor viewing the same bytes.
+        ``bias``: the expert tensor's bias rows (E, ne[1]) float32, of which row ``e`` goes along."""
         if not 0 <= e < self.n_expert:
             raise IndexError(f"{self.name}: expert {e} out of range 0..{self.n_expert - 1}")
         nb2 = self.expert_bytes
-        return QTensor(f"{self.name}[{e}]", self.ggml_type, self.ne[:2], self.data[e * nb2:(e + 1) * nb2])
+        return QTensor(f"{self.name}[{e}]", self.ggml_type, self.ne[:2], self.data[e * nb2:(e + 1) * nb2],
+                       None if bias is None else bias[e], glu)
 
     def f32(self) -> np.ndarray:
         """Dequantised copy in numpy order (``ne`` reversed), float32."""
@@ -72,9 +78,89 @@ class QTensor:
         return dequantize(rows, self.ggml_type).reshape(shape).astype(np.float32, copy=False)
 
 
-def open_gguf(path: str | os.PathLike) -> GGUFReader:
-    """Memory-map a GGUF file, turning every way it can be unreadable into one clear error."""
+SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")  # llama.cpp's gguf-split
+_SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_part_paths(path: str | os.PathLike) -> list[str] | None:
+    """The parts of a split GGUF named like ``name-00001-of-00003.gguf`` (any part may be
+    given), in order; None for a name that is not a split part."""
     path = os.fspath(path)
+    m = _SPLIT_NAME.match(path)
+    if m is None:
+        return None
+    count = int(m["count"])
+    if count < 1 or not 1 <= int(m["no"]) <= count:
+        raise ModelFileError(f"{path}: part {int(m['no'])} of {count} is not a valid split part name")
+    return [f"{m['stem']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+
+
+class SplitReader:
+    """The parts of a split GGUF as one reader, as llama.cpp loads them (``split.count`` parts,
+    ``split.no`` 0.. in order, ``split.tensors.count`` tensors in all): the metadata of the
+    first part without the ``split.*`` keys (so the fingerprint is the one of the single file
+    gguf-split was given), every part's tensors in order, and for each tensor the part it
+    lies in (:meth:`part_of`). ``data`` is the first part's map (what the metadata views)."""
+
+    def __init__(self, paths: list[str], readers: list[GGUFReader]):
+        first = readers[0]
+        self.path, self.paths, self.parts = paths[0], paths, readers
+        self.fields = {k: v for k, v in first.fields.items() if k not in SPLIT_KEYS}
+        self.data = first.data
+        self.alignment = first.alignment
+        self.data_offset = first.data_offset
+        self.tensors = [t for r in readers for t in r.tensors]
+        self._part = {t.name: i for i, r in enumerate(readers) for t in r.tensors}
+
+    def part_of(self, name: str) -> tuple[str, GGUFReader]:
+        """(path, reader) of the part holding tensor ``name``."""
+        i = self._part[name]
+        return self.paths[i], self.parts[i]
+
+
+def part_of(reader, name: str, path: str) -> tuple[str, GGUFReader]:
+    """(file, reader) holding tensor ``name``: the file itself, or its part of a split GGUF."""
+    return reader.part_of(name) if isinstance(reader, SplitReader) else (path, reader)
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFReader:
+    """Memory-map a GGUF file, turning every way it can be unreadable into one clear error.
+    A part of a split GGUF (``name-0000i-of-0000n.gguf``, any i) opens all its parts as one
+    :class:`SplitReader`."""
+    path = os.fspath(path)
+    parts = split_part_paths(path)
+    if parts is not None:
+        return _open_split(path, parts)
+    return _open_one(path)
+
+
+def _open_split(given: str, paths: list[str]) -> SplitReader:
+    for i, p in enumerate(paths):
+        if not os.path.exists(p):
+            raise ModelFileError(f"{given}: part {i + 1} of {len(paths)} ({p}) is missing")
+    readers = []
+    for i, p in enumerate(paths):
+        r = _open_one(p)
+        no, count = _split_int(r, "split.no", p), _split_int(r, "split.count", p)
+        if (no, count) != (i, len(paths)):
+            raise ModelFileError(f"{p}: split.no {no} of split.count {count}, expected part {i} of {len(paths)} "
+                                 "(parts of different splits mixed?)")
+        readers.append(r)
+    want = _split_int(readers[0], "split.tensors.count", paths[0])
+    got = sum(len(r.tensors) for r in readers)
+    if got != want:
+        raise ModelFileError(f"{given}: the parts hold {got} tensors, split.tensors.count says {want}")
+    return SplitReader(paths, readers)
+
+
+def _split_int(reader: GGUFReader, key: str, path: str) -> int:
+    f = reader.fields.get(key)
+    if f is None:
+        raise ModelFileError(f"{path}: named as a split part but has no {key}")
+    return int(f.parts[f.data[0]][0])
+
+
+def _open_one(path: str) -> GGUFReader:
     if not os.path.exists(path):
         raise ModelFileError(f"{path}: no such file")
     if os.path.isdir(path):
@@ -113,5 +199,5 @@ def tensors_from_reader(reader: GGUFReader) -> dict[str, QTensor]:
 def _qtensor(reader: GGUFReader, t) -> QTensor:
     ne = tuple(int(n) for n in t.shape)
     start = int(t.data_offset)
-    data = reader.data[start:start + int(t.n_bytes)]
+    data = part_of(reader, t.name, "")[1].data[start:start + int(t.n_bytes)]
     return QTensor(t.name, GGMLQuantizationType(int(t.tensor_type)), ne, data)

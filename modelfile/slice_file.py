@@ -10,7 +10,7 @@ routed-expert weights. For every *holding* — one layer ``L`` and an inclusive 
     blk.L.ffn_up_exps.A-B.weight     ne = (n_embd, n_ff, B-A+1)
     blk.L.ffn_down_exps.A-B.weight   ne = (n_ff, n_embd, B-A+1)
 
-with the ggml type of the source tensor. Each tensor's bytes are the source tensor's bytes
+with the ggml type of the source tensor (format version 2 adds bias rows, below). Each tensor's bytes are the source tensor's bytes
 ``[start + A*nb2, start + (B+1)*nb2)`` exactly: the held experts' slabs, contiguous, in expert
 order, nothing dequantised or repacked. Holdings are sorted by (layer, first expert), and the
 ranges of one layer never overlap or touch (adjacent ranges are merged when slicing).
@@ -30,8 +30,20 @@ Metadata (besides ``general.architecture``, copied from the source; :data:`KEYS`
 ``kvasir.slice.expert_last``           uint32[] holding i: its last expert (inclusive)
 =====================================  ======  ==============================================
 
+Bias rows (format version 2, written only for models whose experts have them: gpt-oss). The
+source's ``blk.L.ffn_{kind}_exps.bias`` (ne = (rows, n_expert), F32) holds one row per expert,
+so the held experts' rows are again one contiguous range; each holding then also has::
+
+    blk.L.ffn_gate_exps.A-B.bias   ne = (n_ff, B-A+1)     F32
+    blk.L.ffn_up_exps.A-B.bias     ne = (n_ff, B-A+1)     F32
+    blk.L.ffn_down_exps.A-B.bias   ne = (n_embd, B-A+1)   F32
+
+after its three weight tensors. A slice of such a model without them is refused (its experts
+would compute something else); a version-1 reader refuses version 2, which is the point.
+
 :func:`load_slice` memory-maps a slice, checks all of the above and hands out one expert's
-three weight matrices as 2-D :class:`~kernels.tensors.QTensor` views of the mapped bytes.
+three weight matrices as 2-D :class:`~kernels.tensors.QTensor` views of the mapped bytes
+(with their bias rows and the architecture's activation, :data:`kernels.expert.EXPERT_GLU`).
 """
 
 from __future__ import annotations
@@ -40,14 +52,19 @@ import os
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple
 
+import numpy as np
+
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from kvasir_bus.errors import ModelFileError
 from kvasir_bus.wire import Holding
 from kvasir_bus.fingerprint import SLICE_SOURCE_KEY
+from kernels.expert import EXPERT_GLU
 from kernels.tensors import QTensor, open_gguf, tensors_from_reader
 
-SLICE_VERSION = 1
+SLICE_VERSION = 1  # a slice without bias rows
+SLICE_VERSION_BIAS = 2  # a slice with bias rows (gpt-oss)
+READABLE_VERSIONS = (SLICE_VERSION, SLICE_VERSION_BIAS)
 KINDS = ("gate", "up", "down")
 
 
@@ -76,6 +93,21 @@ def source_tensor_name(layer: int, kind: str) -> str:
     return f"blk.{layer}.ffn_{kind}_exps.weight"
 
 
+def slice_bias_name(layer: int, kind: str, first: int, last: int) -> str:
+    """Name of one holding's bias rows in a slice: ``blk.L.ffn_{kind}_exps.A-B.bias``."""
+    return f"blk.{layer}.ffn_{kind}_exps.{first}-{last}.bias"
+
+
+def source_bias_name(layer: int, kind: str) -> str:
+    """Name of the source GGUF's expert bias rows: ``blk.L.ffn_{kind}_exps.bias``."""
+    return f"blk.{layer}.ffn_{kind}_exps.bias"
+
+
+def has_expert_bias(arch: str) -> bool:
+    """Whether the routed experts of ``arch`` carry bias rows (their activation is not plain swiglu)."""
+    return EXPERT_GLU.get(arch, "swiglu") == "swiglu_oai"
+
+
 class ExpertTypes(NamedTuple):
     """ggml types of one layer's gate, up and down expert tensors (they may differ)."""
 
@@ -98,6 +130,7 @@ class SliceInfo:
     holdings: tuple[Holding, ...]  # half-open, like every Holding (the file stores first..last)
     types: dict[int, ExpertTypes]  # layer -> types of its gate/up/down tensors
     _weights: dict[Holding, tuple[QTensor, QTensor, QTensor]] = field(repr=False)
+    _biases: dict[Holding, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(repr=False, default_factory=dict)
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -134,11 +167,14 @@ class SliceInfo:
             raise KeyError(f"{self.path}: holds no expert {expert} of layer {layer} "
                            f"(layer {layer}: {held})")
         i = expert - h.lo
+        biases = self._biases.get(h, (None, None, None))
+        glu = EXPERT_GLU.get(self.arch, "swiglu")
         out = []
-        for kind, t in zip(KINDS, self._weights[h]):
+        for kind, t, b in zip(KINDS, self._weights[h], biases):
             nb2 = t.expert_bytes
             out.append(QTensor(f"{source_tensor_name(layer, kind)}[{expert}]", t.ggml_type,
-                               t.ne[:2], t.data[i * nb2:(i + 1) * nb2]))
+                               t.ne[:2], t.data[i * nb2:(i + 1) * nb2], None if b is None else b[i],
+                               glu if kind == "gate" else "swiglu"))
         return out[0], out[1], out[2]
 
     def _holding(self, layer: int, expert: int) -> Holding | None:
@@ -163,9 +199,9 @@ def slice_from_reader(reader: GGUFReader, path: str) -> SliceInfo:
             hint = " (it looks like a whole MoE model: cut a slice from it with `kvasir slice`)"
         raise ModelFileError(f"{path}: not a kvasir slice: no {KEYS.VERSION}{hint}")
     version = _scalar(reader, path, KEYS.VERSION)
-    if version != SLICE_VERSION:
+    if version not in READABLE_VERSIONS:
         raise ModelFileError(f"{path}: slice format version {version}, this build reads "
-                             f"version {SLICE_VERSION} (re-cut it with this version's `kvasir slice`)")
+                             f"versions {READABLE_VERSIONS} (re-cut it with this version's `kvasir slice`)")
     fingerprint = _string(reader, path, SLICE_SOURCE_KEY)
     if not fingerprint:
         raise ModelFileError(f"{path}: {SLICE_SOURCE_KEY} is empty")
@@ -211,7 +247,23 @@ def slice_from_reader(reader: GGUFReader, path: str) -> SliceInfo:
             raise ModelFileError(f"{path}: layer {h.layer}: expert tensor types differ between "
                                  f"ranges ({types[h.layer]} vs {ts})")
         weights[h] = (triple[0], triple[1], triple[2])
-    return SliceInfo(path, fingerprint, arch, n_embd, n_ff, n_expert, n_layer, holdings, types, weights)
+    biases: dict[Holding, tuple] = {}
+    if has_expert_bias(arch):
+        for h in holdings:
+            rows = []
+            for kind in KINDS:
+                name = slice_bias_name(h.layer, kind, h.lo, h.last)
+                t = tensors.get(name)
+                if t is None:
+                    raise ModelFileError(f"{path}: holding {h} has no tensor {name}: {arch}'s experts need "
+                                         "their bias rows (re-cut it with this version's `kvasir slice`)")
+                want = (n_embd if kind == "down" else n_ff, h.count)
+                if t.ne != want or t.ggml_type != GGMLQuantizationType.F32:
+                    raise ModelFileError(f"{path}: tensor {name} is {t.ggml_type.name} ne={t.ne}, expected F32 "
+                                         f"ne={want}")
+                rows.append(t.f32())  # (count, rows), a few KB: copied out of the map once
+            biases[h] = tuple(rows)
+    return SliceInfo(path, fingerprint, arch, n_embd, n_ff, n_expert, n_layer, holdings, types, weights, biases)
 
 
 def _field(reader: GGUFReader, path: str, key: str):

@@ -28,9 +28,10 @@ from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType,
 
 from kvasir_bus.errors import ModelFileError, UsageError
 from kvasir_bus.fingerprint import model_fingerprint
-from modelfile.slice_file import (KEYS, KINDS, SLICE_VERSION, Holding, slice_from_reader, slice_tensor_name,
+from modelfile.slice_file import (KEYS, KINDS, SLICE_VERSION, SLICE_VERSION_BIAS, Holding, has_expert_bias,
+                                slice_bias_name, slice_from_reader, slice_tensor_name, source_bias_name,
                                 source_tensor_name)
-from kernels.tensors import open_gguf
+from kernels.tensors import SplitReader, open_gguf, part_of
 
 CHUNK_BYTES = 8 << 20  # the copy buffer: the most memory the byte copy ever uses
 _VERIFY_BYTES = 4096  # bytes compared with the source at each end of every tensor after writing
@@ -64,15 +65,17 @@ class SliceTensor:
     holding: Holding
     kind: str  # gate | up | down
     ggml_type: GGMLQuantizationType
-    ne: tuple[int, int, int]  # ggml order; ne[2] = experts held
+    ne: tuple[int, ...]  # ggml order; the last = experts held: (ne0, ne1, n) weights, (rows, n) bias rows
     src_offset: int  # absolute offset in the source file
     nbytes: int
+    bias: bool = False  # the held experts' bias rows of ``kind`` (F32), not their weights
+    src_path: str = ""  # the file src_offset is in, when not the plan's source (a part of a split GGUF)
 
     @property
-    def byte_shape(self) -> tuple[int, int, int]:
+    def byte_shape(self) -> tuple[int, ...]:
         """Numpy-order shape in bytes (what GGUFWriter takes with ``raw_dtype``)."""
         block, type_size = GGML_QUANT_SIZES[self.ggml_type]
-        return self.ne[2], self.ne[1], self.ne[0] // block * type_size
+        return (*reversed(self.ne[1:]), self.ne[0] // block * type_size)
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,11 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
     block_count = _meta(reader, f"{arch}.block_count")
     n_layer = max(int(block_count) if isinstance(block_count, int) else 0, max(layers) + 1)
     expert_layers = sorted(layers)
+    biases = {t.name: t for t in reader.tensors if t.name.endswith("_exps.bias")}
+
+    def _part_path(name: str) -> str:  # "" (the source itself) unless the source is split
+        return part_of(reader, name, source)[0] if isinstance(reader, SplitReader) else ""
+    with_bias = has_expert_bias(arch)
 
     wanted: dict[int, list[Span]] = {}
     for layer_span, expert_span in requests:
@@ -191,7 +199,19 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
                 nb2 = ne1 * (ne0 // block) * type_size
                 tensors.append(SliceTensor(
                     slice_tensor_name(layer, kind, first, last), h, kind, gtype, (ne0, ne1, h.count),
-                    int(t.data_offset) + first * nb2, h.count * nb2))
+                    int(t.data_offset) + first * nb2, h.count * nb2, src_path=_part_path(t.name)))
+            if with_bias:  # the held experts' bias rows: again one contiguous range per kind
+                for kind in KINDS:
+                    rows = n_embd if kind == "down" else n_ff
+                    b = biases.get(source_bias_name(layer, kind))
+                    if b is None or tuple(int(n) for n in b.shape) != (rows, n_expert) \
+                            or int(b.tensor_type) != GGMLQuantizationType.F32:
+                        raise ModelFileError(f"{source}: {arch} needs {source_bias_name(layer, kind)} as F32 "
+                                             f"ne=({rows}, {n_expert})")
+                    tensors.append(SliceTensor(
+                        slice_bias_name(layer, kind, first, last), h, kind, GGMLQuantizationType.F32,
+                        (rows, h.count), int(b.data_offset) + first * rows * 4, h.count * rows * 4, bias=True,
+                        src_path=_part_path(b.name)))
 
     alignment = reader.alignment if "general.alignment" in reader.fields else GGUF_DEFAULT_ALIGNMENT
     name = _meta(reader, "general.name")
@@ -230,7 +250,7 @@ def write_slice_header(plan: SlicePlan, path: str) -> None:
         w.add_custom_alignment(plan.alignment)
     if plan.name:
         w.add_name(plan.name)
-    w.add_uint32(KEYS.VERSION, SLICE_VERSION)
+    w.add_uint32(KEYS.VERSION, SLICE_VERSION_BIAS if any(t.bias for t in plan.tensors) else SLICE_VERSION)
     w.add_string(KEYS.SOURCE_FINGERPRINT, plan.fingerprint)
     w.add_string(KEYS.SOURCE_NAME, os.path.basename(plan.source))
     w.add_uint32(KEYS.BLOCK_COUNT, plan.n_layer)
@@ -257,11 +277,16 @@ def _copy_data(plan: SlicePlan, path: str, progress: Progress | None) -> list[in
     done = 0
     offsets = []
     buf = memoryview(bytearray(max(1, min(CHUNK_BYTES, max((t.nbytes for t in plan.tensors), default=1)))))
-    with open(plan.source, "rb", buffering=0) as src, open(path, "ab", buffering=0) as dst:
+    sources: dict[str, object] = {}
+    with open(path, "ab", buffering=0) as dst:
         pos = dst.seek(0, os.SEEK_END)
         for t in plan.tensors:
             pos += _pad(dst, pos, plan.alignment)
             offsets.append(pos)
+            src_path = t.src_path or plan.source
+            if src_path not in sources:
+                sources[src_path] = open(src_path, "rb", buffering=0)
+            src = sources[src_path]
             src.seek(t.src_offset)
             left = t.nbytes
             while left:
@@ -277,6 +302,8 @@ def _copy_data(plan: SlicePlan, path: str, progress: Progress | None) -> list[in
                     progress(done, total)
         pos += _pad(dst, pos, plan.alignment)
         os.fsync(dst.fileno())
+        for src in sources.values():
+            src.close()
     return offsets
 
 
@@ -287,12 +314,12 @@ def _verify(plan: SlicePlan, path: str, offsets: Sequence[int]) -> None:
     if info.fingerprint != plan.fingerprint or info.holdings != plan.holdings:
         raise ModelFileError(f"{path}: read back different holdings or fingerprint (bug)")
     got = {t.name: t for t in reader.tensors}
-    with open(plan.source, "rb", buffering=0) as src:
-        for t, off in zip(plan.tensors, offsets):
-            r = got[t.name]
-            if int(r.data_offset) != off or int(r.n_bytes) != t.nbytes or int(r.tensor_type) != t.ggml_type:
-                raise ModelFileError(f"{path}: tensor {t.name} read back at offset {int(r.data_offset)} "
-                                     f"({int(r.n_bytes)} bytes), written at {off} ({t.nbytes} bytes) (bug)")
+    for t, off in zip(plan.tensors, offsets):
+        r = got[t.name]
+        if int(r.data_offset) != off or int(r.n_bytes) != t.nbytes or int(r.tensor_type) != t.ggml_type:
+            raise ModelFileError(f"{path}: tensor {t.name} read back at offset {int(r.data_offset)} "
+                                 f"({int(r.n_bytes)} bytes), written at {off} ({t.nbytes} bytes) (bug)")
+        with open(t.src_path or plan.source, "rb", buffering=0) as src:
             for rel in {0, max(0, t.nbytes - _VERIFY_BYTES)}:
                 n = min(_VERIFY_BYTES, t.nbytes - rel)
                 want = os.pread(src.fileno(), n, t.src_offset + rel)

@@ -16,9 +16,9 @@ from kvasir_bus.errors import UsageError
 
 # The choices, repeated here so the parser needs no numpy; a test checks they match
 # synth.model's tables.
-ARCH_CHOICES = ("qwen3moe", "qwen2moe", "mixtral", "qwen35moe", "qwen3next")
+ARCH_CHOICES = ("qwen3moe", "qwen2moe", "mixtral", "qwen35moe", "qwen3next", "gpt-oss")
 PRESET_CHOICES = ("tiny", "small", "122b-layer")
-TYPE_CHOICES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k")
+TYPE_CHOICES = ("f32", "f16", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4")
 
 _SIZE_FLAGS = (
     ("--layers", "number of transformer blocks"),
@@ -31,13 +31,14 @@ _SIZE_FLAGS = (
     ("--vocab", "vocabulary size (at least 258)"),
     ("--ctx", "training context length written to the file"),
     ("--shared-expert-ffn", "FFN width of the shared expert (qwen2moe, qwen35moe)"),
-    ("--head-dim", "attention head size (qwen35moe; default hidden / heads)"),
+    ("--head-dim", "attention head size (qwen35moe, gpt-oss; default hidden / heads)"),
     ("--rope-dims", "rotated dimensions per head (qwen35moe; default per preset)"),
     ("--ssm-k-heads", "delta-net query/key heads (qwen35moe)"),
     ("--ssm-v-heads", "delta-net value heads (qwen35moe); a multiple of --ssm-k-heads"),
     ("--ssm-head-dim", "delta-net head size (qwen35moe)"),
     ("--conv-kernel", "delta-net causal conv width (qwen35moe)"),
     ("--full-attention-interval", "every N-th layer is full attention, the rest delta-net (qwen35moe)"),
+    ("--sliding-window", "positions the sliding-window layers see (gpt-oss)"),
 )
 
 
@@ -54,7 +55,8 @@ def register(subparsers) -> None:
                    "Qwen3.5 MoE, gated delta-net + gated attention; default %(default)s)")
     p.add_argument("--preset", choices=PRESET_CHOICES, default="tiny", help="sizes (default %(default)s)")
     p.add_argument("--type", dest="qtype", choices=TYPE_CHOICES, default="f32",
-                   help="type of the weight matrices; norms and routers stay f32 (default %(default)s)")
+                   help="type of the weight matrices; norms and routers stay f32; mxfp4: routed experts "
+                   "in MXFP4, other matrices q8_0, as the published gpt-oss GGUFs (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
     p.add_argument("-o", "--output", required=True, metavar="FILE.gguf", help="file to write")
     p.add_argument("--force", action="store_true", help="overwrite FILE.gguf if it exists")

@@ -14,6 +14,9 @@ text prompts work end to end. Three architecture families:
   attention (``attn_q`` holds query and gate per head, Q/K norms, IMROPE); the FFN norm is
   ``post_attention_norm``; a shared expert gated by ``sigmoid(ffn_gate_inp_shexp . x)``.
 - ``qwen3next``: the same family with NEOX RoPE and beta/alpha in one ``ssm_ba`` tensor.
+- ``gpt-oss``: attention sinks (``attn_sinks``), sliding-window attention on the even layers
+  with a RoPE base of their own (``rope.freq_base_swa``), biases on Q/K/V, the attention
+  output, the router and every routed expert (``ffn_*_exps.bias``), experts with swiglu_oai.
 
 The file is written streaming: the header, metadata and tensor table first, then every tensor's
 data one chunk at a time (one expert of a 3-D ``*_exps`` tensor, or a block of rows), generated
@@ -29,6 +32,8 @@ F32. F16/Q8_0/Q4_0 are made by gguf-py, K-quants by ggml's own quantizer (``ggml
 from llama-cpp-python's bundled libggml-base, the function ``llama-quantize`` calls). A matrix
 whose rows do not fit the type's block falls back like llama.cpp's quantizer does (Q4_K->Q5_0,
 Q5_K->Q5_1, Q6_K->Q8_0, then F16) and is listed in :attr:`SynthReport.fallbacks`.
+``mxfp4`` is llama.cpp's MXFP4_MOE mix, the way the published gpt-oss GGUFs store their
+tensors: routed experts in MXFP4, the other matrices in Q8_0, norms, biases, sinks and routers F32.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class ArchSpec:
     tied_output: bool  # no output.weight: llama.cpp uses token_embd (qwen2moe requires one)
     rms_eps: float
     rope_base: float
+    rope_base_swa: float = 0.0  # sliding-window layers (traits.attn_sinks); 0: none written
 
     @property
     def traits(self) -> ArchTraits:
@@ -85,23 +91,28 @@ ARCHS: dict[str, ArchSpec] = {
     "mixtral": ArchSpec("llama", tied_output=True, rms_eps=1e-5, rope_base=1_000_000.0),
     "qwen35moe": ArchSpec("qwen35moe", tied_output=False, rms_eps=1e-6, rope_base=10_000_000.0),
     "qwen3next": ArchSpec("qwen3next", tied_output=False, rms_eps=1e-6, rope_base=10_000_000.0),
+    # gpt-oss' own base is 150000 on every layer; a synthetic file gives the sliding-window
+    # layers another (rope.freq_base_swa), so that using the wrong one shows.
+    "gpt-oss": ArchSpec("gpt-oss", tied_output=False, rms_eps=1e-5, rope_base=150_000.0, rope_base_swa=10_000.0),
 }
 
 QTYPES: dict[str, QT] = {
     "f32": QT.F32, "f16": QT.F16, "q8_0": QT.Q8_0, "q4_0": QT.Q4_0,
-    "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K,
+    "q4_k": QT.Q4_K, "q5_k": QT.Q5_K, "q6_k": QT.Q6_K, "mxfp4": QT.MXFP4,
 }
 K_QUANTS = frozenset({QT.Q4_K, QT.Q5_K, QT.Q6_K})
+GGML_QUANTIZED = K_QUANTS | {QT.MXFP4}  # made by ggml's own quantizer
 # What llama.cpp's quantizer uses when a row does not fit a K-quant block (then F16).
-_FALLBACK: dict[QT, QT] = {QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0,
+_FALLBACK: dict[QT, QT] = {QT.MXFP4: QT.Q8_0, QT.Q4_K: QT.Q5_0, QT.Q5_K: QT.Q5_1, QT.Q6_K: QT.Q8_0,
                           QT.Q5_0: QT.F16, QT.Q5_1: QT.F16, QT.Q8_0: QT.F16, QT.Q4_0: QT.F16}
 # general.file_type: the files are uniform (every matrix one type), closest to llama.cpp's "S"
 _FILE_TYPES: dict[QT, LlamaFileType] = {
     QT.F32: LlamaFileType.ALL_F32, QT.F16: LlamaFileType.MOSTLY_F16,
     QT.Q8_0: LlamaFileType.MOSTLY_Q8_0, QT.Q4_0: LlamaFileType.MOSTLY_Q4_0,
     QT.Q4_K: LlamaFileType.MOSTLY_Q4_K_S, QT.Q5_K: LlamaFileType.MOSTLY_Q5_K_S,
-    QT.Q6_K: LlamaFileType.MOSTLY_Q6_K,
+    QT.Q6_K: LlamaFileType.MOSTLY_Q6_K, QT.MXFP4: LlamaFileType.MOSTLY_MXFP4_MOE,
 }
+MXFP4_OTHERS = QT.Q8_0  # llama-quantize's MXFP4_MOE: every matrix that is not a routed expert
 
 
 # --- presets and the config -----------------------------------------------------------------
@@ -139,8 +150,20 @@ _DELTA_NET_PRESETS: dict[str, dict[str, int]] = {
 }
 _DELTA_NET_TINY_K_QUANT = dict(ssm_head_dim=64)  # ssm_out rows (v heads x head size) of 256
 
+# gpt-oss: head_dim is its own (64, not hidden / heads), and the sliding window. The 122b-layer
+# row is gpt-oss-120b's layer (hidden 2880, 128 experts, top-4, expert FFN 2880, 64 query and
+# 8 KV heads of 64, window 128); tiny's window of 8 is shorter than the test prompts, so the
+# sliding-window layers really mask.
+GPT_OSS_FIELDS = ("head_dim", "sliding_window")
+_GPT_OSS_PRESETS: dict[str, dict[str, int]] = {
+    "tiny": dict(layers=2, heads=8, kv_heads=2, head_dim=16, sliding_window=8),  # Q is 128 wide, hidden 64
+    "small": dict(experts=32, experts_used=4, expert_ffn=512, heads=8, kv_heads=2, head_dim=64, sliding_window=128),
+    "122b-layer": dict(experts=128, experts_used=4, hidden=2880, expert_ffn=2880, heads=64, kv_heads=8,
+                       head_dim=64, sliding_window=128),
+}
+
 SIZE_FIELDS = ("layers", "experts", "experts_used", "hidden", "expert_ffn", "heads", "kv_heads",
-               "vocab", "ctx", "shared_expert_ffn") + DELTA_NET_FIELDS
+               "vocab", "ctx", "shared_expert_ffn") + DELTA_NET_FIELDS + ("sliding_window",)
 
 
 @dataclass(frozen=True)
@@ -170,6 +193,7 @@ class SynthConfig:
     ssm_head_dim: int = 0
     conv_kernel: int = 0
     full_attention_interval: int = 0
+    sliding_window: int = 0  # gpt-oss only
 
     def __post_init__(self):
         if not self.head_dim:  # the attention head size defaults to hidden / heads
@@ -197,6 +221,12 @@ class SynthConfig:
     def is_recurrent(self, layer: int) -> bool:
         return self.spec.traits.delta_net and (layer + 1) % self.full_attention_interval != 0
 
+    def matrix_type(self, expert: bool) -> QT:
+        """The type asked for a weight matrix: ``mxfp4`` puts only routed experts in MXFP4."""
+        if self.ggml_type == QT.MXFP4 and not expert:
+            return MXFP4_OTHERS
+        return self.ggml_type
+
     @property
     def ssm_conv_channels(self) -> int:
         return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_head_dim
@@ -220,23 +250,33 @@ def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32"
     given = {k: v for k, v in overrides.items() if v is not None}
     shared_expert = ARCHS[arch].traits.shared_expert
     delta_net = ARCHS[arch].traits.delta_net
+    gpt_oss = ARCHS[arch].traits.attn_sinks
+    own = set(DELTA_NET_FIELDS if delta_net else ()) | set(GPT_OSS_FIELDS if gpt_oss else ())
     if given.get("shared_expert_ffn") is not None and not shared_expert:
         having = ", ".join(a for a, spec in ARCHS.items() if spec.traits.shared_expert)
         raise UsageError(f"--shared-expert-ffn: architecture {arch} has no shared expert "
                          f"(only {having} has one)")
-    if not delta_net:
-        for name in DELTA_NET_FIELDS:
-            if given.get(name) is not None:
+    for name in set(DELTA_NET_FIELDS + GPT_OSS_FIELDS) - own:
+        if given.get(name) is not None:
+            families = []
+            if name in DELTA_NET_FIELDS:
                 having = ", ".join(a for a, spec in ARCHS.items() if spec.traits.delta_net)
-                raise UsageError(f"--{name.replace('_', '-')}: only for delta-net architectures ({having})")
+                families.append(f"delta-net architectures ({having})")
+            if name in GPT_OSS_FIELDS:
+                families.append(", ".join(a for a, spec in ARCHS.items() if spec.traits.attn_sinks))
+            raise UsageError(f"--{name.replace('_', '-')}: only for {' and '.join(families)}")
     sizes = dict(PRESETS[preset])
-    sizes.update(dict.fromkeys(DELTA_NET_FIELDS, 0))
+    sizes.update(dict.fromkeys(DELTA_NET_FIELDS + GPT_OSS_FIELDS, 0))
     if delta_net:
         sizes.update(_DELTA_NET_PRESETS[preset])
+    if gpt_oss:
+        sizes.update(_GPT_OSS_PRESETS[preset])
     if preset == "tiny" and QTYPES[qtype] in K_QUANTS:
         sizes.update(_TINY_K_QUANT)
         if delta_net:
             sizes.update(_DELTA_NET_TINY_K_QUANT)
+        if gpt_oss:
+            sizes.update(head_dim=64)  # attn_output rows of heads x 64 = 256
     sizes.update(given)
     if not shared_expert:
         sizes["shared_expert_ffn"] = 0
@@ -244,7 +284,8 @@ def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32"
         value = sizes[name]
         if name == "shared_expert_ffn" and not shared_expert:
             continue
-        if name in DELTA_NET_FIELDS and (not delta_net or name in ("head_dim", "rope_dims")) and value == 0:
+        if name in DELTA_NET_FIELDS + GPT_OSS_FIELDS and (name not in own or name in ("head_dim", "rope_dims")) \
+                and value == 0:
             continue  # not this family's, or "derive it"
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -261,6 +302,9 @@ def _check_choice(what: str, value: str, known: dict) -> None:
 def _check_consistent(cfg: SynthConfig) -> None:
     if cfg.spec.traits.delta_net:
         _check_delta_net(cfg)
+    elif cfg.spec.traits.attn_sinks:
+        if cfg.head_dim < 2:
+            raise UsageError(f"--head-dim {cfg.head_dim} must be at least 2")
     elif cfg.hidden % cfg.heads:
         raise UsageError(f"--heads {cfg.heads} does not divide --hidden {cfg.hidden}")
     if cfg.heads % cfg.kv_heads:
@@ -337,7 +381,8 @@ def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
     q_dim, kv_dim = cfg.heads * hd, cfg.kv_heads * hd
 
     def matrix(name: str, shape: tuple[int, ...], std: float) -> TensorPlan:
-        return TensorPlan(name, shape, _matrix_type(want, shape[-1]), want, std)
+        asked = cfg.matrix_type(expert=len(shape) == 3)
+        return TensorPlan(name, shape, _matrix_type(asked, shape[-1]), asked, std)
 
     def f32(name: str, shape: tuple[int, ...], std: float, mean: float = 0.0) -> TensorPlan:
         return TensorPlan(name, shape, QT.F32, QT.F32, std, mean)
@@ -371,6 +416,9 @@ def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
             plan.append(f32(b + "attn_q_norm.weight", (hd,), 0.1, 1.0))
             plan.append(f32(b + "attn_k_norm.weight", (hd,), 0.1, 1.0))
         plan.append(matrix(b + "attn_output.weight", (d, q_dim), q_dim ** -0.5))
+        if traits.attn_sinks:  # one logit per head; output bias
+            plan.append(f32(b + "attn_output.bias", (d,), 0.1))
+            plan.append(f32(b + "attn_sinks.weight", (cfg.heads,), 1.0))
         plan += _moe_tensors(cfg, b, matrix, f32)
     return plan
 
@@ -383,6 +431,11 @@ def _moe_tensors(cfg: SynthConfig, b: str, matrix, f32) -> list[TensorPlan]:
             matrix(b + "ffn_gate_exps.weight", (E, ff, d), d ** -0.5),
             matrix(b + "ffn_up_exps.weight", (E, ff, d), d ** -0.5),
             matrix(b + "ffn_down_exps.weight", (E, d, ff), ff ** -0.5)]
+    if traits.router_bias:
+        plan.append(f32(b + "ffn_gate_inp.bias", (E,), 0.5))
+    if traits.expert_glu == "swiglu_oai":  # one bias row per expert (ne = (rows, E))
+        plan += [f32(b + "ffn_gate_exps.bias", (E, ff), 0.5), f32(b + "ffn_up_exps.bias", (E, ff), 0.5),
+                 f32(b + "ffn_down_exps.bias", (E, d), 0.1)]
     if traits.shared_expert:
         sff = cfg.shared_expert_ffn
         plan.append(f32(b + "ffn_gate_inp_shexp.weight", (d,), d ** -0.5))
@@ -447,6 +500,9 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: SynthConfig) -> None:
         w.add_uint32(f"{a}.ssm.group_count", cfg.ssm_k_heads)
         w.add_uint32(f"{a}.full_attention_interval", cfg.full_attention_interval)
     w.add_rope_freq_base(spec.rope_base)
+    if traits.attn_sinks:
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_float32(f"{spec.gguf_arch}.rope.freq_base_swa", spec.rope_base_swa)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_expert_count(cfg.experts)
     w.add_expert_used_count(cfg.experts_used)
@@ -482,7 +538,7 @@ def quantize_rows(x: np.ndarray, qtype: QT) -> np.ndarray:
         return np.ascontiguousarray(x, dtype=np.float32)
     if qtype == QT.F16:
         return x.astype(np.float16)
-    if qtype in K_QUANTS:
+    if qtype in GGML_QUANTIZED:
         return _ggml_quantize(x, qtype)
     return gguf.quants.quantize(x, qtype)
 
@@ -539,7 +595,7 @@ def write_model(path: str | os.PathLike, cfg: SynthConfig, *, progress: Progress
     t0 = time.perf_counter()
     path = Path(path)
     _check_output_path(path)
-    if cfg.ggml_type in K_QUANTS:
+    if cfg.ggml_type in GGML_QUANTIZED:
         _ggml_quantize_chunk()  # fail before writing anything if llama-cpp-python is missing
     plan = plan_tensors(cfg)
     tmp = path.with_name(f".{path.name}.partial-{os.getpid()}")
@@ -680,7 +736,7 @@ def describe_model(path: str | os.PathLike) -> dict:
     down = next((t for t in exps if "ffn_down_exps" in t.name), None)
     expert_ffn = int(down.shape[0]) if down is not None else \
         _field(reader, f"{arch}.expert_feed_forward_length")
-    file_bytes = path.stat().st_size
+    file_bytes = sum(os.path.getsize(p) for p in getattr(reader, "paths", [path]))  # all parts of a split
     return {
         "architecture": arch,
         "layers": _field(reader, f"{arch}.block_count"),

@@ -362,7 +362,7 @@ def test_load_slice_accepts_a_minimal_valid_slice(tmp_path):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(version=None), "not a kvasir slice"),
-    (dict(version=2), "format version 2"),
+    (dict(version=3), "format version 3"),
     (dict(fingerprint=None), f"{SLICE_SOURCE_KEY} is missing"),
     (dict(drop=("up",)), "no tensor blk.1.ffn_up_exps.3-4.weight"),
     (dict(down_ne=(N_EMBD, N_FF, 2)), "blk.1.ffn_down_exps.3-4.weight has ne="),
