@@ -81,12 +81,11 @@ def run_synth(args: argparse.Namespace) -> int:
     cfg = synth.make_config(args.arch, args.preset, args.qtype, args.seed, **overrides)
     if Path(args.output).exists() and not args.force:
         raise UsageError(f"{args.output} exists: give --force to overwrite it")
-    progress = _ProgressLine() if sys.stderr.isatty() else None
+    progress = _ProgressLine() if sys.stderr.isatty() else _log_progress(args.output)
     try:
         report = synth.write_model(args.output, cfg, progress=progress)
     finally:
-        if progress is not None:
-            progress.clear()
+        progress.close()
     if report.fallbacks:
         print(f"kvasir synth: warning: {_fallback_summary(report.fallbacks)}", file=sys.stderr)
     layers = f"{cfg.layers} layer" + ("s" if cfg.layers != 1 else "")
@@ -149,6 +148,16 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
+def _log_progress(output: str):
+    """Not on a terminal (CI, a pipe): a JSON log line on stderr every 10% or 10 s, once the
+    file has taken 2 s (a tiny model is written before anyone wonders)."""
+    from kvasir_bus.logs import configure
+    from kvasir_bus.progress import LogProgress
+
+    configure("info")
+    return LogProgress("synth_progress", unit="bytes", after_s=2.0, output=output)
+
+
 class _ProgressLine:
     """A ``\\r`` progress line on stderr, at most ten updates a second."""
 
@@ -166,7 +175,7 @@ class _ProgressLine:
         sys.stderr.write(f"\r\x1b[K{_size(done)} / {_size(total)} ({pct:.0f}%)  {name}")
         sys.stderr.flush()
 
-    def clear(self) -> None:
+    def close(self) -> None:
         if self._shown:
             sys.stderr.write("\r\x1b[K")
             sys.stderr.flush()
