@@ -144,6 +144,10 @@ def cmd_up(args) -> int:
     configure("warning" if quiet and sys.stderr.isatty() else "info")
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
+    if args.db is not None and not args.no_market:
+        from market.cli import check_db_dir
+
+        check_db_dir(args.db)  # the market it spawns would refuse it, out of sight in its log
     cfg = BackboneConfig.from_args(args, nats_url=None, market=not args.no_market, market_interval_s=0.5)
     http = None
     if args.http is not None:  # the swarm behind an OpenAI-compatible server and the bus API
