@@ -217,7 +217,8 @@ def cmd_up(args) -> int:
               f"{engine.cfg.n_expert} experts), {len(workers)} workers in {time.perf_counter() - t0:.1f} s: "
               + ", ".join(f"{w.node} experts {lo}-{hi}" for w, (lo, hi) in zip(workers, ranges)), file=out)
         if market is not None:
-            print(f"market: kvasir status --nats {url}   (ledger {args.db or 'in a temporary file'})", file=out)
+            ledger = args.db or (logdir / "market.db" if args.logs is not None else "in a temporary file")
+            print(f"market: kvasir status --nats {url}   (ledger {ledger})", file=out)
         kept = "kept" if args.logs is not None else "removed at exit; keep them with --logs DIR"
         print(f"logs ({kept}): " + ", ".join(
             [str(logdir / "market.log")] * (market is not None)

@@ -85,12 +85,13 @@ function drawChart(svg, points, key, max) {
   svg.dataset.points = known.length;
 }
 
-// rows: [[text, numeric?, class?], ...] per row; a row may carry rowClass (a property).
+// rows: [[text, numeric?, class?], ...] per row; a row may carry rowClass and title (properties).
 function fillTable(tbody, rows) {
   tbody.textContent = "";
   for (const row of rows) {
     const tr = document.createElement("tr");
     if (row.rowClass) tr.className = row.rowClass;
+    if (row.title) tr.title = row.title;
     for (const [text, num, cls] of row) {
       const td = document.createElement("td");
       td.textContent = text;
@@ -101,11 +102,11 @@ function fillTable(tbody, rows) {
   }
 }
 
-// A backbone's audit caught the node: which expert, how far off, when.
+// A backbone's audit caught the node: on which expert, how far off (when: in the tooltip).
 function quarantineText(q) {
   if (!q) return "-";
   const err = q.error === null ? "bad reply" : `error ${Number(q.error).toPrecision(2)}`;
-  return `yes: L${q.layer} e${q.expert}, ${err}, ${new Date(q.at * 1000).toLocaleTimeString()}`;
+  return `yes: L${q.layer} e${q.expert}, ${err}`;
 }
 
 function drawModel(doc) {
@@ -134,7 +135,11 @@ function drawModel(doc) {
                  [String(n.served), 1], [n.age_s === null ? "never" : `${fmt(n.age_s, 1)} s ago`, 1],
                  [t ? String(t.rows) : "0", 1], [t ? fmt(t.reward, 3) : "0.000", 1],
                  [quarantineText(q), 0, "quarantine"]];
-    if (q) row.rowClass = "quarantined";
+    if (q) {
+      row.rowClass = "quarantined";
+      row.title = `quarantined at ${new Date(q.at * 1000).toLocaleString()} (kernel ${q.kernel || "-"}, ` +
+        `${q.exact ? "identical bits" : "a tolerance"} demanded)`;
+    }
     return row;
   }));
   const wanted = doc.demand.filter((e) => e.demand > 0)

@@ -24,6 +24,7 @@ def test_up_keeps_each_workers_and_the_markets_log_in_dir_and_names_them(models,
             assert f"{node} {path}" in named  # each worker's log beside its name
             assert node in path.read_text()  # its own lines, not another's
     assert "market_started" in (logs / "market.log").read_text()
+    assert f"(ledger {logs / 'market.db'})" in proc.stdout  # kept there too, not "temporary"
     assert sorted(p.name for p in logs.iterdir()) == ["market.db", "market.log", "worker-0.log", "worker-1.log"]
 
     # stderr is a pipe here, not a terminal: the start-up says how far it got.
