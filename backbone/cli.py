@@ -285,7 +285,11 @@ def cmd_verify(args) -> int:
     if len(prompt) + args.decode > engine.n_ctx:
         raise UsageError(f"the prompt is {len(prompt)} tokens; with --decode {args.decode} that exceeds "
                          f"the context of {engine.n_ctx} tokens")
-    gen = generate(engine, prompt, args.decode, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
+    step = _verify_progress(args.decode, len(prompt))
+    gen = generate(engine, prompt, args.decode, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True,
+                   on_token=step)
+    if step is not None:
+        step.log.info("verify_reference", engine="llama.cpp", tokens=len(gen.all_tokens))
     ref = Reference(args.model, n_ctx=len(gen.all_tokens) + 8, n_batch=max(32, len(gen.all_tokens)))
     report = compare(gen.logits_array(), ref.logits(gen.all_tokens))
     if args.json:
@@ -298,3 +302,32 @@ def cmd_verify(args) -> int:
         print(f"min cosine       {report['min_cosine']:.9f}")
         print(f"argmax agreement {report['argmax_agreement']:.3f}")
     return 0
+
+
+class _VerifySteps:
+    """Not on a terminal (CI, a pipe): the greedy steps of our engine as JSON log lines on
+    stderr (every 10% or 10 s, :class:`~kvasir_bus.progress.LogProgress`), then one line when
+    llama.cpp's run starts; a terminal gets only the report, as before."""
+
+    def __init__(self, steps: int, prompt_tokens: int) -> None:
+        import structlog
+
+        from kvasir_bus.progress import LogProgress
+
+        self.log = structlog.get_logger("kvasir.verify")
+        self.steps, self.done = steps, 0
+        self.progress = LogProgress("verify_progress", unit="steps", engine="kvasir",
+                                    prompt_tokens=prompt_tokens)
+
+    def __call__(self, _token: int) -> None:
+        self.done += 1
+        self.progress(self.done, self.steps)
+
+
+def _verify_progress(steps: int, prompt_tokens: int) -> _VerifySteps | None:
+    if sys.stderr.isatty():
+        return None
+    from kvasir_bus.logs import configure
+
+    configure("info")
+    return _VerifySteps(steps, prompt_tokens)

@@ -70,8 +70,9 @@ def spawn_worker(url: str, node: str, source_args: list[str], *, heartbeat_s: fl
 
 
 async def wait_for_nodes(url: str, model: str, nodes: set[str], timeout: float = 60.0,
-                         procs: list[WorkerProcess] = ()) -> dict[str, codec.Heartbeat]:
-    """Wait until every node in ``nodes`` has sent a heartbeat for ``model``."""
+                         procs: list[WorkerProcess] = (), progress=None) -> dict[str, codec.Heartbeat]:
+    """Wait until every node in ``nodes`` has sent a heartbeat for ``model``; ``progress(seen,
+    wanted)`` is called every poll (0.2 s) and once at the end."""
     nc = await connect(url, name=connection_name("up"))
     seen: dict[str, codec.Heartbeat] = {}
     arrived = asyncio.Event()
@@ -90,6 +91,8 @@ async def wait_for_nodes(url: str, model: str, nodes: set[str], timeout: float =
     deadline = time.monotonic() + timeout
     try:
         while not arrived.is_set():
+            if progress is not None:
+                progress(len(seen), len(nodes))
             dead = [p.node for p in procs if not p.alive()]
             if dead:
                 raise KvasirError(f"worker {', '.join(dead)} exited before announcing its experts")
@@ -103,4 +106,6 @@ async def wait_for_nodes(url: str, model: str, nodes: set[str], timeout: float =
     finally:
         await sub.unsubscribe()
         await nc.drain()
+    if progress is not None:
+        progress(len(seen), len(nodes))
     return seen

@@ -33,6 +33,7 @@ from launch.swarm import WorkerProcess, spawn_worker, split_experts, wait_for_no
 from kvasir_bus.connect import ConnectOptions, add_connection_flags
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.fingerprint import model_fingerprint
+from kvasir_bus.progress import LogProgress
 
 log = structlog.get_logger("kvasir.up")
 
@@ -137,10 +138,16 @@ def cmd_up(args) -> int:
     from kvasir_bus.logs import configure
     from kvasir_bus.server import EmbeddedNats
 
-    # With a prompt the report is the output; while serving, the logs are.
-    configure("warning" if args.json or args.prompt is not None else "info")
+    # With a prompt the report is the output; while serving, the logs are. Not on a terminal
+    # (CI, a pipe, a log file) the start-up says how far it got, as info lines, either way.
+    quiet = args.json or args.prompt is not None
+    configure("warning" if quiet and sys.stderr.isatty() else "info")
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
+    if args.db is not None and not args.no_market:
+        from market.cli import check_db_dir
+
+        check_db_dir(args.db)  # the market it spawns would refuse it, out of sight in its log
     cfg = BackboneConfig.from_args(args, nats_url=None, market=not args.no_market, market_interval_s=0.5)
     http = None
     if args.http is not None:  # the swarm behind an OpenAI-compatible server and the bus API
@@ -196,16 +203,23 @@ def cmd_up(args) -> int:
             workers.append(spawn_worker(url, f"worker-{i}", ["--model", args.model, "--layer", "all",
                                                             "--experts", f"{lo}-{hi}"], log_file=logf,
                                         extra=["--creds", creds[f"worker-{i}"]] if creds else []))
+        # Workers load their experts before their first heartbeat: on a big model that is
+        # minutes, so a log file hears how many are ready every 10 s (a terminal waits quietly).
+        ready = None if sys.stderr.isatty() else LogProgress("up_workers_ready", unit="workers", model=fp)
+        log.info("up_starting", nats=url, model=fp, workers=len(workers), market=market is not None,
+                 logs=str(logdir))
         try:
             if workers:
-                asyncio.run(wait_for_nodes(url, fp, {w.node for w in workers}, procs=workers, timeout=300))
+                asyncio.run(wait_for_nodes(url, fp, {w.node for w in workers}, procs=workers, timeout=300,
+                                           progress=ready))
         except KvasirError as exc:
             raise KvasirError(f"{exc}; worker logs: {_tails(workers)}") from None
         print(f"swarm up: {url}, model {fp} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
               f"{engine.cfg.n_expert} experts), {len(workers)} workers in {time.perf_counter() - t0:.1f} s: "
               + ", ".join(f"{w.node} experts {lo}-{hi}" for w, (lo, hi) in zip(workers, ranges)), file=out)
         if market is not None:
-            print(f"market: kvasir status --nats {url}   (ledger {args.db or 'in a temporary file'})", file=out)
+            ledger = args.db or (logdir / "market.db" if args.logs is not None else "in a temporary file")
+            print(f"market: kvasir status --nats {url}   (ledger {ledger})", file=out)
         kept = "kept" if args.logs is not None else "removed at exit; keep them with --logs DIR"
         print(f"logs ({kept}): " + ", ".join(
             [str(logdir / "market.log")] * (market is not None)

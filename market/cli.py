@@ -38,6 +38,18 @@ def _model_arg(value: str | None) -> str | None:
         raise UsageError(f"--model: {exc}") from None
 
 
+def check_db_dir(db: str, flag: str = "--db") -> None:
+    """Refuse a ledger file whose directory is missing: a typo in a path should not quietly
+    start a fresh ledger somewhere new (the ledger holds what nodes earned)."""
+    from pathlib import Path
+
+    parent = Path(db).expanduser().parent
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else \
+            "does not exist (create it first; the market does not create directories)"
+        raise UsageError(f"{flag} {db}: directory {parent} {what}")
+
+
 # -- kvasir market --------------------------------------------------------------------------
 
 def _add_market(subparsers: argparse._SubParsersAction) -> None:
@@ -52,7 +64,8 @@ def _add_market(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nats", metavar="URL", default=None, help=_NATS_HELP)
     add_connection_flags(p)
     p.add_argument("--db", metavar="FILE", default=DEFAULT_DB,
-                   help=f"ledger database, created if missing (default: {DEFAULT_DB})")
+                   help=f"ledger database, created if missing; its directory must exist "
+                   f"(default: {DEFAULT_DB})")
     p.add_argument("--expiry", type=float, default=10.0, metavar="S",
                    help="a worker silent this long drops out of the coverage map (default 10)")
     p.add_argument("--range-experts", type=int, default=32, metavar="N",
@@ -90,6 +103,7 @@ def _cmd_market(args: argparse.Namespace) -> int:
         _positive(name, value)
     if args.grace < 0:
         raise UsageError(f"--grace must be >= 0, got {args.grace}")
+    check_db_dir(args.db)
     try:
         cfg = MarketConfig(node=args.node, db_path=args.db, expiry_s=args.expiry,
                            assign_grace_s=args.grace, range_experts=args.range_experts,

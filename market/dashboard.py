@@ -18,12 +18,19 @@ short history of the fallback rate and of the routed rows per second. The routed
 from the backbones' routing statistics, which the dashboard reads on its own subscription;
 they count tokens x experts per token per MoE layer (the market does not know top-k, so it
 shows rows, not tokens).
+
+Quarantines (a backbone's audit caught a node lying, ``kvasir.<model>.quarantine``) are read
+on a second subscription of the dashboard's own and listed per model under ``quarantined``:
+node, the expert it was caught on, the error, when. A backbone ignores that node from then on;
+the market may still count its heartbeats, so the page marks the node in the workers table.
+The list lives as long as the market process (the backbones keep theirs in memory too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -75,6 +82,16 @@ class _Throughput:
         return sum(got) if got else None
 
 
+MAX_QUARANTINED = 1000  # per model: a flood of fake events cannot grow the page without end
+
+
+def quarantine_json(q: mc.Quarantine) -> dict[str, Any]:
+    """One quarantine as the page reads it; a non-finite error (a misshaped or NaN reply)
+    becomes None, since JSON has no inf."""
+    return {"node": q.node, "layer": q.layer, "expert": q.expert, "kernel": q.kernel,
+            "exact": q.exact, "error": q.error if math.isfinite(q.error) else None, "at": q.at}
+
+
 class Dashboard:
     """The market's HTTP server. ``start()``/``stop()`` are idempotent; ``async with`` works.
 
@@ -94,11 +111,12 @@ class Dashboard:
         app.router.add_static("/static/", STATIC)
         self.server = MetricsServer(self.registry, self.cfg.host, self.cfg.port, app=app)
         self.throughput = _Throughput()
+        self.quarantined: dict[str, dict[str, mc.Quarantine]] = {}  # model -> node -> first catch
         self.history: dict[str, deque] = {}
         self.snapshot: dict[str, Any] = {"sent_at": time.time(), "models": []}
         self._tick = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._sub = None
+        self._subs: list[Any] = []
         self._running = False
 
     @property
@@ -111,7 +129,9 @@ class Dashboard:
             return self
         self._running = True
         try:
-            self._sub = await self.market.nc.subscribe(subjects.ALL_ROUTING, cb=self._on_routing)
+            nc = self.market.nc
+            self._subs.append(await nc.subscribe(subjects.ALL_ROUTING, cb=self._on_routing))
+            self._subs.append(await nc.subscribe(subjects.ALL_QUARANTINE, cb=self._on_quarantine))
             await self.take_snapshot()
             await self.server.start()
         except BaseException:
@@ -130,12 +150,12 @@ class Dashboard:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-        if self._sub is not None:
+        subs, self._subs = self._subs, []
+        for sub in subs:
             try:
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
             except Exception:  # the connection may be closed already
                 pass
-            self._sub = None
         await self.server.stop()
 
     async def __aenter__(self) -> Dashboard:
@@ -152,6 +172,22 @@ class Dashboard:
             return  # the market logs bad routing messages; the chart only needs good ones
         self.throughput.add(stats, time.time())
 
+    async def _on_quarantine(self, msg: Any) -> None:
+        try:
+            q = mc.decode_quarantine(msg.data)
+            model = subjects.model_of(msg.subject)
+        except (CodecError, ValueError) as exc:
+            log.warning("bad_quarantine_event", subject=msg.subject, error=str(exc))
+            return
+        if model != q.model:
+            log.warning("bad_quarantine_event", subject=msg.subject, model=q.model,
+                        error="the record names another model than its subject")
+            return
+        caught = self.quarantined.setdefault(q.model, {})
+        if q.node not in caught and len(caught) < MAX_QUARANTINED:
+            caught[q.node] = q  # the first catch says when it began; later ones add nothing
+            log.info("node_quarantined", model=q.model, node=q.node, layer=q.layer, expert=q.expert)
+
     async def take_snapshot(self) -> dict[str, Any]:
         """Build the snapshot every page gets next (and remember a history point)."""
         now = time.time()
@@ -161,6 +197,8 @@ class Dashboard:
             doc = status_json(st)
             doc["replicas"] = expert_replicas(st).tolist()
             doc["pending"] = expert_pending(st).tolist()
+            doc["quarantined"] = [quarantine_json(q) for q in sorted(
+                self.quarantined.get(name, {}).values(), key=lambda q: (q.at, q.node))]
             point = {"t": now, "fallback_rate": st.fallback_rate,
                      "rows_per_s": self.throughput.rate(name, now),
                      "reward": doc["rewards"]["total"]["reward"]}

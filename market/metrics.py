@@ -12,7 +12,8 @@ handlers is instrumented; a scrape costs one ledger query per model.
 ``kvasir_market_experts_covered{model}``        experts with at least one live replica
 ``kvasir_market_holes{model}``                  ranges with no replica (live or pending)
 ``kvasir_market_range_replicas{model,layer,range}``   replicas of a range (its least-held
-                                                 expert; pending assignments count)
+                                                 expert; pending assignments count); ``range``
+                                                 is inclusive, ``0-7`` (as ``kvasir status``)
 ``kvasir_market_range_target{...}``             replicas wanted there
 ``kvasir_market_range_demand{...}``             usage weight x missing replicas
 ``kvasir_market_range_usage{...}``              share of routed rows (0..1)
@@ -37,6 +38,7 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvasir_bus.market_codec import MarketStatus
+from kvasir_bus.wire import Holding
 
 
 def expert_replicas(st: MarketStatus) -> np.ndarray:
@@ -133,7 +135,7 @@ class MarketCollector:
             if st.fallback_rate is not None:
                 per_model["fallback"].add_metric([m], st.fallback_rate)
             for e in st.demand:
-                labels = [m, str(e.layer), f"{e.lo}-{e.hi}"]
+                labels = [m, str(e.layer), Holding(e.layer, e.lo, e.hi).span]
                 for key, value in (("replicas", e.replicas), ("target", e.target),
                                    ("demand", e.demand), ("usage", e.usage),
                                    ("reward_rate", e.reward_rate)):

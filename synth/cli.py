@@ -66,10 +66,11 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_synth)
 
     p = subparsers.add_parser(
-        "info", help="describe a MoE GGUF: shapes, expert slab size, types, fingerprint",
+        "info", help="describe a MoE GGUF or a slice: shapes, expert slab size, types, fingerprint",
         description="Print a MoE GGUF's architecture, sizes, bytes per expert slab (gate+up+down "
         "of one expert in one layer), the share of the file that routed experts make up, the "
-        "model fingerprint and the type of every tensor group.")
+        "model fingerprint and the type of every tensor group. For a slice (kvasir slice, a "
+        "volunteer's download): the source's fingerprint and shapes, and the experts it holds.")
     p.add_argument("file", metavar="FILE.gguf")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_info)
@@ -83,12 +84,11 @@ def run_synth(args: argparse.Namespace) -> int:
     cfg = synth.make_config(args.arch, args.preset, args.qtype, args.seed, **overrides)
     if Path(args.output).exists() and not args.force:
         raise UsageError(f"{args.output} exists: give --force to overwrite it")
-    progress = _ProgressLine() if sys.stderr.isatty() else None
+    progress = _ProgressLine() if sys.stderr.isatty() else _log_progress(args.output)
     try:
         report = synth.write_model(args.output, cfg, progress=progress)
     finally:
-        if progress is not None:
-            progress.clear()
+        progress.close()
     if report.fallbacks:
         print(f"kvasir synth: warning: {_fallback_summary(report.fallbacks)}", file=sys.stderr)
     layers = f"{cfg.layers} layer" + ("s" if cfg.layers != 1 else "")
@@ -101,6 +101,9 @@ def run_synth(args: argparse.Namespace) -> int:
 def run_info(args: argparse.Namespace) -> int:
     from synth.model import describe_model
 
+    info = describe_slice(args.file)
+    if info is not None:
+        return _print_slice(args, info)
     info = describe_model(args.file)
     if args.json:
         print(json.dumps(info, sort_keys=False))
@@ -124,6 +127,91 @@ def run_info(args: argparse.Namespace) -> int:
     print("tensor types:")
     for group, types in info["tensor_types"].items():
         print(f"  {group}: " + ", ".join(f"{t} ({_count(n)})" for t, n in types.items()))
+    return 0
+
+
+def describe_slice(path: str) -> dict | None:
+    """What ``kvasir info`` shows for a slice (``kvasir slice``, a volunteer's download), or
+    None when ``path`` is not a slice.
+
+    The keys of :func:`synth.model.describe_model` with the *source's* shapes (layers, experts
+    per layer, hidden, expert FFN; the slice records them) and its fingerprint (the ``<model>``
+    of the bus subjects), plus ``slice``: format version, source name, holdings as people read
+    them (inclusive ``L<layer>:<first>-<last>``), experts held and their bytes.
+    ``experts_used`` is None: a slice does not record top-k. Raises ModelFileError for a file
+    that says it is a slice but is not a valid one.
+    """
+    from gguf import GGMLQuantizationType
+
+    from kernels.tensors import open_gguf
+    from modelfile.slice_file import KEYS, slice_from_reader
+
+    reader = open_gguf(path)
+    if KEYS.VERSION not in reader.fields:
+        return None
+    sl = slice_from_reader(reader, str(path))
+    source_name = reader.fields.get(KEYS.SOURCE_NAME)
+    slabs = {}  # layer -> bytes of one expert's gate+up+down there
+    types: dict[str, dict[str, int]] = {}
+    for h in sl.holdings:
+        slabs.setdefault(h.layer, sum(t.nbytes for t in sl.expert_weights(h.layer, h.lo)))
+    for layer, triple in sorted(sl.types.items()):
+        for kind, t in zip(("gate", "up", "down"), triple):
+            group = types.setdefault(f"ffn_{kind}_exps", {})
+            name = GGMLQuantizationType(int(t)).name.lower()
+            group[name] = group.get(name, 0) + 1
+    file_bytes = Path(path).stat().st_size
+    return {
+        "architecture": sl.arch,
+        "layers": sl.n_layer,
+        "experts": sl.n_expert,
+        "experts_used": None,
+        "hidden": sl.n_embd,
+        "expert_ffn": sl.n_ff,
+        "expert_slab_bytes": next(iter(slabs.values())),
+        "expert_slab_bytes_max": max(slabs.values()),
+        "expert_share": sl.nbytes / file_bytes,
+        "fingerprint": sl.fingerprint,
+        "file_bytes": file_bytes,
+        "tensor_types": types,
+        "slice": {
+            "version": int(reader.fields[KEYS.VERSION].contents()),
+            "source_fingerprint": sl.fingerprint,
+            "source_name": source_name.contents() if source_name is not None else None,
+            "holdings": [str(h) for h in sl.holdings],
+            "experts_held": sl.n_held,
+            "expert_bytes": sl.nbytes,
+        },
+    }
+
+
+def _print_slice(args: argparse.Namespace, info: dict) -> int:
+    if args.json:
+        print(json.dumps(info, sort_keys=False))
+        return 0
+    sl = info["slice"]
+    source = sl["source_fingerprint"] + (f" ({sl['source_name']})" if sl["source_name"] else "")
+    rows = [
+        ("file", f"{args.file} ({_size(info['file_bytes'])})"),
+        ("kind", f"slice (format {sl['version']}) of model {source}"),
+        ("holdings", " ".join(sl["holdings"]) + f"  ({sl['experts_held']} experts, "
+         f"{_size(sl['expert_bytes'])}; inclusive ranges)"),
+        ("architecture", info["architecture"]),
+        ("layers", f"{info['layers']} in the source"),
+        ("experts", f"{info['experts']} per layer in the source"),
+        ("hidden", info["hidden"]),
+        ("expert FFN", info["expert_ffn"]),
+        ("expert slab", f"{info['expert_slab_bytes']:,} bytes (gate+up+down of one expert, one layer)"
+         + (f"; up to {info['expert_slab_bytes_max']:,} in other layers"
+            if info["expert_slab_bytes_max"] != info["expert_slab_bytes"] else "")),
+        ("fingerprint", f"{info['fingerprint']} (the source's: the slice serves kvasir."
+         f"{info['fingerprint']}.x.*)"),
+    ]
+    for key, value in rows:
+        print(f"{key:<13} {value}")
+    print("tensor types (per layer held):")
+    for group, types in info["tensor_types"].items():
+        print(f"  {group}: " + ", ".join(f"{t} ({n} layer{'s' if n != 1 else ''})" for t, n in types.items()))
     return 0
 
 
@@ -151,6 +239,16 @@ def _size(n: int) -> str:
     return f"{n} bytes"
 
 
+def _log_progress(output: str):
+    """Not on a terminal (CI, a pipe): a JSON log line on stderr every 10% or 10 s, once the
+    file has taken 2 s (a tiny model is written before anyone wonders)."""
+    from kvasir_bus.logs import configure
+    from kvasir_bus.progress import LogProgress
+
+    configure("info")
+    return LogProgress("synth_progress", unit="bytes", after_s=2.0, output=output)
+
+
 class _ProgressLine:
     """A ``\\r`` progress line on stderr, at most ten updates a second."""
 
@@ -168,7 +266,7 @@ class _ProgressLine:
         sys.stderr.write(f"\r\x1b[K{_size(done)} / {_size(total)} ({pct:.0f}%)  {name}")
         sys.stderr.flush()
 
-    def clear(self) -> None:
+    def close(self) -> None:
         if self._shown:
             sys.stderr.write("\r\x1b[K")
             sys.stderr.flush()

@@ -42,6 +42,7 @@ from gguf import GGML_QUANT_SIZES
 
 from kvasir_bus.errors import KvasirError, ModelFileError, UsageError
 from kvasir_bus.market_codec import Manifest
+from kvasir_bus.progress import LogProgress
 from kvasir_bus.wire import Holding
 from modelfile.slice_file import KINDS, SliceInfo, load_slice, slice_tensor_name, source_tensor_name
 from modelfile.slicer import SlicePlan, SliceTensor, write_slice_header
@@ -587,6 +588,16 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def progress_for(stream, label: str = "downloading", event: str = "download_progress",
+                 **context) -> TerminalProgress | LogProgress:
+    """The progress callback for ``stream``: a redrawn line on a terminal; elsewhere (a log
+    file, a pipe) a structlog line every 10% or 10 s (:class:`kvasir_bus.progress.LogProgress`)."""
+    isatty = getattr(stream, "isatty", None)
+    if isatty is not None and isatty():
+        return TerminalProgress(stream, label)
+    return LogProgress(event, unit="bytes", **context)
 
 
 class TerminalProgress:

@@ -32,7 +32,7 @@ from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.market_codec import Assignment, Manifest, VolunteerRequest
 from kvasir_bus.subjects import Subjects
 from workers.verify import ask_manifest
-from workers.download import DownloadResult, TerminalProgress, download_slice, plan_download
+from workers.download import DownloadResult, download_slice, plan_download, progress_for
 from modelfile.slice_file import SliceInfo
 from workers.source import Identity, identify, open_source
 
@@ -222,7 +222,7 @@ async def volunteer_and_serve(cfg: VolunteerConfig, worker_cfg, url: str | None)
     nc = await connect_or_stop(stop, url, name=micro.connection_name("worker", worker_cfg.node))
     if nc is None:  # stopped before the bus answered
         return 0
-    progress = TerminalProgress(sys.stderr) if sys.stderr.isatty() else None
+    progress = progress_for(sys.stderr, node=worker_cfg.node)
     try:
         enrolling = asyncio.ensure_future(volunteer(nc, cfg, progress=progress, cancel=cancel))
         stopping = asyncio.ensure_future(stop.wait())

@@ -12,8 +12,14 @@ function pct(x) {
   return x === null || x === undefined ? "unknown" : (100 * x).toFixed(1) + "%";
 }
 
+// Ranges travel half-open (lo <= e < hi); people read them inclusive, as `kvasir status` prints
+// them (kvasir_bus.wire.Holding): L1:8-15 is experts 8 to 15.
+function rangeText(layer, lo, hi) {
+  return `L${layer}:${lo}-${hi - 1}`;
+}
+
 function holdingsText(hs) {
-  return hs.map(([l, lo, hi]) => `L${l}:${lo}-${hi}`).join(" ") || "-";
+  return hs.map(([l, lo, hi]) => rangeText(l, lo, hi)).join(" ") || "-";
 }
 
 function section(doc) {
@@ -79,18 +85,28 @@ function drawChart(svg, points, key, max) {
   svg.dataset.points = known.length;
 }
 
+// rows: [[text, numeric?, class?], ...] per row; a row may carry rowClass and title (properties).
 function fillTable(tbody, rows) {
   tbody.textContent = "";
   for (const row of rows) {
     const tr = document.createElement("tr");
-    for (const [text, num] of row) {
+    if (row.rowClass) tr.className = row.rowClass;
+    if (row.title) tr.title = row.title;
+    for (const [text, num, cls] of row) {
       const td = document.createElement("td");
       td.textContent = text;
-      if (num) td.className = "num";
+      td.className = [num ? "num" : "", cls || ""].join(" ").trim();
       tr.appendChild(td);
     }
     tbody.appendChild(tr);
   }
+}
+
+// A backbone's audit caught the node: on which expert, how far off (when: in the tooltip).
+function quarantineText(q) {
+  if (!q) return "-";
+  const err = q.error === null ? "bad reply" : `error ${Number(q.error).toPrecision(2)}`;
+  return `yes: L${q.layer} e${q.expert}, ${err}`;
 }
 
 function drawModel(doc) {
@@ -98,7 +114,8 @@ function drawModel(doc) {
   const holes = doc.demand.filter((e) => e.replicas === 0).length;
   $(".summary", sec).textContent = doc.manifest_known
     ? `${doc.n_layer} layers x ${doc.n_expert} experts, ${doc.demand.length} ranges of ${doc.range_experts}, ` +
-      `${holes} holes, ${doc.nodes.length} workers`
+      `${holes} holes, ${doc.nodes.length} workers` +
+      ((doc.quarantined || []).length ? `, quarantined: ${doc.quarantined.map((q) => q.node).join(", ")}` : "")
     : "manifest not received from the backbone yet";
   if (doc.manifest_known) drawHeatmap(sec, doc);
 
@@ -110,18 +127,26 @@ function drawModel(doc) {
   $(".rows-now", sec).textContent = `now ${last.rows_per_s == null ? "-" : fmt(last.rows_per_s, 1)} rows/s`;
 
   const rewards = Object.fromEntries(doc.rewards.nodes.map((t) => [t.node, t]));
+  const caught = Object.fromEntries((doc.quarantined || []).map((q) => [q.node, q]));
   fillTable($("table.workers tbody", sec), doc.nodes.map((n) => {
-    const t = rewards[n.node];
+    const t = rewards[n.node], q = caught[n.node];
     const held = holdingsText(n.holdings) + (n.pending.length ? ` (pending ${holdingsText(n.pending)})` : "");
-    return [[n.node], [n.kernel || "-"], [n.version || "-"], [held], [fmt(n.load, 0), 1],
-            [String(n.served), 1], [n.age_s === null ? "never" : `${fmt(n.age_s, 1)} s ago`, 1],
-            [t ? String(t.rows) : "0", 1], [t ? fmt(t.reward, 3) : "0.000", 1]];
+    const row = [[n.node], [n.kernel || "-"], [n.version || "-"], [held], [fmt(n.load, 0), 1],
+                 [String(n.served), 1], [n.age_s === null ? "never" : `${fmt(n.age_s, 1)} s ago`, 1],
+                 [t ? String(t.rows) : "0", 1], [t ? fmt(t.reward, 3) : "0.000", 1],
+                 [quarantineText(q), 0, "quarantine"]];
+    if (q) {
+      row.rowClass = "quarantined";
+      row.title = `quarantined at ${new Date(q.at * 1000).toLocaleString()} (kernel ${q.kernel || "-"}, ` +
+        `${q.exact ? "identical bits" : "a tolerance"} demanded)`;
+    }
+    return row;
   }));
   const wanted = doc.demand.filter((e) => e.demand > 0)
     .sort((a, b) => (a.replicas > 0) - (b.replicas > 0) || b.demand - a.demand || a.layer - b.layer || a.lo - b.lo)
     .slice(0, 12);
   fillTable($("table.demand tbody", sec), wanted.map((e) => [
-    [`L${e.layer}:${e.lo}-${e.hi}`], [String(e.replicas), 1], [String(e.target), 1],
+    [rangeText(e.layer, e.lo, e.hi)], [String(e.replicas), 1], [String(e.target), 1],
     [pct(e.usage), 1], [fmt(e.demand), 1], [fmt(e.reward_rate, 3), 1]]));
 }
 

@@ -60,3 +60,21 @@ def test_up_report_lists_every_node_that_served():
     assert list(got) == ["worker-0", "worker-1", "phone-7"]
     assert got["phone-7"] == {"experts": "-", "calls": 2, "rows": 3}
     assert got["worker-1"] == {"experts": "4-7", "calls": 0, "rows": 0}
+
+
+def test_market_db_in_a_missing_directory_is_refused_naming_it(capsys, tmp_path):
+    missing = tmp_path / "no" / "such"
+    err = one_line_error(capsys, ["market", "--db", str(missing / "x.db"), "--nats", "nats://127.0.0.1:1"])
+    assert f"directory {missing} does not exist" in err and err.startswith("kvasir market: error: --db")
+    assert not missing.exists()  # refused, not created
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    err = one_line_error(capsys, ["market", "--db", str(afile / "x.db")])
+    assert f"directory {afile} is not a directory" in err
+
+
+def test_up_refuses_a_market_db_in_a_missing_directory_before_starting(capsys, tmp_path):
+    missing = tmp_path / "gone"
+    err = one_line_error(capsys, ["up", "--model", str(tmp_path / "not-read.gguf"), "--db", str(missing / "l.db"),
+                                  "--prompt", "x"])
+    assert f"directory {missing} does not exist" in err and not missing.exists()

@@ -2,8 +2,9 @@
 driven by Selenium; ``.ci/run`` installs them).
 
 A market, a fake backbone and fake workers (tests/market/fakes.py) run on an embedded NATS in
-a background event loop; the page must show each worker's range as covered in the heatmap, then
-show it as a hole once that worker is killed and expires. Every wait polls the page with a
+a background event loop; the page must show each worker's range as covered in the heatmap and
+inclusive in its tables (``L1:8-15``, as ``kvasir status``), mark the nodes a backbone's audit
+quarantined, then show a range as a hole once its worker is killed and expires. Every wait polls the page with a
 deadline. The last screenshot is saved under the test's tmp dir (``dashboard.png``; its path
 is printed), and also to ``$KVASIR_ARTIFACTS`` when that is set.
 """
@@ -18,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from kvasir_bus import market_codec as mc
 from kvasir_bus.connect import connect
+from kvasir_bus.subjects import Subjects
+from kvasir_bus.wire import Holding
 from kvasir_bus.loopthread import LoopThread
 from market.dashboard import Dashboard, DashboardConfig
 from market.service import Market, MarketConfig
@@ -94,6 +98,18 @@ class Swarm:
         self.workers[name] = w
         return w
 
+    def quarantine(self, name: str, error: float) -> None:
+        """What a backbone publishes when its audit catches ``name`` (backbone/dispatch.py)."""
+        h = self.workers[name].holdings[0]
+        event = mc.Quarantine(model=FP, node=name, layer=h.layer, expert=h.lo, kernel="fake",
+                              exact=True, error=error, at=1_700_000_000.0)
+
+        async def go():
+            await self.nc.publish(Subjects(FP).quarantine(), event.encode(),
+                                  headers=mc.headers_for(event))
+            await self.nc.flush()
+        self.loop.run(go(), timeout=20)
+
     def kill(self, name: str) -> None:
         self.loop.run(self.workers.pop(name).kill(), timeout=20)
 
@@ -137,6 +153,14 @@ def expected(workers) -> dict[tuple[int, int], int]:
     return want
 
 
+def table(driver, which: str) -> dict[str, list[str]]:
+    """First cell -> the row's cells, of the page's ``table.<which>``."""
+    rows = driver.execute_script(
+        f"return [...document.querySelectorAll('table.{which} tbody tr')]"
+        ".map(r => [...r.cells].map(c => c.textContent))")
+    return {r[0]: r for r in rows}
+
+
 def wait_until(driver, predicate, what: str, timeout: float = 15.0):
     from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.support.ui import WebDriverWait
@@ -159,7 +183,7 @@ def save_screenshot(driver, tmp_path: Path) -> Path:
     return shot
 
 
-def test_heatmap_shows_the_swarms_coverage_and_the_hole_a_killed_worker_leaves(
+def test_dashboard_shows_coverage_inclusive_ranges_quarantines_and_a_killed_workers_hole(
         browser, swarm, tmp_path):
     for name in ("phone-1", "laptop-2", "gpu-3", "pi-4", "phone-5"):
         swarm.worker(name)
@@ -188,6 +212,30 @@ def test_heatmap_shows_the_swarms_coverage_and_the_hole_a_killed_worker_leaves(
     with urllib.request.urlopen(swarm.dashboard.url + "/api/state", timeout=5) as resp:
         state = json.load(resp)
     assert state["models"][0]["model"] == FP
+
+    # Ranges read as `kvasir status` prints them: inclusive, L1:8-15 is experts 8..15.
+    for name, cells in table(browser, "workers").items():
+        assert cells[3] == " ".join(str(h) for h in swarm.workers[name].holdings), cells
+    shown_ranges = [row[0] for row in table(browser, "demand").values()]
+    want_ranges = {str(Holding(e["layer"], e["lo"], e["hi"])) for e in state["models"][0]["demand"]}
+    assert shown_ranges and set(shown_ranges) <= want_ranges, (shown_ranges, want_ranges)
+
+    # A backbone's audit catches two nodes (one with a reply that was not even finite).
+    swarm.quarantine("laptop-2", 0.37)
+    swarm.quarantine("pi-4", float("inf"))
+    wait_until(browser, lambda d: {n for n, c in table(d, "workers").items()
+                                   if c[-1].startswith("yes")} == {"laptop-2", "pi-4"},
+               "the quarantined column to mark laptop-2 and pi-4")
+    rows = table(browser, "workers")
+    assert rows["laptop-2"][-1].startswith("yes: L") and "error 0.37" in rows["laptop-2"][-1]
+    assert "bad reply" in rows["pi-4"][-1] and rows["phone-1"][-1] == "-"
+    marked = browser.execute_script(
+        "return [...document.querySelectorAll('table.workers tr.quarantined')].map(r => r.cells[0].textContent)")
+    assert sorted(marked) == ["laptop-2", "pi-4"]
+    with urllib.request.urlopen(swarm.dashboard.url + "/api/state", timeout=5) as resp:
+        state = json.loads(resp.read(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    caught = {q["node"]: q for q in state["models"][0]["quarantined"]}
+    assert caught["laptop-2"]["error"] == 0.37 and caught["pi-4"]["error"] is None
 
     victim = swarm.workers["gpu-3"]
     gone = {(h.layer, e) for h in victim.holdings for e in range(h.lo, h.hi)}

@@ -96,7 +96,8 @@ def test_market_metrics_show_coverage_demand_fallback_and_rewards(nats_server, a
             assert got[("kvasir_market_holes", m)] == 4               # 6 ranges - 2
             assert got[("kvasir_market_fallback_rate", m)] == 0.25
             for h in held.values():
-                key = (("layer", str(h.layer)), ("model", FP), ("range", f"{h.lo}-{h.hi}"))
+                # inclusive, as `kvasir status` and the dashboard print it: 8 experts 0..7 is "0-7"
+                key = (("layer", str(h.layer)), ("model", FP), ("range", f"{h.lo}-{h.hi - 1}"))
                 assert got[("kvasir_market_range_replicas", key)] == 1
             assert sum(v for (name, _l), v in got.items()
                        if name == "kvasir_market_range_replicas") == 2
