@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kvasir_bus.connect import add_connection_flags
+from kvasir_bus.threads import add_kernel_flags
 
 DEFAULT_VERIFY_PROMPT = (
     "The swarm splits a mixture-of-experts model into single experts, so that a phone can carry "
@@ -33,6 +35,7 @@ def register(sub) -> None:
     p.add_argument("--dump-logits", metavar="FILE.npy",
                    help="save the logits of every position (prompt and generated) as float32")
     add_bus_flags(p)
+    add_kernel_flags(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
@@ -45,6 +48,7 @@ def register(sub) -> None:
     p.add_argument("--decode", type=int, default=16, metavar="N", help="greedy steps after the prompt (default 16)")
     p.add_argument("--json", action="store_true", help="print JSON with positions, max_abs_diff, min_cosine, "
                    "argmax_agreement")
+    add_kernel_flags(p)
     p.set_defaults(func=cmd_verify)
 
 
@@ -86,8 +90,7 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per engine step, decode tokens plus prompt chunks (default 256)")
     p.add_argument("--kv-mb", type=float, default=None, metavar="MB",
                    help="bound on the KV caches of the active sequences (default: --max-active full contexts)")
-    p.add_argument("--deterministic", action="store_true",
-                   help="each sequence's tokens are exactly what it gets alone (the engine is batch-invariant)")
+    add_kernel_flags(p)  # --deterministic: the engine's kernels are batch-invariant, and the server says so
 
 
 def cmd_serve_http(args) -> int:
@@ -103,8 +106,11 @@ def cmd_serve_http(args) -> int:
     from backbone.model import Engine
     from kvasir_bus.logs import configure
 
+    from kernels.backend import apply_kernel_flags
+
     server_cfg = http_config(args)  # flags checked before the model is read
     check_ctx(args.ctx)
+    apply_kernel_flags(args)
     if not getattr(args, "nats", None):
         configure("info")
         engine = Engine(args.model, n_ctx=args.ctx)  # validates the file first
@@ -195,6 +201,9 @@ def cmd_generate(args) -> int:
     check_ctx(args.ctx)
     sampler = _sampler(args)
     cfg = backbone_config(args)  # flags checked before the model is read
+    from kernels.backend import apply_kernel_flags
+
+    apply_kernel_flags(args)
     engine = Engine(cfg.model_path, n_ctx=cfg.n_ctx, wire_dtype=cfg.wire_dtype)  # validates the file first
     check_ctx(args.ctx, engine)
     tok = Tokenizer(args.model)
@@ -279,6 +288,9 @@ def cmd_verify(args) -> int:
 
     if args.decode < 0:
         raise UsageError(f"--decode must be >= 0, got {args.decode}")
+    from kernels.backend import apply_kernel_flags
+
+    apply_kernel_flags(args)
     engine = Engine(args.model)  # validates the file first
     tok = Tokenizer(args.model)
     prompt = tok.encode(args.prompt)
@@ -292,6 +304,12 @@ def cmd_verify(args) -> int:
         step.log.info("verify_reference", engine="llama.cpp", tokens=len(gen.all_tokens))
     ref = Reference(args.model, n_ctx=len(gen.all_tokens) + 8, n_batch=max(32, len(gen.all_tokens)))
     report = compare(gen.logits_array(), ref.logits(gen.all_tokens))
+    from kernels.backend import kernel_settings
+
+    ours = kernel_settings()
+    # llama.cpp runs in this process on the same libggml-cpu: the same tiled-matmul switch.
+    report["settings"] = {"ours": ours, "llama_cpp": {"tiled_mm": ours["tiled_mm"], "repack": False,
+                                                      "flash_attn": False, "threads": os.cpu_count()}}
     if args.json:
         print(json.dumps(report))
     else:
@@ -301,6 +319,9 @@ def cmd_verify(args) -> int:
         print(f"max |diff|       {report['max_abs_diff']:.3g}")
         print(f"min cosine       {report['min_cosine']:.9f}")
         print(f"argmax agreement {report['argmax_agreement']:.3f}")
+        print(f"kernels          ours {ours['label']} ({ours['mode']}: tiled matmul "
+              f"{'on' if ours['tiled_mm'] else 'off'}, repacking off); llama.cpp the same switches, "
+              f"flash attention off")
     return 0
 
 

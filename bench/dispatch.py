@@ -8,6 +8,14 @@ round trips per token (requests, and the serial waits: one per MoE layer), and t
 wire per token per layer. Both runs must produce the same tokens; the JSON says whether they did.
 
     python bench/dispatch.py [--workers 2] [--decode 16] [--experts-122b 16]
+    python bench/dispatch.py --overhead [--decode 64]
+
+``--overhead`` measures only what a remote call costs besides its kernel: a ``tiny`` model
+(hidden 64, expert FFN 32: a trivial expert, microseconds of compute) decoded monolithically and
+with one worker process holding every expert. Backbone CPU per remote call = (process CPU of
+the sharded decode - that of the monolithic one) / remote calls; worker CPU per call = the
+worker process's CPU (from /proc) / requests, and the trivial kernel's own time beside it. The
+codec's part of each (encode, validate, decode, headers) is timed in-process.
 """
 
 from __future__ import annotations
@@ -92,6 +100,87 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int) -> dict:
     }
 
 
+def _proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux /proc; 10 ms resolution)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _per_call_us(fn, n: int = 2000) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return round(1e6 * (time.perf_counter() - t0) / n, 1)
+
+
+def codec_costs(n_embd: int, rows: int = 1) -> dict:
+    """Microseconds per call of each codec step of one remote call, in this process."""
+    from kvasir_bus import codec
+
+    x = np.random.default_rng(0).standard_normal((rows, n_embd)).astype(np.float32)
+    model = "0" * 16
+    req = codec.DispatchRequest(model=model, layer=3, expert=17, rows=x, request_id="1a2b")
+    payload = req.encode()
+    rep = codec.DispatchReply(request_id="1a2b", node="bench-0", rows=x, kernel="ggml-x86_64")
+    reply_payload = rep.encode()
+    return {
+        "rows": rows, "n_embd": n_embd,
+        "backbone_build_and_encode_request_us": _per_call_us(
+            lambda: codec.DispatchRequest(model=model, layer=3, expert=17, rows=x, request_id="1a2b").encode()),
+        "backbone_request_headers_us": _per_call_us(lambda: codec.headers_for(req)),
+        "backbone_decode_reply_us": _per_call_us(lambda: codec.decode_reply(reply_payload, n_embd=n_embd)),
+        "worker_decode_request_us": _per_call_us(lambda: codec.decode_request(payload, n_embd=n_embd)),
+        "worker_build_and_encode_reply_us": _per_call_us(
+            lambda: codec.DispatchReply(request_id="1a2b", node="bench-0", rows=x, kernel="ggml-x86_64").encode()),
+        "worker_reply_headers_us": _per_call_us(lambda: codec.headers_for(rep)),
+    }
+
+
+def bench_overhead(path: Path, n_decode: int, n_prompt: int) -> dict:
+    from kernels.expert import expert_ffn
+    from kernels.tensors import tensor_from_reader
+
+    engine = Engine(path)
+    cfg = engine.cfg
+    prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, n_prompt)
+    decode(engine, prompt, 4)  # warm the graph caches
+    c0 = time.process_time()
+    mono_tokens, mono_tps, _ = decode(engine, prompt, n_decode)
+    mono_cpu = time.process_time() - c0
+    fp = model_fingerprint(engine.reader)
+    gate, up, down = (tensor_from_reader(engine.reader, f"blk.0.ffn_{k}_exps.weight").expert(0)
+                      for k in ("gate", "up", "down"))
+    x1 = np.random.default_rng(1).standard_normal((1, cfg.n_embd)).astype(np.float32)
+    kernel_us = _per_call_us(lambda: expert_ffn(gate, up, down, x1, routed=True), 500)
+    with EmbeddedNats() as server, tempfile.TemporaryDirectory() as logdir:
+        log = open(os.path.join(logdir, "w.log"), "w")
+        proc = spawn_worker(server.url, "bench-0", ["--model", str(path), "--layer", "all", "--experts", "all"],
+                            log_file=log)
+        try:
+            asyncio.run(wait_for_nodes(server.url, fp, {proc.node}, procs=[proc], timeout=600))
+            role = BackboneConfig(model_path=str(path), nats_url=server.url, dispatch=DispatchConfig(timeout_s=5.0),
+                                  market=False, serve_manifest=False)
+            with BackboneService(engine, role) as backbone:
+                remote = backbone.dispatch
+                decode(engine, prompt, 4, remote)
+                w0, c0 = _proc_cpu_s(proc.proc.pid), time.process_time()
+                sh_tokens, sh_tps, d = decode(engine, prompt, n_decode, remote)
+                sh_cpu, w_cpu = time.process_time() - c0, _proc_cpu_s(proc.proc.pid) - w0
+        finally:
+            proc.stop()
+    calls = max(1, d["remote"])
+    return {
+        "model": path.name, "hidden": cfg.n_embd, "expert_ffn": cfg.n_ff_exp, "decode_tokens": n_decode,
+        "remote_calls": d["remote"], "same_tokens": sh_tokens == mono_tokens,
+        "monolithic_tok_s": round(mono_tps, 1), "sharded_tok_s": round(sh_tps, 1),
+        "backbone_cpu_us_per_remote_call": round(1e6 * (sh_cpu - mono_cpu) / calls, 1),
+        "worker_cpu_us_per_call": round(1e6 * w_cpu / calls, 1),
+        "trivial_kernel_us_per_call": kernel_us,
+        "worker_cpu_us_per_call_outside_kernel": round(1e6 * w_cpu / calls - (kernel_us or 0), 1),
+        "codec": codec_costs(cfg.n_embd),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
@@ -100,12 +189,22 @@ def main() -> None:
     ap.add_argument("--experts-122b", type=int, default=16,
                     help="experts per layer of the 122b-layer model (the real model has 256)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
+    ap.add_argument("--overhead", action="store_true",
+                    help="only the per-call overhead, with a trivial expert (tiny model, one worker)")
     args = ap.parse_args()
     from kvasir_bus.logs import configure
 
     configure("warning")  # logs on stderr; stdout is the JSON
     models = Path(args.models)
     models.mkdir(parents=True, exist_ok=True)
+    if args.overhead:
+        tiny = models / "tiny-qwen3moe-f32.gguf"
+        if not tiny.exists():
+            synth_model(tiny, arch="qwen3moe", preset="tiny", qtype="f32", seed=0)
+        print(json.dumps({"bench": "dispatch-overhead", "transport": "loopback NATS (embedded nats-server)",
+                          "kernel_mode": os.environ.get("KVASIR_KERNEL_MODE", "fast"),
+                          "result": bench_overhead(tiny, args.decode, args.prompt_tokens)}, indent=2))
+        return
     small = models / "small-qwen3moe-q4_k.gguf"
     if not small.exists():
         synth_model(small, arch="qwen3moe", preset="small", qtype="q4_k", seed=0)

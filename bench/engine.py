@@ -1,9 +1,21 @@
-"""Prefill and decode tokens/s of our engine and of llama.cpp on the same `small` GGUF.
+"""Prefill and decode tokens/s of our engine against llama.cpp as its users run it.
 
-Both engines run in this process, one after the other, on the same prompt and the same number
-of greedy steps, so the ratio compares like with like on this (noisy) machine. Prints JSON.
+The reference is llama.cpp through llama-cpp-python with its defaults: weight repacking into
+the CPU's extra buffer types on, flash attention as llama-cpp-python sets it by default (off),
+``n_threads`` = cores / 2 for decode and all cores for prefill, ggml's default tiled matmul.
+Beside it, labelled, the *matched* reference: llama.cpp with repacking and flash attention off
+and every core, the settings ``kvasir verify`` compares against bit for bit. Our engine runs in
+both kernel modes: ``fast`` (the default) and ``deterministic`` (batch-invariant); the cost of
+the latter is reported as its slowdown.
+
+Every configuration runs in its own child process (ggml reads its kernel switches once, when it
+loads), on the same GGUF, prompt and number of greedy steps, one after the other, so the ratios
+compare like with like on this (noisy) machine. The best of ``--repeat`` runs is reported.
+Models: ``small`` f16 and q4_k (qwen3moe) and a 2-layer ``122b-layer`` q4_k (the 122B's expert
+shapes, ``--experts-122b`` experts per layer). Prints JSON on stdout.
 
     python bench/engine.py [--types f16 q4_k] [--prompt-tokens 64] [--decode 32] [--repeat 3]
+                           [--experts-122b 32] [--no-122b]
 """
 
 from __future__ import annotations
@@ -11,31 +23,111 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
 
-import kvasir_bus  # noqa: E402,F401  (thread settings before numpy loads)
-import numpy as np  # noqa: E402
-
-from backbone.model import Engine  # noqa: E402
-from backbone.reference import Reference  # noqa: E402
-from synth.model import synth_model  # noqa: E402
-from kernels.backend import backend_name  # noqa: E402
+# llama.cpp's own default for the tiled kernel is on; the child for "as users run it" gets an
+# environment without our switches so that llama.cpp decides.
+OUR_ENV = ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_THREADS")
 
 
-def ours(path: Path, prompt: np.ndarray, n: int) -> tuple[float, float]:
-    engine = Engine(path)
-    seq = engine.new_sequence()
-    t0 = time.perf_counter()
-    (logits,) = engine.forward([(seq, prompt)], all_logits=False)
-    t1 = time.perf_counter()
-    for _ in range(n):
-        (logits,) = engine.forward([(seq, np.array([int(logits[-1].argmax())]))], all_logits=False)
-    t2 = time.perf_counter()
-    return len(prompt) / (t1 - t0), n / (t2 - t1)
+def child(kind: str, path: str, n_prompt: int, n_decode: int, repeat: int) -> dict:
+    """One configuration in this (child) process: best prefill and decode tokens/s."""
+    sys.path.insert(0, str(ROOT))
+    if kind.startswith("ours"):
+        os.environ["KVASIR_KERNEL_MODE"] = "deterministic" if kind == "ours-deterministic" else "fast"
+        import numpy as np
+
+        from backbone.model import Engine
+        from kernels.backend import kernel_settings
+        from kvasir_bus.logs import configure
+
+        configure("warning")
+        engine = Engine(path)
+        prompt = np.random.default_rng(0).integers(0, engine.cfg.n_vocab, n_prompt)
+        runs = []
+        for _ in range(repeat):
+            seq = engine.new_sequence()
+            t0 = time.perf_counter()
+            (logits,) = engine.forward([(seq, prompt)], all_logits=False)
+            t1 = time.perf_counter()
+            for _ in range(n_decode):
+                (logits,) = engine.forward([(seq, np.array([int(logits[-1].argmax())]))], all_logits=False)
+            t2 = time.perf_counter()
+            runs.append((n_prompt / (t1 - t0), n_decode / (t2 - t1)))
+        settings = kernel_settings()
+    else:
+        if kind == "llama-users":
+            # No project import here: kvasir_bus would set ggml's switches; llama.cpp decides.
+            import llama_cpp
+
+            llm = llama_cpp.Llama(model_path=path, n_ctx=n_prompt + n_decode + 8, verbose=False)  # defaults
+            settings = {"repack": True, "flash_attn": bool(llm.context_params.flash_attn_type == 1),
+                        "n_threads": llm.n_threads, "n_threads_batch": llm.n_threads_batch,
+                        "tiled_mm": os.environ.get("GGML_CPU_TILED_MM", "unset: llama.cpp's default")}
+        else:  # matched: what kvasir verify compares against
+            from backbone.reference import Reference
+
+            llm = Reference(path, n_ctx=n_prompt + n_decode + 8).llm
+            settings = {"repack": False, "flash_attn": False, "n_threads": llm.n_threads,
+                        "n_threads_batch": llm.n_threads_batch, "tiled_mm": os.environ.get("GGML_CPU_TILED_MM")}
+        import numpy as np
+
+        n_vocab = llm.n_vocab()
+        prompt = np.random.default_rng(0).integers(0, n_vocab, n_prompt).tolist()
+        runs = []
+        for _ in range(repeat):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(prompt)
+            t1 = time.perf_counter()
+            token = int(np.argmax(llm.scores[n_prompt - 1]))
+            for _ in range(n_decode):
+                llm.eval([token])
+                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            t2 = time.perf_counter()
+            runs.append((n_prompt / (t1 - t0), n_decode / (t2 - t1)))
+    return {"prefill_tok_s": round(max(r[0] for r in runs), 1), "decode_tok_s": round(max(r[1] for r in runs), 2),
+            "settings": settings}
+
+
+def run_child(kind: str, path: Path, args) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in OUR_ENV}
+    env["PYTHONPATH"] = str(ROOT)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--model", str(path),
+           "--prompt-tokens", str(args.prompt_tokens), "--decode", str(args.decode), "--repeat", str(args.repeat)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"bench child {kind} on {path.name} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout)
+
+
+def ratio(a: float, b: float) -> float:
+    return round(a / b, 3) if b else float("nan")
+
+
+def bench_model(path: Path, label: str, args) -> dict:
+    got = {kind: run_child(kind, path, args)
+           for kind in ("ours-fast", "ours-deterministic", "llama-users", "llama-matched")}
+    fast, det, users, matched = (got[k] for k in ("ours-fast", "ours-deterministic", "llama-users", "llama-matched"))
+    return {
+        "model": label, "file": path.name, "file_mb": round(path.stat().st_size / 2**20, 1),
+        "ours_fast": fast, "ours_deterministic": det,
+        "llama_cpp_as_users_run_it": users, "llama_cpp_matched_settings": matched,
+        "ratio_ours_fast_over_llama_cpp_users": {
+            "prefill": ratio(fast["prefill_tok_s"], users["prefill_tok_s"]),
+            "decode": ratio(fast["decode_tok_s"], users["decode_tok_s"])},
+        "ratio_ours_fast_over_llama_cpp_matched": {
+            "prefill": ratio(fast["prefill_tok_s"], matched["prefill_tok_s"]),
+            "decode": ratio(fast["decode_tok_s"], matched["decode_tok_s"])},
+        "deterministic_cost": {  # 1 - det/fast: the fraction of speed batch invariance costs
+            "prefill": round(1 - det["prefill_tok_s"] / fast["prefill_tok_s"], 3),
+            "decode": round(1 - det["decode_tok_s"] / fast["decode_tok_s"], 3)},
+    }
 
 
 def main() -> None:
@@ -44,33 +136,40 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["f16", "q4_k"])
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per engine; the best is reported")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per configuration; the best is reported")
+    ap.add_argument("--experts-122b", type=int, default=32, help="experts per layer of the 2-layer 122b model")
+    ap.add_argument("--no-122b", action="store_true", help="leave out the 122b-layer model")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from kvasir_bus.logs import configure
+    if args.child:
+        print(json.dumps(child(args.child, args.model, args.prompt_tokens, args.decode, args.repeat)))
+        return
 
-    configure("warning")  # logs on stderr; stdout is the JSON
+    sys.path.insert(0, str(ROOT))
+    from synth.model import synth_model
 
-    out = {"bench": "engine", "arch": args.arch, "preset": "small", "kernel": backend_name(),
-           "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode, "results": []}
+    models = Path(args.models)
+    models.mkdir(parents=True, exist_ok=True)
+    todo = []
     for qtype in args.types:
-        path = Path(args.models) / f"small-{args.arch}-{qtype}.gguf"
+        path = models / f"small-{args.arch}-{qtype}.gguf"
         if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
             synth_model(path, arch=args.arch, preset="small", qtype=qtype, seed=0)
-        prompt = np.random.default_rng(0).integers(0, 256, args.prompt_tokens)
-        ref = Reference(path, n_ctx=args.prompt_tokens + args.decode + 8)
-        ours_runs = [ours(path, prompt, args.decode) for _ in range(args.repeat)]
-        ref_runs = [ref.decode_tokens_per_s(prompt.tolist(), args.decode) for _ in range(args.repeat)]
-        o_pre, o_dec = max(r[0] for r in ours_runs), max(r[1] for r in ours_runs)
-        r_pre, r_dec = max(r[0] for r in ref_runs), max(r[1] for r in ref_runs)
-        out["results"].append({
-            "type": qtype,
-            "file_mb": round(path.stat().st_size / 2**20, 1),
-            "ours": {"prefill_tok_s": round(o_pre, 1), "decode_tok_s": round(o_dec, 2)},
-            "llama_cpp": {"prefill_tok_s": round(r_pre, 1), "decode_tok_s": round(r_dec, 2)},
-            "ratio_ours_over_llama_cpp": {"prefill": round(o_pre / r_pre, 3), "decode": round(o_dec / r_dec, 3)},
-        })
+        todo.append((path, f"small {args.arch} {qtype}"))
+    if not args.no_122b:
+        path = models / f"122b-layer-{args.arch}-q4_k-2x{args.experts_122b}.gguf"
+        if not path.exists():
+            synth_model(path, arch=args.arch, preset="122b-layer", qtype="q4_k", seed=0, layers=2,
+                        experts=args.experts_122b)
+        todo.append((path, f"122b-layer {args.arch} q4_k, 2 layers x {args.experts_122b} experts"))
+    out = {"bench": "engine", "cores": os.cpu_count(), "prompt_tokens": args.prompt_tokens,
+           "decode_tokens": args.decode, "repeat": args.repeat,
+           "reference": "llama.cpp via llama-cpp-python defaults (repacking on, its default flash "
+                        "attention and threads); 'matched' = repacking and flash attention off, all cores, "
+                        "the same tiled-matmul switch as ours: what kvasir verify compares against",
+           "results": [bench_model(path, label, args) for path, label in todo]}
     print(json.dumps(out, indent=2))
 
 

@@ -28,6 +28,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 
 from kernels import actquant
+from kvasir_bus import threads
 from kernels.checks import ACT_FORMAT, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, check_ffn, check_rows, check_weight
 from kernels.tensors import QTensor
 
@@ -262,13 +263,76 @@ def _select_default() -> Backend:
         return get_backend("numpy")
 
 
-def kernel_label(backend: str | None = None, machine: str | None = None) -> str:
-    """What a node announces as its kernel: the backend and the CPU architecture
-    (``ggml-x86_64``, ``numpy-aarch64``), because ggml's dot products have one implementation per
-    architecture and round differently: two nodes with the same label give identical bits."""
+def kernel_label(backend: str | None = None, machine: str | None = None, mode: str | None = None) -> str:
+    """What a node announces as its kernel: the backend, the CPU architecture and, for ggml in
+    deterministic mode, ``-det`` (``ggml-x86_64``, ``ggml-x86_64-det``, ``numpy-aarch64``).
+    ggml's dot products have one implementation per architecture and round differently, and
+    its two modes take different kernels from 8 rows on: two nodes with the same label give
+    identical bits. numpy is batch-invariant in both modes (it emulates the one-row kernel)."""
     import platform
 
-    return f"{backend or backend_name()}-{machine or platform.machine() or 'unknown'}"
+    backend = backend or backend_name()
+    label = f"{backend}-{machine or platform.machine() or 'unknown'}"
+    if backend == "ggml" and (mode or kernel_mode()) == "deterministic":
+        label += "-det"
+    return label
+
+
+def kernel_mode() -> str:
+    """``fast`` (llama.cpp's default kernels) or ``deterministic`` (batch-invariant): fixed in
+    a process once ggml has loaded, else what env KVASIR_KERNEL_MODE says."""
+    from kernels.ggml import loaded_mode
+
+    return loaded_mode() or threads.kernel_mode()
+
+
+def set_mode(mode: str) -> None:
+    """Choose the kernel mode of this process (and of the workers it starts). Raises
+    ``ValueError`` when ggml has already loaded in the other mode: it reads its switch once."""
+    from kernels.ggml import loaded_mode
+
+    loaded = loaded_mode()
+    if loaded is not None and loaded != mode:
+        raise ValueError(f"kernel mode {mode!r} asked for after ggml loaded in mode {loaded!r}; "
+                         f"set {threads.ENV_MODE}={mode} before the process starts")
+    threads.set_kernel_mode(mode)
+
+
+def kernel_settings() -> dict:
+    """The kernel settings this process computes with, as ``kvasir verify`` and the benchmarks
+    report them: the same ggml switches apply to llama.cpp loaded in this process."""
+    mode = kernel_mode()
+    return {"backend": backend_name(), "mode": mode, "label": kernel_label(),
+            "tiled_mm": mode == "fast", "one_row_as_two": mode == "deterministic",
+            "repack": False, "threads": _threads_setting()}
+
+
+def _threads_setting() -> int:
+    from kernels.ggml import n_threads
+
+    return n_threads()
+
+
+def apply_kernel_flags(args, *, local_processes: int = 1) -> None:
+    """Apply ``--deterministic`` / ``--threads`` before anything loads ggml. Without
+    ``--deterministic`` the mode is left to env KVASIR_KERNEL_MODE (default fast); without
+    ``--threads`` and KVASIR_THREADS the cores are split over ``local_processes``."""
+    from kvasir_bus.errors import UsageError
+
+    try:
+        if getattr(args, "deterministic", False):
+            set_mode("deterministic")
+        else:
+            kernel_mode()  # a bad KVASIR_KERNEL_MODE fails here, as a usage error
+        n = getattr(args, "threads", None)
+        if n is not None:
+            if n < 1:
+                raise ValueError(f"--threads must be >= 1, got {n}")
+            threads.set_threads(n)
+        elif not os.environ.get(threads.ENV_THREADS) and local_processes > 1:
+            threads.set_threads(threads.default_threads(local_processes))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def backend_name() -> str:

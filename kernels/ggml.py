@@ -41,6 +41,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kernels.checks import ACT_FORMAT, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, check_ffn, check_rows, check_weight
 from kernels.tensors import QTensor
+from kvasir_bus.threads import kernel_mode, set_kernel_mode
 
 T = GGMLQuantizationType
 
@@ -250,12 +251,26 @@ def load() -> Lib:
     with _lib_lock:
         if _lib is None and _lib_error is None:
             try:
+                mode = kernel_mode()
+                set_kernel_mode(mode)  # ggml reads GGML_CPU_TILED_MM once, as it loads
                 _lib = Lib(lib_dir())
+                _lib.mode = mode
             except GgmlUnavailable as exc:
                 _lib_error = exc
     if _lib is None:
         raise _lib_error
     return _lib
+
+
+def loaded_mode() -> str | None:
+    """The kernel mode ggml loaded with in this process, or None if it has not loaded yet."""
+    return None if _lib is None else _lib.mode
+
+
+def deterministic() -> bool:
+    """Whether this process's ggml runs batch-invariant (kernel mode ``deterministic``, fixed
+    when the libraries load: see ``kvasir_bus/threads.py``)."""
+    return load().mode == "deterministic"
 
 
 def available() -> bool:
@@ -268,7 +283,8 @@ def available() -> bool:
 
 def info() -> dict:
     lib = load()
-    return {"version": lib.version, "commit": lib.commit, "lib_dir": str(lib.folder), "threads": n_threads()}
+    return {"version": lib.version, "commit": lib.commit, "lib_dir": str(lib.folder), "threads": n_threads(),
+            "mode": lib.mode}
 
 
 SMALL_WORK = 1 << 21  # multiply-adds below which one thread beats waking a team (measured on 2 cores)
@@ -522,7 +538,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
     """
     check_weight(w)
     x = check_rows(x, w.ne[0], w.name)
-    if not routed and x.shape[0] == 1:  # batch invariance: see _one_row
+    if not routed and x.shape[0] == 1 and deterministic():  # batch invariance: see _one_row
         return _one_row(matmul, w, x, routed=False)
     n = x.shape[0]
     lib = load()
@@ -561,7 +577,7 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     when the gate says so (``gate.glu``), the ops and order of ``build_moe_ffn``.
     """
     x = check_ffn(gate, up, down, x)
-    if not routed and x.shape[0] == 1:  # batch invariance: see _one_row
+    if not routed and x.shape[0] == 1 and deterministic():  # batch invariance: see _one_row
         return _one_row(expert_ffn, gate, up, down, x, routed=False)
     n = x.shape[0]
     n_embd, n_ff = gate.ne

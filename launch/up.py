@@ -30,6 +30,7 @@ from backbone.service import BackboneConfig, BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
 from launch.swarm import WorkerProcess, spawn_worker, split_experts, wait_for_nodes
+from kernels.backend import apply_kernel_flags
 from kvasir_bus.connect import ConnectOptions, add_connection_flags
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.fingerprint import model_fingerprint
@@ -105,6 +106,7 @@ def cmd_serve(args) -> int:
 
     configure("info")
     cfg = BackboneConfig.from_args(args)
+    apply_kernel_flags(args)
     engine = Engine(cfg.model_path)
     # Until serving, SIGTERM/SIGINT abandon the start (connecting to an unreachable bus, say)
     # and exit 0; once serving, _wait_for_interrupt turns them into a drained stop.
@@ -154,6 +156,8 @@ def cmd_up(args) -> int:
         if args.prompt is not None:
             raise UsageError("--http serves until Ctrl-C; leave out --prompt")
         http = http_config(args)
+    # The workers started here inherit the mode and share the cores with the backbone.
+    apply_kernel_flags(args, local_processes=args.workers + 1)
     engine = Engine(cfg.model_path, n_ctx=cfg.n_ctx)
     fp = model_fingerprint(engine.reader)
     ranges = split_experts(engine.cfg.n_expert, args.workers) if args.workers else []

@@ -17,6 +17,12 @@ and ``nats_server.websocket_url``. It is stopped, and its temp dir removed, afte
 
 from __future__ import annotations
 
+import os
+
+# The suite asserts batch invariance: run it in the deterministic kernel mode unless told
+# otherwise (tests/kernels/test_mode.py runs the sharding tests in the fast mode too).
+os.environ.setdefault("KVASIR_KERNEL_MODE", "deterministic")
+
 import asyncio
 from collections.abc import Coroutine, Iterator
 from typing import Any, Callable

@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from kvasir_bus.connect import add_connection_flags
+from kvasir_bus.threads import add_kernel_flags
 from kvasir_bus.errors import KvasirError, UsageError
 
 
@@ -108,6 +109,7 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--metrics", metavar="[HOST:]PORT", default=None,
                    help="serve Prometheus /metrics here (host 127.0.0.1 unless given; port 0: any free port)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_kernel_flags(p)  # the backbone's mode: a worker's replies are exact only in the same mode
     # M3 self-enrolment: ask the market for the scarcest range that fits, download only that
     v = p.add_argument_group("volunteering (instead of --slice/--model)")
     v.add_argument("--budget", metavar="SIZE", default=None,
@@ -158,6 +160,9 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         from kvasir_bus.metrics import parse_listen
 
         parse_listen(args.metrics)  # a bad address is one line now, not after connecting
+    from kernels.backend import apply_kernel_flags
+
+    apply_kernel_flags(args)  # before the slice is read: ggml loads once, in this mode
     cfg = WorkerConfig(node=node, heartbeat_s=args.heartbeat, max_rows=args.max_rows,
                        max_bytes=args.max_request_bytes, queue_group=args.queue_group, metrics=args.metrics)
     if volunteering:

@@ -214,9 +214,11 @@ class Worker:
             req, weights = self._validate(msg)
             request_id = req.request_id
             rows = np.ascontiguousarray(req.rows, dtype=np.float32)
-            loop = asyncio.get_running_loop()
             # A slice holds routed experts only: compute them as llama.cpp computes those.
-            out, seconds = await loop.run_in_executor(self._pool, _timed, weights, rows)
+            if _small(weights, rows):  # a hop to the pool and back costs more than the product
+                out, seconds = _timed(weights, rows)
+            else:
+                out, seconds = await asyncio.get_running_loop().run_in_executor(self._pool, _timed, weights, rows)
             self.compute_s += seconds
             if self.on_compute is not None:
                 self.on_compute(req.layer, seconds)
@@ -261,6 +263,14 @@ class Worker:
             raise _Refused(codec.ERR_BAD_REQUEST, f"payload names layer {req.layer} expert {req.expert}, "
                            f"subject names layer {where.layer} expert {where.expert}")
         return req, self.slice.expert_weights(req.layer, req.expert)
+
+
+INLINE_WORK = 1 << 20  # multiply-adds (~50-100 µs on one core) below which the loop computes inline
+
+
+def _small(weights, rows) -> bool:
+    gate = weights[0]
+    return 3 * len(rows) * gate.ne[0] * gate.ne[1] < INLINE_WORK
 
 
 def _timed(weights, rows):

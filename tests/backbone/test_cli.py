@@ -142,5 +142,5 @@ def test_verify_json_has_exactly_the_four_keys(capsys, tiny):
     code, out, _ = run(capsys, "verify", "--model", tiny, "--decode", "4", "--json")
     assert code == 0
     report = json.loads(out)
-    assert set(report) == {"positions", "max_abs_diff", "min_cosine", "argmax_agreement"}
+    assert set(report) == {"positions", "max_abs_diff", "min_cosine", "argmax_agreement", "settings"}
     assert report["argmax_agreement"] == 1.0 and report["max_abs_diff"] <= 1e-3

@@ -1,0 +1,112 @@
+"""The kernel mode: ``fast`` (llama.cpp's default kernels, the default) and ``deterministic``
+(batch-invariant, what this suite runs in: tests/conftest.py). ggml reads its switch once when
+it loads, so the fast mode is checked in child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import backend, ggml
+from kvasir_bus.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = r"""
+import json
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from kernels import ggml
+from kernels.backend import kernel_label, kernel_settings
+from kernels.tensors import QTensor
+
+rng = np.random.default_rng(0)
+w = QTensor("w", T.Q4_K, (256, 64), ggml.quantize(rng.standard_normal((64, 256)).astype(np.float32), T.Q4_K))
+f = QTensor("f", T.F16, (256, 64), rng.standard_normal((64, 256)).astype(np.float16).view(np.uint8).ravel())
+x = rng.standard_normal((16, 256)).astype(np.float32)
+batch = ggml.matmul(w, x, routed=True)
+alone = np.concatenate([ggml.matmul(w, x[i:i + 1], routed=True) for i in range(16)])
+dense_one = ggml.matmul(f, x[:1])
+dense_two = ggml.matmul(f, x[:2])[:1]
+print(json.dumps({"label": kernel_label(), "settings": kernel_settings(),
+                  "routed_batch_invariant": bool(np.array_equal(batch, alone)),
+                  "one_row_as_in_batch": bool(np.array_equal(dense_one, dense_two))}))
+"""
+
+
+def _probe(mode: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM")}
+    if mode:
+        env["KVASIR_KERNEL_MODE"] = mode
+    env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def need_ggml():
+    if not ggml.available():
+        pytest.skip("ggml not available")
+
+
+def test_default_mode_is_fast_with_llama_cpps_tiled_kernel(need_ggml):
+    got = _probe(None)
+    assert got["settings"]["mode"] == "fast" and got["settings"]["tiled_mm"] is True
+    assert not got["label"].endswith("-det")
+    # 16 rows to one K-quant expert take the tiled kernel: not what each row gets alone
+    assert got["routed_batch_invariant"] is False
+
+
+def test_deterministic_mode_is_batch_invariant_and_says_so_in_its_label(need_ggml):
+    got = _probe("deterministic")
+    assert got["settings"]["mode"] == "deterministic" and got["settings"]["tiled_mm"] is False
+    assert got["label"].endswith("-det")
+    assert got["routed_batch_invariant"] is True and got["one_row_as_in_batch"] is True
+
+
+def test_labels_name_the_mode_only_where_it_changes_the_bits():
+    assert backend.kernel_label("ggml", "x86_64", "fast") == "ggml-x86_64"
+    assert backend.kernel_label("ggml", "x86_64", "deterministic") == "ggml-x86_64-det"
+    assert backend.kernel_label("numpy", "x86_64", "deterministic") == "numpy-x86_64"
+
+
+def test_switching_mode_after_ggml_loaded_is_a_usage_error(need_ggml):
+    ggml.load()
+    other = "fast" if backend.kernel_mode() == "deterministic" else "deterministic"
+
+    class Args:
+        deterministic = other == "deterministic"
+        threads = None
+
+    with pytest.raises(ValueError, match="after ggml loaded"):
+        backend.set_mode(other)
+    if Args.deterministic:
+        with pytest.raises(UsageError):
+            backend.apply_kernel_flags(Args())
+
+
+def test_bad_thread_count_is_a_usage_error():
+    class Args:
+        deterministic = False
+        threads = 0
+
+    with pytest.raises(UsageError, match="--threads"):
+        backend.apply_kernel_flags(Args())
+
+
+def test_sharded_equals_monolithic_in_the_fast_mode_too(need_ggml):
+    """The sharding suite's exactness tests, rerun with workers and backbone in the fast mode."""
+    env = dict(os.environ, KVASIR_KERNEL_MODE="fast", PYTHONPATH=str(ROOT))
+    env.pop("GGML_CPU_TILED_MM", None)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/backbone/test_sharding.py", "-k", "change_nothing or killed_mid_generation"],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "2 passed" in out.stdout
