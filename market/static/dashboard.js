@@ -128,7 +128,11 @@ function drawModel(doc) {
 
   const rewards = Object.fromEntries(doc.rewards.nodes.map((t) => [t.node, t]));
   const caught = Object.fromEntries((doc.quarantined || []).map((q) => [q.node, q]));
-  fillTable($("table.workers tbody", sec), doc.nodes.map((n) => {
+  // The market stops counting a quarantined node: keep its row, so the catch stays in sight.
+  const listed = new Set(doc.nodes.map((n) => n.node));
+  const banned = (doc.quarantined || []).filter((q) => !listed.has(q.node)).map((q) => ({
+    node: q.node, kernel: q.kernel, version: "", holdings: [], pending: [], load: 0, served: 0, age_s: null}));
+  fillTable($("table.workers tbody", sec), doc.nodes.concat(banned).map((n) => {
     const t = rewards[n.node], q = caught[n.node];
     const held = holdingsText(n.holdings) + (n.pending.length ? ` (pending ${holdingsText(n.pending)})` : "");
     const row = [[n.node], [n.kernel || "-"], [n.version || "-"], [held], [fmt(n.load, 0), 1],

@@ -42,10 +42,19 @@ def test_every_record_kind_has_readable_headers_with_its_kind_and_model():
     assert wire.headers_for(made["q"])["Kvasir-Layer"] == str(made["q"].layer)
 
 
+def _parse(source: str) -> ast.AST:
+    """ast.parse, once more on CPython 3.11's "AST constructor recursion depth mismatch": its
+    recursion counter is not thread-safe and other tests leave threads running (gh-106905)."""
+    try:
+        return ast.parse(source)
+    except SystemError:
+        return ast.parse(source)
+
+
 def _publish_calls(path: Path):
     """(line, method, has headers) of every ``.publish``/``.request`` whose payload is a
     record's ``.encode()``."""
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_parse(path.read_text())):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                 and node.func.attr in ("publish", "request") and len(node.args) >= 2):
             payload = node.args[1]

@@ -240,12 +240,14 @@ def test_dashboard_shows_coverage_inclusive_ranges_quarantines_and_a_killed_work
     victim = swarm.workers["gpu-3"]
     gone = {(h.layer, e) for h in victim.holdings for e in range(h.lo, h.hi)}
     swarm.kill("gpu-3")
-    want = expected(swarm.workers.values())
+    # The market stops counting quarantined nodes too (the trust issue): their cells are holes.
+    honest = [w for name, w in swarm.workers.items() if name not in ("laptop-2", "pi-4")]
+    want = expected(honest)
     wait_until(browser, lambda d: heatmap(d) == want,
                "the killed worker's range to turn into a hole")
     shown = heatmap(browser)
     assert all(shown[c] == 0 for c in gone)
-    assert sum(shown.values()) == (len(workers) - 1) * RANGE
+    assert sum(shown.values()) == len(honest) * RANGE
     rows = browser.execute_script(
         "return [...document.querySelectorAll('table.workers tbody tr')]"
         ".map(r => r.cells[0].textContent)")
