@@ -129,6 +129,7 @@ class _Part:
 @dataclass(frozen=True)
 class _Won:
     parts: tuple[_Part, ...]
+    latency_s: float = 0.0  # request to last reply chunk
 
     @property
     def out(self) -> np.ndarray:
@@ -140,7 +141,7 @@ class Recorder(Protocol):
 
     def record_call(self, layer: int, expert: int, rows: int, remote: bool) -> None: ...
 
-    def record_win(self, node: str, layer: int, expert: int, rows: int) -> None: ...
+    def record_win(self, node: str, layer: int, expert: int, rows: int, latency_s: float | None = None) -> None: ...
 
     def void(self, node: str) -> None: ...
 
@@ -223,7 +224,7 @@ class RemoteExperts:
             honest = [part for part in won.parts if self._audit(layer, expert, rows, out, part)]
         for part in honest:
             if self.recorder is not None:
-                self.recorder.record_win(part.node, layer, expert, len(part.out))
+                self.recorder.record_win(part.node, layer, expert, len(part.out), latency_s=won.latency_s)
         return out
 
     def _audit(self, layer: int, expert: int, rows: np.ndarray, reference: np.ndarray, part: _Part) -> bool:
@@ -349,7 +350,8 @@ class RemoteExperts:
         node = parts[0].node
         self.stats.nodes[node] += 1
         self.stats.node_rows[node] += len(rows)
-        return _Won(tuple(parts))
+        self.stats.node_latency_s[node] += latency
+        return _Won(tuple(parts), latency)
 
     def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | None:
         # Replies come from strangers: one line per node and kind a minute, not one per reply.

@@ -43,6 +43,7 @@ class DispatchStats:
     layers: dict[int, LayerStats] = field(default_factory=dict)
     nodes: Counter = field(default_factory=Counter)  # expert calls won per worker node
     node_rows: Counter = field(default_factory=Counter)
+    node_latency_s: Counter = field(default_factory=Counter)  # summed over the calls in ``nodes``
     quarantined: list = field(default_factory=list)  # nodes caught by an audit, in order
 
     def layer(self, il: int) -> LayerStats:
@@ -70,7 +71,9 @@ class DispatchStats:
             "audit_failures": t.audit_failures,
             "quarantined": list(self.quarantined),
             "totals": summary,
-            "per_node": {n: {"calls": c, "rows": self.node_rows[n]} for n, c in sorted(self.nodes.items())},
+            "per_node": {n: {"calls": c, "rows": self.node_rows[n],
+                             "latency_mean_ms": round(1000 * self.node_latency_s[n] / c, 3)}
+                         for n, c in sorted(self.nodes.items())},
             "per_layer": {str(il): {k: v for k, v in asdict(s).items() if not k.startswith("latency")}
                           for il, s in sorted(self.layers.items())},
         }

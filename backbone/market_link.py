@@ -12,8 +12,12 @@
 * The bound: the rows each worker's reply won per (layer, expert) travel in the routing
   statistics (``remote``), which go into the same stream *before* the batch that credits them;
   the market never credits more than that.
+* Latency: each won reply's time (request to its last chunk, as the dispatch measured it) is
+  summed per worker node; the window's ``(node, calls, mean_ms)`` travel in the routing
+  statistics (``latency``) and the market shows them per worker. At most
+  ``market_codec.MAX_LATENCY_NODES`` nodes a window: those with the most calls.
 * ``void(node)``: an audit caught ``node`` lying: its wins not yet handed to the stream are
-  dropped, and later wins of it are not recorded.
+  dropped, and later wins of it are not recorded (nor their latency).
 
 Not covered: a SIGKILL between a win and the stream's acknowledgement of its batch loses that
 win (at most ``flush_s`` plus one round trip of wins); ``wait_acked`` tells the caller when
@@ -37,6 +41,13 @@ from kvasir_bus.subjects import Subjects
 log = structlog.get_logger("kvasir.market_link")
 
 
+def _latency_entries(latency: dict[str, list]) -> tuple[tuple[str, int, float], ...]:
+    """node -> [calls, seconds] -> ``(node, calls, mean_ms)`` sorted by node, the busiest
+    ``MAX_LATENCY_NODES`` only (the record's bound)."""
+    busiest = sorted(latency.items(), key=lambda kv: (-kv[1][0], kv[0]))[:mc.MAX_LATENCY_NODES]
+    return tuple((node, calls, 1000 * seconds / calls) for node, (calls, seconds) in sorted(busiest))
+
+
 class MarketLink:
     def __init__(self, nc, model: str, node: str = "backbone", *, interval_s: float = 1.0,
                  batch_events: int = 5000, max_unacked: int = 200_000, ack_timeout_s: float = 2.0,
@@ -46,6 +57,7 @@ class MarketLink:
         self.interval_s, self.batch_events = interval_s, batch_events
         self.max_unacked, self.ack_timeout_s, self.flush_s = max_unacked, ack_timeout_s, flush_s
         self._remote: Counter = Counter()  # rows won by workers' replies, not yet published
+        self._latency: dict[str, list] = {}  # node -> [calls, seconds] won in this window
         self._routing: deque[tuple[str, mc.RoutingStats]] = deque()  # published, not yet stored by the stream
         self._void: set[str] = set()
         self._last_seq = 0                 # the stream sequence of our last stored message
@@ -75,7 +87,9 @@ class MarketLink:
             self._calls += 1
             self._local += not remote
 
-    def record_win(self, node: str, layer: int, expert: int, rows: int) -> None:
+    def record_win(self, node: str, layer: int, expert: int, rows: int,
+                   latency_s: float | None = None) -> None:
+        """A worker's reply won; ``latency_s``: how long it took (None: not measured)."""
         event = mc.LedgerEvent(event_id=f"{self.node}:{self._boot}:{next(self._seq):x}", node=node,
                                layer=layer, expert=expert, rows=rows, at=time.time())
         with self._lock:
@@ -83,6 +97,10 @@ class MarketLink:
             if node in self._void:
                 return
             self._events.append(event)
+            if latency_s is not None and latency_s >= 0 and latency_s != float("inf"):
+                acc = self._latency.setdefault(node, [0, 0.0])
+                acc[0] += 1
+                acc[1] += latency_s
         log.debug("ledger_win", event_id=event.event_id, node=node, layer=layer, expert=expert, rows=rows)
         if self._loop is not None and self._wake is not None:
             try:
@@ -98,6 +116,7 @@ class MarketLink:
             kept = deque(e for e in self._events if e.node != node)
             dropped = len(self._events) - len(kept)
             self._events = kept
+            self._latency.pop(node, None)
         log.warning("ledger_node_void", node=node, events_dropped=dropped)
         return dropped
 
@@ -204,13 +223,15 @@ class MarketLink:
         with self._lock:
             hits, calls, local, remote = self._hits, self._calls, self._local, self._remote
             self._hits, self._calls, self._local, self._remote = Counter(), 0, 0, Counter()
+            latency, self._latency = self._latency, {}
             self._published.update(hits)
             if hits or remote:
                 self._routing.append((f"{self.node}:{self._boot}:r{next(self._batches):x}", mc.RoutingStats(
                     model=self.model, node=self.node, window_s=self.interval_s,
                     hits=tuple((layer, e, rows) for (layer, e), rows in sorted(hits.items())),
                     fallback_rate=local / calls if calls else None,
-                    remote=tuple((layer, e, rows) for (layer, e), rows in sorted(remote.items())))))
+                    remote=tuple((layer, e, rows) for (layer, e), rows in sorted(remote.items())),
+                    latency=_latency_entries(latency))))
             while self._events:
                 n = min(self.batch_events, len(self._events))
                 events = tuple(self._events.popleft() for _ in range(n))

@@ -27,7 +27,7 @@ bytes per slab, so the 122B model's 36,864 slabs are about 2.1 MB, within deploy
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
 from typing import Any, ClassVar, Union
 
@@ -48,6 +48,7 @@ MAX_HITS = 1 << 22
 MAX_ENTRIES = 1 << 20
 MAX_LEDGER_EVENTS = 100_000
 MAX_NODES = 65_536
+MAX_LATENCY_NODES = 4096  # nodes with a latency in one routing window
 MAX_URL = 2048
 
 #: Refusals that mean "not now": ask again later (a ledger batch must be kept and re-sent).
@@ -74,14 +75,14 @@ def _array(body: dict, record: str, name: str, dtype: np.dtype, n: int) -> np.nd
 
 
 def _fields(d: Any, cls: type) -> dict:
-    """A msgpack map -> keyword arguments of dataclass ``cls`` (all its fields required)."""
+    """A msgpack map -> keyword arguments of dataclass ``cls`` (its fields without a default
+    required; those with one are additions older senders may lack)."""
     if not isinstance(d, dict):
         raise TypeError(f"expected a map, got {type(d).__name__}")
-    names = [f.name for f in fields(cls)]
-    missing = [n for n in names if n not in d]
+    missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
-    return {n: d[n] for n in names}
+    return {f.name: d[f.name] for f in fields(cls) if f.name in d}
 
 
 # -- manifest -------------------------------------------------------------------------------
@@ -376,6 +377,26 @@ def _hit_read(body: dict, r: str, count: str, prefix: str) -> tuple:
                      _array(body, r, f"{prefix}_rows", _U64, n).tolist()))
 
 
+def _latency_list(r: str, field: str, value: Any) -> tuple[tuple[str, int, float], ...]:
+    """``(node, calls, mean_ms)`` triples, checked: at most one per node, calls >= 1."""
+    if not isinstance(value, (list, tuple)):
+        raise fail(r, field, f"must be a list of (node, calls, mean_ms), got {type(value).__name__}")
+    if len(value) > MAX_LATENCY_NODES:
+        raise fail(r, field, f"has {len(value)} entries (max {MAX_LATENCY_NODES})")
+    out, seen = [], set()
+    for i, item in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise fail(r, where, f"must be (node, calls, mean_ms), got {item!r}")
+        node = check_node(r, where + ".node", item[0])
+        if node in seen:
+            raise fail(r, where + ".node", f"repeats node {node}")
+        seen.add(node)
+        out.append((node, check_int(r, where + ".calls", item[1], 1, 1 << 40),
+                    check_float(r, where + ".mean_ms", item[2])))
+    return tuple(out)
+
+
 @record
 @dataclass(frozen=True)
 class RoutingStats(Record):
@@ -386,6 +407,9 @@ class RoutingStats(Record):
     itself / all expert calls in the window (None: not measured). ``node``: the backbone.
     ``remote``: sparse ``(layer, expert, rows)`` of the rows a worker's reply won (optional,
     added for issue 8): the market never credits more rows to (layer, expert) than these.
+    ``latency``: ``(node, calls, mean_ms)`` per worker whose replies won in the window, the
+    mean time from request to its last reply chunk as the backbone measured it (optional,
+    added for issue 13; a quarantined node has none).
     """
 
     kind: ClassVar[str] = "rs"
@@ -397,6 +421,7 @@ class RoutingStats(Record):
     hits: tuple[tuple[int, int, int], ...]
     fallback_rate: float | None = None
     remote: tuple[tuple[int, int, int], ...] = ()
+    latency: tuple[tuple[str, int, float], ...] = ()
 
     def __post_init__(self) -> None:
         r = self.what
@@ -407,12 +432,15 @@ class RoutingStats(Record):
         s("fallback_rate", check_opt_float(r, "fallback_rate", self.fallback_rate, 0.0, 1.0))
         s("hits", _hit_list(r, "hits", self.hits))
         s("remote", _hit_list(r, "remote", self.remote))
+        s("latency", _latency_list(r, "latency", self.latency))
 
     def body(self) -> dict[str, Any]:
         out = {"model": self.model, "node": self.node, "window_s": self.window_s,
                "fallback_rate": self.fallback_rate, **_hit_body("n_hits", "hit", self.hits)}
         if self.remote:  # absent when empty: older readers see the record they know
             out.update(_hit_body("n_remote", "remote", self.remote))
+        if self.latency:  # likewise
+            out["latency"] = [list(item) for item in self.latency]
         return out
 
     @classmethod
@@ -421,7 +449,8 @@ class RoutingStats(Record):
         return cls(model=need(body, r, "model"), node=need(body, r, "node"),
                    window_s=need(body, r, "window_s"), hits=_hit_read(body, r, "n_hits", "hit"),
                    fallback_rate=body.get("fallback_rate"),
-                   remote=_hit_read(body, r, "n_remote", "remote") if "n_remote" in body else ())
+                   remote=_hit_read(body, r, "n_remote", "remote") if "n_remote" in body else (),
+                   latency=body.get("latency", ()))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Node": self.node, "Kvasir-Hits": str(len(self.hits))}
@@ -621,7 +650,9 @@ class LedgerAck(Record):
 class NodeStatus:
     """One worker as the market sees it. ``holdings``: from its last heartbeat;
     ``pending``: assigned but not yet confirmed by a heartbeat (they count as replicas for a
-    grace period); ``age_s``: seconds since its last heartbeat (None: none yet)."""
+    grace period); ``age_s``: seconds since its last heartbeat (None: none yet);
+    ``latency_ms``: the mean latency of its won replies in the last routing window a backbone
+    reported it in (None: it has not served lately)."""
 
     node: str
     holdings: tuple[Holding, ...]
@@ -632,6 +663,7 @@ class NodeStatus:
     age_s: float | None
     version: str
     kernel: str
+    latency_ms: float | None = None
 
     def __post_init__(self) -> None:
         r = "node status"
@@ -645,6 +677,7 @@ class NodeStatus:
         s("age_s", check_opt_float(r, "age_s", self.age_s))
         check_str(r, "version", self.version, max_len=64)
         check_str(r, "kernel", self.kernel, max_len=64)
+        s("latency_ms", check_opt_float(r, "latency_ms", self.latency_ms))
 
 
 @dataclass(frozen=True)
@@ -769,7 +802,9 @@ class MarketStatus(Record):
                 "nodes": [{"node": n.node, "holdings": holding_list(n.holdings),
                            "pending": holding_list(n.pending), "budget_bytes": n.budget_bytes,
                            "load": n.load, "served": n.served, "age_s": n.age_s,
-                           "version": n.version, "kernel": n.kernel} for n in self.nodes],
+                           "version": n.version, "kernel": n.kernel,
+                           **({} if n.latency_ms is None else {"latency_ms": n.latency_ms})}
+                          for n in self.nodes],
                 "demand": _entry_list(self.demand),
                 "totals": [[t.node, t.events, t.rows, t.reward] for t in self.totals],
                 "fallback_rate": self.fallback_rate}

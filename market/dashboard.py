@@ -21,8 +21,12 @@ shows rows, not tokens).
 
 Quarantines (a backbone's audit caught a node lying, ``kvasir.<model>.quarantine``) are read
 on a second subscription of the dashboard's own and listed per model under ``quarantined``:
-node, the expert it was caught on, the error, when. A backbone ignores that node from then on;
-the market may still count its heartbeats, so the page marks the node in the workers table.
+node, the expert it was caught on, the error, when. A backbone ignores that node from then on
+and the market drops it from its workers (the quarantine reaches it through the ledger stream);
+the page keeps a row for it in the workers table, marked, so people see who was caught.
+
+Each worker's reply latency (``latency_ms`` of its node status, None when it has not served
+lately) is the mean the backbones measured in their last routing window that named it.
 The list lives as long as the market process (the backbones keep theirs in memory too).
 """
 

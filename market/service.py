@@ -4,7 +4,8 @@
 
 =================================  =========================================================
 ``kvasir.*.coverage.*``            worker heartbeats -> the coverage map (with expiry)
-``kvasir.*.routing``               backbone routing statistics -> usage -> targets
+``kvasir.*.routing``               backbone routing statistics -> usage -> targets, and
+                                   each worker's reply latency (shown in status)
 ``kvasir.*.market.volunteer``      request: budget -> Assignment, or ErrorReply (no_fit,
                                    no_manifest, bad_request, wrong_model, quarantined)
 ``kvasir.*.market.status``         request: -> MarketStatus of that model
@@ -151,6 +152,7 @@ class _Model:
         self.coverage = CoverageMap(cfg.expiry_s, cfg.assign_grace_s)
         self.usage = UsageTracker(cfg.usage_half_life_s)
         self.fallback: dict[str, tuple[float, float]] = {}  # backbone -> (rate, valid until)
+        self.latency: dict[str, tuple[float, float]] = {}  # worker -> (mean ms, reported at)
         self.stats: RangeStats | None = None
         self.copies: np.ndarray | None = None      # verified replicas per expert
         self.assignable: np.ndarray | None = None  # ... and pending assignments
@@ -404,6 +406,11 @@ class Market:
             ms.stale = True
             if node not in ms.coverage:
                 self.log.info("node_expired", model=ms.name, node=node)
+        while ms.latency:  # in report order: the oldest first
+            node, (_ms, at) = next(iter(ms.latency.items()))
+            if now - at <= self.cfg.usage_half_life_s:
+                break
+            del ms.latency[node]
 
     def demand_map(self, model: str) -> mc.DemandMap | None:
         """The current demand map of ``model`` (None until its manifest is known)."""
@@ -518,7 +525,21 @@ class Market:
         if stats.fallback_rate is not None:
             keep = max(3 * stats.window_s, self.cfg.expiry_s)
             ms.fallback[stats.node] = (stats.fallback_rate, now + keep)
+        self._note_latency(ms, stats, now)
         ms.stale = True
+
+    def _note_latency(self, ms: _Model, stats: mc.RoutingStats, now: float) -> None:
+        """Each worker's latest mean reply latency (the last window a backbone reported it in;
+        with several backbones, the latest report wins). Kept ``usage_half_life_s``, the
+        horizon of the routing statistics themselves; bounded in number, since anyone may
+        name any node; none for a quarantined node."""
+        for node, _calls, mean_ms in stats.latency:
+            if node in ms.coverage.banned:
+                continue
+            ms.latency.pop(node, None)  # re-inserted last: the dict stays in report order
+            ms.latency[node] = (mean_ms, now)
+        while len(ms.latency) > mc.MAX_NODES:
+            del ms.latency[next(iter(ms.latency))]  # the oldest report
 
     async def _accept(self, msg: Any, decode, what: str) -> tuple[Any, str, Any] | None:
         """The common start of a request handler: a reply subject, the model from the subject,
@@ -681,6 +702,7 @@ class Market:
                                     record.node, record.at)
             if ms.coverage.ban(record.node):
                 ms.stale = True
+            ms.latency.pop(record.node, None)
             self.log.warning("node_quarantined", model=model, node=record.node,
                              layer=record.layer, expert=record.expert, error=record.error,
                              rows_voided=voided)
@@ -768,7 +790,9 @@ class Market:
             node=e.node, holdings=e.holdings, pending=e.pending, budget_bytes=e.budget_bytes,
             load=e.load, served=e.served,
             age_s=None if e.seen_at is None else max(0.0, now - e.seen_at),
-            version=e.version, kernel=e.kernel) for e in ms.coverage.nodes())
+            version=e.version, kernel=e.kernel,
+            latency_ms=ms.latency[e.node][0] if e.node in ms.latency else None)
+            for e in ms.coverage.nodes())
         totals = tuple(await self._db(self.ledger.totals, model))
         rates = [rate for rate, until in ms.fallback.values() if until >= now]
         lay = ms.layout

@@ -26,6 +26,11 @@ def holdings_text(holdings: tuple[Holding, ...] | list, limit: int = 6) -> str:
     return " ".join(parts) or "-"
 
 
+def latency_text(ms: float | None) -> str:
+    """A worker's mean reply latency: ``4.2 ms``, ``-`` when it has not served lately."""
+    return "-" if ms is None else f"{ms:.1f} ms"
+
+
 # -- JSON -----------------------------------------------------------------------------------
 
 def _entry_json(e: DemandEntry) -> dict[str, Any]:
@@ -54,7 +59,8 @@ def status_json(st: MarketStatus) -> dict[str, Any]:
         "nodes": [{"node": n.node, "holdings": [list(h) for h in n.holdings],
                    "pending": [list(h) for h in n.pending], "budget_bytes": n.budget_bytes,
                    "load": n.load, "served": n.served, "age_s": n.age_s,
-                   "version": n.version, "kernel": n.kernel} for n in st.nodes],
+                   "version": n.version, "kernel": n.kernel, "latency_ms": n.latency_ms}
+                  for n in st.nodes],
         "demand": [_entry_json(e) for e in st.demand],
         "rewards": totals_json(st.totals),
     }
@@ -119,8 +125,8 @@ def status_text(st: MarketStatus, top: int = 8) -> str:
     if st.nodes:
         out.append(f"workers ({len(st.nodes)}):")
         rewards = {t.node: t for t in st.totals}
-        rows = [["node", "holdings", "budget", "load", "served", "last heartbeat", "rows",
-                 "reward"]]
+        rows = [["node", "holdings", "budget", "load", "served", "latency", "last heartbeat",
+                 "rows", "reward"]]
         for n in st.nodes:
             held = holdings_text(n.holdings)
             if n.pending:
@@ -128,9 +134,10 @@ def status_text(st: MarketStatus, top: int = 8) -> str:
                     f"(pending {holdings_text(n.pending)})"
             t = rewards.get(n.node)
             rows.append([n.node, held, size(n.budget_bytes), f"{n.load:g}", str(n.served),
+                         latency_text(n.latency_ms),
                          "never" if n.age_s is None else f"{n.age_s:.1f} s ago",
                          str(t.rows) if t else "0", f"{t.reward:.2f}" if t else "0.00"])
-        out += ["  " + line for line in _table(rows, right={2, 3, 4, 6, 7})]
+        out += ["  " + line for line in _table(rows, right={2, 3, 4, 5, 7, 8})]
     else:
         out.append("workers: none")
     return "\n".join(out)

@@ -8,6 +8,11 @@ function fmt(x, digits = 2) {
   return x === null || x === undefined ? "-" : Number(x).toFixed(digits);
 }
 
+// A worker's mean reply latency as the backbones measured it; "-" when it has not served lately.
+function latencyText(ms) {
+  return ms === null || ms === undefined ? "-" : `${Number(ms).toFixed(1)} ms`;
+}
+
 function pct(x) {
   return x === null || x === undefined ? "unknown" : (100 * x).toFixed(1) + "%";
 }
@@ -128,15 +133,17 @@ function drawModel(doc) {
 
   const rewards = Object.fromEntries(doc.rewards.nodes.map((t) => [t.node, t]));
   const caught = Object.fromEntries((doc.quarantined || []).map((q) => [q.node, q]));
-  // The market stops counting a quarantined node: keep its row, so the catch stays in sight.
+  // The market drops a quarantined node from its workers and ignores its heartbeats: such a
+  // node keeps a row here (what it held is unknown), so the page still says who was caught.
   const listed = new Set(doc.nodes.map((n) => n.node));
-  const banned = (doc.quarantined || []).filter((q) => !listed.has(q.node)).map((q) => ({
-    node: q.node, kernel: q.kernel, version: "", holdings: [], pending: [], load: 0, served: 0, age_s: null}));
-  fillTable($("table.workers tbody", sec), doc.nodes.concat(banned).map((n) => {
-    const t = rewards[n.node], q = caught[n.node];
-    const held = holdingsText(n.holdings) + (n.pending.length ? ` (pending ${holdingsText(n.pending)})` : "");
-    const row = [[n.node], [n.kernel || "-"], [n.version || "-"], [held], [fmt(n.load, 0), 1],
-                 [String(n.served), 1], [n.age_s === null ? "never" : `${fmt(n.age_s, 1)} s ago`, 1],
+  const dropped = (doc.quarantined || []).filter((q) => !listed.has(q.node)).map((q) => ({node: q.node}));
+  fillTable($("table.workers tbody", sec), doc.nodes.concat(dropped).map((n) => {
+    const t = rewards[n.node], q = caught[n.node], known = listed.has(n.node);
+    const held = known ? holdingsText(n.holdings) + (n.pending.length ? ` (pending ${holdingsText(n.pending)})` : "")
+      : "- (dropped by the market)";
+    const row = [[n.node], [n.kernel || "-"], [n.version || "-"], [held], [latencyText(n.latency_ms), 1, "latency"],
+                 [known ? fmt(n.load, 0) : "-", 1], [known ? String(n.served) : "-", 1],
+                 [!known ? "ignored" : n.age_s === null ? "never" : `${fmt(n.age_s, 1)} s ago`, 1],
                  [t ? String(t.rows) : "0", 1], [t ? fmt(t.reward, 3) : "0.000", 1],
                  [quarantineText(q), 0, "quarantine"]];
     if (q) {

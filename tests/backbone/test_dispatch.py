@@ -107,7 +107,7 @@ class Recorder:
     def record_call(self, layer, expert, rows, remote):
         self.calls.append((layer, expert, rows, remote))
 
-    def record_win(self, node, layer, expert, rows):
+    def record_win(self, node, layer, expert, rows, latency_s=None):
         self.wins.append((node, layer, expert, rows))
 
     def void(self, node):

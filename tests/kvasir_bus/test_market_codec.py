@@ -43,7 +43,7 @@ def status(**kw) -> MarketStatus:
         model=FP, market="market", sent_at=1.5e9, manifest_known=True, n_layer=2, n_expert=4,
         range_experts=2, expiry_s=10.0,
         nodes=(NodeStatus("w-1", (Holding(0, 0, 2),), (Holding(1, 2, 4),), 1000, 0.5, 7, 2.5,
-                          "0.1.0", "numpy"),
+                          "0.1.0", "numpy", latency_ms=3.25),
                NodeStatus("w-2", (), (Holding(0, 2, 4),), 500, 0.0, 0, None, "", "")),
         demand=(DemandEntry(0, 0, 2, 1, 1, 0.5, 0.0, 1.0), DemandEntry(0, 2, 4, 0, 2, 0.5, 2.0,
                                                                      2.0)),
@@ -138,6 +138,29 @@ def test_routing_round_trip_sparse_hits_and_fallback_rate():
     assert mc.decode_routing(plain.encode()) == plain and plain.fallback_rate is None
     arr = RoutingStats(FP, "bb", 1.0, np.array([[1, 2, 3]], dtype=np.int64))
     assert arr.hits == ((1, 2, 3),)
+
+
+def test_routing_latency_per_node_round_trips_and_is_absent_when_empty():
+    rs = RoutingStats(FP, "backbone", 1.0, [(0, 3, 17)], remote=[(0, 3, 17)],
+                      latency=[("phone-1", 12, 4.5), ("gpu-2", 5, 0)])
+    assert rs.latency == (("phone-1", 12, 4.5), ("gpu-2", 5, 0.0))
+    back = mc.decode_routing(rs.encode())
+    assert back == rs and isinstance(back.latency[1][2], float)
+    # An older backbone's record (no latency key) reads as no latency, and an empty one is
+    # encoded as such: older markets see the record they know.
+    assert "latency" not in msgpack.unpackb(RoutingStats(FP, "bb", 1.0, []).encode())
+    assert mc.decode_routing(patched(rs, latency=None)).latency == ()
+
+
+def test_node_latency_in_status_round_trips_and_older_status_reads_as_unknown():
+    st = status()
+    assert mc.decode_status_reply(st.encode()).nodes[0].latency_ms == 3.25
+    assert st.nodes[1].latency_ms is None
+    body = msgpack.unpackb(st.encode(), raw=False)
+    assert "latency_ms" not in body["nodes"][1]  # None is left out, as older markets sent it
+    del body["nodes"][0]["latency_ms"]
+    older = mc.decode_status_reply(msgpack.packb(body, use_bin_type=True))
+    assert [n.latency_ms for n in older.nodes] == [None, None]
 
 
 def test_demand_map_round_trip_and_views():
@@ -288,6 +311,13 @@ def test_bad_assignments_are_refused(bad, field):
     (dict(hits=[(0, 1)]), "hits[0]"), (dict(hits=[(0, -1, 3)]), "hits[0].expert"),
     (dict(hits=[(0, 1, -3)]), "hits[0].rows"), (dict(fallback_rate=1.5), "fallback_rate"),
     (dict(fallback_rate="x"), "fallback_rate"), (dict(node=""), "node"),
+    (dict(latency="x"), "latency"), (dict(latency=[("w", 1)]), "latency[0]"),
+    (dict(latency=[("w 1", 1, 2.0)]), "latency[0].node"),
+    (dict(latency=[("w", 0, 2.0)]), "latency[0].calls"),
+    (dict(latency=[("w", 1, -2.0)]), "latency[0].mean_ms"),
+    (dict(latency=[("w", 1, float("nan"))]), "latency[0].mean_ms"),
+    (dict(latency=[("w", 1, 2.0), ("w", 2, 3.0)]), "latency[1].node"),
+    (dict(latency=[(f"w{i}", 1, 1.0) for i in range(mc.MAX_LATENCY_NODES + 1)]), "latency"),
 ])
 def test_bad_routing_stats_are_refused(bad, field):
     fields = dict(model=FP, node="bb", window_s=1.0, hits=[(0, 1, 2)])
@@ -382,6 +412,7 @@ def test_bad_status_is_refused(bad, field):
 @pytest.mark.parametrize("bad,field", [
     (dict(age_s=-1.0), "age_s"), (dict(pending=[(0, 2, 1)]), "holdings[0]"),
     (dict(load=-1), "load"), (dict(version=5), "version"),
+    (dict(latency_ms=-0.5), "latency_ms"), (dict(latency_ms="fast"), "latency_ms"),
 ])
 def test_bad_node_status_is_refused(bad, field):
     fields = dict(node="n", holdings=(), pending=(), budget_bytes=0, load=0.0, served=0,

@@ -26,7 +26,7 @@ def one_of_each() -> list[Record]:
         manifest(),
         mc.VolunteerRequest(FP, "w-1", 100),
         mc.Assignment(FP, "w-1", [(0, 0, 4)], 10, 1.0),
-        mc.RoutingStats(FP, "bb", 1.0, [(0, 1, 2)]),
+        mc.RoutingStats(FP, "bb", 1.0, [(0, 1, 2)], remote=[(0, 1, 2)], latency=[("w-1", 1, 2.5)]),
         mc.DemandMap(FP, 1.0, [(0, 0, 4, 0, 1, 1.0, 1.0, 1.0)]),
         batch(),
         mc.LedgerAck("b-1", 2, 0),

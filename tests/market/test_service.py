@@ -19,6 +19,7 @@ from kvasir_bus.codec import ErrorReply, Holding
 from kvasir_bus.connect import connect
 from kvasir_bus.logs import capture, configure
 from kvasir_bus.subjects import MARKET_OVERVIEW, Subjects
+from backbone.market_link import MarketLink
 from market.ledger import Ledger
 from market.service import Market, MarketConfig
 from tests.market.fakes import FP, FakeBackbone, FakeWorker, heartbeat, make_manifest, wait_for
@@ -492,6 +493,61 @@ def test_status_and_tap_work_against_the_running_market(nats_server, arun, tmp_p
             await swarm.stop()
 
     arun(go(), timeout=25)
+
+
+def test_each_workers_reply_latency_from_the_backbones_link_shows_in_status(
+        nats_server, arun, tmp_path, capsys):
+    """The real backbone side (MarketLink) measures, the market keeps the latest mean per
+    worker, ``kvasir status`` prints it; a voided (audit-caught) node gets none."""
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start()
+        nc = await connect(nats_server.url, name="backbone-link")
+        link = MarketLink(nc, FP, "bb", interval_s=0.05)
+        try:
+            for name in ("fast", "liar", "idle"):
+                await swarm.worker(name, serve=False)
+            holding = {w.node: w.holdings[0] for w in swarm.workers}
+            for name, seconds in (("fast", 0.004), ("fast", 0.006), ("liar", 0.5)):
+                h = holding[name]
+                link.record_call(h.layer, h.lo, 2, remote=True)
+                link.record_win(name, h.layer, h.lo, 2, latency_s=seconds)
+            link.void("liar")
+            await link.start()
+
+            async def latencies():
+                st = await swarm.market.status(FP)
+                return {n.node: n.latency_ms for n in st.nodes}
+            await wait_for(lambda: _has(latencies(), "fast"), what="fast's latency in status")
+            got = await latencies()
+            assert abs(got["fast"] - 5.0) < 1e-9 and got["liar"] is None and got["idle"] is None
+
+            # A later window replaces it (a fake backbone's report, as any backbone's would).
+            await swarm.backbone.routing((), latency=[("fast", 1, 2.5), ("idle", 4, 12.0)])
+            await wait_for(lambda: _has(latencies(), "idle"), what="idle's latency in status")
+            assert (await latencies())["fast"] == 2.5
+
+            capsys.readouterr()
+            assert await asyncio.to_thread(main, ["status", "--nats", nats_server.url, "--json"]) == 0
+            (st,) = json.loads(capsys.readouterr().out)["models"]
+            assert {n["node"]: n["latency_ms"] for n in st["nodes"]} == \
+                {"fast": 2.5, "liar": None, "idle": 12.0}
+            assert await asyncio.to_thread(main, ["status", "--nats", nats_server.url,
+                                                  "--model", FP]) == 0
+            lines = capsys.readouterr().out.splitlines()
+            header = next(x for x in lines if x.strip().startswith("node "))
+            assert "latency" in header.split()
+            row = {x.split()[0]: x for x in lines if x.strip().split()[:1] in (["fast"], ["liar"])}
+            assert "2.5 ms" in row["fast"] and " ms" not in row["liar"]
+        finally:
+            await link.stop(flush_timeout_s=1.0)
+            await nc.close()
+            await swarm.stop()
+
+    arun(go(), timeout=25)
+
+
+async def _has(latencies, node: str) -> bool:
+    return (await latencies).get(node) is not None
 
 
 def test_overview_of_every_model_and_status_of_an_unknown_one(nats_server, arun, tmp_path):

@@ -3,8 +3,10 @@ driven by Selenium; ``.ci/run`` installs them).
 
 A market, a fake backbone and fake workers (tests/market/fakes.py) run on an embedded NATS in
 a background event loop; the page must show each worker's range as covered in the heatmap and
-inclusive in its tables (``L1:8-15``, as ``kvasir status``), mark the nodes a backbone's audit
-quarantined, then show a range as a hole once its worker is killed and expires. Every wait polls the page with a
+inclusive in its tables (``L1:8-15``, as ``kvasir status``), show the reply latency the
+backbone reported for each worker that served, mark the nodes a backbone's audit quarantined
+(kept in the workers table though the market drops them, their ranges now holes), then show
+a range as a hole once its worker is killed and expires. Every wait polls the page with a
 deadline. The last screenshot is saved under the test's tmp dir (``dashboard.png``; its path
 is printed), and also to ``$KVASIR_ARTIFACTS`` when that is set.
 """
@@ -97,6 +99,11 @@ class Swarm:
         self.loop.run(self.backbone.serve(name, w.holdings), timeout=20)  # counted once served
         self.workers[name] = w
         return w
+
+    def latency(self, mean_ms: dict[str, float]) -> None:
+        """What a backbone's routing statistics say of its workers' replies (backbone/market_link.py)."""
+        self.loop.run(self.backbone.routing((), latency=[(n, 3, ms) for n, ms in mean_ms.items()]),
+                      timeout=20)
 
     def quarantine(self, name: str, error: float) -> None:
         """What a backbone publishes when its audit catches ``name`` (backbone/dispatch.py)."""
@@ -216,6 +223,18 @@ def test_dashboard_shows_coverage_inclusive_ranges_quarantines_and_a_killed_work
     # Ranges read as `kvasir status` prints them: inclusive, L1:8-15 is experts 8..15.
     for name, cells in table(browser, "workers").items():
         assert cells[3] == " ".join(str(h) for h in swarm.workers[name].holdings), cells
+    # Latency: what the backbone measured for the workers whose replies won; "-" for the rest.
+    swarm.latency({"phone-1": 3.4, "laptop-2": 41.0, "gpu-3": 0.5})
+    column = browser.execute_script(
+        "return [...document.querySelectorAll('table.workers thead th')].map(h => h.textContent)"
+    ).index("latency")
+    want_latency = {"phone-1": "3.4 ms", "laptop-2": "41.0 ms", "gpu-3": "0.5 ms", "pi-4": "-",
+                    "phone-5": "-"}
+    wait_until(browser, lambda d: {n: c[column] for n, c in table(d, "workers").items()} == want_latency,
+               "the latency column to show what the backbone reported")
+    with urllib.request.urlopen(swarm.dashboard.url + "/api/state", timeout=5) as resp:
+        nodes = {n["node"]: n for n in json.load(resp)["models"][0]["nodes"]}
+    assert nodes["laptop-2"]["latency_ms"] == 41.0 and nodes["pi-4"]["latency_ms"] is None
     shown_ranges = [row[0] for row in table(browser, "demand").values()]
     want_ranges = {str(Holding(e["layer"], e["lo"], e["hi"])) for e in state["models"][0]["demand"]}
     assert shown_ranges and set(shown_ranges) <= want_ranges, (shown_ranges, want_ranges)
@@ -236,18 +255,22 @@ def test_dashboard_shows_coverage_inclusive_ranges_quarantines_and_a_killed_work
         state = json.loads(resp.read(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     caught = {q["node"]: q for q in state["models"][0]["quarantined"]}
     assert caught["laptop-2"]["error"] == 0.37 and caught["pi-4"]["error"] is None
+    # The market dropped them from its workers: their rows stay, marked, with no holdings, and
+    # their ranges are holes in the heatmap.
+    assert rows["laptop-2"][3] == "- (dropped by the market)"
+    honest = lambda: [w for n, w in swarm.workers.items() if n not in ("laptop-2", "pi-4")]  # noqa: E731
+    wait_until(browser, lambda d: heatmap(d) == expected(honest()),
+               "the quarantined workers' ranges to turn into holes")
 
     victim = swarm.workers["gpu-3"]
     gone = {(h.layer, e) for h in victim.holdings for e in range(h.lo, h.hi)}
     swarm.kill("gpu-3")
-    # The market stops counting quarantined nodes too (the trust issue): their cells are holes.
-    honest = [w for name, w in swarm.workers.items() if name not in ("laptop-2", "pi-4")]
-    want = expected(honest)
+    want = expected(honest())
     wait_until(browser, lambda d: heatmap(d) == want,
                "the killed worker's range to turn into a hole")
     shown = heatmap(browser)
     assert all(shown[c] == 0 for c in gone)
-    assert sum(shown.values()) == len(honest) * RANGE
+    assert sum(shown.values()) == (len(workers) - 3) * RANGE
     rows = browser.execute_script(
         "return [...document.querySelectorAll('table.workers tbody tr')]"
         ".map(r => r.cells[0].textContent)")
