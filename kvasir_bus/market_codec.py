@@ -409,7 +409,9 @@ class RoutingStats(Record):
     added for issue 8): the market never credits more rows to (layer, expert) than these.
     ``latency``: ``(node, calls, mean_ms)`` per worker whose replies won in the window, the
     mean time from request to its last reply chunk as the backbone measured it (optional,
-    added for issue 13; a quarantined node has none).
+    added for issue 13; a quarantined node has none). ``tokens``: tokens the backbone ran
+    through its MoE layers in the window (optional, issue 13; 0: not counted, and left off
+    the wire, as older backbones do), so the market can show tokens/s rather than rows/s.
     """
 
     kind: ClassVar[str] = "rs"
@@ -422,6 +424,7 @@ class RoutingStats(Record):
     fallback_rate: float | None = None
     remote: tuple[tuple[int, int, int], ...] = ()
     latency: tuple[tuple[str, int, float], ...] = ()
+    tokens: int = 0
 
     def __post_init__(self) -> None:
         r = self.what
@@ -429,6 +432,7 @@ class RoutingStats(Record):
         s("model", check_model(r, self.model))
         s("node", check_node(r, "node", self.node))
         s("window_s", check_float(r, "window_s", self.window_s))
+        s("tokens", check_int(r, "tokens", self.tokens, 0, 1 << 40))
         s("fallback_rate", check_opt_float(r, "fallback_rate", self.fallback_rate, 0.0, 1.0))
         s("hits", _hit_list(r, "hits", self.hits))
         s("remote", _hit_list(r, "remote", self.remote))
@@ -441,6 +445,8 @@ class RoutingStats(Record):
             out.update(_hit_body("n_remote", "remote", self.remote))
         if self.latency:  # likewise
             out["latency"] = [list(item) for item in self.latency]
+        if self.tokens:  # likewise
+            out["tokens"] = self.tokens
         return out
 
     @classmethod
@@ -450,7 +456,7 @@ class RoutingStats(Record):
                    window_s=need(body, r, "window_s"), hits=_hit_read(body, r, "n_hits", "hit"),
                    fallback_rate=body.get("fallback_rate"),
                    remote=_hit_read(body, r, "n_remote", "remote") if "n_remote" in body else (),
-                   latency=body.get("latency", ()))
+                   latency=body.get("latency", ()), tokens=body.get("tokens", 0))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Node": self.node, "Kvasir-Hits": str(len(self.hits))}

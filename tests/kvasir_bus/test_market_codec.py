@@ -152,6 +152,18 @@ def test_routing_latency_per_node_round_trips_and_is_absent_when_empty():
     assert mc.decode_routing(patched(rs, latency=None)).latency == ()
 
 
+def test_routing_tokens_round_trip_and_are_absent_when_zero():
+    rs = RoutingStats(FP, "backbone", 1.0, [(0, 3, 8)], tokens=np.int64(4))
+    assert rs.tokens == 4 and type(rs.tokens) is int
+    assert msgpack.unpackb(rs.encode())["tokens"] == 4
+    assert mc.decode_routing(rs.encode()) == rs
+    # 0 (not counted) stays off the wire, and an older backbone's record reads as 0.
+    zero = RoutingStats(FP, "backbone", 1.0, [(0, 3, 8)])
+    assert "tokens" not in msgpack.unpackb(zero.encode())
+    assert mc.decode_routing(zero.encode()).tokens == 0
+    assert mc.decode_routing(patched(rs, tokens=2**40)).tokens == 2**40
+
+
 def test_node_latency_in_status_round_trips_and_older_status_reads_as_unknown():
     st = status()
     assert mc.decode_status_reply(st.encode()).nodes[0].latency_ms == 3.25
@@ -318,6 +330,8 @@ def test_bad_assignments_are_refused(bad, field):
     (dict(latency=[("w", 1, float("nan"))]), "latency[0].mean_ms"),
     (dict(latency=[("w", 1, 2.0), ("w", 2, 3.0)]), "latency[1].node"),
     (dict(latency=[(f"w{i}", 1, 1.0) for i in range(mc.MAX_LATENCY_NODES + 1)]), "latency"),
+    (dict(tokens=-1), "tokens"), (dict(tokens=2**40 + 1), "tokens"), (dict(tokens=1.5), "tokens"),
+    (dict(tokens=True), "tokens"), (dict(tokens="7"), "tokens"),
 ])
 def test_bad_routing_stats_are_refused(bad, field):
     fields = dict(model=FP, node="bb", window_s=1.0, hits=[(0, 1, 2)])
@@ -332,6 +346,8 @@ def test_bad_routing_payloads_are_refused():
         mc.decode_routing(patched(good, hit_rows=b"\0" * 4))
     with pytest.raises(CodecError, match="'n_hits'"):
         mc.decode_routing(patched(good, n_hits=None))
+    with pytest.raises(CodecError, match="'tokens'"):
+        mc.decode_routing(patched(good, tokens="many"))
 
 
 @pytest.mark.parametrize("bad,field", [
