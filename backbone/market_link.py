@@ -3,6 +3,11 @@
 * Routing: every expert call the router makes is counted (layer, expert, rows); every
   ``interval_s`` the counts of the window go out as :class:`RoutingStats` on
   ``kvasir.<model>.routing`` with the window's fallback rate. The market turns them into demand.
+* Tokens: every token passes each MoE layer once and is routed to ``top_k`` experts there, so
+  the rows recorded on the first MoE layer (the smallest layer seen) / ``top_k`` are the tokens
+  the backbone ran; they travel in the routing statistics (``tokens``) for the dashboard's
+  tokens/s. Rows of a layer that a window's cut splits carry over to the next window, so the
+  counts add up to the true total. ``top_k=0``: not counted.
 * Ledger: every reply that wins becomes a :class:`LedgerEvent` (node, layer, expert, rows) with
   an id unique for all time, logged at debug level (``ledger_win``, one line per won reply).
   Events go in batches into the JetStream stream of :mod:`kvasir_bus.ledger_stream` on
@@ -51,8 +56,11 @@ def _latency_entries(latency: dict[str, list]) -> tuple[tuple[str, int, float], 
 class MarketLink:
     def __init__(self, nc, model: str, node: str = "backbone", *, interval_s: float = 1.0,
                  batch_events: int = 5000, max_unacked: int = 200_000, ack_timeout_s: float = 2.0,
-                 flush_s: float = 0.05):
+                 flush_s: float = 0.05, top_k: int = 0):
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: tokens not counted), got {top_k}")
         self.nc, self.model, self.node = nc, model, node
+        self.top_k = top_k
         self.subjects = Subjects(model)
         self.interval_s, self.batch_events = interval_s, batch_events
         self.max_unacked, self.ack_timeout_s, self.flush_s = max_unacked, ack_timeout_s, flush_s
@@ -68,6 +76,8 @@ class MarketLink:
         self._published: Counter = Counter()  # every routing count handed to the bus, for all time
         self._calls = 0
         self._local = 0
+        self._first_layer: int | None = None  # the smallest layer seen: the first MoE layer
+        self._first_rows = 0  # rows recorded there, not yet counted as whole tokens
         self._events: deque[mc.LedgerEvent] = deque()
         self._unacked: OrderedDict[str, mc.LedgerBatch] = OrderedDict()
         self._boot = os.urandom(4).hex()
@@ -84,6 +94,10 @@ class MarketLink:
     def record_call(self, layer: int, expert: int, rows: int, remote: bool) -> None:
         with self._lock:
             self._hits[(layer, expert)] += rows
+            if self._first_layer is None or layer < self._first_layer:
+                self._first_layer, self._first_rows = layer, 0  # count from the first layer only
+            if layer == self._first_layer:
+                self._first_rows += rows
             self._calls += 1
             self._local += not remote
 
@@ -224,6 +238,7 @@ class MarketLink:
             hits, calls, local, remote = self._hits, self._calls, self._local, self._remote
             self._hits, self._calls, self._local, self._remote = Counter(), 0, 0, Counter()
             latency, self._latency = self._latency, {}
+            tokens, self._first_rows = divmod(self._first_rows, self.top_k) if self.top_k else (0, 0)
             self._published.update(hits)
             if hits or remote:
                 self._routing.append((f"{self.node}:{self._boot}:r{next(self._batches):x}", mc.RoutingStats(
@@ -231,7 +246,7 @@ class MarketLink:
                     hits=tuple((layer, e, rows) for (layer, e), rows in sorted(hits.items())),
                     fallback_rate=local / calls if calls else None,
                     remote=tuple((layer, e, rows) for (layer, e), rows in sorted(remote.items())),
-                    latency=_latency_entries(latency))))
+                    latency=_latency_entries(latency), tokens=min(tokens, 1 << 40))))
             while self._events:
                 n = min(self.batch_events, len(self._events))
                 events = tuple(self._events.popleft() for _ in range(n))

@@ -243,7 +243,8 @@ class BackboneService:
             if cfg.market:
                 from backbone.market_link import MarketLink
 
-                run.link = MarketLink(run.nc, self.model, cfg.node, interval_s=cfg.market_interval_s)
+                run.link = MarketLink(run.nc, self.model, cfg.node, interval_s=cfg.market_interval_s,
+                                      top_k=self.engine.cfg.n_expert_used)
             run.dispatch = RemoteExperts(run.bus, run.nc, self.model, self.engine.local_experts,
                                          self.engine.cfg.n_embd, cfg.dispatch,
                                          coverage=CoverageView(cfg.dispatch.uncovered_ttl_s, n_layer=self.engine.cfg.n_layer,
