@@ -14,10 +14,11 @@
 A snapshot is :func:`market.show.status_json` of every model the market knows (coverage per
 range, demand, workers, rewards, fallback rate; the record ``kvasir status --json`` prints)
 plus, per model, the live and pending replicas of every single expert (the heatmap) and a
-short history of the fallback rate and of the routed rows per second. The routed rows come
-from the backbones' routing statistics, which the dashboard reads on its own subscription;
-they count tokens x experts per token per MoE layer (the market does not know top-k, so it
-shows rows, not tokens).
+short history of the fallback rate, tokens per second and routed rows per second (history
+points ``fallback_rate``, ``tokens_per_s``, ``rows_per_s``). Both rates come from the
+backbones' routing statistics, which the dashboard reads on its own subscription: tokens are
+what each backbone counted on its first MoE layer (``RoutingStats.tokens``; a backbone that
+does not count them adds 0), rows are router hits per MoE layer, tokens x top-k.
 
 Quarantines (a backbone's audit caught a node lying, ``kvasir.<model>.quarantine``) are read
 on a second subscription of the dashboard's own and listed per model under ``quarantined``:
@@ -69,21 +70,32 @@ class DashboardConfig:
 
 
 class _Throughput:
-    """Rows routed per second by each backbone (its last routing window), per MoE layer."""
+    """Tokens and rows (per MoE layer) routed per second by each backbone, from its last
+    routing window; a model's rate is the sum over the backbones heard from lately."""
 
     def __init__(self) -> None:
-        self.rates: dict[tuple[str, str], tuple[float, float]] = {}  # (model, backbone) ->
-        # (rows/s per MoE layer, valid until)
+        self.rates: dict[tuple[str, str], tuple[float, float, float]] = {}  # (model, backbone)
+        # -> (tokens/s, rows/s per MoE layer, valid until)
 
     def add(self, stats: mc.RoutingStats, now: float) -> None:
         layers = {layer for layer, _e, _rows in stats.hits}
         rows = sum(r for _l, _e, r in stats.hits)
-        rate = rows / stats.window_s / len(layers) if layers and stats.window_s > 0 else 0.0
-        self.rates[(stats.model, stats.node)] = (rate, now + 3 * max(stats.window_s, 1.0))
+        window = stats.window_s if stats.window_s > 0 else float("inf")
+        rows_rate = rows / window / len(layers) if layers else 0.0
+        self.rates[(stats.model, stats.node)] = (stats.tokens / window, rows_rate,
+                                                 now + 3 * max(stats.window_s, 1.0))
+
+    def _live(self, model: str, now: float) -> list[tuple[float, float, float]]:
+        return [r for (m, _b), r in self.rates.items() if m == model and r[2] >= now]
+
+    def tokens(self, model: str, now: float) -> float | None:
+        got = self._live(model, now)
+        return sum(t for t, _r, _u in got) if got else None
 
     def rate(self, model: str, now: float) -> float | None:
-        got = [r for (m, _b), (r, until) in self.rates.items() if m == model and until >= now]
-        return sum(got) if got else None
+        """Rows per second per MoE layer."""
+        got = self._live(model, now)
+        return sum(r for _t, r, _u in got) if got else None
 
 
 MAX_QUARANTINED = 1000  # per model: a flood of fake events cannot grow the page without end
@@ -204,6 +216,7 @@ class Dashboard:
             doc["quarantined"] = [quarantine_json(q) for q in sorted(
                 self.quarantined.get(name, {}).values(), key=lambda q: (q.at, q.node))]
             point = {"t": now, "fallback_rate": st.fallback_rate,
+                     "tokens_per_s": self.throughput.tokens(name, now),
                      "rows_per_s": self.throughput.rate(name, now),
                      "reward": doc["rewards"]["total"]["reward"]}
             hist = self.history.setdefault(name, deque(maxlen=self.cfg.history))

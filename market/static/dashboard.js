@@ -77,17 +77,20 @@ function drawHeatmap(sec, doc) {
   }
 }
 
-function drawChart(svg, points, key, max) {
-  const vals = points.map((p) => p[key]);
-  const known = vals.filter((v) => v !== null && v !== undefined);
-  const top = max !== undefined ? max : Math.max(1e-9, ...known) * 1.1;
+// One polyline per key (class = the key), all on one scale: the first key's is the main line.
+function drawChart(svg, points, keys, max) {
+  const known = (key) => points.map((p) => p[key]).filter((v) => v !== null && v !== undefined);
+  const top = max !== undefined ? max : Math.max(1e-9, ...keys.flatMap(known)) * 1.1;
   const n = Math.max(points.length - 1, 1);
-  const xy = [];
-  vals.forEach((v, i) => {
-    if (v !== null && v !== undefined) xy.push(`${(300 * i / n).toFixed(1)},${(90 - 88 * v / top).toFixed(1)}`);
-  });
-  svg.innerHTML = `<polyline points="${xy.join(" ")}"></polyline>`;
-  svg.dataset.points = known.length;
+  svg.innerHTML = keys.map((key) => {
+    const xy = [];
+    points.forEach((p, i) => {
+      const v = p[key];
+      if (v !== null && v !== undefined) xy.push(`${(300 * i / n).toFixed(1)},${(90 - 88 * v / top).toFixed(1)}`);
+    });
+    return `<polyline class="${key}" points="${xy.join(" ")}"></polyline>`;
+  }).join("");
+  svg.dataset.points = known(keys[0]).length;
 }
 
 // rows: [[text, numeric?, class?], ...] per row; a row may carry rowClass and title (properties).
@@ -125,11 +128,12 @@ function drawModel(doc) {
   if (doc.manifest_known) drawHeatmap(sec, doc);
 
   const hist = doc.history || [];
-  drawChart($("svg.fallback", sec), hist, "fallback_rate", 1);
-  drawChart($("svg.rows", sec), hist, "rows_per_s");
+  drawChart($("svg.fallback", sec), hist, ["fallback_rate"], 1);
+  drawChart($("svg.tokens", sec), hist, ["tokens_per_s", "rows_per_s"]);
   const last = hist[hist.length - 1] || {};
   $(".fallback-now", sec).textContent = `now ${pct(last.fallback_rate)}`;
-  $(".rows-now", sec).textContent = `now ${last.rows_per_s == null ? "-" : fmt(last.rows_per_s, 1)} rows/s`;
+  $(".tokens-now", sec).textContent = `now ${fmt(last.tokens_per_s, 1)} tokens/s`;
+  $(".rows-now", sec).textContent = `${fmt(last.rows_per_s, 1)} rows/s per MoE layer`;
 
   const rewards = Object.fromEntries(doc.rewards.nodes.map((t) => [t.node, t]));
   const caught = Object.fromEntries((doc.quarantined || []).map((q) => [q.node, q]));

@@ -85,13 +85,13 @@ class FakeBackbone:
         return self
 
     async def routing(self, hits, fallback_rate: float | None = None,
-                      window_s: float = 1.0, remote=(), latency=()) -> None:
+                      window_s: float = 1.0, remote=(), latency=(), tokens: int = 0) -> None:
         """Routing statistics, into the ledger stream as the real backbone does (``remote``:
         the rows workers' replies won, the market's bound on credit; ``latency``: (node,
-        calls, mean_ms) of the workers whose replies won)."""
+        calls, mean_ms) of the workers whose replies won; ``tokens``: the window's tokens)."""
         stats = mc.RoutingStats(self.manifest.model, self.node, window_s, tuple(hits),
                                 fallback_rate=fallback_rate, remote=tuple(remote),
-                                latency=tuple(latency))
+                                latency=tuple(latency), tokens=tokens)
         await self._store(self.subjects.routing(), stats.encode(), f"r-{next(self._ids)}")
 
     async def _store(self, subject: str, data: bytes, msg_id: str):

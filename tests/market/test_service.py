@@ -20,6 +20,7 @@ from kvasir_bus.connect import connect
 from kvasir_bus.logs import capture, configure
 from kvasir_bus.subjects import MARKET_OVERVIEW, Subjects
 from backbone.market_link import MarketLink
+from market.dashboard import Dashboard, DashboardConfig
 from market.ledger import Ledger
 from market.service import Market, MarketConfig
 from tests.market.fakes import FP, FakeBackbone, FakeWorker, heartbeat, make_manifest, wait_for
@@ -541,6 +542,56 @@ def test_each_workers_reply_latency_from_the_backbones_link_shows_in_status(
         finally:
             await link.stop(flush_timeout_s=1.0)
             await nc.close()
+            await swarm.stop()
+
+    arun(go(), timeout=25)
+
+
+def test_tokens_counted_by_the_backbones_link_show_as_tokens_per_s_on_the_dashboard(
+        nats_server, arun, tmp_path):
+    """MarketLink counts tokens as rows on the first MoE layer / top-k; rows of a layer that a
+    window's cut splits count in the next window, so the total is exact; the dashboard's
+    history shows the window's tokens/s beside its rows/s per MoE layer."""
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start()
+        dash = await Dashboard(swarm.market, DashboardConfig(port=0, interval_s=60)).start()
+        nc = await connect(nats_server.url, name="backbone-link")
+        seen: list[mc.RoutingStats] = []
+
+        async def keep(msg):
+            stats = mc.decode_routing(msg.data)
+            if stats.node == "bb":
+                seen.append(stats)
+        sub = await nc.subscribe(Subjects(FP).routing(), cb=keep)
+        await nc.flush()
+        link = MarketLink(nc, FP, "bb", interval_s=0.25, top_k=2)
+        try:
+            # Window 1: 3 tokens x top-2 on layer 0 is 6 rows; the cut comes after 5 of them.
+            link.record_call(0, 1, 3, remote=False)
+            link.record_call(0, 2, 2, remote=False)
+            link.record_call(1, 0, 5, remote=False)
+            await link.start()
+            await wait_for(lambda: seen, what="the first routing window")
+            assert seen[0].tokens == 2  # 5 rows // 2, one row carried over
+            # Window 2: the split layer's last row, then 30 more tokens on both layers.
+            link.record_call(0, 3, 1, remote=False)
+            link.record_call(1, 0, 1, remote=False)
+            for layer in (0, 1):
+                for e in range(6):
+                    link.record_call(layer, e, 10, remote=True)
+            await wait_for(lambda: len(seen) > 1, what="the second routing window")
+            assert [s.tokens for s in seen] == [2, 31]  # 33 = 66 rows on layer 0 / 2
+
+            await wait_for(lambda: dash.throughput.tokens(FP, time.time()) == 31 / 0.25,
+                           what="the dashboard to hear the second window")
+            point = (await dash.take_snapshot())["models"][0]["history"][-1]
+            assert point["tokens_per_s"] == 124.0  # 31 tokens in 0.25 s
+            assert point["rows_per_s"] == 61 * 2 / 2 / 0.25  # rows per MoE layer per second
+        finally:
+            await link.stop(flush_timeout_s=1.0)
+            await sub.unsubscribe()
+            await nc.close()
+            await dash.stop()
             await swarm.stop()
 
     arun(go(), timeout=25)

@@ -4,7 +4,7 @@ driven by Selenium; ``.ci/run`` installs them).
 A market, a fake backbone and fake workers (tests/market/fakes.py) run on an embedded NATS in
 a background event loop; the page must show each worker's range as covered in the heatmap and
 inclusive in its tables (``L1:8-15``, as ``kvasir status``), show the reply latency the
-backbone reported for each worker that served, mark the nodes a backbone's audit quarantined
+backbone reported for each worker that served, its tokens/s and rows/s, mark the nodes a backbone's audit quarantined
 (kept in the workers table though the market drops them, their ranges now holes), then show
 a range as a hole once its worker is killed and expires. Every wait polls the page with a
 deadline. The last screenshot is saved under the test's tmp dir (``dashboard.png``; its path
@@ -33,6 +33,8 @@ from tests.market.fakes import FP, FakeBackbone, FakeWorker, make_manifest
 N_LAYER, N_EXPERT, RANGE = 4, 32, 8
 ONE_RANGE = 8 * 3 * 1200 + 500  # one range of 8 experts of either layer size, never two
 EXPIRY = 0.8
+# Layer 1 is hot: 40 rows on each of its experts, 10 elsewhere; 2240 rows in all.
+HITS = [(layer, e, 40 if layer == 1 else 10) for layer in range(N_LAYER) for e in range(N_EXPERT)]
 
 
 def _browser_paths() -> tuple[str, str]:
@@ -87,9 +89,7 @@ class Swarm:
             self.dashboard = await Dashboard(
                 self.market, DashboardConfig(port=0, interval_s=0.1)).start()
             # Layer 1 is hot, so it wants more replicas; a quarter of calls fell back.
-            await self.backbone.routing(
-                [(layer, e, 40 if layer == 1 else 10) for layer in range(N_LAYER)
-                 for e in range(N_EXPERT)], fallback_rate=0.25)
+            await self.backbone.routing(HITS, fallback_rate=0.25)
         self.loop.run(go(), timeout=20)
         return self
 
@@ -99,6 +99,12 @@ class Swarm:
         self.loop.run(self.backbone.serve(name, w.holdings), timeout=20)  # counted once served
         self.workers[name] = w
         return w
+
+    def throughput(self, tokens: int, window_s: float) -> None:
+        """A routing window that counted ``tokens``, with the hits and fallback rate of
+        start() (so demand does not move)."""
+        self.loop.run(self.backbone.routing(HITS, fallback_rate=0.25, window_s=window_s,
+                                            tokens=tokens), timeout=20)
 
     def latency(self, mean_ms: dict[str, float]) -> None:
         """What a backbone's routing statistics say of its workers' replies (backbone/market_link.py)."""
@@ -214,11 +220,23 @@ def test_dashboard_shows_coverage_inclusive_ranges_quarantines_and_a_killed_work
     wait_until(browser, lambda d: d.execute_script(
         "return document.querySelector('.fallback-now').textContent") == "now 25.0%",
         "the fallback rate label")
+    # Throughput: tokens/s as the backbone counted them, rows/s per MoE layer beside it.
+    swarm.throughput(tokens=160, window_s=2.0)
+    wait_until(browser, lambda d: d.execute_script(
+        "return document.querySelector('.tokens-now').textContent") == "now 80.0 tokens/s",
+        "the tokens/s readout")
+    assert browser.execute_script("return document.querySelector('.rows-now').textContent") \
+        == "280.0 rows/s per MoE layer"  # 2240 rows / 4 layers / 2 s
+    drawn = browser.execute_script(  # one read: the chart is redrawn on every snapshot
+        "return [...document.querySelectorAll('svg.tokens polyline')]"
+        ".map(p => [p.getAttribute('class'), p.getAttribute('points').split(' ').length])")
+    assert [cls for cls, _n in drawn] == ["tokens_per_s", "rows_per_s"] and all(n >= 1 for _c, n in drawn)
     # The page got its data live from the event stream, and /api/state says the same.
     assert browser.find_element("id", "conn").get_attribute("data-state") == "live"
     with urllib.request.urlopen(swarm.dashboard.url + "/api/state", timeout=5) as resp:
         state = json.load(resp)
     assert state["models"][0]["model"] == FP
+    assert isinstance(state["models"][0]["history"][-1]["tokens_per_s"], float)
 
     # Ranges read as `kvasir status` prints them: inclusive, L1:8-15 is experts 8..15.
     for name, cells in table(browser, "workers").items():
