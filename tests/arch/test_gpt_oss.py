@@ -14,10 +14,7 @@ serving from a ``kvasir slice`` file (which carries its experts' bias rows).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import os
-import signal
 
 import numpy as np
 import pytest
@@ -25,6 +22,7 @@ import pytest
 from backbone.config import ARCHES, read_config
 from backbone.generate import generate
 from backbone.model import Engine
+from tests.arch.sharding import assert_sharded_with_a_killed_worker_equals_monolithic
 from backbone.sampling import Sampler, SamplerConfig
 from kernels import backend as backends
 from kernels.expert import EXPERT_GLU, expert_ffn
@@ -181,54 +179,8 @@ def test_slice_of_gpt_oss_without_bias_rows_is_refused(models, tmp_path):
 
 
 def test_sharded_with_a_killed_worker_and_a_slice_worker_equals_monolithic(nats_server, models, tmp_path):
-    from backbone.dispatch import DispatchConfig
-    from backbone.service import BackboneConfig, BackboneService
-    from kvasir_bus.fingerprint import model_fingerprint
-    from launch.swarm import spawn_worker, wait_for_nodes
-    from modelfile.slicer import parse_span, plan_slice, write_slice
-
-    model = models(ARCH, "mxfp4")
-    engine = Engine(model)
-    prompt = np.random.default_rng(7).integers(0, engine.cfg.n_vocab, N_PROMPT).tolist()
-    mono = generate(engine, prompt, N_DECODE, greedy(), stop_on_eos=False, keep_logits=True)
-
-    part = tmp_path / "experts-4-7.gguf"
-    write_slice(plan_slice(model, [(None, parse_span("4-7", "experts"))]), part)
-    procs = []
-    try:
-        for node, args in (("victim", ["--model", str(model), "--layer", "all", "--experts", "0-3"]),
-                           ("steady", ["--slice", str(part)])):
-            procs.append(spawn_worker(nats_server.url, node, args, heartbeat_s=0.5,
-                                      log_file=open(tmp_path / f"{node}.log", "w")))
-        fp = model_fingerprint(engine.reader)
-        asyncio.run(wait_for_nodes(nats_server.url, fp, {"victim", "steady"}, procs=procs))
-        victim = procs[0]
-        killed = []
-        sharded_engine = Engine(model)
-        cfg = BackboneConfig(model_path=sharded_engine.path, nats_url=nats_server.url, dispatch=DispatchConfig(),
-                             serve_manifest=False)
-        with BackboneService(sharded_engine, cfg) as backbone:
-            remote = backbone.dispatch
-
-            def on_token(_):
-                if not killed and remote.stats.totals().remote > 10:
-                    os.kill(victim.proc.pid, signal.SIGKILL)
-                    victim.proc.wait()
-                    killed.append(True)
-
-            gen = generate(sharded_engine, prompt, N_DECODE, greedy(), stop_on_eos=False, keep_logits=True,
-                           on_token=on_token)
-            totals = remote.stats.totals()
-            per_node = remote.stats.to_dict()["per_node"]
-    finally:
-        for p in procs:
-            if p.alive():
-                p.stop()
-    assert killed, "the worker was never killed"
-    assert gen.tokens == mono.tokens
-    assert np.array_equal(gen.logits_array(), mono.logits_array())
-    assert totals.remote > 0 and totals.local > 0
-    assert per_node["steady"]["calls"] > 0
+    assert_sharded_with_a_killed_worker_equals_monolithic(models(ARCH, "mxfp4"), nats_server.url, tmp_path,
+                                                         N_PROMPT, N_DECODE)
 
 
 # --- kvasir synth --arch gpt-oss ----------------------------------------------------------------
