@@ -6,8 +6,9 @@ with the backbone as the reference instead of a vote). Which replies are audited
 * every reply of a node still on probation (its first ``probation`` replies);
 * after that, one reply chosen at random in every window of ``ceil(1 / rate)`` consecutive
   replies of that node *on that layer* — so a node that lies on every reply of a layer is caught
-  within one window of its first lie there, whatever the layer and however long it was honest,
-  and it cannot tell which reply is the audited one;
+  within ``2 * ceil(1 / rate) - 1`` of its lies there (the rest of the window it started lying in,
+  then one whole window), whatever the layer and however long it was honest, and it cannot tell
+  which reply is the audited one;
 * ``rate = 1`` audits every reply; ``rate = 0`` audits none (probation included): a trusted
   swarm at full speed, with no guarantee.
 
@@ -76,8 +77,9 @@ class AuditConfig:
     @property
     def max_replies_to_catch(self) -> int:
         """A node that lies on every reply of a layer is caught within this many of its lying
-        replies on that layer (probation counts as audited)."""
-        return self.window
+        replies on that layer: it may start lying just after the window's audited reply, then the
+        next window's audit may be its last reply (probation counts as audited)."""
+        return 2 * self.window - 1 if self.window else 0
 
 
 @dataclass

@@ -29,16 +29,21 @@ def test_one_reply_in_every_window_is_audited_per_layer(rate):
             assert sum(picks[start:start + cfg.window]) == 1
 
 
-def test_a_liar_on_every_reply_is_caught_within_one_window_after_any_honest_stretch():
+def test_a_liar_on_every_reply_is_caught_within_two_windows_less_one_after_any_honest_stretch():
     cfg = AuditConfig(rate=0.1, probation=16, seed=3)
-    for honest in (0, 16, 100, 137):
-        auditor = Auditor(cfg)
-        for _ in range(honest):
-            auditor.should_audit("liar", 2)
-        lies = 0
-        while not auditor.should_audit("liar", 2):
-            lies += 1
-        assert lies + 1 <= cfg.max_replies_to_catch == 10
+    assert cfg.max_replies_to_catch == 19
+    worst = 0
+    for seed in range(200):
+        for honest in (0, 16, 100, 137):
+            auditor = Auditor(AuditConfig(rate=0.1, probation=16, seed=seed))
+            for _ in range(honest):
+                auditor.should_audit("liar", 2)
+            lies = 1
+            while not auditor.should_audit("liar", 2):
+                lies += 1
+            worst = max(worst, lies)
+            assert lies <= cfg.max_replies_to_catch
+    assert worst > cfg.window  # the bound is not loose for nothing: starting mid-window costs more
 
 
 def test_rate_zero_audits_nothing_and_rate_one_audits_everything():

@@ -65,8 +65,9 @@ class Liar:
         self.engine, self.url, self.lie, self.node = Engine(model_path), url, lie, node
         self.model = model_fingerprint(self.engine.reader)
         self.sent = 0
-        self.replies: list[tuple[float, bool]] = []  # (when sent, whether it lied)
+        self.replies: list[tuple[float, bool, int]] = []  # (when sent, whether it lied, layer)
         self.caught_at: float | None = None  # the backbone's decision time (Quarantine.at)
+        self.caught_layer: int | None = None
         self.quarantined = threading.Event()
         self.bus = LoopThread("liar")
 
@@ -88,21 +89,21 @@ class Liar:
     async def _heard(self, msg) -> None:
         event = market_codec.decode_quarantine(msg.data)
         if event.node == self.node:
-            self.caught_at = event.at
+            self.caught_at, self.caught_layer = event.at, event.layer
             self.quarantined.set()
 
-    @property
-    def lies_before_quarantine(self) -> int:
-        """Lies sent before the backbone decided (same clock: one machine). Those sent after it
-        are ignored by the backbone, however long the announcement takes to arrive."""
-        return sum(lied for at, lied in self.replies if self.caught_at is None or at < self.caught_at)
+    def lies_before_quarantine(self, layer: int | None = None) -> int:
+        """Lies sent before the backbone decided (same clock: one machine), on ``layer`` or on
+        all. Those sent after it are ignored by the backbone, however long the announcement takes."""
+        return sum(lied for at, lied, where in self.replies
+                   if (self.caught_at is None or at < self.caught_at) and layer in (None, where))
 
     async def _answer(self, msg) -> None:
         req = codec.decode_request(msg.data)
         layer = parse_dispatch(msg.subject).layer
         honest = expert_ffn(*self.engine.weights.expert(layer, req.expert), req.rows, routed=True)
         out = self.lie(honest, layer, self.sent)
-        self.replies.append((time.time(), not np.array_equal(out, honest)))
+        self.replies.append((time.time(), not np.array_equal(out, honest), layer))
         self.sent += 1
         reply = codec.DispatchReply(request_id=req.request_id, node=self.node, rows=out, kernel=kernel_label())
         await self.nc.publish(msg.reply, reply.encode())
@@ -163,10 +164,14 @@ def test_with_the_default_audit_each_liar_is_quarantined_within_the_stated_bound
         _, _, stats = sharded(model, nats_server.url, prompt, cfg, n_decode(lie))
         assert liar.quarantined.wait(10), f"{lie}: never quarantined ({liar.sent} replies)"
     assert stats["quarantined"] == ["liar"]
-    # README: caught within ceil(1/R) lying replies on a layer, plus those of the same layer
-    # step already in flight (top-k per step on this model).
-    top_k = Engine(model).cfg.n_expert_used
-    assert liar.lies_before_quarantine <= cfg.max_replies_to_catch + top_k, liar.lies_before_quarantine
+    # README: caught within ceil(1/R) lying replies on the layer where it was caught, plus those
+    # of the same layer step already in flight (top-k per step on this model). Its lies on other
+    # layers are in their own windows: up to ceil(1/R) + top-k per layer by then.
+    cfg_model = Engine(model).cfg
+    top_k, layers = cfg_model.n_expert_used, cfg_model.n_layer
+    caught_there = liar.lies_before_quarantine(liar.caught_layer)
+    assert caught_there <= cfg.max_replies_to_catch + top_k, caught_there
+    assert liar.lies_before_quarantine() <= layers * (cfg.max_replies_to_catch + top_k)
 
 
 def test_an_honest_worker_on_the_numpy_kernel_is_never_quarantined(model, prompt, monolithic, nats_server,
