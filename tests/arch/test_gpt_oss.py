@@ -20,18 +20,16 @@ import numpy as np
 import pytest
 
 from backbone.config import ARCHES, read_config
-from backbone.generate import generate
 from backbone.model import Engine
+from tests.parity import assert_logits_match_llama_cpp
 from tests.arch.sharding import assert_sharded_with_a_killed_worker_equals_monolithic
-from backbone.sampling import Sampler, SamplerConfig
 from kernels import backend as backends
 from kernels.expert import EXPERT_GLU, expert_ffn
 from kernels.tensors import open_gguf, tensors_from_reader
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp is the reference engine")
 
-from backbone.reference import Reference, compare  # noqa: E402
-from backbone.tokenizer import Tokenizer  # noqa: E402
+from backbone.reference import Reference  # noqa: E402
 
 ARCH = "gpt-oss"
 PROMPT = ("Experts are cut out of the model one by one, so a small phone can hold a real share "
@@ -39,9 +37,6 @@ PROMPT = ("Experts are cut out of the model one by one, so a small phone can hol
 MAX_ABS_DIFF = 1e-3  # the issue's bound; measured: 0 (bit-identical) for all five types
 N_PROMPT, N_DECODE = 36, 16
 
-
-def greedy():
-    return Sampler(SamplerConfig())
 
 
 def test_tiny_file_has_what_gpt_oss_adds(models):
@@ -65,16 +60,8 @@ def test_the_expert_activation_table_agrees_with_the_architectures():
 
 @pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_k", "mxfp4"])
 def test_logits_match_llama_cpp_over_prompt_and_greedy_steps(models, qtype):
-    path = models(ARCH, qtype)
-    prompt = Tokenizer(path).encode(PROMPT)
-    assert len(prompt) >= N_PROMPT
-    gen = generate(Engine(path), prompt, N_DECODE, greedy(), stop_on_eos=False, keep_logits=True)
-    assert len(gen.tokens) == N_DECODE
-    ref = Reference(path, n_ctx=len(gen.all_tokens) + 8, n_batch=64).logits(gen.all_tokens)
-    report = compare(gen.logits_array(), ref)
-    assert report["positions"] == len(prompt) + N_DECODE
-    assert report["argmax_agreement"] == 1.0, report
-    assert report["max_abs_diff"] <= MAX_ABS_DIFF, report
+    assert_logits_match_llama_cpp(models(ARCH, qtype), PROMPT, min_prompt=N_PROMPT, n_decode=N_DECODE,
+                                  max_abs_diff=MAX_ABS_DIFF)
 
 
 def test_sinks_window_and_swa_rope_base_each_change_the_logits(models):

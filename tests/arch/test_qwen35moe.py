@@ -15,17 +15,14 @@ import numpy as np
 import pytest
 
 from backbone.config import read_config
-from backbone.generate import generate
 from backbone.model import Engine
+from tests.parity import assert_logits_match_llama_cpp
 from tests.arch.sharding import assert_sharded_with_a_killed_worker_equals_monolithic
-from backbone.sampling import Sampler, SamplerConfig
 from kernels import deltanet, ops
 from kernels.tensors import open_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp is the reference engine")
 
-from backbone.reference import Reference, compare  # noqa: E402
-from backbone.tokenizer import Tokenizer  # noqa: E402
 
 ARCH = "qwen35moe"
 PROMPT = ("Experts are cut out of the model one by one, so a small phone can hold a real share "
@@ -33,9 +30,6 @@ PROMPT = ("Experts are cut out of the model one by one, so a small phone can hol
 MAX_ABS_DIFF = 1e-3  # the issue's bound; measured: 0 (bit-identical) for all four types
 N_PROMPT, N_DECODE = 36, 16
 
-
-def greedy():
-    return Sampler(SamplerConfig())
 
 
 def test_tiny_has_three_delta_net_layers_then_one_gated_attention_layer(models):
@@ -55,17 +49,7 @@ def test_tiny_has_three_delta_net_layers_then_one_gated_attention_layer(models):
 @pytest.mark.parametrize("qtype", ["f32", "f16", "q8_0", "q4_k"])
 @pytest.mark.parametrize("arch", [ARCH, "qwen3next"])
 def test_logits_match_llama_cpp_over_prompt_and_greedy_steps(models, arch, qtype):
-    path = models(arch, qtype)
-    prompt = Tokenizer(path).encode(PROMPT)
-    assert len(prompt) >= 36
-    gen = generate(Engine(path), prompt, 16, greedy(), stop_on_eos=False, keep_logits=True)
-    assert len(gen.tokens) == 16
-    ours = gen.logits_array()
-    ref = Reference(path, n_ctx=len(gen.all_tokens) + 8, n_batch=64).logits(gen.all_tokens)
-    report = compare(ours, ref)
-    assert report["positions"] == len(prompt) + 16
-    assert report["argmax_agreement"] == 1.0, report
-    assert report["max_abs_diff"] <= MAX_ABS_DIFF, report
+    assert_logits_match_llama_cpp(models(arch, qtype), PROMPT, min_prompt=36, max_abs_diff=MAX_ABS_DIFF)
 
 
 @pytest.mark.parametrize("arch,qtype", [(ARCH, "q4_k"), (ARCH, "f32"), ("qwen3next", "f16")])

@@ -3,14 +3,11 @@
 import numpy as np
 import pytest
 
-from backbone.generate import generate
 from backbone.model import Engine
-from backbone.sampling import Sampler, SamplerConfig
+from tests.parity import assert_logits_match_llama_cpp
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp is the reference engine")
 
-from backbone.reference import Reference, compare  # noqa: E402
-from backbone.tokenizer import Tokenizer  # noqa: E402
 
 PROMPT = ("Experts are cut out of the model one by one, so a small phone can hold a real share "
           "of it while the backbone keeps them all.")
@@ -23,24 +20,11 @@ TYPES = ["f32", "f16", "q8_0", "q4_k"]
 MAX_ABS_DIFF = 1e-3
 
 
-def greedy():
-    return Sampler(SamplerConfig())
-
 
 @pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("arch", ARCHES)
 def test_logits_match_llama_cpp_over_prompt_and_greedy_steps(models, arch, qtype):
-    path = models(arch, qtype)
-    prompt = Tokenizer(path).encode(PROMPT)
-    assert len(prompt) >= 32
-    gen = generate(Engine(path), prompt, 16, greedy(), stop_on_eos=False, keep_logits=True)
-    assert len(gen.tokens) == 16
-    ours = gen.logits_array()
-    ref = Reference(path, n_ctx=len(gen.all_tokens) + 8, n_batch=64).logits(gen.all_tokens)
-    report = compare(ours, ref)
-    assert report["positions"] == len(prompt) + 16
-    assert report["argmax_agreement"] == 1.0, report
-    assert report["max_abs_diff"] <= MAX_ABS_DIFF, report
+    assert_logits_match_llama_cpp(models(arch, qtype), PROMPT, min_prompt=32, max_abs_diff=MAX_ABS_DIFF)
 
 
 @pytest.mark.parametrize("arch,qtype", [("qwen3moe", "q4_k"), ("qwen2moe", "q8_0"), ("mixtral", "f16")])
