@@ -5,7 +5,10 @@ backbone's own HTTP server through a proxy). What makes the bytes trustworthy is
 manifest, which the backbone answers on ``kvasir.<model>.manifest``: one
 :class:`~kvasir_bus.market_codec.SlabRef` per (layer, expert, gate|up|down) with its absolute
 offset, size and SHA-256 in the backbone's own GGUF. A worker refuses any slab whose digest
-differs.
+differs. Models whose experts carry bias rows (gpt-oss) also get one slab per expert and
+``*_bias`` kind: its row of ``blk.L.ffn_{kind}_exps.bias`` (F32, contiguous in the (rows, E)
+tensor). A split GGUF (``name-00001-of-00003.gguf``) lists its parts, and each slab names
+the part its offset is in.
 
 Hashing a large model takes a while (about 1 GB/s per core), so :func:`build_manifest`
 streams each tensor through a bounded buffer on a few threads (hashlib releases the GIL) and
@@ -31,13 +34,13 @@ import structlog
 from kvasir_bus import market_codec
 from kvasir_bus.codec import CodecError
 from kvasir_bus.errors import KvasirError, ModelFileError
-from kvasir_bus.market_codec import Manifest, SlabRef
+from kvasir_bus.market_codec import Manifest, ManifestPart, SlabRef
 from kvasir_bus.subjects import Subjects
 
 log = structlog.get_logger("kvasir.manifest")
 
 CACHE_SUFFIX = ".kvasir-manifest"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: bias-row slabs and split parts
 CHUNK_BYTES = 8 << 20  # the read buffer of one hashing thread
 
 Progress = Callable[[int, int], None]  # (bytes hashed, bytes to hash)
@@ -50,7 +53,8 @@ def cache_path_for(model_path: str | os.PathLike) -> str:
 def build_manifest(path: str | os.PathLike, *, source_url: str = "", cache: bool = True,
                    cache_path: str | os.PathLike | None = None, threads: int | None = None,
                    progress: Progress | None = None) -> Manifest:
-    """The manifest of the MoE GGUF at ``path`` (every expert slab of every layer).
+    """The manifest of the MoE GGUF at ``path`` (every expert slab of every layer; any part
+    of a split GGUF stands for all of them).
 
     ``source_url`` is put in the manifest (where volunteers may fetch the file; "" = nowhere).
     With ``cache`` the result is read from / written to ``cache_path`` (default
@@ -62,11 +66,11 @@ def build_manifest(path: str | os.PathLike, *, source_url: str = "", cache: bool
 
     path = os.fspath(path)
     plan = plan_slice(path, [(None, None)])  # validates the model: every expert tensor, shapes
-    if any(t.src_path for t in plan.tensors):
-        raise ModelFileError(f"{path}: a split GGUF: the manifest names offsets in one file, so volunteers' "
-                             "partial download needs the merged model (llama-gguf-split --merge)")
-    st = os.stat(path)
-    key = {"fingerprint": plan.fingerprint, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    reader = open_gguf(path)
+    files = [os.fspath(p) for p in getattr(reader, "paths", [path])]  # the parts of a split GGUF
+    stats = [os.stat(f) for f in files]
+    key = {"fingerprint": plan.fingerprint, "size": [st.st_size for st in stats],
+           "mtime_ns": [st.st_mtime_ns for st in stats]}
     where = os.fspath(cache_path) if cache_path is not None else cache_path_for(path)
     if cache:
         cached = _read_cache(where, key)
@@ -74,13 +78,12 @@ def build_manifest(path: str | os.PathLike, *, source_url: str = "", cache: bool
             log.debug("manifest_cache_hit", path=where, model=cached.model)
             return dataclasses.replace(cached, source_url=source_url)
 
-    jobs = []  # (tensor, expert count, bytes per expert)
+    part_of = {f: i for i, f in enumerate(files)}
+    jobs = []  # (tensor, its part, expert count, bytes per expert)
     for t in plan.tensors:
-        if t.bias:  # a few KB of bias rows (gpt-oss): not slabs of the market's manifest (yet)
-            continue
         count = t.holding.count
-        jobs.append((t, count, t.nbytes // count))
-    total = sum(t.nbytes for t, _, _ in jobs)
+        jobs.append((t, part_of[t.src_path or files[0]], count, t.nbytes // count))
+    total = sum(t.nbytes for t, *_ in jobs)
     done = [0]
 
     def on_bytes(n: int) -> None:  # called from the hashing threads; progress is advisory
@@ -89,19 +92,27 @@ def build_manifest(path: str | os.PathLike, *, source_url: str = "", cache: bool
             progress(done[0], total)
 
     workers = threads or max(1, min(4, os.cpu_count() or 1))
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
+    fds = [os.open(f, os.O_RDONLY) for f in files]
+    try:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="manifest-hash") as pool:
-            results = list(pool.map(lambda job: _hash_tensor(fd, path, *job, on_bytes), jobs))
+            results = list(pool.map(lambda job: _hash_tensor(fds[job[1]], files[job[1]], job[0], *job[2:],
+                                                             on_bytes), jobs))
+    finally:
+        for fd in fds:
+            os.close(fd)
     slabs = []
-    for (t, count, nb2), digests in zip(jobs, results):
+    for (t, part, count, nb2), digests in zip(jobs, results):
+        kind = f"{t.kind}_bias" if t.bias else t.kind
         for i, digest in enumerate(digests):
-            slabs.append(SlabRef(t.holding.layer, t.holding.lo + i, t.kind, t.src_offset + i * nb2,
-                                 nb2, digest))
+            slabs.append(SlabRef(t.holding.layer, t.holding.lo + i, kind, t.src_offset + i * nb2,
+                                 nb2, digest, part))
+    offsets = [int(r.data_offset) for r in getattr(reader, "parts", [reader])]
+    parts = tuple(ManifestPart(os.path.basename(f), st.st_size, off)
+                  for f, st, off in zip(files, stats, offsets)) if len(files) > 1 else ()
     manifest = Manifest(model=plan.fingerprint, arch=plan.arch, n_layer=plan.n_layer,
                         n_expert=plan.n_expert, n_embd=plan.n_embd, n_ff=plan.n_ff,
-                        file_bytes=st.st_size, data_offset=int(open_gguf(path).data_offset),
-                        source_url="", slabs=tuple(slabs))
+                        file_bytes=stats[0].st_size, data_offset=offsets[0],
+                        source_url="", slabs=tuple(slabs), parts=parts)
     if cache:
         _write_cache(where, key, manifest)
     log.info("manifest_built", model=manifest.model, slabs=len(slabs), bytes=total, cached=cache)

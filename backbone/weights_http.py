@@ -4,7 +4,9 @@
 and ``-n``) answer 206 with ``Content-Range``; no ``Range`` answers 200 with the whole file; a
 range that starts past the end (or ``-0``) answers 416 with ``Content-Range: bytes */SIZE``.
 Several ranges in one header (``bytes=0-1,5-9``) are refused with 416 too (ask one range per
-request); a malformed header gets 400. Every answer says ``Accept-Ranges: bytes``.
+request); a malformed header gets 400. Every answer says ``Accept-Ranges: bytes``. A part
+of a split GGUF (``name-00002-of-00003.gguf``) serves every part, each under its own name, and
+:attr:`WeightsServer.url` names the first.
 
 With node tokens configured, a request must carry one (``Authorization: Bearer TOKEN``, or
 ``?token=TOKEN`` for tools that cannot set headers), else it gets 401. Tokens are compared in
@@ -38,6 +40,7 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 import structlog
 
 from kvasir_bus import __version__
+from kernels.tensors import split_part_paths
 from kvasir_bus.errors import UsageError
 
 log = structlog.get_logger("kvasir.weights")
@@ -102,10 +105,16 @@ class WeightsServer:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise UsageError(f"{path}: no such file to serve")
+        parts = split_part_paths(path) or [path]
+        missing = [p for p in parts if not os.path.isfile(p)]
+        if missing:
+            raise UsageError(f"{missing[0]}: no such file to serve (a part of split GGUF {path})")
+        path = parts[0]
         if not 0 <= port <= 65535:
             raise UsageError(f"port {port} is out of range (0..65535; 0 = any free port)")
         self.path = path
         self.filename = os.path.basename(path)
+        self.files = {os.path.basename(p): p for p in parts}  # served name -> path
         self.host = host
         self.requested_port = port
         self.tokens = tuple(t for t in tokens if t)
@@ -278,7 +287,8 @@ class _Handler(BaseHTTPRequestHandler):
         rng = self.headers.get("Range")
         status, sent, token = 0, 0, None
         try:
-            if unquote(url.path) != "/" + owner.filename:
+            path = owner.files.get(unquote(url.path)[1:])
+            if path is None:
                 status = self._plain(404, f"not found: this server serves /{owner.filename}\n", body)
                 return
             token = owner._authorized(self, url.query)
@@ -290,7 +300,7 @@ class _Handler(BaseHTTPRequestHandler):
                                      {"WWW-Authenticate": 'Bearer realm="kvasir"'})
                 log.info("weights_unauthorized", client=client, path=url.path)
                 return
-            with open(owner.path, "rb", buffering=0) as f:
+            with open(path, "rb", buffering=0) as f:
                 st = os.fstat(f.fileno())
                 size = st.st_size
                 common = {"Accept-Ranges": "bytes",

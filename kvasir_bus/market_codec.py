@@ -22,6 +22,12 @@ Messages (``t``), with the subject each travels on (``M`` = model fingerprint):
 The manifest travels as parallel little-endian arrays (and SHA-256 digests as raw bytes): 57
 bytes per slab, so the 122B model's 36,864 slabs are about 2.1 MB, within deploy/nats.conf's
 8 MB ``max_payload`` (not within NATS' 1 MB default).
+
+A manifest with bias-row slabs (gpt-oss) or of a split GGUF (slabs in several part files) is
+sent as message version 2 (:data:`MANIFEST_V2`): it adds ``parts`` and a ``slab_part`` array
+(1 byte per slab), and kind codes 3..5 for the bias rows. A version-1 reader refuses it on the
+envelope ("message version 2 is not supported") instead of fetching wrong ranges; any other
+manifest is still sent as version 1, byte for byte as before.
 """
 
 from __future__ import annotations
@@ -42,7 +48,12 @@ from kvasir_bus.wire import (  # noqa: F401 (the names callers know market_codec
     check_model, check_node, check_opt_float, check_str, decode, encode, fail, headers_for,
     holding_list, need, record, tuple_of, unpack)
 
-KINDS = ("gate", "up", "down")          # slab kinds, in the order of one expert's slabs
+KINDS = ("gate", "up", "down")          # weight slab kinds, in the order of one expert's slabs
+#: Bias-row slab kinds (gpt-oss): expert e's row of ``blk.L.ffn_{kind}_exps.bias`` (F32).
+BIAS_KINDS = ("gate_bias", "up_bias", "down_bias")
+SLAB_KINDS = KINDS + BIAS_KINDS         # wire kind code = index here
+MANIFEST_V2 = 2                         # bias-row slabs or several parts
+MAX_PARTS = 255
 MAX_SLABS = 1 << 22
 MAX_HITS = 1 << 22
 MAX_ENTRIES = 1 << 20
@@ -56,6 +67,7 @@ MAX_URL = 2048
 RETRY_CODES = frozenset({ERR_NO_MANIFEST, ERR_WARMING_UP, ERR_INTERNAL})
 
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
+_PART_RE = re.compile(r"[^/\\\x00-\x1f]{1,255}")
 _U32, _U64, _U8 = np.dtype("<u4"), np.dtype("<u8"), np.dtype("u1")
 
 
@@ -89,25 +101,45 @@ def _fields(d: Any, cls: type) -> dict:
 
 @dataclass(frozen=True)
 class SlabRef:
-    """One expert's tensor slab in the source GGUF: bytes ``[offset, offset + size)``."""
+    """One expert's tensor slab in the source GGUF: bytes ``[offset, offset + size)`` of part
+    ``part`` (0 unless the model is a split GGUF)."""
 
     layer: int
     expert: int
-    kind: str          # "gate", "up" or "down"
-    offset: int        # absolute byte offset in the source file
+    kind: str          # one of SLAB_KINDS: "gate", "up", "down" or their "_bias" rows
+    offset: int        # absolute byte offset in the source file (its part)
     size: int
     sha256: str        # 64 lower-case hex digits of the slab's bytes
+    part: int = 0      # index into Manifest.parts (split GGUF)
 
     def __post_init__(self) -> None:
         r = "slab"
         s = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         s("layer", check_index(r, "layer", self.layer))
         s("expert", check_index(r, "expert", self.expert))
-        if self.kind not in KINDS:
-            raise fail(r, "kind", f"is {self.kind!r}, expected one of {', '.join(KINDS)}")
+        if self.kind not in SLAB_KINDS:
+            raise fail(r, "kind", f"is {self.kind!r}, expected one of {', '.join(SLAB_KINDS)}")
         s("offset", check_int(r, "offset", self.offset, 0, (1 << 63) - 1))
         s("size", check_int(r, "size", self.size, 1, (1 << 63) - 1))
         check_str(r, "sha256", self.sha256, _SHA_RE, what="64 lower-case hex digits")
+        s("part", check_int(r, "part", self.part, 0, MAX_PARTS - 1))
+
+
+@dataclass(frozen=True)
+class ManifestPart:
+    """One file of a split GGUF (``name-0000i-of-0000n.gguf``): its name, size and where its
+    tensor data starts."""
+
+    name: str
+    file_bytes: int
+    data_offset: int
+
+    def __post_init__(self) -> None:
+        r = "manifest part"
+        check_str(r, "name", self.name, _PART_RE, max_len=255, what="a file name (no slashes)")
+        object.__setattr__(self, "file_bytes", check_int(r, "file_bytes", self.file_bytes, 0, (1 << 63) - 1))
+        object.__setattr__(self, "data_offset",
+                           check_int(r, "data_offset", self.data_offset, 0, self.file_bytes))
 
 
 @record
@@ -118,12 +150,18 @@ class Manifest(Record):
     ``n_layer``: all blocks of the model (some may have no experts: dense layers);
     ``data_offset``: where the tensor data starts in the file; ``source_url``: where the file
     can be fetched by byte range ("" if nowhere). ``slabs`` are sorted on construction by
-    (layer, expert, kind). Every (layer, expert) present has exactly one slab of each kind,
-    and a layer with experts has all ``n_expert`` of them.
+    (layer, expert, kind). Every (layer, expert) present has exactly one slab of each weight
+    kind, the experts of a layer all have the bias-row slabs or none do, and a layer with
+    experts has all ``n_expert`` of them.
+
+    ``parts``: the files of a split GGUF in order (empty for a single file); ``file_bytes``
+    and ``data_offset`` are then those of the first part, which ``source_url`` names, and
+    each slab's ``part`` says which file its offset is in.
     """
 
     kind: ClassVar[str] = "mf"
     what: ClassVar[str] = "manifest"
+    versions: ClassVar[tuple[int, ...]] = (VERSION, MANIFEST_V2)
 
     model: str
     arch: str
@@ -135,6 +173,7 @@ class Manifest(Record):
     data_offset: int
     source_url: str
     slabs: tuple[SlabRef, ...]
+    parts: tuple[ManifestPart, ...] = ()
 
     def __post_init__(self) -> None:
         r = self.what
@@ -148,12 +187,33 @@ class Manifest(Record):
         s("file_bytes", check_int(r, "file_bytes", self.file_bytes, 0, (1 << 63) - 1))
         s("data_offset", check_int(r, "data_offset", self.data_offset, 0, self.file_bytes))
         check_str(r, "source_url", self.source_url, max_len=MAX_URL)
+        parts = tuple_of(r, "parts", self.parts, ManifestPart, MAX_PARTS,
+                         build=lambda item: ManifestPart(*item))
+        if len(parts) == 1:
+            raise fail(r, "parts", "has one part: a single file has none")
+        if parts and (parts[0].file_bytes, parts[0].data_offset) != (self.file_bytes, self.data_offset):
+            raise fail(r, "parts", "[0] differs from the manifest's file_bytes and data_offset")
+        s("parts", parts)
         slabs = tuple_of(r, "slabs", self.slabs, SlabRef, MAX_SLABS,
                           build=lambda item: SlabRef(*item))
-        kind_order = {k: i for i, k in enumerate(KINDS)}
+        kind_order = {k: i for i, k in enumerate(SLAB_KINDS)}
         slabs = tuple(sorted(slabs, key=lambda x: (x.layer, x.expert, kind_order[x.kind])))
         s("slabs", slabs)
         self._check_slabs()
+
+    @property
+    def wire_version(self) -> int:
+        """Version 2 when a version-1 reader would misread it (bias slabs, several parts)."""
+        if self.parts or any(x.kind in BIAS_KINDS for x in self.slabs):
+            return MANIFEST_V2
+        return VERSION
+
+    def part_bounds(self, part: int) -> tuple[int, int]:
+        """``(data_offset, file_bytes)`` of file ``part`` (0 for a single file)."""
+        if not self.parts:
+            return self.data_offset, self.file_bytes
+        p = self.parts[part]
+        return p.data_offset, p.file_bytes
 
     def _check_slabs(self) -> None:
         r = "manifest"
@@ -166,21 +226,30 @@ class Manifest(Record):
             if slab.expert >= self.n_expert:
                 raise fail(r, where, f"has expert {slab.expert}, but layers have "
                                       f"{self.n_expert} experts")
-            if slab.offset < self.data_offset or slab.offset + slab.size > self.file_bytes:
+            if slab.part >= max(1, len(self.parts)):
+                raise fail(r, where, f"is in part {slab.part}, but the model has "
+                                      f"{max(1, len(self.parts))} file(s)")
+            lo, hi = self.part_bounds(slab.part)
+            if slab.offset < lo or slab.offset + slab.size > hi:
                 raise fail(r, where, f"bytes [{slab.offset}, {slab.offset + slab.size}) lie "
-                                      f"outside the tensor data [{self.data_offset}, "
-                                      f"{self.file_bytes})")
+                                      f"outside the tensor data [{lo}, {hi})")
             kinds = seen.setdefault((slab.layer, slab.expert), [])
             if slab.kind in kinds:
                 raise fail(r, where, f"repeats layer {slab.layer} expert {slab.expert} "
                                       f"{slab.kind}")
             kinds.append(slab.kind)
         per_layer: dict[int, int] = {}
+        layer_kinds: dict[int, frozenset[str]] = {}
         for (layer, expert), kinds in seen.items():
-            if len(kinds) != len(KINDS):
-                missing = [k for k in KINDS if k not in kinds]
+            missing = [k for k in KINDS if k not in kinds]
+            if any(k in kinds for k in BIAS_KINDS):
+                missing += [k for k in BIAS_KINDS if k not in kinds]
+            if missing:
                 raise fail(r, "slabs", f"lack the {', '.join(missing)} slab of layer {layer} "
                                         f"expert {expert}")
+            if layer_kinds.setdefault(layer, frozenset(kinds)) != frozenset(kinds):
+                raise fail(r, "slabs", f"of layer {layer}: some experts have bias-row slabs, "
+                                        f"expert {expert} has not")
             per_layer[layer] = per_layer.get(layer, 0) + 1
         for layer, count in per_layer.items():
             if count != self.n_expert:
@@ -207,7 +276,8 @@ class Manifest(Record):
         return out
 
     def slabs_for(self, layer: int, expert: int) -> tuple[SlabRef, ...]:
-        """The gate, up and down slabs of one expert; KeyError if the manifest has none."""
+        """The gate, up and down slabs of one expert (then its bias rows, if the model has
+        them); KeyError if the manifest has none."""
         try:
             return self._index[(layer, expert)]
         except KeyError:
@@ -215,7 +285,7 @@ class Manifest(Record):
                            f"{expert}") from None
 
     def expert_bytes(self, layer: int) -> int:
-        """Bytes of one expert of ``layer`` (its three slabs); KeyError for a dense layer."""
+        """Bytes of one expert of ``layer`` (all its slabs); KeyError for a dense layer."""
         try:
             return self._expert_bytes[layer]
         except KeyError:
@@ -223,7 +293,7 @@ class Manifest(Record):
 
     def body(self) -> dict[str, Any]:
         n = len(self.slabs)
-        kind = {k: i for i, k in enumerate(KINDS)}
+        kind = {k: i for i, k in enumerate(SLAB_KINDS)}
         layer = np.fromiter((x.layer for x in self.slabs), dtype=_U32, count=n)
         expert = np.fromiter((x.expert for x in self.slabs), dtype=_U32, count=n)
         kinds = np.fromiter((kind[x.kind] for x in self.slabs), dtype=_U8, count=n)
@@ -236,11 +306,20 @@ class Manifest(Record):
                 "source_url": self.source_url, "n_slabs": n,
                 "slab_layer": layer.tobytes(), "slab_expert": expert.tobytes(),
                 "slab_kind": kinds.tobytes(), "slab_offset": offset.tobytes(),
-                "slab_size": size.tobytes(), "slab_sha256": sha}
+                "slab_size": size.tobytes(), "slab_sha256": sha,
+                **self._body_v2()}
+
+    def _body_v2(self) -> dict[str, Any]:
+        if self.wire_version < MANIFEST_V2:
+            return {}
+        part = np.fromiter((x.part for x in self.slabs), dtype=_U8, count=len(self.slabs))
+        return {"parts": [[p.name, p.file_bytes, p.data_offset] for p in self.parts],
+                "slab_part": part.tobytes()}
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> Manifest:
         r = cls.what
+        v2 = body.get("v") == MANIFEST_V2
         n = check_int(r, "n_slabs", need(body, r, "n_slabs"), 0, MAX_SLABS)
         layer = _array(body, r, "slab_layer", _U32, n)
         expert = _array(body, r, "slab_expert", _U32, n)
@@ -251,18 +330,22 @@ class Manifest(Record):
         if not isinstance(sha, bytes) or len(sha) != 32 * n:
             got = len(sha) if isinstance(sha, bytes) else type(sha).__name__
             raise fail(r, "slab_sha256", f"must be {32 * n} bytes (32 per slab), got {got}")
-        if n and int(kind.max()) >= len(KINDS):
-            raise fail(r, "slab_kind", f"has kind code {int(kind.max())} (expected 0..2)")
+        kinds = SLAB_KINDS if v2 else KINDS
+        if n and int(kind.max()) >= len(kinds):
+            raise fail(r, "slab_kind", f"has kind code {int(kind.max())} (expected 0..{len(kinds) - 1})")
+        part = _array(body, r, "slab_part", _U8, n) if v2 else np.zeros(n, dtype=_U8)
+        parts = need(body, r, "parts") if v2 else ()
         hexes = sha.hex()
-        slabs = [SlabRef(int(layer[i]), int(expert[i]), KINDS[kind[i]], int(offset[i]),
-                         int(size[i]), hexes[64 * i:64 * i + 64]) for i in range(n)]
+        slabs = [SlabRef(int(layer[i]), int(expert[i]), kinds[kind[i]], int(offset[i]),
+                         int(size[i]), hexes[64 * i:64 * i + 64], int(part[i])) for i in range(n)]
         return cls(**{f: need(body, r, f) for f in (
             "model", "arch", "n_layer", "n_expert", "n_embd", "n_ff", "file_bytes",
-            "data_offset", "source_url")}, slabs=tuple(slabs))
+            "data_offset", "source_url")}, slabs=tuple(slabs), parts=parts)
 
     def headers(self) -> dict[str, str]:
+        parts = {"Kvasir-Parts": str(len(self.parts))} if self.parts else {}
         return {"Kvasir-Layers": str(self.n_layer), "Kvasir-Experts": str(self.n_expert),
-                "Kvasir-Slabs": str(len(self.slabs))}
+                "Kvasir-Slabs": str(len(self.slabs)), **parts}
 
 
 # -- volunteering ---------------------------------------------------------------------------

@@ -314,6 +314,14 @@ class Record:
 
     kind: ClassVar[str]
     what: ClassVar[str]
+    #: The message versions ``v`` this record's decoder reads; a record whose layout changed
+    #: in a way an older reader would misread (the manifest) sends a higher one when it must.
+    versions: ClassVar[tuple[int, ...]] = (VERSION,)
+
+    @property
+    def wire_version(self) -> int:
+        """The ``v`` this record is sent with (the lowest one that can carry it)."""
+        return VERSION
 
     def body(self) -> dict[str, Any]:
         """The payload's fields after ``v`` and ``t``, in wire order."""
@@ -362,7 +370,7 @@ def _registered(msg: Any, doing: str) -> Record:
 def encode(msg: Record) -> bytes:
     """Any record -> msgpack bytes (the record was validated when it was built)."""
     msg = _registered(msg, "cannot encode")
-    return msgpack.packb({"v": VERSION, "t": msg.kind, **msg.body()}, use_bin_type=True)
+    return msgpack.packb({"v": msg.wire_version, "t": msg.kind, **msg.body()}, use_bin_type=True)
 
 
 def headers_for(msg: Record) -> dict[str, str]:
@@ -373,7 +381,7 @@ def headers_for(msg: Record) -> dict[str, str]:
     msg = _registered(msg, "no headers for")
     # Kind and model on every message, so `nats sub 'kvasir.>'` tells what flows and for which
     # model without decoding a payload (replies carry no model: their request named it).
-    common = {"Kvasir-Version": str(VERSION), "Kvasir-Kind": type(msg).what.replace(" ", "_")}
+    common = {"Kvasir-Version": str(msg.wire_version), "Kvasir-Kind": type(msg).what.replace(" ", "_")}
     model = getattr(msg, "model", None)
     if isinstance(model, str) and model:
         common["Kvasir-Model"] = model
@@ -401,13 +409,18 @@ def unpack(data: Any, max_bytes: int, kinds: tuple[str, ...], what: str) -> dict
     version = body["v"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise fail(what, "v", f"must be an integer, got {version!r}")
-    if version != VERSION:
+    spoken = {v for k in kinds for v in getattr(RECORDS.get(k), "versions", (VERSION,))}
+    if version not in spoken:
         raise UnsupportedVersionError(f"{what}: message version {version} is not supported "
-                                      f"(this build speaks version {VERSION})", field="v")
+                                      f"(this build speaks version {max(spoken)}): upgrade kvasir",
+                                      field="v")
     kind = body.get("t")
     if kind not in kinds:
         expected = " or ".join(repr(k) for k in kinds)
         raise fail(what, "t", f"is {kind!r}, expected {expected}")
+    if version not in getattr(RECORDS.get(kind), "versions", (VERSION,)):
+        raise UnsupportedVersionError(f"{what}: a {kind!r} of message version {version} is not "
+                                      "supported: upgrade kvasir", field="v")
     return body
 
 

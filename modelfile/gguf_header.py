@@ -9,7 +9,9 @@ described (:class:`GGUFArray`), not decoded: a vocabulary is large and nobody he
 
 The header also gives the model fingerprint (:func:`kvasir_bus.fingerprint.fingerprint` over
 the key/value records as encoded and the tensor table), equal to ``compute_fingerprint`` of
-the whole file through gguf-py's reader.
+the whole file through gguf-py's reader. A part of a split GGUF (``split.*`` keys) keeps its
+key/value records, so that :func:`split_fingerprint` can give the fingerprint of the model its
+parts were split from (the one a :class:`kernels.tensors.SplitReader` computes).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 
+from kernels.tensors import SPLIT_KEYS
 from kvasir_bus.errors import ModelFileError
 from kvasir_bus.fingerprint import fingerprint
 
@@ -65,6 +68,15 @@ class GGUFHeader:
     header_end: int  # end of the tensor infos
     data_offset: int  # start of the data section (header_end padded to the alignment)
     fingerprint: str  # of these bytes (a slice's: its own; its source's is in the metadata)
+    records: tuple[tuple[str, bytes], ...] = ()  # (key, record as encoded): kept for split parts only
+
+    @property
+    def split(self) -> tuple[int, int] | None:
+        """``(split.no, split.count)`` of a part of a split GGUF (0-based no), else None."""
+        no, count = self.metadata.get("split.no"), self.metadata.get("split.count")
+        if isinstance(no, int) and isinstance(count, int):
+            return no, count
+        return None
 
     def tensor(self, name: str) -> TensorInfo:
         for t in self.tensors:
@@ -191,7 +203,25 @@ def parse_header(buf: bytes | bytearray | memoryview, name: str = "GGUF") -> GGU
     data_offset = header_end + (-header_end % alignment)
     tensors = tuple(TensorInfo(n, t, ne, data_offset + rel, nbytes) for n, t, ne, rel, nbytes in raw_tensors)
     fp = fingerprint(records, ((t.name, t.ggml_type, t.ne, t.nbytes) for t in tensors))
-    return GGUFHeader(version, metadata, tensors, alignment, header_end, data_offset, fp)
+    kept = tuple((k, bytes(r)) for k, r in records) if "split.count" in metadata else ()
+    return GGUFHeader(version, metadata, tensors, alignment, header_end, data_offset, fp, kept)
+
+
+def split_fingerprint(parts: "list[GGUFHeader]", name: str = "GGUF") -> str:
+    """The fingerprint of the model split into ``parts`` (headers of every part, in order):
+    the first part's metadata without the ``split.*`` keys and every part's tensors, as
+    ``compute_fingerprint`` of a :class:`kernels.tensors.SplitReader` (and of the single file
+    llama-gguf-split was given). Refuses parts that are not one split, in order."""
+    for i, h in enumerate(parts):
+        if h.split != (i, len(parts)):
+            raise ModelFileError(f"{name}: part {i + 1} of {len(parts)} says split.no={h.metadata.get('split.no')} "
+                                 f"of split.count={h.metadata.get('split.count')} (parts of different splits?)")
+    want = parts[0].metadata.get("split.tensors.count")
+    got = sum(len(h.tensors) for h in parts)
+    if want != got:
+        raise ModelFileError(f"{name}: the parts hold {got} tensors, split.tensors.count says {want}")
+    records = [(k, r) for k, r in parts[0].records if k not in SPLIT_KEYS]
+    return fingerprint(records, ((t.name, t.ggml_type, t.ne, t.nbytes) for h in parts for t in h.tensors))
 
 
 class _U32(int):

@@ -177,6 +177,16 @@ class SliceInfo:
                                glu if kind == "gate" else "swiglu"))
         return out[0], out[1], out[2]
 
+    def slab(self, layer: int, expert: int, kind: str) -> bytes:
+        """The bytes of one held expert's slab as the source stores it: ``kind`` is gate, up or
+        down (its weights) or ``{kind}_bias`` (its F32 bias row). KeyError if not held."""
+        if kind.endswith("_bias"):
+            row = self.expert_weights(layer, expert)[KINDS.index(kind[:-5])].bias
+            if row is None:
+                raise KeyError(f"{self.path}: layer {layer} expert {expert} has no {kind} row")
+            return np.ascontiguousarray(row, dtype="<f4").tobytes()
+        return bytes(self.expert_weights(layer, expert)[KINDS.index(kind)].data)
+
     def _holding(self, layer: int, expert: int) -> Holding | None:
         for h in self.holdings:
             if h.covers(layer, expert):

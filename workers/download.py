@@ -3,10 +3,11 @@
 The market assigns half-open holdings ``(layer, lo, hi)``. :func:`plan_download` turns them
 into the slice a worker will serve (the exact layout of :mod:`modelfile.slice_file`, header
 written by the same code as ``kvasir slice``) and into one :class:`SlabJob` per
-(layer, expert, gate|up|down): where the slab lies in the source, its SHA-256 from the
-backbone's manifest, and where it goes in the slice file. The source's header must agree with
-the manifest (same file size, same data offset, every slab where the manifest says), or
-nothing is downloaded.
+(layer, expert, gate|up|down, and their bias rows for gpt-oss): where the slab lies in the
+source, its SHA-256 from the backbone's manifest, and where it goes in the slice file. The
+source's header must agree with the manifest (same file size, same data offset, every slab
+where the manifest says), or nothing is downloaded. A split GGUF is several sources, one per
+part (:func:`part_names`, :func:`identify_parts`); each slab is fetched from its part.
 
 :func:`download_slice` writes the slice header into ``DIR/<model>.<plan>.part`` and then
 streams the slabs straight to their final offsets, one ranged request per run of contiguous
@@ -41,19 +42,24 @@ from typing import Callable, Iterable, Iterator, Sequence
 from gguf import GGML_QUANT_SIZES
 
 from kvasir_bus.errors import KvasirError, ModelFileError, UsageError
+from gguf import GGMLQuantizationType
+
 from kvasir_bus.market_codec import Manifest
 from kvasir_bus.progress import LogProgress
 from kvasir_bus.wire import Holding
-from modelfile.slice_file import KINDS, SliceInfo, load_slice, slice_tensor_name, source_tensor_name
+from kernels.tensors import split_part_paths
+from modelfile.gguf_header import split_fingerprint
+from modelfile.slice_file import (KINDS, SliceInfo, has_expert_bias, load_slice, slice_bias_name,
+                                  slice_tensor_name, source_bias_name, source_tensor_name)
 from modelfile.slicer import SlicePlan, SliceTensor, write_slice_header
-from workers.source import ByteCache, Identity, Source, TransientSourceError
+from workers.source import ByteCache, Identity, Source, TransientSourceError, identify
 
 try:  # advisory locks: POSIX (Linux, Android, macOS); elsewhere two downloads must not share a dir
     import fcntl
 except ImportError:  # pragma: no cover
     fcntl = None
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: slabs name their part
 SAVE_EVERY_S = 0.5  # the least time between two state saves while slabs complete
 READ_CHUNK = 1 << 20
 
@@ -73,11 +79,12 @@ class SlabJob:
     index: int
     layer: int
     expert: int
-    kind: str
-    src: int  # absolute offset in the source
+    kind: str  # gate, up, down, or gate_bias, up_bias, down_bias (a bias row)
+    src: int  # absolute offset in the source (its part)
     size: int
     sha256: str
     dst: int  # absolute offset in the slice file
+    part: int = 0  # which file of a split source
 
     def __str__(self) -> str:
         return f"layer {self.layer} expert {self.expert} {self.kind}"
@@ -131,34 +138,111 @@ def merge_holdings(holdings: Iterable[Holding]) -> tuple[Holding, ...]:
     return tuple(out)
 
 
-def plan_download(identity: Identity, manifest: Manifest,
+def part_names(name: str) -> list[str] | None:
+    """The names (paths or URLs) of every part of the split GGUF ``name`` is a part of
+    (``...-00002-of-00003.gguf``, any part), in order; None if it is not a split part. For a
+    URL only the path's last segment changes (the query, with a token, stays)."""
+    base, sep, query = name.partition("?")
+    parts = split_part_paths(base)
+    return None if parts is None else [p + sep + query for p in parts]
+
+
+def identify_parts(spec: str, source: Source, identity: Identity, open_part: Callable[[str], Source]
+                   ) -> tuple[list[Source], list[Identity]]:
+    """Every part of the split GGUF that ``source`` (opened from ``spec``, a path or URL) is a
+    part of, opened (``open_part(name)``) and identified, in order (``source`` itself stands
+    for its own part). A source that is not a split part is returned alone. On failure the
+    parts opened here are closed."""
+    if identity.header.split is None:
+        return [source], [identity]
+    names = part_names(spec)
+    _, count = identity.header.split
+    if names is None or len(names) != count:
+        raise ModelFileError(f"{source.name}: a part of a {count}-part split GGUF, but not named "
+                             "NAME-0000i-of-0000n.gguf: cannot find the other parts")
+    mine = identity.header.split[0]
+    sources: list[Source] = []
+    idents: list[Identity] = []
+    try:
+        for i, part in enumerate(names):
+            if i == mine:
+                sources.append(source)
+                idents.append(identity)
+                continue
+            src = open_part(part)
+            sources.append(src)
+            idents.append(identify(src))
+    except BaseException:
+        for src in sources:
+            if src is not source:
+                src.close()
+        raise
+    return sources, idents
+
+
+def model_of(idents: Sequence[Identity]) -> str:
+    """The fingerprint of the model whose file(s) ``idents`` are (every part of a split one)."""
+    if len(idents) == 1:
+        return idents[0].fingerprint
+    return split_fingerprint([i.header for i in idents], idents[0].source)
+
+
+def plan_download(identity: Identity | Sequence[Identity], manifest: Manifest,
                   holdings: Iterable[Holding]) -> DownloadPlan:
-    """Check the source against the manifest and lay out the slice of ``holdings``."""
-    header, name = identity.header, identity.source
+    """Check the source (every part of a split one, in order) against the manifest and lay
+    out the slice of ``holdings``."""
+    idents = list(identity) if isinstance(identity, (list, tuple)) else [identity]
+    name = idents[0].source
     model = manifest.model
-    if identity.fingerprint != model:
-        raise DownloadError(f"{name} is model {identity.fingerprint}, the manifest is for {model}")
+    if len(idents) == 1 and idents[0].header.split is not None and idents[0].header.split[1] > 1:
+        raise DownloadError(f"{name} is one part of a split GGUF: identify all its parts (identify_parts)")
+    fingerprint = model_of(idents)
+    if fingerprint != model:
+        raise DownloadError(f"{name} is model {fingerprint}, the manifest is for {model}")
 
     def mismatch(what: str) -> DownloadError:
         return DownloadError(f"{name} does not match the backbone's manifest of model {model}: {what}")
 
-    if identity.size != manifest.file_bytes:
-        raise mismatch(f"the file has {identity.size} bytes, the manifest says {manifest.file_bytes}")
-    if header.data_offset != manifest.data_offset:
-        raise mismatch(f"tensor data starts at {header.data_offset}, the manifest says "
-                       f"{manifest.data_offset}")
+    if len(idents) != max(1, len(manifest.parts)):
+        raise mismatch(f"the source has {len(idents)} file(s), the manifest {max(1, len(manifest.parts))}")
+    for i, ident in enumerate(idents):
+        data_offset, file_bytes = manifest.part_bounds(i)
+        which = f"part {i + 1}: " if manifest.parts else ""
+        if ident.size != file_bytes:
+            raise mismatch(f"{which}the file has {ident.size} bytes, the manifest says {file_bytes}")
+        if ident.header.data_offset != data_offset:
+            raise mismatch(f"{which}tensor data starts at {ident.header.data_offset}, the manifest says "
+                           f"{data_offset}")
+    header = idents[0].header
     held = merge_holdings(holdings)
     if not held:
         raise UsageError("nothing to download: the assignment holds no experts")
-    tensors = {t.name: t for t in header.tensors}
+    tensors = {t.name: (part, t) for part, ident in enumerate(idents) for t in ident.header.tensors}
+    arch = str(header.metadata.get("general.architecture") or manifest.arch)
+    with_bias = has_expert_bias(arch)
     slice_tensors: list[SliceTensor] = []
     slabs: list[tuple[SliceTensor, int, object]] = []  # (slice tensor, expert, SlabRef)
+
+    def add(st: SliceTensor, part: int, start: int, nb2: int, h: Holding, kind: str) -> None:
+        slice_tensors.append(st)
+        for e in h.experts:
+            try:
+                ref = next(s for s in manifest.slabs_for(h.layer, e) if s.kind == kind)
+            except (KeyError, StopIteration):
+                raise mismatch(f"the manifest has no {kind} slab of layer {h.layer} expert {e}") from None
+            if (ref.part, ref.offset, ref.size) != (part, start + e * nb2, nb2):
+                where = lambda p, o, n: (f"{'part ' + str(p + 1) + ' ' if manifest.parts else ''}"  # noqa: E731
+                                         f"offset {o} ({n} bytes)")
+                raise mismatch(f"layer {h.layer} expert {e} {kind} lies at {where(part, start + e * nb2, nb2)} "
+                               f"in the source, at {where(ref.part, ref.offset, ref.size)} in the manifest")
+            slabs.append((st, e, ref))
+
     for h in held:
         if h.layer >= manifest.n_layer or h.hi > manifest.n_expert:
             raise DownloadError(f"assigned {h} lies outside model {model} ({manifest.n_layer} layers "
                                 f"of {manifest.n_expert} experts)")
         for kind in KINDS:
-            t = tensors.get(source_tensor_name(h.layer, kind))
+            part, t = tensors.get(source_tensor_name(h.layer, kind), (0, None))
             if t is None or len(t.ne) != 3:
                 raise mismatch(f"no 3-D tensor {source_tensor_name(h.layer, kind)}")
             ne0, ne1, n_exp = t.ne
@@ -166,20 +250,19 @@ def plan_download(identity: Identity, manifest: Manifest,
             nb2 = ne1 * (ne0 // block) * type_size
             st = SliceTensor(slice_tensor_name(h.layer, kind, h.lo, h.last), h, kind, t.ggml_type,
                              (ne0, ne1, h.count), t.offset + h.lo * nb2, h.count * nb2)
-            slice_tensors.append(st)
-            for e in h.experts:
-                try:
-                    ref = next(s for s in manifest.slabs_for(h.layer, e) if s.kind == kind)
-                except (KeyError, StopIteration):
-                    raise mismatch(f"the manifest has no {kind} slab of layer {h.layer} expert {e}") from None
-                if (ref.offset, ref.size) != (t.offset + e * nb2, nb2):
-                    raise mismatch(f"layer {h.layer} expert {e} {kind} lies at {t.offset + e * nb2} "
-                                   f"({nb2} bytes) in the source, at {ref.offset} ({ref.size} bytes) in "
-                                   "the manifest")
-                slabs.append((st, e, ref))
-    arch = header.metadata.get("general.architecture")
+            add(st, part, t.offset, nb2, h, kind)
+        if with_bias:  # the held experts' bias rows, after the weights, as `kvasir slice` lays them out
+            for kind in KINDS:
+                part, b = tensors.get(source_bias_name(h.layer, kind), (0, None))
+                if b is None or len(b.ne) != 2 or b.ggml_type != GGMLQuantizationType.F32:
+                    raise mismatch(f"no F32 bias rows {source_bias_name(h.layer, kind)}")
+                rows = b.ne[0]
+                st = SliceTensor(slice_bias_name(h.layer, kind, h.lo, h.last), h, kind,
+                                 GGMLQuantizationType.F32, (rows, h.count), b.offset + h.lo * rows * 4,
+                                 h.count * rows * 4, bias=True)
+                add(st, part, b.offset, rows * 4, h, f"{kind}_bias")
     gname = header.metadata.get("general.name")
-    plan = SlicePlan(source=_display_name(name), fingerprint=model, arch=str(arch or manifest.arch),
+    plan = SlicePlan(source=_display_name(name), fingerprint=model, arch=arch,
                      name=gname if isinstance(gname, str) else "", alignment=header.alignment,
                      n_layer=manifest.n_layer, n_expert=manifest.n_expert, n_embd=manifest.n_embd,
                      n_ff=manifest.n_ff, holdings=held, tensors=tuple(slice_tensors))
@@ -194,11 +277,11 @@ def plan_download(identity: Identity, manifest: Manifest,
     pos += -pos % plan.alignment
     jobs = []
     for i, (st, e, ref) in enumerate(slabs):
-        jobs.append(SlabJob(i, st.holding.layer, e, st.kind, ref.offset, ref.size, ref.sha256,
-                            offsets[st.name] + (e - st.holding.lo) * ref.size))
+        jobs.append(SlabJob(i, st.holding.layer, e, ref.kind, ref.offset, ref.size, ref.sha256,
+                            offsets[st.name] + (e - st.holding.lo) * ref.size, ref.part))
     digest = hashlib.sha256(head)
     for j in jobs:
-        digest.update(f"{j.layer},{j.expert},{j.kind},{j.src},{j.size},{j.sha256},{j.dst}\n".encode())
+        digest.update(f"{j.layer},{j.expert},{j.kind},{j.part},{j.src},{j.size},{j.sha256},{j.dst}\n".encode())
     return DownloadPlan(model, held, plan, head, tuple(jobs), pos, digest.hexdigest()[:12])
 
 
@@ -224,13 +307,14 @@ def slice_paths(cache_dir: str, plan: DownloadPlan) -> tuple[str, str, str]:
     return stem + ".part", stem + ".part.json", stem + ".slice.gguf"
 
 
-def download_slice(source: Source, plan: DownloadPlan, cache_dir: str | os.PathLike, *,
-                   cache: ByteCache | None = None, progress: Progress | None = None,
+def download_slice(source: Source | Sequence[Source], plan: DownloadPlan, cache_dir: str | os.PathLike, *,
+                   cache: ByteCache | Sequence[ByteCache] | None = None, progress: Progress | None = None,
                    retries: int = 5, backoff_s: float = 0.5,
                    cancel: threading.Event | None = None) -> DownloadResult:
     """Download ``plan``'s slabs from ``source`` into a slice in ``cache_dir`` (see module doc).
 
-    ``cache``: bytes fetched earlier from the same source (the header reads).
+    ``source``: one per file of the model (the parts of a split GGUF, in order), as planned.
+    ``cache``: bytes fetched earlier from the same source (the header reads), one per file.
     ``retries``: how many times in a row a dropped connection is retried before giving up
     (the part file stays; calling again resumes). ``cancel``: set it (from another thread)
     to stop at the next chunk with a :class:`DownloadError`; the part file stays.
@@ -238,9 +322,15 @@ def download_slice(source: Source, plan: DownloadPlan, cache_dir: str | os.PathL
     cache_dir = os.fspath(cache_dir)
     if not os.path.isdir(cache_dir):
         raise UsageError(f"cache directory {cache_dir} does not exist")
+    sources = list(source) if isinstance(source, (list, tuple)) else [source]
+    caches = (list(cache) if isinstance(cache, (list, tuple)) else [cache or ByteCache()])
+    caches += [ByteCache() for _ in range(len(sources) - len(caches))]
+    if any(j.part >= len(sources) for j in plan.jobs):
+        raise UsageError(f"the plan has slabs in {1 + max(j.part for j in plan.jobs)} files, "
+                         f"{len(sources)} source(s) given")
     part, state_path, final = slice_paths(cache_dir, plan)
     with _Lock(part + ".lock"):
-        return _Download(source, plan, part, state_path, final, cache or ByteCache(), progress,
+        return _Download(sources, plan, part, state_path, final, caches, progress,
                          retries, backoff_s, cancel).run()
 
 
@@ -260,19 +350,19 @@ class _Lock:
 
 
 class _Download:
-    def __init__(self, source: Source, plan: DownloadPlan, part: str, state_path: str, final: str,
-                 cache: ByteCache, progress: Progress | None, retries: int, backoff_s: float,
+    def __init__(self, sources: list[Source], plan: DownloadPlan, part: str, state_path: str, final: str,
+                 caches: list[ByteCache], progress: Progress | None, retries: int, backoff_s: float,
                  cancel: threading.Event | None) -> None:
-        self.source, self.plan = source, plan
+        self.sources, self.plan = sources, plan
         self.part, self.state_path, self.final = part, state_path, final
-        self.cache, self.progress = cache, progress
+        self.caches, self.progress = caches, progress
         self.retries, self.backoff_s = retries, backoff_s
         self.cancel = cancel
         self.done: set[int] = set()
         self.done_bytes = 0  # bytes of the slabs in self.done
         self.partial: tuple[int, int] | None = None  # (job index, bytes of it on disk)
         self.fd = -1
-        self.fetched0 = source.fetched
+        self.fetched0 = self._fetched()
         self.from_cache = 0
         self.reused = 0
         self.retried = 0
@@ -302,8 +392,11 @@ class _Download:
             raise
         return self._result(info)
 
+    def _fetched(self) -> int:
+        return sum(src.fetched for src in self.sources)
+
     def _result(self, info: SliceInfo) -> DownloadResult:
-        return DownloadResult(self.final, info, self.plan.slab_bytes, self.source.fetched - self.fetched0,
+        return DownloadResult(self.final, info, self.plan.slab_bytes, self._fetched() - self.fetched0,
                               self.from_cache, self.reused, time.perf_counter() - self.t0, self.retried)
 
     def _finished_slice(self) -> SliceInfo | None:
@@ -331,8 +424,7 @@ class _Download:
         if info.fingerprint != self.plan.model or info.holdings != self.plan.holdings:
             raise ModelFileError(f"{self.final}: read back other holdings or fingerprint than planned (bug)")
         for job in self.plan.jobs[:1] + self.plan.jobs[-1:]:
-            t = info.expert_weights(job.layer, job.expert)[KINDS.index(job.kind)]
-            if hashlib.sha256(t.data).hexdigest() != job.sha256:
+            if hashlib.sha256(info.slab(job.layer, job.expert, job.kind)).hexdigest() != job.sha256:
                 raise ModelFileError(f"{self.final}: {job} reads back wrong from the slice (bug)")
         return info
 
@@ -392,7 +484,7 @@ class _Download:
         slabs = [[j.layer, j.expert, j.kind, j.sha256, j.dst, j.size] for j in self.plan.jobs
                  if j.index in self.done]
         state = {"v": STATE_VERSION, "plan": self.plan.plan_id, "model": self.plan.model,
-                 "source": self.source.name, "done": sorted(self.done),
+                 "source": self.sources[0].name, "done": sorted(self.done),
                  "partial": list(self.partial) if self.partial else None, "slabs": slabs}
         tmp = f"{self.state_path}.{secrets.token_hex(4)}.tmp"
         with open(tmp, "w") as f:
@@ -420,8 +512,11 @@ class _Download:
                 continue
             for (layer, expert, kind, sha), job in list(want.items()):
                 if info.holds(layer, expert):
-                    data = info.expert_weights(layer, expert)[KINDS.index(kind)].data
-                    self._adopt(job, bytes(data), want)
+                    try:
+                        data = info.slab(layer, expert, kind)
+                    except KeyError:
+                        continue
+                    self._adopt(job, data, want)
         pattern = os.path.join(glob.escape(folder), f"{self.plan.model}.*.part.json")
         for state_path in sorted(glob.glob(pattern)):
             if state_path == self.state_path or not want:
@@ -479,7 +574,8 @@ class _Download:
             if job.index in self.done:
                 continue
             prev = runs[-1][-1] if runs else None
-            if (prev is not None and prev.src + prev.size == job.src and prev.dst + prev.size == job.dst
+            if (prev is not None and prev.part == job.part and prev.src + prev.size == job.src
+                    and prev.dst + prev.size == job.dst
                     and not (self.partial and self.partial[0] == job.index)):
                 runs[-1].append(job)
             else:
@@ -496,7 +592,7 @@ class _Download:
             h.update(_read(self.fd, first.dst, skip))
             resumed = True
         k, at = 0, skip  # current job in the run, bytes of it on disk
-        for data, cached in self._stream(first.src + skip, run[-1].src + run[-1].size):
+        for data, cached in self._stream(first.part, first.src + skip, run[-1].src + run[-1].size):
             if self.cancel is not None and self.cancel.is_set():
                 raise DownloadError(f"download cancelled; run again to resume from {self.part}")
             view = memoryview(data)
@@ -519,7 +615,7 @@ class _Download:
                         # the resumed prefix may be what is wrong (a torn write): fetch it whole
                         raise _Refetch()
                     raise SlabVerificationError(
-                        f"{job} slab ({job.size} bytes at offset {job.src} of {self.source.name}) fails "
+                        f"{job} slab ({job.size} bytes at offset {job.src} of {self.sources[job.part].name}) fails "
                         f"verification: SHA-256 {digest[:16]}..., the backbone's manifest says "
                         f"{job.sha256[:16]}...; refused (the source is not the model the backbone "
                         "serves, or it was tampered with)")
@@ -531,12 +627,12 @@ class _Download:
                 k, at = k + 1, 0
             self._report()
 
-    def _stream(self, start: int, end: int) -> Iterator[tuple[bytes, bool]]:
-        for a, b, data in self.cache.pieces(start, end):
+    def _stream(self, part: int, start: int, end: int) -> Iterator[tuple[bytes, bool]]:
+        for a, b, data in self.caches[part].pieces(start, end):
             if data is not None:
                 yield data, True
             else:
-                for chunk in self.source.stream(a, b - a):
+                for chunk in self.sources[part].stream(a, b - a):
                     yield chunk, False
 
     def _complete(self, job: SlabJob) -> None:

@@ -4,7 +4,8 @@ A GGUF whose tensor bytes were changed keeps its fingerprint (the fingerprint co
 the tensor table, not gigabytes of weights), so a slice cut from a damaged or doctored copy would
 answer on the right subjects with wrong numbers. The manifest (``kvasir.<model>.manifest``, from
 the backbone) holds the digest of every expert slab; a worker hashes each slab it holds and
-refuses to start if any differs.
+refuses to start if any differs. For gpt-oss the manifest also has each expert's bias rows,
+which are checked the same way.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import nats.errors
 
 from kvasir_bus import market_codec
 from kvasir_bus.errors import KvasirError
-from kvasir_bus.market_codec import KINDS, CodecError, ErrorReply, Manifest
+from kvasir_bus.market_codec import CodecError, ErrorReply, Manifest, UnsupportedVersionError
 from kvasir_bus.subjects import Subjects
 from modelfile.slice_file import SliceInfo
 
@@ -26,7 +27,7 @@ from modelfile.slice_file import SliceInfo
 class SlabMismatch:
     layer: int
     expert: int
-    kind: str  # "gate", "up" or "down"; "missing" when the manifest has no such expert
+    kind: str  # a slab kind ("gate", "up_bias", ...); "missing" when the manifest has no such expert
 
     def __str__(self) -> str:
         if self.kind == "missing":
@@ -44,9 +45,13 @@ def check_slabs(info: SliceInfo, manifest: Manifest) -> list[SlabMismatch]:
         except KeyError:
             bad.append(SlabMismatch(layer, expert, "missing"))
             continue
-        for kind, tensor in zip(KINDS, info.expert_weights(layer, expert)):
-            ref = refs[kind]
-            if tensor.nbytes != ref.size or hashlib.sha256(tensor.data).hexdigest() != ref.sha256:
+        for kind, ref in refs.items():
+            try:
+                data = info.slab(layer, expert, kind)
+            except KeyError:  # the slice lacks what the manifest has (bias rows of an old slice)
+                bad.append(SlabMismatch(layer, expert, kind))
+                continue
+            if len(data) != ref.size or hashlib.sha256(data).hexdigest() != ref.sha256:
                 bad.append(SlabMismatch(layer, expert, kind))
     return bad
 
@@ -71,6 +76,9 @@ async def ask_manifest(nc, model: str, timeout: float) -> Manifest:
                           f"{timeout:g} s") from None
     try:
         reply = market_codec.decode_manifest_reply(msg.data)
+    except UnsupportedVersionError as exc:
+        raise KvasirError(f"the backbone's manifest of {model} is newer than this worker reads ({exc}): "
+                          "upgrade kvasir") from None
     except CodecError as exc:
         raise KvasirError(f"the backbone's manifest of {model} is malformed: {exc}") from None
     if isinstance(reply, ErrorReply):

@@ -3,6 +3,7 @@
 ``kvasir worker --nats URL --budget 340MB --source PATH_OR_URL``::
 
     source   -> the header, which names the model (ranged reads)  workers.source.identify
+                (every part's header for a split GGUF)             workers.download.identify_parts
     bus      -> kvasir.<model>.manifest          (the backbone)   SHA-256 of every slab
     bus      -> kvasir.<model>.market.volunteer  (the market)     the scarcest range that fits
     source   -> only the assigned slabs, each verified             workers.download
@@ -32,7 +33,8 @@ from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.market_codec import Assignment, Manifest, VolunteerRequest
 from kvasir_bus.subjects import Subjects
 from workers.verify import ask_manifest
-from workers.download import DownloadResult, download_slice, plan_download, progress_for
+from workers.download import (DownloadResult, download_slice, identify_parts, model_of, plan_download,
+                              progress_for)
 from modelfile.slice_file import SliceInfo
 from workers.source import Identity, identify, open_source
 
@@ -90,9 +92,10 @@ class Volunteered:
     slice: SliceInfo
     assignment: Assignment
     manifest: Manifest
-    identity: Identity
+    identity: Identity  # of the source given (for a split GGUF: its part)
     download: DownloadResult
-    fetched: int  # every byte taken from the source: header and slabs
+    fetched: int  # every byte taken from the source: header and slabs (of every part)
+    parts: tuple[Identity, ...] = ()  # every part of a split GGUF, in order (empty: one file)
 
 
 class NoFitError(KvasirError):
@@ -114,15 +117,19 @@ async def volunteer(nc, cfg: VolunteerConfig, *, progress=None,
     except OSError as exc:
         raise UsageError(f"cannot create the cache directory {cache_dir}: {exc.strerror or exc}") from None
 
-    source = await asyncio.to_thread(open_source, cfg.source, token=cfg.token,
-                                     timeout=cfg.http_timeout_s, node=cfg.node)
+    def open_part(spec: str):
+        return open_source(spec, token=cfg.token, timeout=cfg.http_timeout_s, node=cfg.node)
+
+    source = await asyncio.to_thread(open_part, cfg.source)
+    sources = [source]
     try:
         identity = await asyncio.to_thread(identify, source)
-        model = identity.fingerprint
+        sources, idents = await asyncio.to_thread(identify_parts, cfg.source, source, identity, open_part)
+        model = model_of(idents)
         vlog = log.bind(node=cfg.node, model=model)
-        vlog.info("source_identified", source=source.name, size=identity.size,
-                  header_bytes=identity.header_bytes, fetched=identity.fetched_header,
-                  requests=identity.requests)
+        vlog.info("source_identified", source=source.name, size=sum(i.size for i in idents),
+                  parts=len(idents), header_bytes=sum(i.header_bytes for i in idents),
+                  fetched=sum(i.fetched_header for i in idents), requests=sum(i.requests for i in idents))
         subjects = Subjects(model)
 
         manifest = await ask_manifest(nc, model, cfg.request_timeout_s)
@@ -131,18 +138,21 @@ async def volunteer(nc, cfg: VolunteerConfig, *, progress=None,
             raise NoFitError(_no_fit(model, cfg.budget_bytes, smallest))
 
         assignment = await _ask_market(nc, subjects, model, cfg, smallest)
-        plan = plan_download(identity, manifest, assignment.holdings)
+        plan = plan_download(idents, manifest, assignment.holdings)
         if plan.slab_bytes > cfg.budget_bytes:
             raise KvasirError(f"the market assigned {plan.slab_bytes:,} bytes of experts of {model}, "
                               f"over the budget of {cfg.budget_bytes:,} bytes; refusing")
         vlog.info("assigned", holdings=[str(h) for h in assignment.holdings], bytes=plan.slab_bytes,
                   experts=assignment.n_experts, reward_rate=assignment.reward_rate)
 
-        result = await asyncio.to_thread(download_slice, source, plan, cache_dir, cache=identity.cache,
-                                         progress=progress, retries=cfg.retries, cancel=cancel)
+        result = await asyncio.to_thread(download_slice, sources, plan, cache_dir,
+                                         cache=[i.cache for i in idents], progress=progress,
+                                         retries=cfg.retries, cancel=cancel)
     finally:
-        await asyncio.to_thread(source.close)
-    done = Volunteered(result.slice, assignment, manifest, identity, result, source.fetched)
+        for src in sources:
+            await asyncio.to_thread(src.close)
+    done = Volunteered(result.slice, assignment, manifest, identity, result, sum(s.fetched for s in sources),
+                       tuple(idents) if len(idents) > 1 else ())
     vlog.info("slice_ready", path=result.path, slab_bytes=result.slab_bytes, fetched=done.fetched,
               fetched_slabs=result.fetched, reused=result.reused, seconds=round(result.seconds, 3),
               retries=result.retries)
