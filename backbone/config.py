@@ -9,8 +9,12 @@ engine asks a trait or the per-layer ``recurrent`` list.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 from gguf import GGUFReader, GGUFValueType
 
@@ -68,6 +72,48 @@ ARCHES: dict[str, ArchTraits] = {
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """The ``ggml_rope_ext`` parameters past the base, as llama.cpp derives them for a context
+    (llama_context's constructor, from the ``rope.scaling.*`` keys): no scaling is freq_scale 1
+    and ext_factor 0. YaRN (``rope.scaling.type`` yarn, ``factor`` F, ``original_context_length``
+    N) is freq_scale 1/F, ext_factor 1, beta_fast 32, beta_slow 1, ``n_ctx_orig`` N and an
+    attn_factor that cancels ggml's own YaRN magnitude scaling (see :func:`yarn`)."""
+
+    n_ctx_orig: int  # the context the ramp between interpolation and extrapolation is set for
+    freq_scale: float = 1.0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    def ggml_args(self) -> dict:
+        """Keyword arguments of :func:`kernels.dense.rope_qk` after the base."""
+        return dict(n_ctx_orig=self.n_ctx_orig, freq_scale=self.freq_scale, ext_factor=self.ext_factor,
+                    attn_factor=self.attn_factor, beta_fast=self.beta_fast, beta_slow=self.beta_slow)
+
+
+def _logf(x: float) -> np.float32:
+    """The C library's ``logf``, the one llama.cpp calls (numpy's float32 log may round otherwise)."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+    libm.logf.restype, libm.logf.argtypes = ctypes.c_float, [ctypes.c_float]
+    return np.float32(libm.logf(np.float32(x)))
+
+
+def yarn(factor: float, n_ctx_orig: int, attn_factor: float = 1.0) -> RopeScaling:
+    """YaRN as llama_context sets it up when the file asks for it and the caller overrides
+    nothing (ext_factor 1, no ``yarn_log_multiplier``: gpt-oss does not read one), in float32
+    like the C++: ``attn_factor = mscale(F) / (1 + 0.1 ln F) * rope.scaling.attn_factor``, where
+    ``mscale(F) = 0.1 ln F + 1``: about 1, and exactly what ggml's kernel multiplies back."""
+    f32 = np.float32
+    freq_scale = f32(1.0) / f32(factor)  # hparams.rope_freq_scale_train
+    scale = f32(1.0) / freq_scale  # cparams: factor = 1.0f / rope_freq_scale
+    mscale = f32(0.1) * f32(1.0) * _logf(scale) + f32(1.0) if scale > 1 else f32(1.0)
+    mscale *= f32(1.0) / (f32(1.0) + f32(0.1) * _logf(scale))
+    mscale *= f32(attn_factor)
+    return RopeScaling(n_ctx_orig, float(freq_scale), 1.0, float(mscale), 32.0, 1.0)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str
     traits: ArchTraits
@@ -101,6 +147,13 @@ class ModelConfig:
     swa: tuple[bool, ...] = ()  # per layer; empty: none
     n_swa: int = 0
     rope_base_swa: float = 0.0
+    rope_scaling: RopeScaling | None = None  # None: none (freq_scale 1, n_ctx_orig = n_ctx_train)
+
+    @property
+    def rope(self) -> RopeScaling:
+        """The RoPE parameters past the base (the same on every layer: gpt-oss' sliding-window
+        layers scale like the others)."""
+        return self.rope_scaling or RopeScaling(self.n_ctx_train)
 
     @property
     def n_gqa(self) -> int:
@@ -189,17 +242,35 @@ def read_config(reader: GGUFReader, path: str = "model") -> ModelConfig:
         eos_id=meta.int("tokenizer.ggml.eos_token_id", -1) if "tokenizer.ggml.eos_token_id" in reader.fields else None,
         rope_sections=sections,
         n_layer_nextn=n_layer_nextn,
+        rope_scaling=_rope_scaling(meta, arch, traits, path),
         **ssm,
         **swa,
     )
+
+
+def _rope_scaling(meta: "_Meta", arch: str, traits: ArchTraits, path: str) -> RopeScaling | None:
+    """``rope.scaling.*`` as llama.cpp reads them (llama_model::load_hparams): type (default
+    linear), factor (0 or absent: 1), original_context_length (default the training context),
+    attn_factor (default 1). Linear scaling with factor 1 is no scaling. YaRN is computed on the
+    ggml attention path (gpt-oss); anything else is refused in one line rather than ignored."""
+    kind = meta.str(f"{arch}.rope.scaling.type", "linear")
+    factor = meta.float(f"{arch}.rope.scaling.factor", 0.0) or meta.float(f"{arch}.rope.scale_linear", 0.0)
+    if kind == "none" or (kind == "linear" and factor in (0.0, 1.0)):  # "none" never scales
+        return None
+    if kind != "yarn" or not traits.attn_sinks:
+        raise ModelFileError(f"{path}: RoPE scaling {kind!r} (factor {factor:g}) is not supported by the engine "
+                             f"for {arch} (YaRN is, for gpt-oss)")
+    if factor <= 1.0:
+        raise ModelFileError(f"{path}: {arch}.rope.scaling.factor {factor:g} must be above 1 for YaRN")
+    n_ctx_orig = meta.int(f"{arch}.rope.scaling.original_context_length", 0) or meta.int(f"{arch}.context_length")
+    return yarn(factor, n_ctx_orig, meta.float(f"{arch}.rope.scaling.attn_factor", 1.0))
 
 
 def _swa_config(meta: "_Meta", arch: str, n_layer: int, path: str) -> dict:
     """The sliding-window keys llama.cpp reads for gpt-oss (llama_model_openai_moe::load_arch_hparams):
     ``attention.sliding_window``; the pattern (an array of per-layer flags, or a period n whose
     layers il with il % n < n - 1 slide; default 2: the even layers); ``rope.freq_base_swa``,
-    default the model's base. A file with RoPE scaling (YaRN) is refused: the engine does not
-    compute it, and an engine that ignored it would be silently wrong."""
+    default the model's base."""
     n_swa = meta.int(f"{arch}.attention.sliding_window")
     if n_swa <= 0:
         raise ModelFileError(f"{path}: attention.sliding_window {n_swa} must be positive")
@@ -215,9 +286,6 @@ def _swa_config(meta: "_Meta", arch: str, n_layer: int, path: str) -> dict:
         if period < 0:
             raise ModelFileError(f"{path}: {key} {period} must not be negative")
         swa = tuple(period == 0 or il % period < period - 1 for il in range(n_layer))
-    scaling = meta.str(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or meta.float(f"{arch}.rope.scaling.factor", 1.0) not in (0.0, 1.0):
-        raise ModelFileError(f"{path}: RoPE scaling {scaling!r} is not supported by the engine")
     base = meta.float(f"{arch}.rope.freq_base", 10000.0)
     return dict(swa=swa, n_swa=n_swa, rope_base_swa=meta.float(f"{arch}.rope.freq_base_swa", base))
 

@@ -363,7 +363,7 @@ class Engine:
         if c.traits.rope_style == "imrope":
             q, k = deltanet.rope_multi_qk(q, k, rope, c.n_rot, c.rope_sections, c.rope_base, c.n_ctx_train)
         elif self.ggml_attention:
-            q, k = dense.rope_qk(q, k, rope, c.n_rot, c.traits.rope_style, c.layer_rope_base(il), c.n_ctx_train)
+            q, k = dense.rope_qk(q, k, rope, c.n_rot, c.traits.rope_style, c.layer_rope_base(il), **c.rope.ggml_args())
         else:
             q = ops.rope(q, *rope, c.traits.rope_style)
             k = ops.rope(k, *rope, c.traits.rope_style)

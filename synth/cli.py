@@ -63,6 +63,13 @@ def register(subparsers) -> None:
     sizes = p.add_argument_group("size overrides")
     for flag, text in _SIZE_FLAGS:
         sizes.add_argument(flag, type=int, metavar="N", help=text)
+    rope = p.add_argument_group("RoPE scaling (gpt-oss)")
+    rope.add_argument("--rope-scaling", choices=("none", "yarn"), default="none",
+                      help="write YaRN RoPE scaling, as the published gpt-oss files have it (default none)")
+    rope.add_argument("--rope-scaling-factor", type=float, metavar="F",
+                      help="YaRN context extension factor (default 32, as published)")
+    rope.add_argument("--rope-original-context", type=int, metavar="N",
+                      help="YaRN: the context length before extension (default 4096, as published)")
     p.set_defaults(func=run_synth)
 
     p = subparsers.add_parser(
@@ -81,7 +88,9 @@ def run_synth(args: argparse.Namespace) -> int:
 
     overrides = {flag.lstrip("-").replace("-", "_"): getattr(args, flag.lstrip("-").replace("-", "_"))
                  for flag, _ in _SIZE_FLAGS}
-    cfg = synth.make_config(args.arch, args.preset, args.qtype, args.seed, **overrides)
+    cfg = synth.make_config(args.arch, args.preset, args.qtype, args.seed, rope_scaling=args.rope_scaling,
+                            rope_scaling_factor=args.rope_scaling_factor,
+                            rope_original_context=args.rope_original_context, **overrides)
     if Path(args.output).exists() and not args.force:
         raise UsageError(f"{args.output} exists: give --force to overwrite it")
     progress = _ProgressLine() if sys.stderr.isatty() else _log_progress(args.output)

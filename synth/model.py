@@ -194,6 +194,10 @@ class SynthConfig:
     conv_kernel: int = 0
     full_attention_interval: int = 0
     sliding_window: int = 0  # gpt-oss only
+    # RoPE scaling (gpt-oss): "none", or "yarn" as the published files have it
+    rope_scaling: str = "none"
+    rope_scaling_factor: float = 0.0  # yarn: context extension factor (published: 32)
+    rope_original_context: int = 0  # yarn: the context trained before extension (published: 4096)
 
     def __post_init__(self):
         if not self.head_dim:  # the attention head size defaults to hidden / heads
@@ -232,9 +236,15 @@ class SynthConfig:
         return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_head_dim
 
 
-def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32", seed: int = 0,
-                **overrides: int | None) -> SynthConfig:
+YARN_DEFAULTS = dict(rope_scaling_factor=32.0, rope_original_context=4096)  # published gpt-oss
+
+
+def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32", seed: int = 0, *,
+                rope_scaling: str = "none", rope_scaling_factor: float | None = None,
+                rope_original_context: int | None = None, **overrides: int | None) -> SynthConfig:
     """The config for a preset with some sizes overridden (``None`` = keep the preset's).
+    ``rope_scaling="yarn"`` (gpt-oss) writes YaRN RoPE scaling, by default as published
+    (factor 32, original context 4096).
 
     Raises :class:`UsageError` for anything that could not make a valid model.
     """
@@ -289,9 +299,29 @@ def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32"
             continue  # not this family's, or "derive it"
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    sizes.update(_rope_scaling(arch, rope_scaling, rope_scaling_factor, rope_original_context))
     cfg = SynthConfig(arch=arch, preset=preset, qtype=qtype, seed=seed, **sizes)
     _check_consistent(cfg)
     return cfg
+
+
+def _rope_scaling(arch: str, kind: str, factor: float | None, original: int | None) -> dict:
+    if kind not in ("none", "yarn"):
+        raise UsageError(f"--rope-scaling {kind!r}: choose none or yarn")
+    if kind == "none":
+        if factor is not None or original is not None:
+            raise UsageError("--rope-scaling-factor and --rope-original-context need --rope-scaling yarn")
+        return {}
+    if not ARCHS[arch].traits.attn_sinks:
+        having = ", ".join(a for a, spec in ARCHS.items() if spec.traits.attn_sinks)
+        raise UsageError(f"--rope-scaling yarn: only for {having} (the engine computes YaRN there)")
+    factor = YARN_DEFAULTS["rope_scaling_factor"] if factor is None else factor
+    original = YARN_DEFAULTS["rope_original_context"] if original is None else original
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 1.0 < float(factor) <= 1024.0:
+        raise UsageError(f"--rope-scaling-factor must be a number in (1, 1024], got {factor!r}")
+    if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+        raise UsageError(f"--rope-original-context must be a positive integer, got {original!r}")
+    return dict(rope_scaling="yarn", rope_scaling_factor=float(factor), rope_original_context=original)
 
 
 def _check_choice(what: str, value: str, known: dict) -> None:
@@ -503,6 +533,10 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: SynthConfig) -> None:
     if traits.attn_sinks:
         w.add_sliding_window(cfg.sliding_window)
         w.add_float32(f"{spec.gguf_arch}.rope.freq_base_swa", spec.rope_base_swa)
+    if cfg.rope_scaling == "yarn":  # the keys (and types) of the published gpt-oss GGUFs
+        w.add_string(f"{spec.gguf_arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{spec.gguf_arch}.rope.scaling.factor", cfg.rope_scaling_factor)
+        w.add_uint32(f"{spec.gguf_arch}.rope.scaling.original_context_length", cfg.rope_original_context)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_expert_count(cfg.experts)
     w.add_expert_used_count(cfg.experts_used)
@@ -613,7 +647,7 @@ def write_model(path: str | os.PathLike, cfg: SynthConfig, *, progress: Progress
 
 
 def synth_model(path: str | os.PathLike, arch: str = "qwen3moe", preset: str = "tiny",
-                qtype: str = "f32", seed: int = 0, **overrides: int | None) -> Path:
+                qtype: str = "f32", seed: int = 0, **overrides) -> Path:
     """Build a synthetic model and return its path (see :func:`make_config` for the knobs)."""
     return write_model(path, make_config(arch, preset, qtype, seed, **overrides)).path
 
