@@ -124,10 +124,16 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
     if not isinstance(arch, str) or not arch:
         raise ModelFileError(f"{source}: no general.architecture")
 
+    block_count = _meta(reader, f"{arch}.block_count")
+    nextn = _meta(reader, f"{arch}.nextn_predict_layers")
+    # multi-token-prediction blocks (the last ``nextn_predict_layers``, qwen35moe) are never
+    # executed, so their experts are never dispatched: no slice or manifest holds them
+    first_mtp = int(block_count) - int(nextn) if isinstance(block_count, int) and isinstance(nextn, int) \
+        and nextn > 0 else None
     layers: dict[int, dict[str, object]] = {}
     for t in reader.tensors:
         m = _EXPS.match(t.name)
-        if m:
+        if m and (first_mtp is None or int(m.group(1)) < first_mtp):
             layers.setdefault(int(m.group(1)), {})[m.group(2)] = t
     if not layers:
         raise ModelFileError(f"{source}: not a Mixture-of-Experts GGUF: no blk.N.ffn_{{gate,up,down}}_exps "
@@ -148,7 +154,6 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
             raise ModelFileError(f"{source}: layer {layer}: expert shape {ne[0]} differs from "
                                  f"{dims} of earlier layers (not supported)")
     n_embd, n_ff, n_expert = dims
-    block_count = _meta(reader, f"{arch}.block_count")
     n_layer = max(int(block_count) if isinstance(block_count, int) else 0, max(layers) + 1)
     expert_layers = sorted(layers)
     biases = {t.name: t for t in reader.tensors if t.name.endswith("_exps.bias")}
@@ -171,8 +176,9 @@ def plan_slice(source: str | os.PathLike, requests: Iterable[tuple[Span | None, 
             chosen = list(range(a, b + 1))
             for layer in chosen:
                 if layer not in layers:
-                    raise UsageError(f"layer {layer} has no expert tensors (layers with experts: "
-                                     f"{_compact(expert_layers)})")
+                    what = ("is the multi-token-prediction block, never executed" if first_mtp is not None
+                            and layer >= first_mtp else "has no expert tensors")
+                    raise UsageError(f"layer {layer} {what} (layers with experts: {_compact(expert_layers)})")
         if expert_span is None:
             expert_span = (0, n_expert - 1)
         if expert_span[0] < 0 or expert_span[0] > expert_span[1]:

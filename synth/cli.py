@@ -70,6 +70,9 @@ def register(subparsers) -> None:
                       help="YaRN context extension factor (default 32, as published)")
     rope.add_argument("--rope-original-context", type=int, metavar="N",
                       help="YaRN: the context length before extension (default 4096, as published)")
+    p.add_argument("--mtp", action="store_true",
+                   help="qwen35moe: add the multi-token-prediction block (blk.N.nextn.*, nextn_predict_layers 1) "
+                   "the published files have; llama.cpp loads it, the engine never executes it")
     p.set_defaults(func=run_synth)
 
     p = subparsers.add_parser(
@@ -90,7 +93,7 @@ def run_synth(args: argparse.Namespace) -> int:
                  for flag, _ in _SIZE_FLAGS}
     cfg = synth.make_config(args.arch, args.preset, args.qtype, args.seed, rope_scaling=args.rope_scaling,
                             rope_scaling_factor=args.rope_scaling_factor,
-                            rope_original_context=args.rope_original_context, **overrides)
+                            rope_original_context=args.rope_original_context, mtp=args.mtp, **overrides)
     if Path(args.output).exists() and not args.force:
         raise UsageError(f"{args.output} exists: give --force to overwrite it")
     progress = _ProgressLine() if sys.stderr.isatty() else _log_progress(args.output)
@@ -100,7 +103,7 @@ def run_synth(args: argparse.Namespace) -> int:
         progress.close()
     if report.fallbacks:
         print(f"kvasir synth: warning: {_fallback_summary(report.fallbacks)}", file=sys.stderr)
-    layers = f"{cfg.layers} layer" + ("s" if cfg.layers != 1 else "")
+    layers = f"{cfg.layers} layer" + ("s" if cfg.layers != 1 else "") + (" + an MTP block" if cfg.mtp else "")
     print(f"wrote {report.path}: {_size(report.file_bytes)}, {cfg.arch} {cfg.preset} {cfg.qtype}, "
           f"{layers} x {cfg.experts} experts (top-{cfg.experts_used}), hidden {cfg.hidden}, "
           f"expert FFN {cfg.expert_ffn}, seed {cfg.seed}, in {report.seconds:.1f} s")
@@ -121,7 +124,8 @@ def run_info(args: argparse.Namespace) -> int:
     rows = [
         ("file", f"{args.file} ({_size(info['file_bytes'])})"),
         ("architecture", info["architecture"]),
-        ("layers", info["layers"]),
+        ("layers", f"{info['layers']}" + (f" ({info['layers'] - info['mtp_layers']} + {info['mtp_layers']} "
+                                          "multi-token-prediction, never executed)" if info["mtp_layers"] else "")),
         ("experts", f"{info['experts']}" + (f" ({used} used per token)" if used else "")),
         ("hidden", info["hidden"]),
         ("expert FFN", info["expert_ffn"]),

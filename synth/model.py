@@ -198,6 +198,9 @@ class SynthConfig:
     rope_scaling: str = "none"
     rope_scaling_factor: float = 0.0  # yarn: context extension factor (published: 32)
     rope_original_context: int = 0  # yarn: the context trained before extension (published: 4096)
+    # qwen35moe: one multi-token-prediction block (blk.<layers>.*, nextn_predict_layers 1) that
+    # llama.cpp loads (and skips unless asked to load MTP) and the engine never executes
+    mtp: bool = False
 
     def __post_init__(self):
         if not self.head_dim:  # the attention head size defaults to hidden / heads
@@ -222,8 +225,16 @@ class SynthConfig:
         t = h = (pairs * 11 + 16) // 32
         return (t, h, pairs - t - h, 0)
 
+    @property
+    def n_mtp(self) -> int:
+        """Multi-token-prediction blocks after the ``layers`` trunk blocks (0 or 1)."""
+        return int(self.mtp)
+
     def is_recurrent(self, layer: int) -> bool:
-        return self.spec.traits.delta_net and (layer + 1) % self.full_attention_interval != 0
+        """Delta-net trunk layers; the MTP block is full attention (llama.cpp: is_recr is false
+        past n_layer)."""
+        return (self.spec.traits.delta_net and layer < self.layers
+                and (layer + 1) % self.full_attention_interval != 0)
 
     def matrix_type(self, expert: bool) -> QT:
         """The type asked for a weight matrix: ``mxfp4`` puts only routed experts in MXFP4."""
@@ -236,15 +247,18 @@ class SynthConfig:
         return (2 * self.ssm_k_heads + self.ssm_v_heads) * self.ssm_head_dim
 
 
+MTP_ARCHS = ("qwen35moe",)  # where --mtp writes a nextn block as llama.cpp's loader expects it
 YARN_DEFAULTS = dict(rope_scaling_factor=32.0, rope_original_context=4096)  # published gpt-oss
 
 
 def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32", seed: int = 0, *,
                 rope_scaling: str = "none", rope_scaling_factor: float | None = None,
-                rope_original_context: int | None = None, **overrides: int | None) -> SynthConfig:
+                rope_original_context: int | None = None, mtp: bool = False,
+                **overrides: int | None) -> SynthConfig:
     """The config for a preset with some sizes overridden (``None`` = keep the preset's).
     ``rope_scaling="yarn"`` (gpt-oss) writes YaRN RoPE scaling, by default as published
-    (factor 32, original context 4096).
+    (factor 32, original context 4096). ``mtp`` (qwen35moe) adds the multi-token-prediction
+    block the published Qwen3.5 files have.
 
     Raises :class:`UsageError` for anything that could not make a valid model.
     """
@@ -300,6 +314,11 @@ def make_config(arch: str = "qwen3moe", preset: str = "tiny", qtype: str = "f32"
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
     sizes.update(_rope_scaling(arch, rope_scaling, rope_scaling_factor, rope_original_context))
+    if mtp:
+        if arch not in MTP_ARCHS:
+            raise UsageError(f"--mtp: only for {', '.join(MTP_ARCHS)} (a multi-token-prediction block "
+                             f"llama.cpp loads for it)")
+        sizes["mtp"] = True
     cfg = SynthConfig(arch=arch, preset=preset, qtype=qtype, seed=seed, **sizes)
     _check_consistent(cfg)
     return cfg
@@ -425,7 +444,7 @@ def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
     plan.append(f32("output_norm.weight", (d,), 0.1 * out_gain, out_gain))
     if not spec.tied_output:
         plan.append(matrix("output.weight", (cfg.vocab, d), 2.0 / math.sqrt(d)))
-    for i in range(cfg.layers):
+    for i in range(cfg.layers + cfg.n_mtp):
         b = f"blk.{i}."
         plan.append(f32(b + "attn_norm.weight", (d,), 0.1, 1.0))
         if cfg.is_recurrent(i):
@@ -450,6 +469,11 @@ def plan_tensors(cfg: SynthConfig) -> list[TensorPlan]:
             plan.append(f32(b + "attn_output.bias", (d,), 0.1))
             plan.append(f32(b + "attn_sinks.weight", (cfg.heads,), 1.0))
         plan += _moe_tensors(cfg, b, matrix, f32)
+        if i >= cfg.layers:  # the MTP block: a full-attention MoE block, plus what makes it NextN
+            plan += [matrix(b + "nextn.eh_proj.weight", (d, 2 * d), (2 * d) ** -0.5),
+                     f32(b + "nextn.enorm.weight", (d,), 0.1, 1.0),
+                     f32(b + "nextn.hnorm.weight", (d,), 0.1, 1.0),
+                     f32(b + "nextn.shared_head_norm.weight", (d,), 0.1 * out_gain, out_gain)]
     return plan
 
 
@@ -508,7 +532,9 @@ def _add_metadata(w: gguf.GGUFWriter, cfg: SynthConfig) -> None:
     w.add_vocab_size(cfg.vocab)
     w.add_context_length(cfg.ctx)
     w.add_embedding_length(cfg.hidden)
-    w.add_block_count(cfg.layers)
+    w.add_block_count(cfg.layers + cfg.n_mtp)
+    if cfg.mtp:
+        w.add_uint32(f"{spec.gguf_arch}.nextn_predict_layers", cfg.n_mtp)
     w.add_feed_forward_length(cfg.expert_ffn)  # llama (mixtral) reads the expert size here
     if traits.expert_ffn_key == "expert_feed_forward_length":
         w.add_expert_feed_forward_length(cfg.expert_ffn)
@@ -774,6 +800,7 @@ def describe_model(path: str | os.PathLike) -> dict:
     return {
         "architecture": arch,
         "layers": _field(reader, f"{arch}.block_count"),
+        "mtp_layers": _field(reader, f"{arch}.nextn_predict_layers") or 0,  # of them: never executed
         "experts": int(n_expert),
         "experts_used": _field(reader, f"{arch}.expert_used_count"),
         "hidden": _field(reader, f"{arch}.embedding_length"),

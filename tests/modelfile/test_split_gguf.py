@@ -124,8 +124,13 @@ def test_a_missing_or_foreign_part_is_one_clear_error(split_model, tmp_path, cap
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
-def test_manifest_of_a_split_copy_says_what_to_do(split_model):
+def test_manifest_of_a_split_copy_has_the_single_files_slabs_in_their_parts(split_model):
+    """gpt-oss' bias rows included; the download itself: tests/workers/test_download_arch.py."""
     from backbone.manifest import build_manifest
 
-    with pytest.raises(ModelFileError, match="merge"):
-        build_manifest(split_model[1][0], cache=False)
+    single, parts = split_model
+    one, split = build_manifest(single, cache=False), build_manifest(parts[0], cache=False)
+    assert split.model == one.model and len(split.parts) == 3 and not one.parts
+    assert [(s.layer, s.expert, s.kind, s.sha256) for s in split.slabs] == \
+        [(s.layer, s.expert, s.kind, s.sha256) for s in one.slabs]
+    assert any(s.kind.endswith("_bias") for s in split.slabs)
