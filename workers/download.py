@@ -223,7 +223,12 @@ def plan_download(identity: Identity | Sequence[Identity], manifest: Manifest,
     slice_tensors: list[SliceTensor] = []
     slabs: list[tuple[SliceTensor, int, object]] = []  # (slice tensor, expert, SlabRef)
 
+    def where(part: int, offset: int, size: int) -> str:
+        return f"{f'part {part + 1} ' if manifest.parts else ''}offset {offset} ({size} bytes)"
+
     def add(st: SliceTensor, part: int, start: int, nb2: int, h: Holding, kind: str) -> None:
+        """Slice tensor ``st`` and its experts' slabs, checked against the manifest: ``start``
+        is the source tensor's offset in file ``part``, ``nb2`` the bytes of one expert."""
         slice_tensors.append(st)
         for e in h.experts:
             try:
@@ -231,8 +236,6 @@ def plan_download(identity: Identity | Sequence[Identity], manifest: Manifest,
             except (KeyError, StopIteration):
                 raise mismatch(f"the manifest has no {kind} slab of layer {h.layer} expert {e}") from None
             if (ref.part, ref.offset, ref.size) != (part, start + e * nb2, nb2):
-                where = lambda p, o, n: (f"{'part ' + str(p + 1) + ' ' if manifest.parts else ''}"  # noqa: E731
-                                         f"offset {o} ({n} bytes)")
                 raise mismatch(f"layer {h.layer} expert {e} {kind} lies at {where(part, start + e * nb2, nb2)} "
                                f"in the source, at {where(ref.part, ref.offset, ref.size)} in the manifest")
             slabs.append((st, e, ref))
