@@ -214,7 +214,7 @@ def test_synth_then_info_reports_the_model(tmp_path, capsys):
     rc, stdout, err = run_cli(capsys, "info", "--json", str(out))
     assert rc == 0, err
     info = json.loads(stdout)
-    assert list(info) == ["architecture", "layers", "experts", "experts_used", "hidden", "expert_ffn",
+    assert list(info) == ["architecture", "layers", "mtp_layers", "experts", "experts_used", "hidden", "expert_ffn",
                           "expert_slab_bytes", "expert_slab_bytes_max", "expert_share", "fingerprint",
                           "file_bytes", "tensor_types"]
     assert (info["architecture"], info["layers"], info["experts"], info["experts_used"]) == ("llama", 3, 4, 2)
