@@ -8,14 +8,17 @@ round trips per token (requests, and the serial waits: one per MoE layer), and t
 wire per token per layer. Both runs must produce the same tokens; the JSON says whether they did.
 
     python bench/dispatch.py [--workers 2] [--decode 16] [--experts-122b 16]
-    python bench/dispatch.py --overhead [--decode 64]
+    python bench/dispatch.py --overhead [--overhead-decode 200] [--rounds 4]
 
 ``--overhead`` measures only what a remote call costs besides its kernel: a ``tiny`` model
-(hidden 64, expert FFN 32: a trivial expert, microseconds of compute) decoded monolithically and
-with one worker process holding every expert. Backbone CPU per remote call = (process CPU of
-the sharded decode - that of the monolithic one) / remote calls; worker CPU per call = the
-worker process's CPU (from /proc) / requests, and the trivial kernel's own time beside it. The
-codec's part of each (encode, validate, decode, headers) is timed in-process.
+(hidden 64, 2 layers, top-2, expert FFN 32: a trivial expert, microseconds of compute) decoded
+monolithically and with one worker process holding every expert, ``rounds`` sequences of
+``overhead-decode`` tokens (3200 remote calls by default: /proc counts CPU in 10 ms ticks).
+Backbone CPU per remote call = (process CPU of the sharded decode - that of the monolithic one)
+/ remote calls; worker CPU per call = the worker process's CPU (from /proc) / requests, and the
+trivial kernel's own time beside it. Measured twice: with audits off (the bus alone) and with
+the default audits (their local recomputes count on the backbone). The codec's part of each
+(encode, validate, decode) is timed in-process.
 """
 
 from __future__ import annotations
@@ -136,47 +139,72 @@ def codec_costs(n_embd: int, rows: int = 1) -> dict:
     }
 
 
-def bench_overhead(path: Path, n_decode: int, n_prompt: int) -> dict:
+def _decode_rounds(engine: Engine, prompt: np.ndarray, n: int, rounds: int, remote=None):
+    """``rounds`` sequences of ``n`` decoded tokens each (a context holds only so many):
+    (tokens of every round, tokens/s, summed dispatch counters, process CPU seconds)."""
+    tokens, seconds, total = [], 0.0, None
+    c0 = time.process_time()
+    for _ in range(rounds):
+        t, tps, d = decode(engine, prompt, n, remote)
+        tokens.append(t)
+        seconds += n / tps
+        total = d if total is None else {k: total[k] + d[k] for k in d} if d else None
+    return tokens, rounds * n / seconds, total, time.process_time() - c0
+
+
+def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dict:
+    from backbone.audit import AuditConfig
     from kernels.expert import expert_ffn
     from kernels.tensors import tensor_from_reader
 
     engine = Engine(path)
     cfg = engine.cfg
+    n_decode = min(n_decode, cfg.n_ctx_train - n_prompt - 1)
     prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, n_prompt)
     decode(engine, prompt, 4)  # warm the graph caches
-    c0 = time.process_time()
-    mono_tokens, mono_tps, _ = decode(engine, prompt, n_decode)
-    mono_cpu = time.process_time() - c0
+    mono_tokens, mono_tps, _, mono_cpu = _decode_rounds(engine, prompt, n_decode, rounds)
     fp = model_fingerprint(engine.reader)
     gate, up, down = (tensor_from_reader(engine.reader, f"blk.0.ffn_{k}_exps.weight").expert(0)
                       for k in ("gate", "up", "down"))
     x1 = np.random.default_rng(1).standard_normal((1, cfg.n_embd)).astype(np.float32)
-    kernel_us = _per_call_us(lambda: expert_ffn(gate, up, down, x1, routed=True), 500)
+    kernel_us = _per_call_us(lambda: expert_ffn(gate, up, down, x1, routed=True), 2000)
+    runs = {}
     with EmbeddedNats() as server, tempfile.TemporaryDirectory() as logdir:
         log = open(os.path.join(logdir, "w.log"), "w")
         proc = spawn_worker(server.url, "bench-0", ["--model", str(path), "--layer", "all", "--experts", "all"],
                             log_file=log)
         try:
             asyncio.run(wait_for_nodes(server.url, fp, {proc.node}, procs=[proc], timeout=600))
-            role = BackboneConfig(model_path=str(path), nats_url=server.url, dispatch=DispatchConfig(timeout_s=5.0),
-                                  market=False, serve_manifest=False)
-            with BackboneService(engine, role) as backbone:
-                remote = backbone.dispatch
-                decode(engine, prompt, 4, remote)
-                w0, c0 = _proc_cpu_s(proc.proc.pid), time.process_time()
-                sh_tokens, sh_tps, d = decode(engine, prompt, n_decode, remote)
-                sh_cpu, w_cpu = time.process_time() - c0, _proc_cpu_s(proc.proc.pid) - w0
+            # Audits off first: the overhead of the bus alone; then the default audits, whose local
+            # recomputes (every reply of a node's probation, then one in ten) count on the backbone.
+            for name, audit in (("audits_off", AuditConfig(rate=0.0)), ("audits_default", AuditConfig())):
+                role = BackboneConfig(model_path=str(path), nats_url=server.url,
+                                      dispatch=DispatchConfig(timeout_s=5.0, audit=audit),
+                                      market=False, serve_manifest=False)
+                with BackboneService(engine, role) as backbone:
+                    remote = backbone.dispatch
+                    decode(engine, prompt, 4, remote)
+                    w0 = _proc_cpu_s(proc.proc.pid)
+                    sh_tokens, sh_tps, d, sh_cpu = _decode_rounds(engine, prompt, n_decode, rounds, remote)
+                    w_cpu = _proc_cpu_s(proc.proc.pid) - w0
+                    audits = remote.stats.to_dict()["audits"]
+                calls = max(1, d["remote"])
+                runs[name] = {
+                    "audit_rate": audit.rate, "audits": audits,
+                    "remote_calls": d["remote"], "same_tokens": sh_tokens == mono_tokens,
+                    "sharded_tok_s": round(sh_tps, 1),
+                    "backbone_cpu_us_per_remote_call": round(1e6 * (sh_cpu - mono_cpu) / calls, 1),
+                    "worker_cpu_us_per_call": round(1e6 * w_cpu / calls, 1),
+                    "worker_cpu_us_per_call_outside_kernel": round(1e6 * w_cpu / calls - kernel_us, 1),
+                }
         finally:
             proc.stop()
-    calls = max(1, d["remote"])
     return {
-        "model": path.name, "hidden": cfg.n_embd, "expert_ffn": cfg.n_ff_exp, "decode_tokens": n_decode,
-        "remote_calls": d["remote"], "same_tokens": sh_tokens == mono_tokens,
-        "monolithic_tok_s": round(mono_tps, 1), "sharded_tok_s": round(sh_tps, 1),
-        "backbone_cpu_us_per_remote_call": round(1e6 * (sh_cpu - mono_cpu) / calls, 1),
-        "worker_cpu_us_per_call": round(1e6 * w_cpu / calls, 1),
+        "model": path.name, "hidden": cfg.n_embd, "expert_ffn": cfg.n_ff_exp,
+        "decode_tokens": n_decode * rounds, "rounds": rounds,
+        "monolithic_tok_s": round(mono_tps, 1),
         "trivial_kernel_us_per_call": kernel_us,
-        "worker_cpu_us_per_call_outside_kernel": round(1e6 * w_cpu / calls - (kernel_us or 0), 1),
+        **runs,
         "codec": codec_costs(cfg.n_embd),
     }
 
@@ -185,10 +213,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--overhead-decode", type=int, default=200,
+                    help="--overhead: tokens per round (the tiny model's context holds 256)")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--experts-122b", type=int, default=16,
                     help="experts per layer of the 122b-layer model (the real model has 256)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
+    ap.add_argument("--rounds", type=int, default=4, help="--overhead: sequences of --decode tokens each")
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call overhead, with a trivial expert (tiny model, one worker)")
     args = ap.parse_args()
@@ -203,7 +234,8 @@ def main() -> None:
             synth_model(tiny, arch="qwen3moe", preset="tiny", qtype="f32", seed=0)
         print(json.dumps({"bench": "dispatch-overhead", "transport": "loopback NATS (embedded nats-server)",
                           "kernel_mode": os.environ.get("KVASIR_KERNEL_MODE", "fast"),
-                          "result": bench_overhead(tiny, args.decode, args.prompt_tokens)}, indent=2))
+                          "result": bench_overhead(tiny, args.overhead_decode, args.prompt_tokens,
+                                                                  args.rounds)}, indent=2))
         return
     small = models / "small-qwen3moe-q4_k.gguf"
     if not small.exists():

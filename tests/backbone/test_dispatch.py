@@ -333,12 +333,14 @@ def test_a_silent_expert_costs_one_timeout_then_is_computed_here_and_only_probed
         outs = remote.run_layer(0, [(1, ROWS), (2, ROWS)])
         assert all(np.array_equal(o, 2 * ROWS) for o in outs)
     outs = remote.run_layer(1, [(3, ROWS)])  # other experts: silence was seen, nothing ever answered
+    bus.run(nc.flush())  # a step of probes only returns before the loop has sent them: let it
     s = remote.stats.to_dict()["totals"]
     assert s["timeouts"] == 2  # the first step only
     assert s["silent"] == 2 * 4 + 1 and len(nc.requests) == 2 * 5 + 1  # still probed, never waited for
     # An honest worker appears: its first probe reply ends the silence of that expert.
     nc.answer = times(3, node="new")
     remote.run_layer(0, [(1, ROWS)])
+    bus.run(nc.flush())
     assert remote.stats.layer(0).probes_answered == 1
     (out,) = remote.run_layer(0, [(1, ROWS)])
     assert np.array_equal(out, 3 * ROWS)
