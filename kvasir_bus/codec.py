@@ -20,6 +20,7 @@ them); :func:`all_finite` is the check.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass, fields
@@ -56,6 +57,42 @@ def dtype_name(dtype: np.dtype) -> str:
     """The wire name of a row dtype ("float32", "float16"), or numpy's name for any other."""
     name = _NAME_OF.get(dtype)
     return name if name is not None else dtype.name
+
+# -- cheap checks for the hot path ------------------------------------------------------------
+# A remote call decodes one request and one reply; the strings in them repeat (one model, a few
+# nodes and kernel labels), so each distinct valid one is checked by the full check once and
+# then found in a bounded cache. Anything not cached, or of another type, takes the full check,
+# which raises the named error.
+
+@functools.lru_cache(maxsize=4096)
+def _valid(check, value: str) -> bool:
+    try:
+        check("", "", value)
+        return True
+    except CodecError:
+        return False
+
+
+def _token(check, record: str, field: str, value: Any) -> None:
+    """``check(record, field, value)``, cached for valid strings."""
+    if type(value) is not str or not _valid(check, value):
+        check(record, field, value)
+
+
+def _check_model(record: str, field: str, value: Any) -> str:
+    return check_model(record, value)
+
+
+def _index(record: str, field: str, value: Any) -> int:
+    if type(value) is int and 0 <= value <= MAX_INDEX:
+        return value
+    return check_index(record, field, value)
+
+
+@functools.lru_cache(maxsize=64)
+def _limits(max_rows: int | None, n_embd: int | None) -> Limits:
+    return Limits(max_rows, n_embd)
+
 
 #: Heartbeats are small; a receiver refuses bigger ones by default.
 HEARTBEAT_MAX_BYTES = 1024 * 1024
@@ -96,8 +133,11 @@ def _decode_rows(body: dict, record: str, allowed: tuple[str, ...], limits: Limi
     shape = need(body, record, "shape")
     if not isinstance(shape, list) or len(shape) != 2:
         raise fail(record, "shape", f"must be [rows, n_embd], got {shape!r}")
-    n = check_int(record, "shape", shape[0], 1, MAX_DIM)
-    width = check_int(record, "shape", shape[1], 1, MAX_DIM)
+    n, width = shape
+    if type(n) is not int or not 1 <= n <= MAX_DIM:
+        n = check_int(record, "shape", n, 1, MAX_DIM)
+    if type(width) is not int or not 1 <= width <= MAX_DIM:
+        width = check_int(record, "shape", width, 1, MAX_DIM)
     if limits.max_rows is not None and n > limits.max_rows:
         raise PayloadTooLargeError(f"{record}: field 'shape' has {n} rows, over the limit of "
                                    f"{limits.max_rows}", field="shape")
@@ -112,7 +152,7 @@ def _decode_rows(body: dict, record: str, allowed: tuple[str, ...], limits: Limi
         raise fail(record, "data", f"has {len(data)} bytes but shape {[n, width]} of {dtype} "
                                    f"needs {expected}")
     # Little-endian on the wire, native in memory: a no-op view on little-endian hosts.
-    rows = np.frombuffer(data, dtype=wire).reshape(n, width)
+    rows = np.ndarray((n, width), wire, data)  # a read-only view on the payload, no copy
     return rows if _LITTLE_ENDIAN else rows.astype(wire.newbyteorder("="))
 
 
@@ -134,11 +174,12 @@ class DispatchRequest(Record):
 
     def __post_init__(self) -> None:
         r = self.what
-        object.__setattr__(self, "model", check_model(r, self.model))
-        object.__setattr__(self, "layer", check_index(r, "layer", self.layer))
-        object.__setattr__(self, "expert", check_index(r, "expert", self.expert))
+        _token(_check_model, r, "model", self.model)
+        object.__setattr__(self, "layer", _index(r, "layer", self.layer))
+        object.__setattr__(self, "expert", _index(r, "expert", self.expert))
         _rows(r, self.rows, REQUEST_DTYPES)
-        check_id(r, "request_id", self.request_id)
+        if not is_id(self.request_id):
+            check_id(r, "request_id", self.request_id)
 
     def body(self) -> dict[str, Any]:
         return {"model": self.model, "layer": self.layer, "expert": self.expert,
@@ -148,9 +189,11 @@ class DispatchRequest(Record):
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> DispatchRequest:
         r = cls.what
         rows = _decode_rows(body, r, REQUEST_DTYPES, limits)
-        return cls(model=need(body, r, "model"), layer=need(body, r, "layer"),
-                   expert=need(body, r, "expert"), rows=rows,
-                   request_id=need(body, r, "request_id"))
+        try:
+            return cls(body["model"], body["layer"], body["expert"], rows, body["request_id"])
+        except KeyError:  # name the first missing field
+            return cls(model=need(body, r, "model"), layer=need(body, r, "layer"),
+                       expert=need(body, r, "expert"), rows=rows, request_id=need(body, r, "request_id"))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Layer": str(self.layer), "Kvasir-Expert": str(self.expert),
@@ -180,11 +223,12 @@ class DispatchReply(Record):
 
     def __post_init__(self) -> None:
         r = self.what
-        check_id(r, "request_id", self.request_id)
-        check_node(r, "node", self.node)
+        if not is_id(self.request_id):
+            check_id(r, "request_id", self.request_id)
+        _token(check_node, r, "node", self.node)
         _rows(r, self.rows, REPLY_DTYPES)
         if self.kernel:
-            check_label(r, "kernel", self.kernel)
+            _token(check_label, r, "kernel", self.kernel)
 
     def body(self) -> dict[str, Any]:
         body = {"request_id": self.request_id, "node": self.node, **_array_fields(self.rows)}
@@ -196,8 +240,11 @@ class DispatchReply(Record):
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> DispatchReply:
         r = cls.what
         rows = _decode_rows(body, r, REPLY_DTYPES, limits)
-        return cls(request_id=need(body, r, "request_id"), node=need(body, r, "node"),
-                   rows=rows, kernel=body.get("kernel", ""))
+        try:
+            return cls(body["request_id"], body["node"], rows, body.get("kernel", ""))
+        except KeyError:  # name the first missing field
+            return cls(request_id=need(body, r, "request_id"), node=need(body, r, "node"),
+                       rows=rows, kernel=body.get("kernel", ""))
 
     def headers(self) -> dict[str, str]:
         headers = {"Kvasir-Node": self.node, "Kvasir-Request": self.request_id,
@@ -318,15 +365,13 @@ def decode_request(data: bytes, *, max_rows: int | None = None,
                    max_bytes: int = DEFAULT_MAX_BYTES,
                    n_embd: int | None = None) -> DispatchRequest:
     """Bytes -> :class:`DispatchRequest`; ``n_embd`` (if given) must match the rows' width."""
-    return decode(data, ("x",), DispatchRequest.what, max_bytes=max_bytes,
-                  limits=Limits(max_rows, n_embd))
+    return decode(data, ("x",), DispatchRequest.what, max_bytes=max_bytes, limits=_limits(max_rows, n_embd))
 
 
 def decode_reply(data: bytes, *, max_rows: int | None = None,
                  max_bytes: int = DEFAULT_MAX_BYTES, n_embd: int | None = None) -> Reply:
     """Bytes -> :class:`DispatchReply` or :class:`ErrorReply`."""
-    return decode(data, ("r", "e"), "reply", max_bytes=max_bytes,
-                  limits=Limits(max_rows, n_embd))
+    return decode(data, ("r", "e"), "reply", max_bytes=max_bytes, limits=_limits(max_rows, n_embd))
 
 
 def decode_heartbeat(data: bytes, *, max_bytes: int = HEARTBEAT_MAX_BYTES) -> Heartbeat:
