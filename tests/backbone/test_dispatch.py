@@ -8,6 +8,8 @@ output came from a "worker" or from the fallback shows in the numbers.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -355,3 +357,48 @@ def test_a_heartbeat_claiming_a_billion_experts_costs_what_the_model_has(rig, bu
                            load=0.0, served=0, version="0.1.0", kernel="x", sent_at=0.0)
     bus.run(nc.deliver(Subjects(MODEL).coverage("bomb"), bomb.encode()))  # returns at once
     assert remote.coverage.uncovered == 0  # layer 2 expert 6 is claimed: asked again
+
+
+class DeferringNats(FakeNats):
+    """Replies are delivered on the loop's next turn, as a real connection does (they come back
+    through the socket), and every publish is logged beside every reply handled."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[str] = []
+
+    async def publish(self, subject: str, payload: bytes, reply: str = "", headers=None) -> None:
+        if ".x." not in subject:
+            await super().publish(subject, payload, reply, headers)
+            return
+        req = codec.decode_request(payload)
+        self.requests.append((subject, req, reply))
+        self.events.append(f"pub {req.expert}")
+        for data, hdrs in self.answer(subject, req):
+            asyncio.get_running_loop().call_soon(lambda r=reply, d=data, h=hdrs: asyncio.ensure_future(
+                self.deliver(r, d, h)))
+
+    async def deliver(self, subject: str, data: bytes, headers: dict | None = None) -> None:
+        self.events.append("reply")
+        await super().deliver(subject, data, headers)
+
+
+def test_a_layer_step_is_published_as_one_batch_before_any_reply_is_handled(bus):
+    nc, local = DeferringNats(), DoublingLocal()
+    cfg = DispatchConfig(timeout_s=5.0, audit=NO_AUDIT)
+    remote = RemoteExperts(bus, nc, MODEL, local, D, cfg, coverage=CoverageView(cfg.uncovered_ttl_s, Clock()))
+    bus.run(remote.start())
+    batches = []
+    publish_step = remote._publish_step
+
+    async def counted(step):
+        batches.append([call.expert for call in step.calls])
+        await publish_step(step)
+
+    remote._publish_step = counted
+    nc.answer = times(3)
+    outs = remote.run_layer(0, [(0, ROWS), (1, ROWS[:1]), (2, ROWS)])
+    assert batches == [[0, 1, 2]]  # one publish batch (so nats.py flushes once) per layer step
+    assert nc.events == ["pub 0", "pub 1", "pub 2", "reply", "reply", "reply"]
+    assert [o.tolist() for o in outs] == [(3 * ROWS).tolist(), (3 * ROWS[:1]).tolist(), (3 * ROWS).tolist()]
+    assert local.calls == []
