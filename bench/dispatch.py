@@ -13,12 +13,14 @@ wire per token per layer. Both runs must produce the same tokens; the JSON says 
 ``--overhead`` measures only what a remote call costs besides its kernel: a ``tiny`` model
 (hidden 64, 2 layers, top-2, expert FFN 32: a trivial expert, microseconds of compute) decoded
 monolithically and with one worker process holding every expert, ``rounds`` sequences of
-``overhead-decode`` tokens (3200 remote calls by default: /proc counts CPU in 10 ms ticks).
+``overhead-decode`` tokens (800 remote calls a round: /proc counts CPU in 10 ms ticks).
 Backbone CPU per remote call = (process CPU of the sharded decode - that of the monolithic one)
 / remote calls; worker CPU per call = the worker process's CPU (from /proc) / requests, and the
-trivial kernel's own time beside it. Measured twice: with audits off (the bus alone) and with
-the default audits (their local recomputes count on the backbone). The codec's part of each
-(encode, validate, decode) is timed in-process.
+trivial kernel's own time (the least of many timings) beside it. Each figure is the least over
+the rounds, the median beside it: CPU time grows too when other processes share the cores, and
+the quietest round is the closest to the cost itself. Measured twice: with audits off (the bus
+alone) and with the default audits (their local recomputes count on the backbone). The codec's
+part of each (encode, validate, decode) is timed in-process.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import os
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -117,42 +120,49 @@ def _per_call_us(fn, n: int = 2000) -> float:
 
 
 def codec_costs(n_embd: int, rows: int = 1) -> dict:
-    """Microseconds per call of each codec step of one remote call, in this process."""
+    """Microseconds per call of each codec step of one remote call, in this process (the least
+    of many timings): what the backbone and the worker run per request."""
     from kvasir_bus import codec
 
     x = np.random.default_rng(0).standard_normal((rows, n_embd)).astype(np.float32)
-    model = "0" * 16
-    req = codec.DispatchRequest(model=model, layer=3, expert=17, rows=x, request_id="1a2b")
-    payload = req.encode()
-    rep = codec.DispatchReply(request_id="1a2b", node="bench-0", rows=x, kernel="ggml-x86_64")
-    reply_payload = rep.encode()
+    requests, replies = codec.RequestEncoder("0" * 16), codec.ReplyEncoder("bench-0", "ggml-x86_64")
+    payload = requests.encode(3, 17, "1a2b", x)
+    reply_payload = replies.encode("1a2b", x)
     return {
         "rows": rows, "n_embd": n_embd,
-        "backbone_build_and_encode_request_us": _per_call_us(
-            lambda: codec.DispatchRequest(model=model, layer=3, expert=17, rows=x, request_id="1a2b").encode()),
-        "backbone_request_headers_us": _per_call_us(lambda: codec.headers_for(req)),
-        "backbone_decode_reply_us": _per_call_us(lambda: codec.decode_reply(reply_payload, n_embd=n_embd)),
-        "worker_decode_request_us": _per_call_us(lambda: codec.decode_request(payload, n_embd=n_embd)),
-        "worker_build_and_encode_reply_us": _per_call_us(
-            lambda: codec.DispatchReply(request_id="1a2b", node="bench-0", rows=x, kernel="ggml-x86_64").encode()),
-        "worker_reply_headers_us": _per_call_us(lambda: codec.headers_for(rep)),
+        "backbone_encode_request_us": _min_us_per_call(lambda: requests.encode(3, 17, "1a2b", x)),
+        "backbone_decode_reply_us": _min_us_per_call(lambda: codec.decode_reply(reply_payload, n_embd=n_embd)),
+        "worker_decode_request_us": _min_us_per_call(lambda: codec.decode_request(payload, n_embd=n_embd)),
+        "worker_encode_reply_us": _min_us_per_call(lambda: replies.encode("1a2b", x)),
     }
 
 
-def _decode_rounds(engine: Engine, prompt: np.ndarray, n: int, rounds: int, remote=None):
-    """``rounds`` sequences of ``n`` decoded tokens each (a context holds only so many):
-    (tokens of every round, tokens/s, summed dispatch counters, process CPU seconds)."""
-    tokens, seconds, total = [], 0.0, None
-    c0 = time.process_time()
+def _decode_rounds(engine: Engine, prompt: np.ndarray, n: int, rounds: int, remote=None, worker_pid=None):
+    """``rounds`` sequences of ``n`` decoded tokens each: (tokens of every round, tokens/s, summed
+    dispatch counters, this process's CPU seconds per round, the worker's per round)."""
+    tokens, seconds, total, cpu, worker_cpu = [], 0.0, None, [], []
     for _ in range(rounds):
+        c0 = time.process_time()
+        w0 = _proc_cpu_s(worker_pid) if worker_pid else 0.0
         t, tps, d = decode(engine, prompt, n, remote)
+        cpu.append(time.process_time() - c0)
+        worker_cpu.append(_proc_cpu_s(worker_pid) - w0 if worker_pid else 0.0)
         tokens.append(t)
         seconds += n / tps
         total = d if total is None else {k: total[k] + d[k] for k in d} if d else None
-    return tokens, rounds * n / seconds, total, time.process_time() - c0
+    return tokens, rounds * n / seconds, total, cpu, worker_cpu
+
+
+def _min_us_per_call(fn, n: int = 20, repeat: int = 100) -> float:
+    """The fastest of ``repeat`` timings of ``n`` calls: what the call costs when nothing else runs."""
+    best = min(timeit.repeat(fn, number=n, repeat=repeat))
+    return round(1e6 * best / n, 1)
 
 
 def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dict:
+    """Per-call CPU besides the kernel, on both sides. Every figure is the least over ``rounds``
+    equal rounds (CPU time still grows when other processes share the cores; the quietest round
+    is the closest to the cost itself), the median beside it."""
     from backbone.audit import AuditConfig
     from kernels.expert import expert_ffn
     from kernels.tensors import tensor_from_reader
@@ -162,12 +172,12 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dic
     n_decode = min(n_decode, cfg.n_ctx_train - n_prompt - 1)
     prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, n_prompt)
     decode(engine, prompt, 4)  # warm the graph caches
-    mono_tokens, mono_tps, _, mono_cpu = _decode_rounds(engine, prompt, n_decode, rounds)
+    mono_tokens, mono_tps, _, mono_cpu, _ = _decode_rounds(engine, prompt, n_decode, rounds)
     fp = model_fingerprint(engine.reader)
     gate, up, down = (tensor_from_reader(engine.reader, f"blk.0.ffn_{k}_exps.weight").expert(0)
                       for k in ("gate", "up", "down"))
     x1 = np.random.default_rng(1).standard_normal((1, cfg.n_embd)).astype(np.float32)
-    kernel_us = _per_call_us(lambda: expert_ffn(gate, up, down, x1, routed=True), 2000)
+    kernel_us = _min_us_per_call(lambda: expert_ffn(gate, up, down, x1, routed=True))
     runs = {}
     with EmbeddedNats() as server, tempfile.TemporaryDirectory() as logdir:
         log = open(os.path.join(logdir, "w.log"), "w")
@@ -183,19 +193,22 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dic
                                       market=False, serve_manifest=False)
                 with BackboneService(engine, role) as backbone:
                     remote = backbone.dispatch
-                    decode(engine, prompt, 4, remote)
-                    w0 = _proc_cpu_s(proc.proc.pid)
-                    sh_tokens, sh_tps, d, sh_cpu = _decode_rounds(engine, prompt, n_decode, rounds, remote)
-                    w_cpu = _proc_cpu_s(proc.proc.pid) - w0
+                    decode(engine, prompt, 32, remote)  # warm the worker and the connection
+                    sh_tokens, sh_tps, d, sh_cpu, w_cpu = _decode_rounds(engine, prompt, n_decode, rounds, remote,
+                                                                         proc.proc.pid)
                     audits = remote.stats.to_dict()["audits"]
-                calls = max(1, d["remote"])
+                calls = d["remote"] / rounds  # per round
+                backbone_us = [1e6 * (s - m) / calls for s, m in zip(sorted(sh_cpu), sorted(mono_cpu))]
+                worker_us = sorted(1e6 * w / calls for w in w_cpu)
                 runs[name] = {
                     "audit_rate": audit.rate, "audits": audits,
                     "remote_calls": d["remote"], "same_tokens": sh_tokens == mono_tokens,
                     "sharded_tok_s": round(sh_tps, 1),
-                    "backbone_cpu_us_per_remote_call": round(1e6 * (sh_cpu - mono_cpu) / calls, 1),
-                    "worker_cpu_us_per_call": round(1e6 * w_cpu / calls, 1),
-                    "worker_cpu_us_per_call_outside_kernel": round(1e6 * w_cpu / calls - kernel_us, 1),
+                    "backbone_cpu_us_per_remote_call": round(backbone_us[0], 1),
+                    "backbone_cpu_us_per_remote_call_median": round(float(np.median(backbone_us)), 1),
+                    "worker_cpu_us_per_call": round(worker_us[0], 1),
+                    "worker_cpu_us_per_call_outside_kernel": round(worker_us[0] - kernel_us, 1),
+                    "worker_cpu_us_per_call_outside_kernel_median": round(float(np.median(worker_us)) - kernel_us, 1),
                 }
         finally:
             proc.stop()
@@ -219,7 +232,7 @@ def main() -> None:
     ap.add_argument("--experts-122b", type=int, default=16,
                     help="experts per layer of the 122b-layer model (the real model has 256)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
-    ap.add_argument("--rounds", type=int, default=4, help="--overhead: sequences of --decode tokens each")
+    ap.add_argument("--rounds", type=int, default=6, help="--overhead: sequences of --overhead-decode tokens each")
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call overhead, with a trivial expert (tiny model, one worker)")
     args = ap.parse_args()
