@@ -16,7 +16,10 @@ monolithically and with one worker process holding every expert, ``rounds`` sequ
 ``overhead-decode`` tokens (800 remote calls a round: /proc counts CPU in 10 ms ticks).
 Backbone CPU per remote call = (process CPU of the sharded decode - that of the monolithic one)
 / remote calls; worker CPU per call = the worker process's CPU (from /proc) / requests, and the
-trivial kernel's own time (the least of many timings) beside it. Each figure is the least over
+trivial kernel's own time (the least of many timings, in this process) beside it; the kernel
+time the worker itself counted (``$SRV.STATS``, in place: cold caches, other experts between
+calls) is a second estimate. Beside them, the floor: what nats.py itself costs per call in the same
+run (a requester and an echo responder with no work at all, :func:`bench_floor`). Each figure is the least over
 the rounds, the median beside it: CPU time grows too when other processes share the cores, and
 the quietest round is the closest to the cost itself. Measured twice: with audits off (the bus
 alone) and with the default audits (their local recomputes count on the backbone). The codec's
@@ -153,10 +156,93 @@ def _decode_rounds(engine: Engine, prompt: np.ndarray, n: int, rounds: int, remo
     return tokens, rounds * n / seconds, total, cpu, worker_cpu
 
 
+def _worker_kernel_s(url: str) -> float:
+    """The kernel time the (one) worker counted, from its ``$SRV.STATS`` (wall clock around each
+    expert call, as it computes them: between requests, with cold caches)."""
+    import json as _json
+
+    from kvasir_bus.connect import connect
+
+    async def ask() -> float:
+        nc = await connect(url, name="bench-stats")
+        try:
+            msg = await nc.request("$SRV.STATS.kvasir-worker", b"", timeout=5)
+            return sum(ep["processing_time"] for ep in _json.loads(msg.data)["endpoints"]) / 1e9
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
 def _min_us_per_call(fn, n: int = 20, repeat: int = 100) -> float:
     """The fastest of ``repeat`` timings of ``n`` calls: what the call costs when nothing else runs."""
     best = min(timeit.repeat(fn, number=n, repeat=repeat))
     return round(1e6 * best / n, 1)
+
+
+async def _echo(url: str, subjects: int) -> None:
+    """The floor's responder: answer every request with its own bytes, nothing else."""
+    import nats
+
+    nc = await nats.connect(url)
+
+    async def cb(msg) -> None:
+        await nc.publish(msg.reply, msg.data)
+
+    for i in range(subjects):
+        await nc.subscribe(f"floor.{i}", cb=cb)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+def bench_floor(steps: int = 2000, per_step: int = 2, size: int = 300) -> dict:
+    """What nats.py itself costs per call on this machine now: a requester that publishes
+    ``per_step`` requests and waits for all their replies (one wildcard inbox, as the backbone),
+    an echo responder in another process (as a worker with no work at all). No codec, no model,
+    no second thread: the floor under the dispatch's per-call figures."""
+    import subprocess
+
+    import nats
+
+    async def requester(url: str) -> tuple[float, float]:
+        nc = await nats.connect(url)
+        inbox, loop = nc.new_inbox(), asyncio.get_running_loop()
+        state = {"left": 0, "done": None}
+
+        async def on_reply(msg) -> None:
+            state["left"] -= 1
+            if state["left"] == 0:
+                state["done"].set_result(None)
+
+        await nc.subscribe(inbox + ".*", cb=on_reply)
+        payload = bytes(size)
+        for n in (200, steps):  # warm, then measure
+            c0, t0 = time.process_time(), time.perf_counter()
+            for step in range(n):
+                state["left"], state["done"] = per_step, loop.create_future()
+                for k in range(per_step):
+                    await nc.publish(f"floor.{(step + k) % 8}", payload, reply=f"{inbox}.{step}_{k}")
+                await state["done"]
+            cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        await nc.close()
+        return cpu, wall
+
+    with EmbeddedNats() as server:
+        echo = subprocess.Popen([sys.executable, __file__, "--echo", server.url], stdout=subprocess.PIPE)
+        try:
+            echo.stdout.readline()
+            w0 = _proc_cpu_s(echo.pid)
+            cpu, wall = asyncio.run(requester(server.url))
+            w_cpu = _proc_cpu_s(echo.pid) - w0  # the warm-up counts here: a slight overestimate
+        finally:
+            echo.kill()
+            echo.wait()
+    calls = steps * per_step
+    return {"calls": calls, "per_step": per_step, "payload_bytes": size,
+            "requester_cpu_us_per_call": round(1e6 * cpu / calls, 1),
+            "responder_cpu_us_per_call": round(1e6 * w_cpu / (calls + 200 * per_step), 1),
+            "calls_per_s": round(calls / wall)}
 
 
 def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dict:
@@ -194,8 +280,10 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dic
                 with BackboneService(engine, role) as backbone:
                     remote = backbone.dispatch
                     decode(engine, prompt, 32, remote)  # warm the worker and the connection
+                    k0 = _worker_kernel_s(server.url)
                     sh_tokens, sh_tps, d, sh_cpu, w_cpu = _decode_rounds(engine, prompt, n_decode, rounds, remote,
                                                                          proc.proc.pid)
+                    in_worker_kernel_us = 1e6 * (_worker_kernel_s(server.url) - k0) / d["remote"]
                     audits = remote.stats.to_dict()["audits"]
                 calls = d["remote"] / rounds  # per round
                 backbone_us = [1e6 * (s - m) / calls for s, m in zip(sorted(sh_cpu), sorted(mono_cpu))]
@@ -209,6 +297,9 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dic
                     "worker_cpu_us_per_call": round(worker_us[0], 1),
                     "worker_cpu_us_per_call_outside_kernel": round(worker_us[0] - kernel_us, 1),
                     "worker_cpu_us_per_call_outside_kernel_median": round(float(np.median(worker_us)) - kernel_us, 1),
+                    # The kernel as the worker times it in place (wall clock: preemption counts too).
+                    "worker_kernel_us_per_call_in_place": round(in_worker_kernel_us, 1),
+                    "worker_cpu_us_per_call_outside_kernel_in_place": round(worker_us[0] - in_worker_kernel_us, 1),
                 }
         finally:
             proc.stop()
@@ -219,6 +310,7 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dic
         "trivial_kernel_us_per_call": kernel_us,
         **runs,
         "codec": codec_costs(cfg.n_embd),
+        "nats_py_floor": bench_floor(),
     }
 
 
@@ -235,7 +327,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="--overhead: sequences of --overhead-decode tokens each")
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call overhead, with a trivial expert (tiny model, one worker)")
+    ap.add_argument("--echo", metavar="URL", help=argparse.SUPPRESS)  # the floor's responder process
     args = ap.parse_args()
+    if args.echo:
+        asyncio.run(_echo(args.echo, 8))
+        return
     from kvasir_bus.logs import configure
 
     configure("warning")  # logs on stderr; stdout is the JSON
