@@ -26,6 +26,15 @@ wire rounding is applied by the engine before dispatch), so the output is bit-id
 Replies come back on one wildcard inbox per backbone, matched by request id: that is how a
 late reply can be told from a racing replica's, which ``nc.request`` cannot do.
 
+What a remote call costs (``bench/dispatch.py --overhead``) is kept to the bus client's own
+work: the engine's thread decides and encodes a whole layer step (:meth:`RemoteExperts._plan`)
+and hands it to the loop in one hop; :meth:`RemoteExperts._publish_step` publishes every request
+of the step before the client's flusher runs (one socket write) and arms one timer for the
+step; each reply is one dict lookup, one decode and a few counters on the loop thread, and the
+engine's thread wakes once per step (or once per fallback, to compute it at once). No task,
+future or queue per call. A replica policy (a queue group, hedged requests) belongs in
+``_publish_step``.
+
 Around it: the counters are :mod:`backbone.dispatch_stats`, the uncovered cache and the
 heartbeat listener :mod:`backbone.coverage_view`, the market's share (routing statistics,
 ledger events) a recorder, :mod:`backbone.market_link`. The connection, its loop thread and
