@@ -224,6 +224,9 @@ class Worker:
         except _Refused as exc:
             await self._refuse(msg, exc)
             return
+        except Exception as exc:  # a bug in a check: say so, keep serving
+            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
+            return
         if _small(weights, rows):  # a hop to the pool and back costs more than the product
             self._inline += 1
             try:
