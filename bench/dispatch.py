@@ -10,7 +10,7 @@ see the same load; the best round of each counts. Both must produce the same tok
 says whether they did.
 
     python bench/dispatch.py [--workers 2] [--decode 32] [--rounds-ratio 3] [--experts-122b 16]
-    python bench/dispatch.py --overhead [--overhead-decode 200] [--rounds 6]
+    python bench/dispatch.py --overhead [--overhead-decode 200] [--rounds 10]
 
 ``--overhead`` measures only what a remote call costs besides its kernel: a ``tiny`` model
 (hidden 64, 2 layers, top-2, expert FFN 32: a trivial expert, microseconds of compute) decoded
@@ -345,7 +345,7 @@ def main() -> None:
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
     ap.add_argument("--rounds-ratio", type=int, default=3,
                     help="monolithic and sharded decodes, alternated this many times per model")
-    ap.add_argument("--rounds", type=int, default=6, help="--overhead: sequences of --overhead-decode tokens each")
+    ap.add_argument("--rounds", type=int, default=10, help="--overhead: sequences of --overhead-decode tokens each")
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call overhead, with a trivial expert (tiny model, one worker)")
     ap.add_argument("--echo", metavar="URL", help=argparse.SUPPRESS)  # the floor's responder process
