@@ -161,18 +161,25 @@ def codec_costs(n_embd: int, rows: int = 1) -> dict:
 
 def _decode_rounds(engine: Engine, prompt: np.ndarray, n: int, rounds: int, remote=None, worker_pid=None):
     """``rounds`` sequences of ``n`` decoded tokens each: (tokens of every round, tokens/s, summed
-    dispatch counters, this process's CPU seconds per round, the worker's per round)."""
-    tokens, seconds, total, cpu, worker_cpu = [], 0.0, None, [], []
+    dispatch counters, and per round the CPU seconds of this process, of its bus loop thread
+    (with ``remote``) and of the worker process)."""
+    tokens, seconds, total, cpu, loop_cpu, worker_cpu = [], 0.0, None, [], [], []
+
+    async def loop_thread_time() -> float:
+        return time.thread_time()
+
     for _ in range(rounds):
         c0 = time.process_time()
+        l0 = remote.bus.run(loop_thread_time()) if remote else 0.0
         w0 = _proc_cpu_s(worker_pid) if worker_pid else 0.0
         t, tps, d = decode(engine, prompt, n, remote)
         cpu.append(time.process_time() - c0)
+        loop_cpu.append(remote.bus.run(loop_thread_time()) - l0 if remote else 0.0)
         worker_cpu.append(_proc_cpu_s(worker_pid) - w0 if worker_pid else 0.0)
         tokens.append(t)
         seconds += n / tps
         total = d if total is None else {k: total[k] + d[k] for k in d} if d else None
-    return tokens, rounds * n / seconds, total, cpu, worker_cpu
+    return tokens, rounds * n / seconds, total, cpu, loop_cpu, worker_cpu
 
 
 def _worker_kernel_s(url: str) -> float:
@@ -277,7 +284,7 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dic
     n_decode = min(n_decode, cfg.n_ctx_train - n_prompt - 1)
     prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, n_prompt)
     decode(engine, prompt, 4)  # warm the graph caches
-    mono_tokens, mono_tps, _, mono_cpu, _ = _decode_rounds(engine, prompt, n_decode, rounds)
+    mono_tokens, mono_tps, _, mono_cpu, _, _ = _decode_rounds(engine, prompt, n_decode, rounds)
     fp = model_fingerprint(engine.reader)
     gate, up, down = (tensor_from_reader(engine.reader, f"blk.0.ffn_{k}_exps.weight").expert(0)
                       for k in ("gate", "up", "down"))
@@ -300,8 +307,8 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dic
                     remote = backbone.dispatch
                     decode(engine, prompt, 32, remote)  # warm the worker and the connection
                     k0 = _worker_kernel_s(server.url)
-                    sh_tokens, sh_tps, d, sh_cpu, w_cpu = _decode_rounds(engine, prompt, n_decode, rounds, remote,
-                                                                         proc.proc.pid)
+                    sh_tokens, sh_tps, d, sh_cpu, loop_cpu, w_cpu = _decode_rounds(engine, prompt, n_decode,
+                                                                                   rounds, remote, proc.proc.pid)
                     in_worker_kernel_us = 1e6 * (_worker_kernel_s(server.url) - k0) / d["remote"]
                     audits = remote.stats.to_dict()["audits"]
                 calls = d["remote"] / rounds  # per round
@@ -313,6 +320,9 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dic
                     "sharded_tok_s": round(sh_tps, 1),
                     "backbone_cpu_us_per_remote_call": round(backbone_us[0], 1),
                     "backbone_cpu_us_per_remote_call_median": round(float(np.median(backbone_us)), 1),
+                    # Of which the bus loop thread (nats.py, decode, bookkeeping); the rest is the
+                    # engine's thread (planning, encoding, waiting) less the local kernels it saves.
+                    "backbone_loop_thread_cpu_us_per_remote_call": round(1e6 * min(loop_cpu) / calls, 1),
                     "worker_cpu_us_per_call": round(worker_us[0], 1),
                     "worker_cpu_us_per_call_outside_kernel": round(worker_us[0] - kernel_us, 1),
                     "worker_cpu_us_per_call_outside_kernel_median": round(float(np.median(worker_us)) - kernel_us, 1),
