@@ -402,3 +402,13 @@ def test_a_layer_step_is_published_as_one_batch_before_any_reply_is_handled(bus)
     assert nc.events == ["pub 0", "pub 1", "pub 2", "reply", "reply", "reply"]
     assert [o.tolist() for o in outs] == [(3 * ROWS).tolist(), (3 * ROWS[:1]).tolist(), (3 * ROWS).tolist()]
     assert local.calls == []
+
+
+def test_a_closed_bus_loop_costs_no_wait_every_expert_is_computed_here(rig, bus):
+    remote, nc, local, recorder, _ = rig()
+    nc.answer = times(3)
+    bus.stop()  # the connection's loop is gone (a service stopping under the engine)
+    outs = remote.run_layer(0, [(0, ROWS), (1, ROWS)])
+    assert all(np.array_equal(o, 2 * ROWS) for o in outs)
+    assert remote.stats.layer(0).bus_errors == 2 and nc.requests == []
+    assert [c[3] for c in recorder.calls] == [False, False]
