@@ -26,6 +26,15 @@ wire rounding is applied by the engine before dispatch), so the output is bit-id
 Replies come back on one wildcard inbox per backbone, matched by request id: that is how a
 late reply can be told from a racing replica's, which ``nc.request`` cannot do.
 
+What a remote call costs (``bench/dispatch.py --overhead``) is kept to the bus client's own
+work: the engine's thread decides and encodes a whole layer step (:meth:`RemoteExperts._plan`)
+and hands it to the loop in one hop; :meth:`RemoteExperts._publish_step` publishes every request
+of the step before the client's flusher runs (one socket write) and arms one timer for the
+step; each reply is one dict lookup, one decode and a few counters on the loop thread, and the
+engine's thread wakes once per step (or once per fallback, to compute it at once). No task,
+future or queue per call. A replica policy (a queue group, hedged requests) belongs in
+``_publish_step``.
+
 Around it: the counters are :mod:`backbone.dispatch_stats`, the uncovered cache and the
 heartbeat listener :mod:`backbone.coverage_view`, the market's share (routing statistics,
 ledger events) a recorder, :mod:`backbone.market_link`. The connection, its loop thread and
@@ -47,7 +56,7 @@ import structlog
 
 from backbone.audit import AuditConfig, Auditor, relative_error, rerun_backend
 from backbone.coverage_view import CoverageView
-from backbone.dispatch_stats import DispatchStats, LayerStats  # noqa: F401  (LayerStats: re-exported)
+from backbone.dispatch_stats import DispatchStats, LayerStats
 from kvasir_bus import codec, market_codec
 from kvasir_bus.loopthread import LoopThread
 from kvasir_bus.subjects import Subjects
@@ -98,14 +107,6 @@ class AdaptiveTimeout:
         return min(self.cfg.timeout_ceiling_s, max(self.cfg.timeout_floor_s, self.srtt + 4 * self.rttvar))
 
 
-class _NoResponders(Exception):
-    pass
-
-
-class _OnlyLiars(Exception):
-    """Only quarantined nodes answered, and no honest replica within a short grace after."""
-
-
 class Local(Protocol):
     """The fallback replica (:class:`backbone.experts.LocalExperts`)."""
 
@@ -136,6 +137,49 @@ class _Won:
         return self.parts[0].out if len(self.parts) == 1 else np.concatenate([p.out for p in self.parts])
 
 
+class _Call:
+    """One expert's remote call in a layer step: its request chunks and what came back for them.
+
+    The engine thread builds it (and encodes its requests) before the step goes to the loop;
+    from then on only the loop thread writes it, until it is ``done``."""
+
+    __slots__ = ("step", "index", "expert", "rows", "chunks", "tokens", "payloads", "parts", "left",
+                 "won", "done", "liar_timer")
+
+    def __init__(self, step: _Step, index: int, expert: int, rows: np.ndarray, chunks: list[np.ndarray]):
+        self.step, self.index, self.expert, self.rows, self.chunks = step, index, expert, rows, chunks
+        self.tokens: list[str] = []
+        self.payloads: list[bytes] = []
+        self.parts: list[_Part | None] = [None] * len(chunks)
+        self.left = len(chunks)  # chunks not answered yet
+        self.won: _Won | None = None
+        self.done = False
+        self.liar_timer: asyncio.TimerHandle | None = None
+
+
+class _Step:
+    """Every remote call of one layer step: sent as one batch (one flush), waited for as one.
+
+    The loop thread settles each call (won, or to be computed here) and tells the engine thread
+    through ``fallbacks``: a call's index as soon as it must be computed here, :data:`_SETTLED`
+    once every call is settled. One loop hop, one timer and one queue per step, not per call."""
+
+    __slots__ = ("layer", "calls", "probes", "timeout_s", "t0", "left", "timer", "fallbacks")
+
+    def __init__(self, layer: int, timeout_s: float):
+        self.layer, self.timeout_s = layer, timeout_s
+        self.calls: list[_Call] = []  # waited for
+        self.probes: list[_Call] = []  # silent experts: sent, never waited for
+        self.t0 = 0.0
+        self.left = 0  # calls not settled yet
+        self.timer: asyncio.TimerHandle | None = None
+        self.fallbacks: queue.SimpleQueue = queue.SimpleQueue()
+
+
+_SETTLED = -1  # on a step's queue: every call is settled
+_STEP_GRACE_S = 5.0  # the engine gives up on a step this long after its timeout (a dead loop thread)
+
+
 class Recorder(Protocol):
     """Who wants to hear about every call and every win (:class:`backbone.market_link.MarketLink`)."""
 
@@ -163,10 +207,11 @@ class RemoteExperts:
         self.recorder = recorder
         self.subjects = Subjects(model)
         self.model = model
+        self.requests = codec.RequestEncoder(model)  # the model is checked once, not per request
         self.stats = DispatchStats()
         self.timeout = AdaptiveTimeout(cfg)
         self.observe_reply = None  # metrics hook (backbone.metrics): (layer, seconds) of each winning reply
-        self._pending: dict[str, tuple[asyncio.Future, int, int]] = {}  # token -> (future, layer, expert)
+        self._pending: dict[str, tuple[_Call, int]] = {}  # token -> (call, chunk)
         self._finished: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # token -> (how, layer, expert)
         self._probes: OrderedDict[str, tuple[int, int]] = OrderedDict()  # token -> (layer, expert)
         self._ids = itertools.count()
@@ -191,27 +236,73 @@ class RemoteExperts:
     # -- the synchronous side (the engine's thread) --------------------------------------------
 
     def run_layer(self, layer: int, calls: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
-        done: queue.Queue = queue.Queue()
-        job = self.bus.submit(self._dispatch_layer(layer, calls, done))
+        """Every selected expert of a layer step with its rows -> their outputs, in order."""
+        stats = self.stats.layer(layer)
+        step = self._plan(layer, calls, stats)
+        if step.calls or step.probes:
+            try:
+                self.bus.loop.call_soon_threadsafe(self._send, step)
+            except RuntimeError as exc:  # the loop is closed: nobody will answer
+                log.warning("dispatch_send_failed", layer=layer, error=str(exc))
+                stats.bus_errors += len(step.calls)
+                step.calls = []
         outs: list[np.ndarray | None] = [None] * len(calls)
-        for _ in range(len(calls)):
+        remote = {call.index for call in step.calls}
+        for i, (expert, rows) in enumerate(calls):  # the fallback replica works while the bus does
+            if i not in remote:
+                outs[i] = self._compute_here(layer, expert, rows, stats)
+        if step.calls:
+            deadline = step.timeout_s + _STEP_GRACE_S
             while True:
                 try:
-                    i, won = done.get(timeout=1.0)
+                    i = step.fallbacks.get(timeout=deadline)
+                except queue.Empty:  # the loop thread is gone: compute what is missing here
+                    log.error("dispatch_step_lost", layer=layer)
                     break
-                except queue.Empty:
-                    if job.done() and job.exception() is not None:
-                        raise job.exception()
-            expert, rows = calls[i]
-            if self.recorder is not None:
-                self.recorder.record_call(layer, expert, len(rows), remote=won is not None)
-            if won is None:  # the fallback replica: this node
-                outs[i] = self.local.compute(layer, expert, rows)
-                self.stats.layer(layer).rows_local += len(rows)
-            else:
-                outs[i] = self._accept(layer, expert, rows, won)
-        job.result()
+                if i == _SETTLED:
+                    break
+                outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
+            for call in step.calls:
+                if outs[call.index] is None:
+                    won = call.won
+                    outs[call.index] = self._accept(layer, call.expert, call.rows, won) if won is not None \
+                        else self._compute_here(layer, call.expert, call.rows, stats)
+        if self.recorder is not None:
+            for call in step.calls:
+                self.recorder.record_call(layer, call.expert, len(call.rows), remote=call.won is not None)
+            for i, (expert, rows) in enumerate(calls):
+                if i not in remote:
+                    self.recorder.record_call(layer, expert, len(rows), remote=False)
         return outs
+
+    def _compute_here(self, layer: int, expert: int, rows: np.ndarray, stats: LayerStats) -> np.ndarray:
+        stats.rows_local += len(rows)
+        return self.local.compute(layer, expert, rows)
+
+    def _plan(self, layer: int, calls, stats: LayerStats) -> _Step:
+        """Decide per expert (ask and wait, only probe, or not ask at all) and encode the requests
+        here, so the loop thread only publishes."""
+        step = _Step(layer, self.timeout.current())
+        max_rows = self._max_rows()
+        for i, (expert, rows) in enumerate(calls):
+            if self.coverage.is_uncovered(layer, expert):
+                stats.local_choice += 1
+                continue
+            silent = self.coverage.is_silent(layer, expert)
+            n = len(rows)
+            chunks = [rows] if n <= max_rows else np.array_split(rows, -(-n // max_rows))  # max_payload
+            call = _Call(step, i, expert, rows, chunks)
+            for chunk in chunks:
+                token = f"{next(self._ids):x}"
+                call.tokens.append(token)
+                call.payloads.append(self.requests.encode(layer, expert, token, chunk))
+            if silent:  # a probe: nobody waits for it, a valid reply ends the silence
+                stats.silent += 1
+                step.probes.append(call)
+            else:
+                step.calls.append(call)
+        step.left = len(step.calls)
+        return step
 
     def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won) -> np.ndarray:
         """A won call: audit it if the auditor says so (then the local result is used), credit
@@ -222,8 +313,8 @@ class RemoteExperts:
         if any(audited):
             out = self.local.compute(layer, expert, rows)
             honest = [part for part in won.parts if self._audit(layer, expert, rows, out, part)]
-        for part in honest:
-            if self.recorder is not None:
+        if self.recorder is not None:
+            for part in honest:
                 self.recorder.record_win(part.node, layer, expert, len(part.out), latency_s=won.latency_s)
         return out
 
@@ -255,103 +346,112 @@ class RemoteExperts:
         except Exception as exc:  # the bus is down: the node stays quarantined here all the same
             log.warning("quarantine_publish_failed", node=event.node, error=str(exc))
 
-    # -- the bus side (the loop thread) --------------------------------------------------------
-
-    async def _dispatch_layer(self, layer: int, calls, done: queue.Queue) -> None:
-        async def one(i: int, expert: int, rows: np.ndarray) -> None:
-            try:
-                out = await self._call(layer, expert, rows)
-            except Exception as exc:  # never leave the engine waiting
-                log.error("dispatch_failed", layer=layer, expert=expert, error=f"{type(exc).__name__}: {exc}")
-                self.stats.layer(layer).bus_errors += 1
-                out = None
-            done.put((i, out))
-
-        await asyncio.gather(*(one(i, e, rows) for i, (e, rows) in enumerate(calls)))
-
     def _max_rows(self) -> int:
         """Rows per message under the server's max_payload. Chunks are split evenly, so each
         is far above the 8 rows where ggml's K-quant kernels change regime (bit-identity)."""
         limit = getattr(self.nc, "max_payload", None) or codec.DEFAULT_MAX_BYTES
         return max(1, (limit - _ENVELOPE_BYTES) // (self.n_embd * 4))
 
-    async def _call(self, layer: int, expert: int, rows: np.ndarray) -> _Won | None:
+    # -- the bus side (the loop thread) --------------------------------------------------------
+
+    def _send(self, step: _Step) -> None:
+        asyncio.get_running_loop().create_task(self._publish_step(step))
+
+    async def _publish_step(self, step: _Step) -> None:
+        """Publish every request of a layer step, then arm the step's one timer.
+
+        The requests are all written before the first flush can run: nats.py's flusher writes
+        everything pending in one ``writelines``, so a step costs one socket write (one flush), not
+        one per expert. Replica policies (a queue group, hedged requests) hook in here."""
+        layer = step.layer
+        for call in step.calls:  # registered before the first publish: a reply may come at once
+            for k, token in enumerate(call.tokens):
+                self._pending[token] = (call, k)
+        for call in step.probes:
+            for token in call.tokens:
+                self._probes[token] = (layer, call.expert)
+        while len(self._probes) > 4096:
+            self._probes.popitem(last=False)
         stats = self.stats.layer(layer)
-        if self.coverage.is_uncovered(layer, expert):
-            stats.local_choice += 1
-            return None
-        silent = self.coverage.is_silent(layer, expert)
-        chunks = np.array_split(rows, -(-len(rows) // self._max_rows()))  # max_payload: split big batches
-        loop = asyncio.get_running_loop()
-        tokens, futures = [], []
-        subject = self.subjects.dispatch(layer, expert)
-        t0 = time.perf_counter()
+        step.t0 = time.perf_counter()
+        subject_of = self.subjects.dispatch
+        reply_to = self._inbox + "."
+        sent = 0
         try:
-            for chunk in chunks:
-                token = f"{next(self._ids):x}"
-                req = codec.DispatchRequest(model=self.model, layer=layer, expert=expert, rows=chunk,
-                                            request_id=token)
-                payload = req.encode()
-                if silent:  # a probe: nobody waits for it, a valid reply ends the silence
-                    self._probes[token] = (layer, expert)
-                    while len(self._probes) > 4096:
-                        self._probes.popitem(last=False)
-                else:
-                    fut = loop.create_future()
-                    self._pending[token] = (fut, layer, expert)
-                    tokens.append(token)
-                    futures.append(fut)
-                await self.nc.publish(subject, payload, reply=f"{self._inbox}.{token}",
-                                      headers=codec.headers_for(req))
-                stats.bytes_out += len(payload)
+            for call in (*step.calls, *step.probes):
+                subject = subject_of(layer, call.expert)
+                for token, payload in zip(call.tokens, call.payloads):
+                    await self.nc.publish(subject, payload, reply=reply_to + token)
+                    sent += len(payload)
         except Exception as exc:
-            self._forget(tokens, "error")
-            stats.bus_errors += 1
-            log.warning("dispatch_send_failed", layer=layer, expert=expert, error=str(exc))
-            return None
-        if silent:
-            stats.silent += 1
-            return None
-        try:
-            replies = await asyncio.wait_for(asyncio.gather(*futures), self.timeout.current())
-        except _NoResponders:
-            self._forget(tokens, "no_responders")
-            self.coverage.mark_uncovered(layer, expert)
-            stats.no_responders += 1
-            return None
-        except _OnlyLiars:
-            self._forget(tokens, "ignored")
-            self.coverage.mark_silent(layer, expert)  # probe from now on: a liar's word is no life
-            return None
-        except asyncio.TimeoutError:
-            self._forget(tokens, "timeout")
+            log.warning("dispatch_send_failed", layer=layer, error=str(exc))
+            for call in step.calls:
+                if not call.done:
+                    stats.bus_errors += 1
+                    self._settle(call, "error")
+            return
+        finally:
+            stats.bytes_out += sent
+        if step.left:
+            step.timer = asyncio.get_running_loop().call_later(step.timeout_s, self._expire, step)
+
+    def _settle(self, call: _Call, how: str) -> None:
+        """The call is decided: won (``call.won`` is set) or to be computed here (``how`` says why)."""
+        call.done = True
+        if call.liar_timer is not None:
+            call.liar_timer.cancel()
+        step = call.step
+        for token in call.tokens:
+            if self._pending.pop(token, None) is not None or how == "won":
+                self._finished[token] = (how, step.layer, call.expert)
+        while len(self._finished) > 65536:
+            self._finished.popitem(last=False)
+        if call.won is None:
+            step.fallbacks.put(call.index)
+        step.left -= 1
+        if step.left == 0:
+            if step.timer is not None:
+                step.timer.cancel()
+            step.fallbacks.put(_SETTLED)
+
+    def _expire(self, step: _Step) -> None:
+        stats = self.stats.layer(step.layer)
+        for call in step.calls:
+            if call.done:
+                continue
             stats.timeouts += 1
             self.timeout.timed_out()
-            self.coverage.mark_silent(layer, expert)
-            self.refusals.info(("timeout", layer), "dispatch_timeout", layer=layer, expert=expert,
+            self.coverage.mark_silent(step.layer, call.expert)
+            self.refusals.info(("timeout", step.layer), "dispatch_timeout", layer=step.layer, expert=call.expert,
                                timeout_ms=round(1000 * self.timeout.current(), 1))
-            return None
-        latency = time.perf_counter() - t0
-        parts, start = [], 0
-        for token, chunk, reply in zip(tokens, chunks, replies):
-            part = self._check_reply(layer, expert, token, chunk, reply)
-            if part is None:
-                stats.invalid += 1
-                return None
-            parts.append(_Part(slice(start, start + len(chunk)), part.rows, part.node, part.kernel))
-            start += len(chunk)
-        self.coverage.mark_answered(layer, expert)
+            self._settle(call, "timeout")
+
+    def _only_liars(self, call: _Call) -> None:
+        """Only quarantined nodes answered, and no honest replica within a short grace after."""
+        if not call.done:
+            self.coverage.mark_silent(call.step.layer, call.expert)  # probe from now on: a liar's word is no life
+            self._settle(call, "ignored")
+
+    def _win(self, call: _Call) -> None:
+        step, layer = call.step, call.step.layer
+        latency = time.perf_counter() - step.t0
+        stats = self.stats.layer(layer)
+        parts = tuple(call.parts)
+        self.coverage.mark_answered(layer, call.expert)
         self.timeout.observe(latency)
         self.observe_reply is None or self.observe_reply(layer, latency)
+        n = len(call.rows)
         stats.remote += 1
-        stats.rows_remote += len(rows)
+        stats.rows_remote += n
         stats.latency_sum_s += latency
-        stats.latency_max_s = max(stats.latency_max_s, latency)
+        if latency > stats.latency_max_s:
+            stats.latency_max_s = latency
         node = parts[0].node
         self.stats.nodes[node] += 1
-        self.stats.node_rows[node] += len(rows)
+        self.stats.node_rows[node] += n
         self.stats.node_latency_s[node] += latency
-        return _Won(tuple(parts), latency)
+        call.won = _Won(parts, latency)
+        self._settle(call, "won")
 
     def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | None:
         # Replies come from strangers: one line per node and kind a minute, not one per reply.
@@ -375,13 +475,6 @@ class RemoteExperts:
             return None
         return reply
 
-    def _forget(self, tokens: list[str], how: str) -> None:
-        for token in tokens:
-            entry = self._pending.pop(token, None)
-            self._finished[token] = (how, entry[1], entry[2]) if entry else (how, -1, -1)
-        while len(self._finished) > 65536:
-            self._finished.popitem(last=False)
-
     def _decode(self, data: bytes):
         """A reply's bytes -> DispatchReply, ErrorReply, or the CodecError saying what is wrong."""
         try:
@@ -390,45 +483,56 @@ class RemoteExperts:
             return exc
 
     async def _on_reply(self, msg) -> None:
-        token = msg.subject.rsplit(".", 1)[-1]
+        token = msg.subject[len(self._inbox) + 1:]
         entry = self._pending.get(token)
         if entry is None:  # a probe's reply, one after its timeout, or a replica that lost the race
-            probe = self._probes.pop(token, None)
-            if probe is not None:
-                self._on_probe_reply(probe, msg)
-                return
-            how, layer, expert = self._finished.get(token, ("unknown", -1, -1))
-            if layer >= 0:
-                stats = self.stats.layer(layer)
-                if how == "timeout":
-                    stats.late += 1
-                    self._shows_life((layer, expert), msg)  # slow is not silent
-                elif how == "won":
-                    stats.duplicates += 1
+            self._on_stray_reply(token, msg)
             return
-        fut, layer, expert = entry
-        if fut.done():
-            return
+        call, k = entry
+        layer = call.step.layer
         if msg.headers and msg.headers.get("Status") == "503":
-            fut.set_exception(_NoResponders())
+            self.coverage.mark_uncovered(layer, call.expert)
+            self.stats.layer(layer).no_responders += 1
+            self._settle(call, "no_responders")
             return
-        self.stats.layer(layer).bytes_in += len(msg.data)
+        stats = self.stats.layer(layer)
+        stats.bytes_in += len(msg.data)
         reply = self._decode(msg.data)
         if isinstance(reply, (codec.DispatchReply, codec.ErrorReply)) and self.auditor.is_quarantined(reply.node):
-            self.stats.layer(layer).ignored += 1  # a liar: wait a little longer for an honest replica
-            grace = max(self.cfg.timeout_floor_s, 2 * (self.timeout.srtt or 0.0))
-            asyncio.get_running_loop().call_later(
-                grace, lambda: fut.done() or fut.set_exception(_OnlyLiars()))
+            stats.ignored += 1  # a liar: wait a little longer for an honest replica
+            if call.liar_timer is None:
+                grace = max(self.cfg.timeout_floor_s, 2 * (self.timeout.srtt or 0.0))
+                call.liar_timer = asyncio.get_running_loop().call_later(grace, self._only_liars, call)
             return
-        self._pending.pop(token, None)
-        self._finished[token] = ("won", layer, expert)
-        fut.set_result(reply)
+        del self._pending[token]
+        self._finished[token] = ("won", layer, call.expert)
+        part = self._check_reply(layer, call.expert, token, call.chunks[k], reply)
+        if part is None:
+            stats.invalid += 1
+            self._settle(call, "invalid")
+            return
+        start = sum(len(c) for c in call.chunks[:k]) if k else 0
+        call.parts[k] = _Part(slice(start, start + len(call.chunks[k])), part.rows, part.node, part.kernel)
+        call.left -= 1
+        if call.left == 0:
+            self._win(call)
 
-    def _on_probe_reply(self, probe: tuple[int, int], msg) -> None:
-        if msg.headers and msg.headers.get("Status") == "503":
-            self.coverage.mark_uncovered(*probe)
-        elif self._shows_life(probe, msg):
-            self.stats.layer(probe[0]).probes_answered += 1
+    def _on_stray_reply(self, token: str, msg) -> None:
+        probe = self._probes.pop(token, None)
+        if probe is not None:
+            if msg.headers and msg.headers.get("Status") == "503":
+                self.coverage.mark_uncovered(*probe)
+            elif self._shows_life(probe, msg):
+                self.stats.layer(probe[0]).probes_answered += 1
+            return
+        how, layer, expert = self._finished.get(token, ("unknown", -1, -1))
+        if layer >= 0:
+            stats = self.stats.layer(layer)
+            if how == "timeout":
+                stats.late += 1
+                self._shows_life((layer, expert), msg)  # slow is not silent
+            elif how == "won":
+                stats.duplicates += 1
 
     def _shows_life(self, key: tuple[int, int], msg) -> bool:
         """A valid reply of an honest node, even one too late to use: the expert is not silent."""

@@ -47,7 +47,10 @@ class DispatchStats:
     quarantined: list = field(default_factory=list)  # nodes caught by an audit, in order
 
     def layer(self, il: int) -> LayerStats:
-        return self.layers.setdefault(il, LayerStats())
+        stats = self.layers.get(il)  # not setdefault: that builds a LayerStats on every call
+        if stats is None:
+            stats = self.layers[il] = LayerStats()
+        return stats
 
     def totals(self) -> LayerStats:
         total = LayerStats()

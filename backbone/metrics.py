@@ -57,11 +57,15 @@ class DispatchCollector:
                                      registry=None)
         self.step_counter = Counter("kvasir_backbone_steps", "Forward steps (prefill or decode)",
                                     ["model"], registry=None)
+        self._reply_children: dict = {}  # layer -> the histogram's child for it
         self.tokens = self.token_counter.labels(model)  # .inc(n) from the serving loop
         self.steps = self.step_counter.labels(model)
 
     def observe_reply(self, layer: int, seconds: float) -> None:
-        self.reply_seconds.labels(self.model, str(layer)).observe(seconds)
+        child = self._reply_children.get(layer)  # labels() per reply costs more than observe()
+        if child is None:
+            child = self._reply_children[layer] = self.reply_seconds.labels(self.model, str(layer))
+        child.observe(seconds)
 
     def describe(self) -> list[Metric]:
         return []

@@ -5,17 +5,27 @@ hidden 3072, expert FFN 1024, Q4_K; fewer experts per layer by default so that t
 in seconds), in one run: decode tokens/s of the same engine with all experts local and with all
 experts computed by worker processes on an embedded nats-server, their ratio, the dispatch
 round trips per token (requests, and the serial waits: one per MoE layer), and the bytes on the
-wire per token per layer. Both runs must produce the same tokens; the JSON says whether they did.
+wire per token per layer. Monolithic and sharded decodes alternate on one warm swarm, so both
+see the same load; the best round of each counts. Both must produce the same tokens; the JSON
+says whether they did.
 
-    python bench/dispatch.py [--workers 2] [--decode 16] [--experts-122b 16]
-    python bench/dispatch.py --overhead [--decode 64]
+    python bench/dispatch.py [--workers 2] [--decode 32] [--rounds-ratio 3] [--experts-122b 16]
+    python bench/dispatch.py --overhead [--overhead-decode 200] [--rounds 10]
 
 ``--overhead`` measures only what a remote call costs besides its kernel: a ``tiny`` model
-(hidden 64, expert FFN 32: a trivial expert, microseconds of compute) decoded monolithically and
-with one worker process holding every expert. Backbone CPU per remote call = (process CPU of
-the sharded decode - that of the monolithic one) / remote calls; worker CPU per call = the
-worker process's CPU (from /proc) / requests, and the trivial kernel's own time beside it. The
-codec's part of each (encode, validate, decode, headers) is timed in-process.
+(hidden 64, 2 layers, top-2, expert FFN 32: a trivial expert, microseconds of compute) decoded
+monolithically and with one worker process holding every expert, ``rounds`` sequences of
+``overhead-decode`` tokens (800 remote calls a round: /proc counts CPU in 10 ms ticks).
+Backbone CPU per remote call = (process CPU of the sharded decode - that of the monolithic one)
+/ remote calls; worker CPU per call = the worker process's CPU (from /proc) / requests, and the
+trivial kernel's own time (the least of many timings, in this process) beside it; the kernel
+time the worker itself counted (``$SRV.STATS``, in place: cold caches, other experts between
+calls) is a second estimate. Beside them, the floor: what nats.py itself costs per call in the same
+run (a requester and an echo responder with no work at all, :func:`bench_floor`). Each figure is the least over
+the rounds, the median beside it: CPU time grows too when other processes share the cores, and
+the quietest round is the closest to the cost itself. Measured twice: with audits off (the bus
+alone) and with the default audits (their local recomputes count on the backbone). The codec's
+part of each (encode, validate, decode) is timed in-process.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import os
 import sys
 import tempfile
 import time
+import timeit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,12 +71,16 @@ def decode(engine: Engine, prompt: np.ndarray, n: int, remote=None) -> tuple[lis
     return tokens, n / dt, delta
 
 
-def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int) -> dict:
+def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: int = 3) -> dict:
+    """Monolithic and sharded decode of the same prompt, alternated ``rounds`` times on one
+    warm swarm (the engine is handed its local experts and the remote ones in turn), so both
+    see the same load on a shared machine; the best round of each counts, the median beside."""
     engine = Engine(path)
     cfg = engine.cfg
     prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, n_prompt)
-    mono_tokens, mono_tps, _ = decode(engine, prompt, n_decode)
+    decode(engine, prompt, 2)  # warm the graph caches
     fp = model_fingerprint(engine.reader)
+    mono, sharded, same = [], [], True
     with EmbeddedNats() as server, tempfile.TemporaryDirectory() as logdir:
         procs = []
         try:
@@ -79,24 +94,37 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int) -> dict:
             with BackboneService(engine, role) as backbone:
                 remote = backbone.dispatch
                 decode(engine, prompt, 2, remote)  # warm the workers' caches and the connection
-                sh_tokens, sh_tps, d = decode(engine, prompt, n_decode, remote)
+                d = None
+                for _ in range(rounds):
+                    engine.use_experts(None)
+                    mono_tokens, mono_tps, _ = decode(engine, prompt, n_decode)
+                    engine.use_experts(remote)
+                    sh_tokens, sh_tps, dr = decode(engine, prompt, n_decode, remote)
+                    mono.append(mono_tps)
+                    sharded.append(sh_tps)
+                    same = same and sh_tokens == mono_tokens
+                    d = dr if d is None else {k: d[k] + dr[k] for k in d}
+                audit = role.dispatch.audit
         finally:
             for p in procs:
                 p.stop()
+    n_all = n_decode * rounds
     return {
         "model": path.name,
         "arch": cfg.arch, "layers": cfg.n_layer, "experts": cfg.n_expert, "experts_used": cfg.n_expert_used,
         "hidden": cfg.n_embd, "expert_ffn": cfg.n_ff_exp,
         "workers": workers,
-        "decode_tokens": n_decode,
-        "monolithic_tok_s": round(mono_tps, 2),
-        "sharded_tok_s": round(sh_tps, 2),
-        "ratio_sharded_over_monolithic": round(sh_tps / mono_tps, 3),
-        "same_tokens": sh_tokens == mono_tokens,
-        "requests_per_token": round(d["calls"] / n_decode, 2),
+        "decode_tokens": n_decode, "rounds": rounds,
+        "audit_rate": audit.rate, "audit_probation": audit.probation,
+        "monolithic_tok_s": round(max(mono), 2),
+        "sharded_tok_s": round(max(sharded), 2),
+        "ratio_sharded_over_monolithic": round(max(sharded) / max(mono), 3),
+        "ratio_median_of_rounds": round(float(np.median([s / m for s, m in zip(sharded, mono)])), 3),
+        "same_tokens": same,
+        "requests_per_token": round(d["calls"] / n_all, 2),
         "serial_round_trips_per_token": cfg.n_layer,  # one wait per MoE layer per step
         "remote_fraction": round(d["remote"] / d["calls"], 3) if d["calls"] else None,
-        "wire_bytes_per_token_per_layer": round((d["bytes_out"] + d["bytes_in"]) / n_decode / cfg.n_layer),
+        "wire_bytes_per_token_per_layer": round((d["bytes_out"] + d["bytes_in"]) / n_all / cfg.n_layer),
     }
 
 
@@ -114,84 +142,227 @@ def _per_call_us(fn, n: int = 2000) -> float:
 
 
 def codec_costs(n_embd: int, rows: int = 1) -> dict:
-    """Microseconds per call of each codec step of one remote call, in this process."""
+    """Microseconds per call of each codec step of one remote call, in this process (the least
+    of many timings): what the backbone and the worker run per request."""
     from kvasir_bus import codec
 
     x = np.random.default_rng(0).standard_normal((rows, n_embd)).astype(np.float32)
-    model = "0" * 16
-    req = codec.DispatchRequest(model=model, layer=3, expert=17, rows=x, request_id="1a2b")
-    payload = req.encode()
-    rep = codec.DispatchReply(request_id="1a2b", node="bench-0", rows=x, kernel="ggml-x86_64")
-    reply_payload = rep.encode()
+    requests, replies = codec.RequestEncoder("0" * 16), codec.ReplyEncoder("bench-0", "ggml-x86_64")
+    payload = requests.encode(3, 17, "1a2b", x)
+    reply_payload = replies.encode("1a2b", x)
     return {
         "rows": rows, "n_embd": n_embd,
-        "backbone_build_and_encode_request_us": _per_call_us(
-            lambda: codec.DispatchRequest(model=model, layer=3, expert=17, rows=x, request_id="1a2b").encode()),
-        "backbone_request_headers_us": _per_call_us(lambda: codec.headers_for(req)),
-        "backbone_decode_reply_us": _per_call_us(lambda: codec.decode_reply(reply_payload, n_embd=n_embd)),
-        "worker_decode_request_us": _per_call_us(lambda: codec.decode_request(payload, n_embd=n_embd)),
-        "worker_build_and_encode_reply_us": _per_call_us(
-            lambda: codec.DispatchReply(request_id="1a2b", node="bench-0", rows=x, kernel="ggml-x86_64").encode()),
-        "worker_reply_headers_us": _per_call_us(lambda: codec.headers_for(rep)),
+        "backbone_encode_request_us": _min_us_per_call(lambda: requests.encode(3, 17, "1a2b", x)),
+        "backbone_decode_reply_us": _min_us_per_call(lambda: codec.decode_reply(reply_payload, n_embd=n_embd)),
+        "worker_decode_request_us": _min_us_per_call(lambda: codec.decode_request(payload, n_embd=n_embd)),
+        "worker_encode_reply_us": _min_us_per_call(lambda: replies.encode("1a2b", x)),
     }
 
 
-def bench_overhead(path: Path, n_decode: int, n_prompt: int) -> dict:
+def _decode_rounds(engine: Engine, prompt: np.ndarray, n: int, rounds: int, remote=None, worker_pid=None):
+    """``rounds`` sequences of ``n`` decoded tokens each: (tokens of every round, tokens/s, summed
+    dispatch counters, and per round the CPU seconds of this process, of its bus loop thread
+    (with ``remote``) and of the worker process)."""
+    tokens, seconds, total, cpu, loop_cpu, worker_cpu = [], 0.0, None, [], [], []
+
+    async def loop_thread_time() -> float:
+        return time.thread_time()
+
+    for _ in range(rounds):
+        c0 = time.process_time()
+        l0 = remote.bus.run(loop_thread_time()) if remote else 0.0
+        w0 = _proc_cpu_s(worker_pid) if worker_pid else 0.0
+        t, tps, d = decode(engine, prompt, n, remote)
+        cpu.append(time.process_time() - c0)
+        loop_cpu.append(remote.bus.run(loop_thread_time()) - l0 if remote else 0.0)
+        worker_cpu.append(_proc_cpu_s(worker_pid) - w0 if worker_pid else 0.0)
+        tokens.append(t)
+        seconds += n / tps
+        total = d if total is None else {k: total[k] + d[k] for k in d} if d else None
+    return tokens, rounds * n / seconds, total, cpu, loop_cpu, worker_cpu
+
+
+def _worker_kernel_s(url: str) -> float:
+    """The kernel time the (one) worker counted, from its ``$SRV.STATS`` (wall clock around each
+    expert call, as it computes them: between requests, with cold caches)."""
+    import json as _json
+
+    from kvasir_bus.connect import connect
+
+    async def ask() -> float:
+        nc = await connect(url, name="bench-stats")
+        try:
+            msg = await nc.request("$SRV.STATS.kvasir-worker", b"", timeout=5)
+            return sum(ep["processing_time"] for ep in _json.loads(msg.data)["endpoints"]) / 1e9
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def _min_us_per_call(fn, n: int = 20, repeat: int = 100) -> float:
+    """The fastest of ``repeat`` timings of ``n`` calls: what the call costs when nothing else runs."""
+    best = min(timeit.repeat(fn, number=n, repeat=repeat))
+    return round(1e6 * best / n, 1)
+
+
+async def _echo(url: str, subjects: int) -> None:
+    """The floor's responder: answer every request with its own bytes, nothing else."""
+    import nats
+
+    nc = await nats.connect(url)
+
+    async def cb(msg) -> None:
+        await nc.publish(msg.reply, msg.data)
+
+    for i in range(subjects):
+        await nc.subscribe(f"floor.{i}", cb=cb)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+
+def bench_floor(steps: int = 2000, per_step: int = 2, size: int = 300) -> dict:
+    """What nats.py itself costs per call on this machine now: a requester that publishes
+    ``per_step`` requests and waits for all their replies (one wildcard inbox, as the backbone),
+    an echo responder in another process (as a worker with no work at all). No codec, no model,
+    no second thread: the floor under the dispatch's per-call figures."""
+    import subprocess
+
+    import nats
+
+    async def requester(url: str) -> tuple[float, float]:
+        nc = await nats.connect(url)
+        inbox, loop = nc.new_inbox(), asyncio.get_running_loop()
+        state = {"left": 0, "done": None}
+
+        async def on_reply(msg) -> None:
+            state["left"] -= 1
+            if state["left"] == 0:
+                state["done"].set_result(None)
+
+        await nc.subscribe(inbox + ".*", cb=on_reply)
+        payload = bytes(size)
+        for n in (200, steps):  # warm, then measure
+            c0, t0 = time.process_time(), time.perf_counter()
+            for step in range(n):
+                state["left"], state["done"] = per_step, loop.create_future()
+                for k in range(per_step):
+                    await nc.publish(f"floor.{(step + k) % 8}", payload, reply=f"{inbox}.{step}_{k}")
+                await state["done"]
+            cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        await nc.close()
+        return cpu, wall
+
+    with EmbeddedNats() as server:
+        echo = subprocess.Popen([sys.executable, __file__, "--echo", server.url], stdout=subprocess.PIPE)
+        try:
+            echo.stdout.readline()
+            w0 = _proc_cpu_s(echo.pid)
+            cpu, wall = asyncio.run(requester(server.url))
+            w_cpu = _proc_cpu_s(echo.pid) - w0  # the warm-up counts here: a slight overestimate
+        finally:
+            echo.kill()
+            echo.wait()
+    calls = steps * per_step
+    return {"calls": calls, "per_step": per_step, "payload_bytes": size,
+            "requester_cpu_us_per_call": round(1e6 * cpu / calls, 1),
+            "responder_cpu_us_per_call": round(1e6 * w_cpu / (calls + 200 * per_step), 1),
+            "calls_per_s": round(calls / wall)}
+
+
+def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dict:
+    """Per-call CPU besides the kernel, on both sides. Every figure is the least over ``rounds``
+    equal rounds (CPU time still grows when other processes share the cores; the quietest round
+    is the closest to the cost itself), the median beside it."""
+    from backbone.audit import AuditConfig
     from kernels.expert import expert_ffn
     from kernels.tensors import tensor_from_reader
 
     engine = Engine(path)
     cfg = engine.cfg
+    n_decode = min(n_decode, cfg.n_ctx_train - n_prompt - 1)
     prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, n_prompt)
     decode(engine, prompt, 4)  # warm the graph caches
-    c0 = time.process_time()
-    mono_tokens, mono_tps, _ = decode(engine, prompt, n_decode)
-    mono_cpu = time.process_time() - c0
+    mono_tokens, mono_tps, _, mono_cpu, _, _ = _decode_rounds(engine, prompt, n_decode, rounds)
     fp = model_fingerprint(engine.reader)
     gate, up, down = (tensor_from_reader(engine.reader, f"blk.0.ffn_{k}_exps.weight").expert(0)
                       for k in ("gate", "up", "down"))
     x1 = np.random.default_rng(1).standard_normal((1, cfg.n_embd)).astype(np.float32)
-    kernel_us = _per_call_us(lambda: expert_ffn(gate, up, down, x1, routed=True), 500)
+    kernel_us = _min_us_per_call(lambda: expert_ffn(gate, up, down, x1, routed=True))
+    runs = {}
     with EmbeddedNats() as server, tempfile.TemporaryDirectory() as logdir:
         log = open(os.path.join(logdir, "w.log"), "w")
         proc = spawn_worker(server.url, "bench-0", ["--model", str(path), "--layer", "all", "--experts", "all"],
                             log_file=log)
         try:
             asyncio.run(wait_for_nodes(server.url, fp, {proc.node}, procs=[proc], timeout=600))
-            role = BackboneConfig(model_path=str(path), nats_url=server.url, dispatch=DispatchConfig(timeout_s=5.0),
-                                  market=False, serve_manifest=False)
-            with BackboneService(engine, role) as backbone:
-                remote = backbone.dispatch
-                decode(engine, prompt, 4, remote)
-                w0, c0 = _proc_cpu_s(proc.proc.pid), time.process_time()
-                sh_tokens, sh_tps, d = decode(engine, prompt, n_decode, remote)
-                sh_cpu, w_cpu = time.process_time() - c0, _proc_cpu_s(proc.proc.pid) - w0
+            # Audits off first: the overhead of the bus alone; then the default audits, whose local
+            # recomputes (every reply of a node's probation, then one in ten) count on the backbone.
+            for name, audit in (("audits_off", AuditConfig(rate=0.0)), ("audits_default", AuditConfig())):
+                role = BackboneConfig(model_path=str(path), nats_url=server.url,
+                                      dispatch=DispatchConfig(timeout_s=5.0, audit=audit),
+                                      market=False, serve_manifest=False)
+                with BackboneService(engine, role) as backbone:
+                    remote = backbone.dispatch
+                    decode(engine, prompt, 32, remote)  # warm the worker and the connection
+                    k0 = _worker_kernel_s(server.url)
+                    sh_tokens, sh_tps, d, sh_cpu, loop_cpu, w_cpu = _decode_rounds(engine, prompt, n_decode,
+                                                                                   rounds, remote, proc.proc.pid)
+                    in_worker_kernel_us = 1e6 * (_worker_kernel_s(server.url) - k0) / d["remote"]
+                    audits = remote.stats.to_dict()["audits"]
+                calls = d["remote"] / rounds  # per round
+                backbone_us = [1e6 * (s - m) / calls for s, m in zip(sorted(sh_cpu), sorted(mono_cpu))]
+                worker_us = sorted(1e6 * w / calls for w in w_cpu)
+                runs[name] = {
+                    "audit_rate": audit.rate, "audits": audits,
+                    "remote_calls": d["remote"], "same_tokens": sh_tokens == mono_tokens,
+                    "sharded_tok_s": round(sh_tps, 1),
+                    "backbone_cpu_us_per_remote_call": round(backbone_us[0], 1),
+                    "backbone_cpu_us_per_remote_call_median": round(float(np.median(backbone_us)), 1),
+                    # Of which the bus loop thread (nats.py, decode, bookkeeping); the rest is the
+                    # engine's thread (planning, encoding, waiting) less the local kernels it saves.
+                    "backbone_loop_thread_cpu_us_per_remote_call": round(1e6 * min(loop_cpu) / calls, 1),
+                    "worker_cpu_us_per_call": round(worker_us[0], 1),
+                    "worker_cpu_us_per_call_outside_kernel": round(worker_us[0] - kernel_us, 1),
+                    "worker_cpu_us_per_call_outside_kernel_median": round(float(np.median(worker_us)) - kernel_us, 1),
+                    # The kernel as the worker times it in place (wall clock: preemption counts too).
+                    "worker_kernel_us_per_call_in_place": round(in_worker_kernel_us, 1),
+                    "worker_cpu_us_per_call_outside_kernel_in_place": round(worker_us[0] - in_worker_kernel_us, 1),
+                }
         finally:
             proc.stop()
-    calls = max(1, d["remote"])
     return {
-        "model": path.name, "hidden": cfg.n_embd, "expert_ffn": cfg.n_ff_exp, "decode_tokens": n_decode,
-        "remote_calls": d["remote"], "same_tokens": sh_tokens == mono_tokens,
-        "monolithic_tok_s": round(mono_tps, 1), "sharded_tok_s": round(sh_tps, 1),
-        "backbone_cpu_us_per_remote_call": round(1e6 * (sh_cpu - mono_cpu) / calls, 1),
-        "worker_cpu_us_per_call": round(1e6 * w_cpu / calls, 1),
+        "model": path.name, "hidden": cfg.n_embd, "expert_ffn": cfg.n_ff_exp,
+        "decode_tokens": n_decode * rounds, "rounds": rounds,
+        "monolithic_tok_s": round(mono_tps, 1),
         "trivial_kernel_us_per_call": kernel_us,
-        "worker_cpu_us_per_call_outside_kernel": round(1e6 * w_cpu / calls - (kernel_us or 0), 1),
+        **runs,
         "codec": codec_costs(cfg.n_embd),
+        "nats_py_floor": bench_floor(),
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--overhead-decode", type=int, default=200,
+                    help="--overhead: tokens per round (the tiny model's context holds 256)")
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--experts-122b", type=int, default=16,
                     help="experts per layer of the 122b-layer model (the real model has 256)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
+    ap.add_argument("--rounds-ratio", type=int, default=3,
+                    help="monolithic and sharded decodes, alternated this many times per model")
+    ap.add_argument("--rounds", type=int, default=10, help="--overhead: sequences of --overhead-decode tokens each")
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call overhead, with a trivial expert (tiny model, one worker)")
+    ap.add_argument("--echo", metavar="URL", help=argparse.SUPPRESS)  # the floor's responder process
     args = ap.parse_args()
+    if args.echo:
+        asyncio.run(_echo(args.echo, 8))
+        return
     from kvasir_bus.logs import configure
 
     configure("warning")  # logs on stderr; stdout is the JSON
@@ -203,7 +374,8 @@ def main() -> None:
             synth_model(tiny, arch="qwen3moe", preset="tiny", qtype="f32", seed=0)
         print(json.dumps({"bench": "dispatch-overhead", "transport": "loopback NATS (embedded nats-server)",
                           "kernel_mode": os.environ.get("KVASIR_KERNEL_MODE", "fast"),
-                          "result": bench_overhead(tiny, args.decode, args.prompt_tokens)}, indent=2))
+                          "result": bench_overhead(tiny, args.overhead_decode, args.prompt_tokens,
+                                                                  args.rounds)}, indent=2))
         return
     small = models / "small-qwen3moe-q4_k.gguf"
     if not small.exists():
@@ -212,8 +384,8 @@ def main() -> None:
     if not big.exists():
         synth_model(big, arch="qwen2moe", preset="122b-layer", qtype="q4_k", seed=0, experts=args.experts_122b)
     out = {"bench": "dispatch", "transport": "loopback NATS (embedded nats-server)", "results": [
-        bench_model(small, args.workers, args.decode, args.prompt_tokens),
-        bench_model(big, args.workers, args.decode, args.prompt_tokens),
+        bench_model(small, args.workers, args.decode, args.prompt_tokens, args.rounds_ratio),
+        bench_model(big, args.workers, args.decode, args.prompt_tokens, args.rounds_ratio),
     ]}
     print(json.dumps(out, indent=2))
 

@@ -20,12 +20,15 @@ them); :func:`all_finite` is the check.
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
 
+import msgpack
 import numpy as np
 
+from kvasir_bus.subjects import MAX_INDEX
 from kvasir_bus.wire import (  # noqa: F401 (the names callers know codec by)
     DEFAULT_MAX_BYTES, ERR_BAD_REQUEST, ERR_INTERNAL, ERR_NOT_HELD, ERR_OVERLOADED,
     ERR_WRONG_MODEL, MAX_ERROR_MESSAGE, MAX_HOLDINGS, NO_LIMITS, VERSION, CodecError,
@@ -53,6 +56,42 @@ def dtype_name(dtype: np.dtype) -> str:
     """The wire name of a row dtype ("float32", "float16"), or numpy's name for any other."""
     name = _NAME_OF.get(dtype)
     return name if name is not None else dtype.name
+
+# -- cheap checks for the hot path ------------------------------------------------------------
+# A remote call decodes one request and one reply; the strings in them repeat (one model, a few
+# nodes and kernel labels), so each distinct valid one is checked by the full check once and
+# then found in a bounded cache. Anything not cached, or of another type, takes the full check,
+# which raises the named error.
+
+@functools.lru_cache(maxsize=4096)
+def _valid(check, value: str) -> bool:
+    try:
+        check("", "", value)
+        return True
+    except CodecError:
+        return False
+
+
+def _token(check, record: str, field: str, value: Any) -> None:
+    """``check(record, field, value)``, cached for valid strings."""
+    if type(value) is not str or not _valid(check, value):
+        check(record, field, value)
+
+
+def _check_model(record: str, field: str, value: Any) -> str:
+    return check_model(record, value)
+
+
+def _index(record: str, field: str, value: Any) -> int:
+    if type(value) is int and 0 <= value <= MAX_INDEX:
+        return value
+    return check_index(record, field, value)
+
+
+@functools.lru_cache(maxsize=64)
+def _limits(max_rows: int | None, n_embd: int | None) -> Limits:
+    return Limits(max_rows, n_embd)
+
 
 #: Heartbeats are small; a receiver refuses bigger ones by default.
 HEARTBEAT_MAX_BYTES = 1024 * 1024
@@ -89,8 +128,11 @@ def _decode_rows(body: dict, record: str, allowed: tuple[str, ...], limits: Limi
     shape = need(body, record, "shape")
     if not isinstance(shape, list) or len(shape) != 2:
         raise fail(record, "shape", f"must be [rows, n_embd], got {shape!r}")
-    n = check_int(record, "shape", shape[0], 1, MAX_DIM)
-    width = check_int(record, "shape", shape[1], 1, MAX_DIM)
+    n, width = shape
+    if type(n) is not int or not 1 <= n <= MAX_DIM:
+        n = check_int(record, "shape", n, 1, MAX_DIM)
+    if type(width) is not int or not 1 <= width <= MAX_DIM:
+        width = check_int(record, "shape", width, 1, MAX_DIM)
     if limits.max_rows is not None and n > limits.max_rows:
         raise PayloadTooLargeError(f"{record}: field 'shape' has {n} rows, over the limit of "
                                    f"{limits.max_rows}", field="shape")
@@ -105,7 +147,7 @@ def _decode_rows(body: dict, record: str, allowed: tuple[str, ...], limits: Limi
         raise fail(record, "data", f"has {len(data)} bytes but shape {[n, width]} of {dtype} "
                                    f"needs {expected}")
     # Little-endian on the wire, native in memory: a no-op view on little-endian hosts.
-    rows = np.frombuffer(data, dtype=wire).reshape(n, width)
+    rows = np.ndarray((n, width), wire, data)  # a read-only view on the payload, no copy
     return rows if _LITTLE_ENDIAN else rows.astype(wire.newbyteorder("="))
 
 
@@ -127,11 +169,12 @@ class DispatchRequest(Record):
 
     def __post_init__(self) -> None:
         r = self.what
-        object.__setattr__(self, "model", check_model(r, self.model))
-        object.__setattr__(self, "layer", check_index(r, "layer", self.layer))
-        object.__setattr__(self, "expert", check_index(r, "expert", self.expert))
+        _token(_check_model, r, "model", self.model)
+        object.__setattr__(self, "layer", _index(r, "layer", self.layer))
+        object.__setattr__(self, "expert", _index(r, "expert", self.expert))
         _rows(r, self.rows, REQUEST_DTYPES)
-        check_id(r, "request_id", self.request_id)
+        if not is_id(self.request_id):
+            check_id(r, "request_id", self.request_id)
 
     def body(self) -> dict[str, Any]:
         return {"model": self.model, "layer": self.layer, "expert": self.expert,
@@ -141,9 +184,11 @@ class DispatchRequest(Record):
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> DispatchRequest:
         r = cls.what
         rows = _decode_rows(body, r, REQUEST_DTYPES, limits)
-        return cls(model=need(body, r, "model"), layer=need(body, r, "layer"),
-                   expert=need(body, r, "expert"), rows=rows,
-                   request_id=need(body, r, "request_id"))
+        try:
+            return cls(body["model"], body["layer"], body["expert"], rows, body["request_id"])
+        except KeyError:  # name the first missing field
+            return cls(model=need(body, r, "model"), layer=need(body, r, "layer"),
+                       expert=need(body, r, "expert"), rows=rows, request_id=need(body, r, "request_id"))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Layer": str(self.layer), "Kvasir-Expert": str(self.expert),
@@ -173,11 +218,12 @@ class DispatchReply(Record):
 
     def __post_init__(self) -> None:
         r = self.what
-        check_id(r, "request_id", self.request_id)
-        check_node(r, "node", self.node)
+        if not is_id(self.request_id):
+            check_id(r, "request_id", self.request_id)
+        _token(check_node, r, "node", self.node)
         _rows(r, self.rows, REPLY_DTYPES)
         if self.kernel:
-            check_label(r, "kernel", self.kernel)
+            _token(check_label, r, "kernel", self.kernel)
 
     def body(self) -> dict[str, Any]:
         body = {"request_id": self.request_id, "node": self.node, **_array_fields(self.rows)}
@@ -189,8 +235,11 @@ class DispatchReply(Record):
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> DispatchReply:
         r = cls.what
         rows = _decode_rows(body, r, REPLY_DTYPES, limits)
-        return cls(request_id=need(body, r, "request_id"), node=need(body, r, "node"),
-                   rows=rows, kernel=body.get("kernel", ""))
+        try:
+            return cls(body["request_id"], body["node"], rows, body.get("kernel", ""))
+        except KeyError:  # name the first missing field
+            return cls(request_id=need(body, r, "request_id"), node=need(body, r, "node"),
+                       rows=rows, kernel=body.get("kernel", ""))
 
     def headers(self) -> dict[str, str]:
         headers = {"Kvasir-Node": self.node, "Kvasir-Request": self.request_id,
@@ -255,6 +304,52 @@ class Heartbeat(Record):
         return decode_heartbeat(data, max_bytes=max_bytes)
 
 
+# -- the hot path: one request and one reply per remote expert call ----------------------------
+
+class RequestEncoder:
+    """``DispatchRequest(model, layer, expert, rows, request_id).encode()`` without building the
+    record per request: the model is checked once here, the rest per call with the record's own
+    checks (cheap ones first). The bytes are the record's, key for key (tested)."""
+
+    def __init__(self, model: str):
+        self.model = check_model(DispatchRequest.what, model)
+
+    def encode(self, layer: int, expert: int, request_id: str, rows: np.ndarray) -> bytes:
+        r = DispatchRequest.what
+        if type(layer) is not int or not 0 <= layer <= MAX_INDEX:
+            layer = check_index(r, "layer", layer)
+        if type(expert) is not int or not 0 <= expert <= MAX_INDEX:
+            expert = check_index(r, "expert", expert)
+        if not is_id(request_id):
+            check_id(r, "request_id", request_id)
+        _rows(r, rows, REQUEST_DTYPES)
+        return msgpack.packb({"v": VERSION, "t": DispatchRequest.kind, "model": self.model, "layer": layer,
+                              "expert": expert, "request_id": request_id, **_array_fields(rows)},
+                             use_bin_type=True)
+
+
+class ReplyEncoder:
+    """``DispatchReply(request_id, node, rows, kernel).encode()`` for one node and kernel, checked
+    once here; the same bytes as the record's (tested)."""
+
+    def __init__(self, node: str, kernel: str = ""):
+        check_node(DispatchReply.what, "node", node)
+        if kernel:
+            check_label(DispatchReply.what, "kernel", kernel)
+        self.node, self.kernel = node, kernel
+
+    def encode(self, request_id: str, rows: np.ndarray) -> bytes:
+        r = DispatchReply.what
+        if not is_id(request_id):
+            check_id(r, "request_id", request_id)
+        _rows(r, rows, REPLY_DTYPES)
+        body = {"v": VERSION, "t": DispatchReply.kind, "request_id": request_id, "node": self.node,
+                **_array_fields(rows)}
+        if self.kernel:
+            body["kernel"] = self.kernel
+        return msgpack.packb(body, use_bin_type=True)
+
+
 Reply = Union[DispatchReply, ErrorReply]
 Message = Union[DispatchRequest, DispatchReply, ErrorReply, Heartbeat]
 
@@ -265,15 +360,13 @@ def decode_request(data: bytes, *, max_rows: int | None = None,
                    max_bytes: int = DEFAULT_MAX_BYTES,
                    n_embd: int | None = None) -> DispatchRequest:
     """Bytes -> :class:`DispatchRequest`; ``n_embd`` (if given) must match the rows' width."""
-    return decode(data, ("x",), DispatchRequest.what, max_bytes=max_bytes,
-                  limits=Limits(max_rows, n_embd))
+    return decode(data, ("x",), DispatchRequest.what, max_bytes=max_bytes, limits=_limits(max_rows, n_embd))
 
 
 def decode_reply(data: bytes, *, max_rows: int | None = None,
                  max_bytes: int = DEFAULT_MAX_BYTES, n_embd: int | None = None) -> Reply:
     """Bytes -> :class:`DispatchReply` or :class:`ErrorReply`."""
-    return decode(data, ("r", "e"), "reply", max_bytes=max_bytes,
-                  limits=Limits(max_rows, n_embd))
+    return decode(data, ("r", "e"), "reply", max_bytes=max_bytes, limits=_limits(max_rows, n_embd))
 
 
 def decode_heartbeat(data: bytes, *, max_bytes: int = HEARTBEAT_MAX_BYTES) -> Heartbeat:

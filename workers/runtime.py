@@ -6,10 +6,16 @@ A :class:`Worker` subscribes to exactly the dispatch subjects of the experts it 
 announces its holdings on ``kvasir.<model>.coverage.<node>`` every few seconds.
 
 Every request is validated (model, layer, expert held, dtype, shape, size limits); a bad one
-gets an :class:`~kvasir_bus.codec.ErrorReply` and the worker keeps serving. Compute runs on a
-thread pool, so the event loop stays free to accept more requests while one is computed; many
-requests can be in flight at once. ``stop()`` drains: no new requests, in-flight ones finish and
-are answered, then the connection closes.
+gets an :class:`~kvasir_bus.codec.ErrorReply` and the worker keeps serving. A small product (a
+decode row of a small expert) is computed and answered on the event loop: a hop to a thread and
+back would cost more than the product. A big one runs on a thread pool while the loop decodes
+the next request; many can be in flight at once. ``stop()`` drains: no new requests, in-flight
+ones finish and are answered, then the connection closes.
+
+What a request costs besides its kernel is measured by ``bench/dispatch.py --overhead``; the
+hot path keeps to: one subject lookup for the expected (layer, expert, weights), one decode
+(a view on the received bytes, no copy), one encode with node and kernel checked once, no task,
+no log line, no NATS header.
 """
 
 from __future__ import annotations
@@ -76,17 +82,21 @@ class Worker:
         self.metrics_server = None  # kvasir_bus.metrics.MetricsServer, with cfg.metrics
         self._nc = None
         self._subs = []
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # requests on the compute pool
+        self._inline = 0  # requests computed on the loop right now (0 or 1)
+        self._routes: dict[str, tuple[int, int, tuple]] = {}  # subject -> (layer, expert, weights)
         self._heartbeat: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(max_workers=cfg.compute_threads, thread_name_prefix="expert")
         self._kernel = kernel_label()  # announced in heartbeats and replies: how audits compare
+        self._replies = codec.ReplyEncoder(cfg.node, self._kernel)  # node and kernel checked once
         self.log = log.bind(node=cfg.node, model=slice_info.fingerprint)
         # Bad requests come from strangers: one line per sender and kind a minute, not one each.
         self.refusals = ThrottledLog(self.log, cfg.log_interval_s)
 
     @property
     def in_flight(self) -> int:
-        return len(self._tasks)
+        """Requests being computed: on the pool, or the one on the loop right now."""
+        return len(self._tasks) + self._inline
 
     async def start(self, nc) -> None:
         """Subscribe to every held expert's subject, then announce coverage."""
@@ -97,6 +107,7 @@ class Worker:
             await self._start_metrics()
         for layer, expert in self.slice.experts():
             subject = self.subjects.dispatch(layer, expert)
+            self._routes[subject] = (layer, expert, self.slice.expert_weights(layer, expert))
             kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
             self._subs.append(await nc.subscribe(subject, cb=self._on_request, **kw))
         await nc.flush()  # subscriptions are live on the server before we say so
@@ -188,81 +199,108 @@ class Worker:
     # -- requests -----------------------------------------------------------------------------
 
     async def _on_request(self, msg) -> None:
-        # Subscription callbacks run one at a time: hand each request to its own task at once,
-        # up to a bound: past it, refuse at once without decoding (a flood costs its sender).
-        if len(self._tasks) >= self.cfg.max_in_flight:
-            self.errors += 1
-            self.refusals.warning(("overloaded", _sender(msg.reply)), "request_refused", code=codec.ERR_OVERLOADED,
-                                  in_flight=len(self._tasks))
-            if msg.reply:
-                busy = codec.ErrorReply(request_id="", node=self.cfg.node, code=codec.ERR_OVERLOADED,
-                                        message=f"{len(self._tasks)} requests in flight")
-                await self._nc.publish(msg.reply, busy.encode(), headers=codec.headers_for(busy))
-            return
-        task = asyncio.create_task(self._serve(msg))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """One request, as nats.py hands it over (one callback at a time per subscription).
 
-    async def _serve(self, msg) -> None:
+        Validated and, when the product is small, computed and answered right here: no task, no
+        thread hop, no header, so the replies of requests that arrived together leave in one socket
+        write. A big product goes to the compute pool in a tracked task, and the loop decodes the
+        next request meanwhile. Past ``max_in_flight`` pooled requests, refuse at once without
+        decoding (a flood costs its sender)."""
         if not msg.reply:
             self.errors += 1
             self.refusals.warning(("no_reply", msg.subject), "request_without_reply_subject", subject=msg.subject)
             return
-        t0 = time.perf_counter()
-        request_id = (msg.headers or {}).get("Kvasir-Request", "")
+        if len(self._tasks) >= self.cfg.max_in_flight:
+            self.errors += 1
+            self.refusals.warning(("overloaded", _sender(msg.reply)), "request_refused", code=codec.ERR_OVERLOADED,
+                                  in_flight=len(self._tasks))
+            busy = codec.ErrorReply(request_id="", node=self.cfg.node, code=codec.ERR_OVERLOADED,
+                                    message=f"{len(self._tasks)} requests in flight")
+            await self._send(msg.reply, busy.encode(), busy)
+            return
         try:
             req, weights = self._validate(msg)
-            request_id = req.request_id
-            rows = np.ascontiguousarray(req.rows, dtype=np.float32)
-            # A slice holds routed experts only: compute them as llama.cpp computes those.
-            if _small(weights, rows):  # a hop to the pool and back costs more than the product
+            rows = req.rows if req.rows.dtype == np.float32 else req.rows.astype(np.float32)
+        except _Refused as exc:
+            await self._refuse(msg, exc)
+            return
+        except Exception as exc:  # a bug in a check: say so, keep serving
+            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
+            return
+        if _small(weights, rows):  # a hop to the pool and back costs more than the product
+            self._inline += 1
+            try:
+                await self._answer(msg, req, weights, rows, None)
+            finally:
+                self._inline -= 1
+        else:
+            task = asyncio.create_task(self._answer(msg, req, weights, rows, self._pool))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _answer(self, msg, req: codec.DispatchRequest, weights, rows: np.ndarray, pool) -> None:
+        """Compute a valid request (inline, or on ``pool``) and publish the reply."""
+        try:
+            if pool is None:
                 out, seconds = _timed(weights, rows)
             else:
-                out, seconds = await asyncio.get_running_loop().run_in_executor(self._pool, _timed, weights, rows)
-            self.compute_s += seconds
-            if self.on_compute is not None:
-                self.on_compute(req.layer, seconds)
-            reply = codec.DispatchReply(request_id=req.request_id, node=self.cfg.node, rows=out,
-                                        kernel=self._kernel)
-        except _Refused as exc:
-            self.errors += 1
-            reply = codec.ErrorReply(request_id=_safe_id(request_id), node=self.cfg.node, code=exc.code,
-                                     message=str(exc)[:codec.MAX_ERROR_MESSAGE])
-            self.refusals.warning((exc.code, _sender(msg.reply)), "request_refused", subject=msg.subject,
-                                  request_id=reply.request_id, code=exc.code, error=str(exc))
+                out, seconds = await asyncio.get_running_loop().run_in_executor(pool, _timed, weights, rows)
+            payload = self._replies.encode(req.request_id, out)
         except Exception as exc:  # the kernel failed: say so, keep serving
             self.errors += 1
-            reply = codec.ErrorReply(request_id=_safe_id(request_id), node=self.cfg.node, code=codec.ERR_INTERNAL,
+            reply = codec.ErrorReply(request_id=req.request_id, node=self.cfg.node, code=codec.ERR_INTERNAL,
                                      message=f"{type(exc).__name__}: {exc}"[:codec.MAX_ERROR_MESSAGE])
             self.log.error("request_failed", subject=msg.subject, error=reply.message)
-        else:
-            self.served += 1
-            self.rows += len(rows)
-            self.log.debug("served", layer=req.layer, expert=req.expert, request_id=req.request_id,
-                           rows=len(rows), ms=round(1000 * (time.perf_counter() - t0), 3))
-        try:
-            await self._nc.publish(msg.reply, reply.encode(), headers=codec.headers_for(reply))
-        except Exception as exc:
-            self.log.warning("reply_failed", request_id=request_id, error=str(exc))
+            await self._send(msg.reply, reply.encode(), reply)
+            return
+        self.served += 1
+        self.rows += len(rows)
+        self.compute_s += seconds
+        if self.on_compute is not None:
+            self.on_compute(req.layer, seconds)
+        await self._send(msg.reply, payload, None, req.request_id)
 
-    def _validate(self, msg):
+    async def _refuse(self, msg, exc: _Refused) -> None:
+        self.errors += 1
+        request_id = exc.request_id or (msg.headers or {}).get("Kvasir-Request", "")
+        reply = codec.ErrorReply(request_id=_safe_id(request_id), node=self.cfg.node, code=exc.code,
+                                 message=str(exc)[:codec.MAX_ERROR_MESSAGE])
+        self.refusals.warning((exc.code, _sender(msg.reply)), "request_refused", subject=msg.subject,
+                              request_id=reply.request_id, code=exc.code, error=str(exc))
+        await self._send(msg.reply, reply.encode(), reply)
+
+    async def _send(self, to: str, payload: bytes, record: codec.Record | None, request_id: str = "") -> None:
+        """Publish a reply. Error replies carry headers for people watching the bus; dispatch
+        replies, the hot path, carry none (the payload says everything, docs/protocol.md)."""
+        try:
+            await self._nc.publish(to, payload, headers=codec.headers_for(record) if record is not None else None)
+        except Exception as exc:
+            self.log.warning("reply_failed", request_id=request_id or getattr(record, "request_id", ""),
+                             error=str(exc))
+
+    def _validate(self, msg) -> tuple[codec.DispatchRequest, tuple]:
+        """A request's bytes -> the checked request and the held expert's weights, checked against
+        the slice: its model, a held (layer, expert), the subject's (layer, expert), the rows'
+        width and count. The expectations per subject are built once (:meth:`start`)."""
         try:
             req = codec.decode_request(msg.data, max_rows=self.cfg.max_rows, max_bytes=self.cfg.max_bytes,
                                        n_embd=self.slice.n_embd)
         except codec.CodecError as exc:
             raise _Refused(codec.ERR_BAD_REQUEST, str(exc)) from None
         if req.model != self.slice.fingerprint:
-            raise _Refused(codec.ERR_WRONG_MODEL, f"model {req.model} is not {self.slice.fingerprint}")
+            raise _Refused(codec.ERR_WRONG_MODEL, f"model {req.model} is not {self.slice.fingerprint}", req.request_id)
+        route = self._routes.get(msg.subject)
+        if route is not None and route[0] == req.layer and route[1] == req.expert:
+            return req, route[2]
         if not self.slice.holds(req.layer, req.expert):
-            raise _Refused(codec.ERR_NOT_HELD, f"layer {req.layer} expert {req.expert} is not held here")
+            raise _Refused(codec.ERR_NOT_HELD, f"layer {req.layer} expert {req.expert} is not held here",
+                           req.request_id)
         try:
             where = parse_dispatch(msg.subject)
         except ValueError as exc:
-            raise _Refused(codec.ERR_BAD_REQUEST, str(exc)) from None
-        if (where.layer, where.expert) != (req.layer, req.expert):
-            raise _Refused(codec.ERR_BAD_REQUEST, f"payload names layer {req.layer} expert {req.expert}, "
-                           f"subject names layer {where.layer} expert {where.expert}")
-        return req, self.slice.expert_weights(req.layer, req.expert)
+            raise _Refused(codec.ERR_BAD_REQUEST, str(exc), req.request_id) from None
+        raise _Refused(codec.ERR_BAD_REQUEST, f"payload names layer {req.layer} expert {req.expert}, "
+                       f"subject names layer {where.layer} expert {where.expert}", req.request_id)
 
 
 INLINE_WORK = 1 << 20  # multiply-adds (~50-100 µs on one core) below which the loop computes inline
@@ -280,9 +318,9 @@ def _timed(weights, rows):
 
 
 class _Refused(Exception):
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, request_id: str = ""):
         super().__init__(message)
-        self.code = code
+        self.code, self.request_id = code, request_id
 
 
 def _sender(reply: str | None) -> str:

@@ -8,6 +8,8 @@ output came from a "worker" or from the fallback shows in the numbers.
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -333,12 +335,14 @@ def test_a_silent_expert_costs_one_timeout_then_is_computed_here_and_only_probed
         outs = remote.run_layer(0, [(1, ROWS), (2, ROWS)])
         assert all(np.array_equal(o, 2 * ROWS) for o in outs)
     outs = remote.run_layer(1, [(3, ROWS)])  # other experts: silence was seen, nothing ever answered
+    bus.run(nc.flush())  # a step of probes only returns before the loop has sent them: let it
     s = remote.stats.to_dict()["totals"]
     assert s["timeouts"] == 2  # the first step only
     assert s["silent"] == 2 * 4 + 1 and len(nc.requests) == 2 * 5 + 1  # still probed, never waited for
     # An honest worker appears: its first probe reply ends the silence of that expert.
     nc.answer = times(3, node="new")
     remote.run_layer(0, [(1, ROWS)])
+    bus.run(nc.flush())
     assert remote.stats.layer(0).probes_answered == 1
     (out,) = remote.run_layer(0, [(1, ROWS)])
     assert np.array_equal(out, 3 * ROWS)
@@ -353,3 +357,58 @@ def test_a_heartbeat_claiming_a_billion_experts_costs_what_the_model_has(rig, bu
                            load=0.0, served=0, version="0.1.0", kernel="x", sent_at=0.0)
     bus.run(nc.deliver(Subjects(MODEL).coverage("bomb"), bomb.encode()))  # returns at once
     assert remote.coverage.uncovered == 0  # layer 2 expert 6 is claimed: asked again
+
+
+class DeferringNats(FakeNats):
+    """Replies are delivered on the loop's next turn, as a real connection does (they come back
+    through the socket), and every publish is logged beside every reply handled."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[str] = []
+
+    async def publish(self, subject: str, payload: bytes, reply: str = "", headers=None) -> None:
+        if ".x." not in subject:
+            await super().publish(subject, payload, reply, headers)
+            return
+        req = codec.decode_request(payload)
+        self.requests.append((subject, req, reply))
+        self.events.append(f"pub {req.expert}")
+        for data, hdrs in self.answer(subject, req):
+            asyncio.get_running_loop().call_soon(lambda r=reply, d=data, h=hdrs: asyncio.ensure_future(
+                self.deliver(r, d, h)))
+
+    async def deliver(self, subject: str, data: bytes, headers: dict | None = None) -> None:
+        self.events.append("reply")
+        await super().deliver(subject, data, headers)
+
+
+def test_a_layer_step_is_published_as_one_batch_before_any_reply_is_handled(bus):
+    nc, local = DeferringNats(), DoublingLocal()
+    cfg = DispatchConfig(timeout_s=5.0, audit=NO_AUDIT)
+    remote = RemoteExperts(bus, nc, MODEL, local, D, cfg, coverage=CoverageView(cfg.uncovered_ttl_s, Clock()))
+    bus.run(remote.start())
+    batches = []
+    publish_step = remote._publish_step
+
+    async def counted(step):
+        batches.append([call.expert for call in step.calls])
+        await publish_step(step)
+
+    remote._publish_step = counted
+    nc.answer = times(3)
+    outs = remote.run_layer(0, [(0, ROWS), (1, ROWS[:1]), (2, ROWS)])
+    assert batches == [[0, 1, 2]]  # one publish batch (so nats.py flushes once) per layer step
+    assert nc.events == ["pub 0", "pub 1", "pub 2", "reply", "reply", "reply"]
+    assert [o.tolist() for o in outs] == [(3 * ROWS).tolist(), (3 * ROWS[:1]).tolist(), (3 * ROWS).tolist()]
+    assert local.calls == []
+
+
+def test_a_closed_bus_loop_costs_no_wait_every_expert_is_computed_here(rig, bus):
+    remote, nc, local, recorder, _ = rig()
+    nc.answer = times(3)
+    bus.stop()  # the connection's loop is gone (a service stopping under the engine)
+    outs = remote.run_layer(0, [(0, ROWS), (1, ROWS)])
+    assert all(np.array_equal(o, 2 * ROWS) for o in outs)
+    assert remote.stats.layer(0).bus_errors == 2 and nc.requests == []
+    assert [c[3] for c in recorder.calls] == [False, False]
