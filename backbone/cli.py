@@ -90,6 +90,9 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per engine step, decode tokens plus prompt chunks (default 256)")
     p.add_argument("--kv-mb", type=float, default=None, metavar="MB",
                    help="bound on the KV caches of the active sequences (default: --max-active full contexts)")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                   help="lanes of sequences stepped at once, on threads of their own: with 2, one computes "
+                   "its attention while the other waits for its remote experts (default 1)")
     add_kernel_flags(p)  # --deterministic: the engine's kernels are batch-invariant, and the server says so
 
 
@@ -140,7 +143,7 @@ def http_config(args):
         raise UsageError(f"--kv-mb must be positive, got {args.kv_mb}")
     sched = SchedulerConfig(max_active=args.max_active, max_queue=args.max_queue, step_tokens=args.step_tokens,
                             kv_bytes=int(args.kv_mb * 2**20) if args.kv_mb else None,
-                            deterministic=args.deterministic)
+                            deterministic=args.deterministic, micro_batches=args.micro_batches)
     return ServerConfig(host=host, port=port, model_name=args.model_name or Path(args.model).stem, scheduler=sched)
 
 
