@@ -63,6 +63,20 @@ def add_bus_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wire-dtype", choices=("float32", "float16"), default="float32",
                    help="rounding of rows on the wire, applied to local experts too (default float32)")
     add_audit_flags(p)
+    add_replica_flags(p)
+
+
+def add_replica_flags(p: argparse.ArgumentParser) -> None:
+    """``--replicas`` and ``--hot``: how the backbone uses the workers' replicas and its own experts."""
+    p.add_argument("--replicas", choices=("race", "balance"), default="race",
+                   help="race: every replica computes, the first reply wins; balance: the workers share "
+                   "each expert in a NATS queue group (one computes) and an unanswered request is re-sent "
+                   "after the p95 of that expert's latency (hedging); give the workers the same "
+                   "--replicas (default race)")
+    p.add_argument("--hot", choices=("auto", "off"), default="off",
+                   help="auto: compute an expert here when this node's measured cost beats its measured "
+                   "round trip (a slow link costs less than a local compute); off: always ask the workers "
+                   "(default off)")
 
 
 def add_audit_flags(p: argparse.ArgumentParser) -> None:

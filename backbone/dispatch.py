@@ -166,6 +166,7 @@ class RemoteExperts:
         self.stats = DispatchStats()
         self.timeout = AdaptiveTimeout(cfg)
         self.observe_reply = None  # metrics hook (backbone.metrics): (layer, seconds) of each winning reply
+        self.replicas = None  # backbone.replicas.Replicas: the wait for a call (hedging, per-expert latency)
         self._pending: dict[str, tuple[asyncio.Future, int, int]] = {}  # token -> (future, layer, expert)
         self._finished: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # token -> (how, layer, expert)
         self._probes: OrderedDict[str, tuple[int, int]] = OrderedDict()  # token -> (layer, expert)
@@ -283,7 +284,7 @@ class RemoteExperts:
         silent = self.coverage.is_silent(layer, expert)
         chunks = np.array_split(rows, -(-len(rows) // self._max_rows()))  # max_payload: split big batches
         loop = asyncio.get_running_loop()
-        tokens, futures = [], []
+        tokens, futures, sent = [], [], []
         subject = self.subjects.dispatch(layer, expert)
         t0 = time.perf_counter()
         try:
@@ -301,6 +302,7 @@ class RemoteExperts:
                     self._pending[token] = (fut, layer, expert)
                     tokens.append(token)
                     futures.append(fut)
+                    sent.append((token, req, payload))
                 await self.nc.publish(subject, payload, reply=f"{self._inbox}.{token}",
                                       headers=codec.headers_for(req))
                 stats.bytes_out += len(payload)
@@ -313,7 +315,11 @@ class RemoteExperts:
             stats.silent += 1
             return None
         try:
-            replies = await asyncio.wait_for(asyncio.gather(*futures), self.timeout.current())
+            if self.replicas is None:
+                replies = await asyncio.wait_for(asyncio.gather(*futures), self.timeout.current())
+            else:  # hedged re-sends in balance mode, per-expert latency (backbone.replicas)
+                replies = await self.replicas.wait(layer, expert, futures, self.timeout.current(),
+                                                   lambda: self._resend(subject, sent))
         except _NoResponders:
             self._forget(tokens, "no_responders")
             self.coverage.mark_uncovered(layer, expert)
@@ -352,6 +358,13 @@ class RemoteExperts:
         self.stats.node_rows[node] += len(rows)
         self.stats.node_latency_s[node] += latency
         return _Won(tuple(parts), latency)
+
+    async def _resend(self, subject: str, sent: list) -> None:
+        """A hedge: the chunks still unanswered, once more, to the same reply tokens."""
+        for token, req, payload in sent:
+            if token in self._pending:
+                await self.nc.publish(subject, payload, reply=f"{self._inbox}.{token}",
+                                      headers=codec.headers_for(req))
 
     def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | None:
         # Replies come from strangers: one line per node and kind a minute, not one per reply.
