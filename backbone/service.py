@@ -229,7 +229,8 @@ class BackboneService:
                                processing_ns=int(t.latency_sum_s * 1e9),
                                data=run.dispatch.stats.to_dict()["totals"])
         served = [micro.Served("dispatch", subjects.dispatch_all(), stats=dispatch,
-                               metadata={"direction": "out: asks the workers, falls back to itself"})]
+                               metadata={"direction": "out: asks the workers, falls back to itself",
+                                         "replicas": self.cfg.replicas.mode, "hot": self.cfg.hot.mode})]
         if self.cfg.serve_manifest:
             served.append(micro.Served("manifest", subjects.manifest(), stats=lambda: run.manifest_tally))
         return served
