@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -167,6 +168,7 @@ class RemoteExperts:
         self.timeout = AdaptiveTimeout(cfg)
         self.observe_reply = None  # metrics hook (backbone.metrics): (layer, seconds) of each winning reply
         self.replicas = None  # backbone.replicas.Replicas: the wait for a call (hedging, per-expert latency)
+        self._audit_lock = threading.Lock()  # two micro-batches accept replies at once; the audit windows count
         self._pending: dict[str, tuple[asyncio.Future, int, int]] = {}  # token -> (future, layer, expert)
         self._finished: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # token -> (how, layer, expert)
         self._probes: OrderedDict[str, tuple[int, int]] = OrderedDict()  # token -> (layer, expert)
@@ -217,7 +219,8 @@ class RemoteExperts:
     def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won) -> np.ndarray:
         """A won call: audit it if the auditor says so (then the local result is used), credit
         the nodes whose parts were not caught lying."""
-        audited = [self.auditor.should_audit(part.node, layer) for part in won.parts]
+        with self._audit_lock:
+            audited = [self.auditor.should_audit(part.node, layer) for part in won.parts]
         out = won.out
         honest = list(won.parts)
         if any(audited):
