@@ -69,3 +69,55 @@ def test_two_micro_batches_run_at_once_and_each_sequence_gets_its_tokens_alone(e
 def test_micro_batches_out_of_range_are_refused():
     with pytest.raises(UsageError, match="micro-batches must be 1..4, got 0"):
         SchedulerConfig(micro_batches=0)
+
+
+@pytest.mark.parametrize("hot", ["off", "auto"])
+def test_two_micro_batches_over_the_swarm_keep_every_token(nats_server, models, tmp_path, hot):
+    """Both lanes dispatch through one RemoteExperts (and the hot-expert planner) at once."""
+    from backbone.dispatch import DispatchConfig
+    from backbone.hot_experts import HotConfig
+    from backbone.replicas import BALANCE_QUEUE, ReplicaConfig
+    from backbone.service import BackboneConfig, BackboneService
+    from kvasir_bus.connect import connect
+    from kvasir_bus.loopthread import LoopThread
+    from modelfile.slice_file import load_slice
+    from modelfile.slicer import parse_span, plan_slice, write_slice
+    from workers.runtime import Worker, WorkerConfig
+
+    path = models("qwen2moe", "q4_k")
+    out = write_slice(plan_slice(path, [(parse_span("all", "--layer"), parse_span("all", "--experts"))]),
+                      tmp_path / "all.gguf").path
+    bus = LoopThread("mb-workers")
+    nc = bus.run(connect(nats_server.url, "mb-workers"))
+    workers = [Worker(load_slice(out), WorkerConfig(node=f"m{i}", heartbeat_s=60, queue_group=BALANCE_QUEUE))
+               for i in range(2)]
+    for w in workers:
+        bus.run(w.start(nc))
+    rng = np.random.default_rng(9)
+    reqs = [GenRequest(tuple(int(t) for t in rng.integers(0, 256, int(rng.integers(2, 20)))), max_tokens=6,
+                       stop_on_eos=False) for _ in range(6)]
+    engine = Engine(path)
+    try:
+        cfg = BackboneConfig(model_path=engine.path, nats_url=nats_server.url, market=False, serve_manifest=False,
+                             dispatch=DispatchConfig(timeout_s=10.0), replicas=ReplicaConfig(mode="balance"),
+                             hot=HotConfig(mode=hot))
+        with BackboneService(engine, cfg) as service:
+            with Scheduler(engine, SchedulerConfig(max_active=6, step_tokens=32, deterministic=True,
+                                                   micro_batches=2)) as sched:
+                outs = [Collector() for _ in reqs]
+                for r, o in zip(reqs, outs):
+                    sched.submit(r, o)
+                for o in outs:
+                    o.wait()
+                stats = sched.snapshot()
+            remote = service.stats.totals().remote
+    finally:
+        for w in workers:
+            bus.run(w.stop())
+        bus.run(nc.close())
+        bus.stop()
+    assert stats["completed"] == 6 and stats["failed"] == 0
+    assert remote > 0
+    alone_engine = Engine(path)
+    for r, o in zip(reqs, outs):
+        assert o.tokens == generate(alone_engine, list(r.prompt), 6, Sampler(r.sampler), stop_on_eos=False).tokens
