@@ -160,3 +160,17 @@ def test_a_frozen_member_in_balance_mode_is_hedged_and_the_stream_continues(nats
     assert hedges["hedges"] > 0  # requests that went to the frozen member were sent again
     # and most were answered by the other member rather than left to time out
     assert stats["per_node"]["b1"]["calls"] > stats["totals"]["timeouts"]
+
+
+def test_the_flags_reach_the_backbone_config():
+    import argparse
+
+    from backbone.cli import add_bus_flags
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model")
+    add_bus_flags(p)
+    cfg = BackboneConfig.from_args(p.parse_args(["--model", "m.gguf", "--replicas", "balance", "--hot", "auto"]))
+    assert (cfg.replicas.mode, cfg.hot.mode) == ("balance", "auto")
+    cfg = BackboneConfig.from_args(p.parse_args(["--model", "m.gguf"]))
+    assert (cfg.replicas.mode, cfg.hot.mode) == ("race", "off")
