@@ -10,7 +10,8 @@ Two ways for the workers holding the same expert to share its subject (``--repli
   member and is computed once. NATS prefers a member on the publisher's own server, cluster or
   leafnode: that is "route to a nearby replica". Its risk is a member that has frozen: the
   request waits for it alone. So in balance mode the backbone **hedges**: if no reply came after
-  a delay (the p95 of that expert's recent latencies, bounded), it sends the request again, and
+  a delay (the p95 of that expert's recent latencies, and at least twice their median: a busy
+  machine's jitter is no frozen member; bounded), it sends the request again, and
   the queue group picks a member again (most often another one); the first reply wins, the
   timeout and the local fallback stay behind it.
 
@@ -81,11 +82,12 @@ class LatencyBook:
             lm = self._layer_mean.get(layer)
             self._layer_mean[layer] = seconds if lm is None else 0.875 * lm + 0.125 * seconds
 
-    def quantile(self, layer: int, expert: int, q: float) -> float | None:
+    def quantiles(self, layer: int, expert: int, qs: tuple[float, ...]) -> list[float] | None:
+        """Percentiles ``qs`` of the expert's recent round trips (None: none on record)."""
         with self._lock:
             recent = self._recent.get((layer, expert))
             values = list(recent) if recent else None
-        return float(np.percentile(values, q)) if values else None
+        return [float(v) for v in np.percentile(values, qs)] if values else None
 
     def mean(self, layer: int, expert: int) -> float | None:
         """The expert's smoothed round trip; the layer's when the expert has none yet."""
@@ -108,8 +110,9 @@ class Replicas:
         """Seconds to wait before re-sending (None: never, in race mode)."""
         if self.cfg.mode != "balance" or self.cfg.max_hedges == 0:
             return None
-        q = self.book.quantile(layer, expert, self.cfg.hedge_quantile)
-        return min(self.cfg.hedge_ceiling_s, max(self.cfg.hedge_floor_s, self.cfg.hedge_initial_s if q is None else q))
+        q = self.book.quantiles(layer, expert, (self.cfg.hedge_quantile, 50.0))
+        delay = self.cfg.hedge_initial_s if q is None else max(q[0], 2 * q[1])
+        return min(self.cfg.hedge_ceiling_s, max(self.cfg.hedge_floor_s, delay))
 
     async def wait(self, layer: int, expert: int, futures: list[asyncio.Future], timeout_s: float,
                    resend: Callable[[], Awaitable[None]]) -> list:

@@ -211,6 +211,13 @@ class BackboneService:
 
         return self._run.bus.run(ask(), timeout=timeout_s + 5)
 
+    def serving_mix(self) -> dict:
+        """The replica mode with its hedges, and the hot experts' counts (for $SRV and the bench)."""
+        run = self._run
+        if run is None or run.replicas is None:
+            return {}
+        return {"replicas": run.replicas.to_dict(), "hot": run.hot.to_dict() if run.hot else {"mode": "off"}}
+
     # -- discovery ($SRV) -------------------------------------------------------------------------
 
     def card(self) -> micro.Card:
@@ -227,7 +234,7 @@ class BackboneService:
             t = run.dispatch.stats.totals()
             return micro.Tally(requests=t.remote + t.local, errors=t.local,
                                processing_ns=int(t.latency_sum_s * 1e9),
-                               data=run.dispatch.stats.to_dict()["totals"])
+                               data={**run.dispatch.stats.to_dict()["totals"], **self.serving_mix()})
         served = [micro.Served("dispatch", subjects.dispatch_all(), stats=dispatch,
                                metadata={"direction": "out: asks the workers, falls back to itself",
                                          "replicas": self.cfg.replicas.mode, "hot": self.cfg.hot.mode})]

@@ -432,15 +432,34 @@ class Swarm:
         self.nats.__exit__(None, None, None)
 
 
+def dispatch_counts(url: str) -> dict:
+    """The server's expert calls so far, from its ``$SRV.STATS`` (remote, local, timeouts,
+    hedges, hot)."""
+    from kvasir_bus.connect import connect
+
+    async def ask() -> dict:
+        nc = await connect(url, "bench-stats")
+        try:
+            msg = await nc.request("$SRV.STATS.kvasir-backbone", b"", timeout=10)
+        finally:
+            await nc.close()
+        data = next(e["data"] for e in json.loads(msg.data)["endpoints"] if e["name"] == "dispatch")
+        return {"remote": data["remote"], "local": data["local"], "timeouts": data["timeouts"],
+                "hedges": data["replicas"]["hedges"], "hot_calls": data["hot"].get("hot_calls", 0)}
+
+    return asyncio.run(ask())
+
+
 def _measure(swarm: Swarm, extra: list[str], args, label: str, rtt_ms: float = 0.0) -> list[dict]:
     top = max(args.mix_concurrency)
     proc, url = swarm.serve(top, extra)
     rows = []
     try:
         for c in args.mix_concurrency:
-            cpu0 = swarm.worker_cpu_s()
+            cpu0, calls0 = swarm.worker_cpu_s(), dispatch_counts(swarm.nats.url)
             res = asyncio.run(run_clients(url, prompts(c, args.prompt_tokens), args.tokens))
             res["worker_cpu_s"] = round(swarm.worker_cpu_s() - cpu0, 2)
+            res["expert_calls"] = {k: v - calls0[k] for k, v in dispatch_counts(swarm.nats.url).items()}
             res["worker_cpu_ms_per_token"] = round(1000 * res["worker_cpu_s"] / res["tokens"], 2)
             if rtt_ms:
                 bound = c / (args.layers * rtt_ms / 1000.0)

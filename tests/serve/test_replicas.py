@@ -42,9 +42,14 @@ def test_the_hedge_delay_is_the_experts_p95_within_bounds():
     balance = Replicas(ReplicaConfig(mode="balance", hedge_floor_s=0.01, hedge_ceiling_s=0.2), book)
     assert Replicas(ReplicaConfig(mode="race"), book).hedge_delay(0, 1) is None  # race never hedges
     assert balance.hedge_delay(0, 1) == 0.1  # nothing on record: the initial guess
-    for ms in range(1, 101):
+    for _ in range(60):
+        book.observe(0, 1, 0.020)
+    for ms in (100, 120, 140, 160):  # a tail: the p95 is past twice the median
         book.observe(0, 1, ms / 1000)
-    assert balance.hedge_delay(0, 1) == pytest.approx(np.percentile(np.arange(37, 101) / 1000, 95))  # last 64
+    assert balance.hedge_delay(0, 1) == pytest.approx(np.percentile([20] * 60 + [100, 120, 140, 160], 95) / 1000)
+    for ms in range(1, 101):
+        book.observe(0, 4, ms / 1000)
+    assert balance.hedge_delay(0, 4) == pytest.approx(2 * np.median(np.arange(37, 101)) / 1000)  # last 64, wide
     book.observe(0, 2, 0.001)
     assert balance.hedge_delay(0, 2) == 0.01  # the floor
     for _ in range(64):
