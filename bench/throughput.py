@@ -323,6 +323,9 @@ def main() -> None:
                     help="round trips of --micro-batches (default 20 50)")
     ap.add_argument("--replicas", action="store_true",
                     help="2 workers holding every expert: race vs balance, tokens/s and the workers' CPU")
+    ap.add_argument("--mix-timeout-ms", type=float, default=2000, metavar="MS",
+                    help="the servers' per-expert timeout in --micro-batches and --replicas (default 2000: "
+                    "compare the modes, not adaptive timeouts firing on a loaded machine; 0: adaptive)")
     ap.add_argument("--mix-concurrency", type=int, nargs="+", default=[4, 16], metavar="C",
                     help="concurrencies of --micro-batches and --replicas (default 4 16)")
     ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
@@ -452,6 +455,8 @@ def dispatch_counts(url: str) -> dict:
 
 def _measure(swarm: Swarm, extra: list[str], args, label: str, rtt_ms: float = 0.0) -> list[dict]:
     top = max(args.mix_concurrency)
+    if args.mix_timeout_ms:
+        extra = [*extra, "--timeout-ms", str(args.mix_timeout_ms)]
     proc, url = swarm.serve(top, extra)
     rows = []
     try:

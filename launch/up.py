@@ -85,6 +85,8 @@ def register(sub) -> None:
     add_connection_flags(p)
     add_audit_flags(p)
     add_replica_flags(p)
+    p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
+                   help="per-expert reply timeout (default: adaptive)")
     add_weights_flags(p)
     add_http_flags(p)
     p.set_defaults(func=cmd_serve)
