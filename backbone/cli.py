@@ -63,6 +63,20 @@ def add_bus_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wire-dtype", choices=("float32", "float16"), default="float32",
                    help="rounding of rows on the wire, applied to local experts too (default float32)")
     add_audit_flags(p)
+    add_replica_flags(p)
+
+
+def add_replica_flags(p: argparse.ArgumentParser) -> None:
+    """``--replicas`` and ``--hot``: how the backbone uses the workers' replicas and its own experts."""
+    p.add_argument("--replicas", choices=("race", "balance"), default="race",
+                   help="race: every replica computes, the first reply wins; balance: the workers share "
+                   "each expert in a NATS queue group (one computes) and an unanswered request is re-sent "
+                   "after the p95 of that expert's latency (hedging); give the workers the same "
+                   "--replicas (default race)")
+    p.add_argument("--hot", choices=("auto", "off"), default="off",
+                   help="auto: compute an expert here when this node's measured cost beats its measured "
+                   "round trip (a slow link costs less than a local compute); off: always ask the workers "
+                   "(default off)")
 
 
 def add_audit_flags(p: argparse.ArgumentParser) -> None:
@@ -90,6 +104,9 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
                    help="tokens per engine step, decode tokens plus prompt chunks (default 256)")
     p.add_argument("--kv-mb", type=float, default=None, metavar="MB",
                    help="bound on the KV caches of the active sequences (default: --max-active full contexts)")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="N",
+                   help="lanes of sequences stepped at once, on threads of their own: with 2, one computes "
+                   "its attention while the other waits for its remote experts (default 1)")
     add_kernel_flags(p)  # --deterministic: the engine's kernels are batch-invariant, and the server says so
 
 
@@ -140,7 +157,7 @@ def http_config(args):
         raise UsageError(f"--kv-mb must be positive, got {args.kv_mb}")
     sched = SchedulerConfig(max_active=args.max_active, max_queue=args.max_queue, step_tokens=args.step_tokens,
                             kv_bytes=int(args.kv_mb * 2**20) if args.kv_mb else None,
-                            deterministic=args.deterministic)
+                            deterministic=args.deterministic, micro_batches=args.micro_batches)
     return ServerConfig(host=host, port=port, model_name=args.model_name or Path(args.model).stem, scheduler=sched)
 
 

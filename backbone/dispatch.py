@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -211,6 +212,8 @@ class RemoteExperts:
         self.stats = DispatchStats()
         self.timeout = AdaptiveTimeout(cfg)
         self.observe_reply = None  # metrics hook (backbone.metrics): (layer, seconds) of each winning reply
+        self.replicas = None  # backbone.replicas.Replicas: hedged re-sends (balance mode), per-expert latency
+        self._audit_lock = threading.Lock()  # two micro-batches accept replies at once; the audit windows count
         self._pending: dict[str, tuple[_Call, int]] = {}  # token -> (call, chunk)
         self._finished: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # token -> (how, layer, expert)
         self._probes: OrderedDict[str, tuple[int, int]] = OrderedDict()  # token -> (layer, expert)
@@ -307,7 +310,8 @@ class RemoteExperts:
     def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won) -> np.ndarray:
         """A won call: audit it if the auditor says so (then the local result is used), credit
         the nodes whose parts were not caught lying."""
-        audited = [self.auditor.should_audit(part.node, layer) for part in won.parts]
+        with self._audit_lock:
+            audited = [self.auditor.should_audit(part.node, layer) for part in won.parts]
         out = won.out
         honest = list(won.parts)
         if any(audited):
@@ -393,7 +397,28 @@ class RemoteExperts:
         finally:
             stats.bytes_out += sent
         if step.left:
-            step.timer = asyncio.get_running_loop().call_later(step.timeout_s, self._expire, step)
+            loop = asyncio.get_running_loop()
+            step.timer = loop.call_later(step.timeout_s, self._expire, step)
+            if self.replicas is not None:  # balance mode: ask again after the expert's usual wait
+                for call in step.calls:
+                    delay = self.replicas.hedge_delay(layer, call.expert)
+                    if delay is not None and delay < step.timeout_s:
+                        loop.call_later(delay, self._hedge, call, 1, delay)
+
+    def _hedge(self, call: _Call, n: int, delay: float) -> None:
+        """Re-send a call's unanswered chunks (the ``n``-th time) to the same reply tokens: a
+        queue group picks a member again, the first reply wins, the step's timer stays behind."""
+        if call.done or self.replicas is None:
+            return
+        self.replicas.hedges += 1
+        self.replicas.hedged_calls += n == 1
+        subject = self.subjects.dispatch(call.step.layer, call.expert)
+        reply_to = self._inbox + "."
+        for k, (token, payload) in enumerate(zip(call.tokens, call.payloads)):
+            if call.parts[k] is None:
+                asyncio.get_running_loop().create_task(self.nc.publish(subject, payload, reply=reply_to + token))
+        if n < self.replicas.cfg.max_hedges and (n + 1) * delay < call.step.timeout_s:
+            asyncio.get_running_loop().call_later(delay, self._hedge, call, n + 1, delay)
 
     def _settle(self, call: _Call, how: str) -> None:
         """The call is decided: won (``call.won`` is set) or to be computed here (``how`` says why)."""
@@ -439,6 +464,7 @@ class RemoteExperts:
         parts = tuple(call.parts)
         self.coverage.mark_answered(layer, call.expert)
         self.timeout.observe(latency)
+        self.replicas is None or self.replicas.book.observe(layer, call.expert, latency)
         self.observe_reply is None or self.observe_reply(layer, latency)
         n = len(call.rows)
         stats.remote += 1

@@ -18,7 +18,15 @@ alone, and a prompt read in chunks gives the same bits as read whole), so a sequ
 do not depend on what else runs beside it. ``deterministic`` records that the server promises
 this; a faster batched kernel that is not invariant must be bypassed when it is set.
 
-The engine runs on one thread of its own; ``on_event`` callbacks are called on that thread
+Two micro-batches in flight (``micro_batches=2``): the active sequences are split into lanes
+at admission (each to the lane with fewer), and each lane runs its own engine steps on a thread
+of its own. While one lane's step waits for its remote experts (a round trip per MoE layer, the
+GIL released), the other computes its attention and dense layers, so the backbone's compute
+hides inside the waiting instead of adding to it. The engine is re-entrant across disjoint
+sequences (each thread has its own ggml graphs; the expert backends are thread-safe), and a
+sequence's tokens do not depend on which lane, or what else, ran beside it.
+
+The engine runs on threads of its own; ``on_event`` callbacks are called on those threads
 (the HTTP layer hands them to its event loop).
 """
 
@@ -37,6 +45,9 @@ from kvasir_bus.errors import KvasirError, UsageError
 log = structlog.get_logger("kvasir.scheduler")
 
 
+MAX_MICRO_BATCHES = 4
+
+
 class Overloaded(KvasirError):
     """The queue is full: try again later."""
 
@@ -49,6 +60,7 @@ class SchedulerConfig:
     kv_bytes: int | None = None  # bound on the reserved KV caches (None: max_active full contexts)
     deterministic: bool = False
     retry_after_s: int = 1  # what a refused client is told to wait
+    micro_batches: int = 1  # lanes of sequences stepped on threads of their own (2: hide the round trip)
 
     def __post_init__(self):
         for name in ("max_active", "step_tokens"):
@@ -59,6 +71,8 @@ class SchedulerConfig:
         if self.step_tokens < self.max_active:
             raise UsageError(f"step-tokens ({self.step_tokens}) must be at least max-active "
                              f"({self.max_active}): every active sequence decodes one token per step")
+        if not 1 <= self.micro_batches <= MAX_MICRO_BATCHES:
+            raise UsageError(f"micro-batches must be 1..{MAX_MICRO_BATCHES}, got {self.micro_batches}")
         if self.kv_bytes is not None and self.kv_bytes <= 0:
             raise UsageError(f"the KV memory bound must be positive, got {self.kv_bytes}")
 
@@ -91,6 +105,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)
     pending: int | None = None  # the last sampled token, fed at the next step
     sampler: Sampler | None = None
+    lane: int = 0  # which micro-batch steps it
 
     @property
     def prefilling(self) -> bool:
@@ -127,25 +142,28 @@ class Scheduler:
         self._reserved = 0
         self._cond = threading.Condition()
         self._stopping = False
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     # -- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> "Scheduler":
-        if self._thread is None:
+        if not self._threads:
             self._stopping = False
-            self._thread = threading.Thread(target=self._main, name="kvasir-scheduler", daemon=True)
-            self._thread.start()
+            self._threads = [threading.Thread(target=self._main, args=(lane,), name=f"kvasir-scheduler-{lane}",
+                                              daemon=True) for lane in range(self.cfg.micro_batches)]
+            for thread in self._threads:
+                thread.start()
         return self
 
     def stop(self) -> None:
-        if self._thread is None:
+        if not self._threads:
             return
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        self._thread.join()
-        self._thread = None
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
         for job in self._queue + self._active:
             job.on_event(("error", "the server is shutting down"))
         self._queue, self._active, self._reserved = [], [], 0
@@ -182,7 +200,7 @@ class Scheduler:
         self.check(request)
         job = Job(request, on_event, self._cells(len(request.prompt) + request.max_tokens) * self.cell_bytes)
         with self._cond:
-            if self._stopping or self._thread is None:
+            if self._stopping or not self._threads:
                 raise Overloaded("the server is not running")
             waiting = len(self._queue) - max(0, self.cfg.max_active - len(self._active))
             if waiting >= self.cfg.max_queue:  # ahead of it, this many could not start now
@@ -210,32 +228,47 @@ class Scheduler:
     def _can_admit(self, job: Job) -> bool:
         return len(self._active) < self.cfg.max_active and self._reserved + job.reserved_bytes <= self.kv_bytes
 
-    def _admit(self) -> None:
-        """Under the lock: drop cancelled jobs, move queued ones in (FIFO) while they fit."""
-        for job in [j for j in self._active if j.cancelled]:
+    def _has_work(self, lane: int) -> bool:
+        """Under the lock: whether ``lane`` has a step to run (after dropping cancelled queued jobs)."""
+        dropped = [j for j in self._queue if j.cancelled]
+        if dropped:
+            self._queue = [j for j in self._queue if not j.cancelled]
+            self.stats.cancelled += len(dropped)
+        return any(j.lane == lane for j in self._active) or bool(self._queue and self._can_admit(self._queue[0]))
+
+    def _admit(self, lane: int) -> None:
+        """Under the lock: drop this lane's cancelled jobs (the other lanes' may be inside a
+        step), move queued ones in (FIFO) while they fit, each to the lane with fewest."""
+        for job in [j for j in self._active if j.cancelled and j.lane == lane]:
             self._release(job)
             self.stats.cancelled += 1
-        dropped = [j for j in self._queue if j.cancelled]
-        self._queue = [j for j in self._queue if not j.cancelled]
-        self.stats.cancelled += len(dropped)
+        admitted = False
         while self._queue and self._can_admit(self._queue[0]):
             job = self._queue.pop(0)
             job.seq = self.engine.new_sequence()
             job.sampler = Sampler(job.request.sampler)
+            counts = [0] * self.cfg.micro_batches
+            for j in self._active:
+                counts[j.lane] += 1
+            job.lane = counts.index(min(counts))
             self._reserved += job.reserved_bytes
             self._active.append(job)
+            admitted = True
+        if admitted:
+            self._cond.notify_all()  # another lane may have jobs now
 
     def _release(self, job: Job) -> None:
         self._active.remove(job)
         self._reserved -= job.reserved_bytes
         job.seq = None  # the KV cache goes with it
 
-    def _plan(self) -> list[tuple[Job, np.ndarray]]:
-        """This step's batch: every decoding sequence's token, then prompt chunks in admission
+    def _plan(self, lane: int) -> list[tuple[Job, np.ndarray]]:
+        """This lane's step: every decoding sequence's token, then prompt chunks in admission
         order while the token budget lasts."""
-        batch = [(j, np.asarray([j.pending])) for j in self._active if not j.prefilling]
+        mine = [j for j in self._active if j.lane == lane]
+        batch = [(j, np.asarray([j.pending])) for j in mine if not j.prefilling]
         budget = self.cfg.step_tokens - len(batch)
-        for job in self._active:
+        for job in mine:
             if budget <= 0:
                 break
             if job.prefilling:
@@ -244,15 +277,15 @@ class Scheduler:
                 budget -= len(chunk)
         return batch
 
-    def _main(self) -> None:
+    def _main(self, lane: int) -> None:
         while True:
             with self._cond:
-                while not self._stopping and not self._queue and not self._active:
+                while not self._stopping and not self._has_work(lane):
                     self._cond.wait()
                 if self._stopping:
                     return
-                self._admit()
-                batch = self._plan()
+                self._admit(lane)
+                batch = self._plan(lane)
             if batch:
                 self._step(batch)
 
@@ -270,28 +303,31 @@ class Scheduler:
                 job.on_event(("error", f"the engine failed: {exc}"))
             return
         s = self.stats
-        s.steps += 1
-        generated = s.generated_tokens
-        s.max_step_sequences = max(s.max_step_sequences, len(batch))
-        s.max_step_tokens = max(s.max_step_tokens, sum(len(ids) for _, ids in batch))
         eos = self.engine.cfg.eos_id
         finished: list[tuple[Job, str]] = []
+        prompt = generated = 0
         for (job, ids), row in zip(batch, logits):
             if job.prefilling:
                 job.fed += len(ids)
-                s.prompt_tokens += len(ids)
+                prompt += len(ids)
                 if job.prefilling:  # more prompt to read: no token yet
                     continue
             token = job.sampler(row[-1])
             job.tokens.append(token)
             job.pending = token
-            s.generated_tokens += 1
+            generated += 1
             job.on_event(("token", token))
             if job.request.stop_on_eos and token == eos:
                 finished.append((job, "stop"))
             elif len(job.tokens) >= job.request.max_tokens:
                 finished.append((job, "length"))
-        self.on_step is None or self.on_step(s.generated_tokens - generated)
+        with self._cond:  # the lanes share the counters
+            s.steps += 1
+            s.max_step_sequences = max(s.max_step_sequences, len(batch))
+            s.max_step_tokens = max(s.max_step_tokens, sum(len(ids) for _, ids in batch))
+            s.prompt_tokens += prompt
+            s.generated_tokens += generated
+        self.on_step is None or self.on_step(generated)
         if finished:
             with self._cond:
                 for job, _ in finished:

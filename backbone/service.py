@@ -28,8 +28,10 @@ from backbone.coverage_view import CoverageView
 from backbone.audit import AuditConfig
 from backbone.dispatch import DispatchConfig, RemoteExperts, log_summary
 from backbone.dispatch_stats import DispatchStats
+from backbone.hot_experts import HotConfig, HotExperts
 from backbone.metrics import DispatchCollector
 from backbone.model import WIRE_DTYPES
+from backbone.replicas import ReplicaConfig, Replicas
 from kvasir_bus import micro
 from kvasir_bus.errors import UsageError
 from kvasir_bus.loopthread import LoopThread
@@ -67,6 +69,8 @@ class BackboneConfig:
     tokens: tuple[str, ...] = ()  # node tokens for weight downloads; none: open
     advertise_host: str | None = None
     disconnect_timeout_s: float = 10.0
+    replicas: ReplicaConfig = ReplicaConfig()  # race or balance (hedged) with the workers' replicas
+    hot: HotConfig = HotConfig()  # compute an expert here when that beats its round trip
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
@@ -94,6 +98,8 @@ class BackboneConfig:
             serve_weights=getattr(args, "serve_weights", None),
             tokens=node_tokens(getattr(args, "token", None) or ()),
             advertise_host=getattr(args, "advertise_host", None),
+            replicas=ReplicaConfig(mode=getattr(args, "replicas", None) or "race"),
+            hot=HotConfig(mode=getattr(args, "hot", None) or "off"),
         )
         values.update(fixed)
         return cls(**values)
@@ -128,6 +134,9 @@ class _Running:
     bus: LoopThread
     nc: object = None
     dispatch: RemoteExperts | None = None
+    replicas: Replicas | None = None
+    hot: HotExperts | None = None
+    experts: object = None  # what the engine was handed: the dispatch, or the hot experts around it
     link: object = None
     weights: object = None
     manifest: object = None
@@ -155,6 +164,15 @@ class BackboneService:
     @property
     def stats(self) -> DispatchStats:
         return self.dispatch.stats
+
+    @property
+    def replicas(self) -> Replicas | None:
+        return self._run.replicas if self._run else None
+
+    @property
+    def hot(self) -> HotExperts | None:
+        """The hot-expert planner (None with ``--hot off``)."""
+        return self._run.hot if self._run else None
 
     @property
     def weights(self):
@@ -193,6 +211,13 @@ class BackboneService:
 
         return self._run.bus.run(ask(), timeout=timeout_s + 5)
 
+    def serving_mix(self) -> dict:
+        """The replica mode with its hedges, and the hot experts' counts (for $SRV and the bench)."""
+        run = self._run
+        if run is None or run.replicas is None:
+            return {}
+        return {"replicas": run.replicas.to_dict(), "hot": run.hot.to_dict() if run.hot else {"mode": "off"}}
+
     # -- discovery ($SRV) -------------------------------------------------------------------------
 
     def card(self) -> micro.Card:
@@ -209,9 +234,10 @@ class BackboneService:
             t = run.dispatch.stats.totals()
             return micro.Tally(requests=t.remote + t.local, errors=t.local,
                                processing_ns=int(t.latency_sum_s * 1e9),
-                               data=run.dispatch.stats.to_dict()["totals"])
+                               data={**run.dispatch.stats.to_dict()["totals"], **self.serving_mix()})
         served = [micro.Served("dispatch", subjects.dispatch_all(), stats=dispatch,
-                               metadata={"direction": "out: asks the workers, falls back to itself"})]
+                               metadata={"direction": "out: asks the workers, falls back to itself",
+                                         "replicas": self.cfg.replicas.mode, "hot": self.cfg.hot.mode})]
         if self.cfg.serve_manifest:
             served.append(micro.Served("manifest", subjects.manifest(), stats=lambda: run.manifest_tally))
         return served
@@ -250,6 +276,10 @@ class BackboneService:
                                          coverage=CoverageView(cfg.dispatch.uncovered_ttl_s, n_layer=self.engine.cfg.n_layer,
                                                                  n_expert=self.engine.cfg.n_expert),
                                          recorder=run.link)
+            run.replicas = run.dispatch.replicas = Replicas(cfg.replicas)
+            run.experts = run.dispatch
+            if cfg.hot.mode != "off":
+                run.hot = run.experts = HotExperts(run.dispatch, run.replicas.book, cfg.hot)
             run.bus.run(run.dispatch.start())
             self.metrics = DispatchCollector(lambda: self._run.dispatch.stats if self._run else None, self.model)
             run.dispatch.observe_reply = self.metrics.observe_reply
@@ -270,7 +300,7 @@ class BackboneService:
         except BaseException:
             self.stop()
             raise
-        self.engine.use_experts(run.dispatch)
+        self.engine.use_experts(run.experts)
         if cfg.serve_manifest:
             log.info("backbone_serving", model=self.model, weights=self.weights_url,
                      tokens=len(cfg.tokens), slabs=len(run.manifest.slabs))
@@ -283,8 +313,10 @@ class BackboneService:
             return
         self.state = State.STOPPING
         run, timeout = self._run, self.cfg.disconnect_timeout_s
-        if run.dispatch is not None and self.engine.experts is run.dispatch:
+        if run.experts is not None and self.engine.experts is run.experts:
             self.engine.use_experts(None)
+        if run.hot is not None:
+            run.hot.close()
         try:
             run.bus.run(micro.stop_service(run.service), timeout=timeout)
             for sub in run.subs:

@@ -25,6 +25,13 @@ else: S / (L x r) tokens/s.
 
     python bench/throughput.py [--arch qwen3moe] [--type q4_k] [--concurrency 1 4 16 32] [--tokens 16]
         [--sharded 2 4] [--rtt-ms 20 50] [--skip-local]
+        [--micro-batches] [--replicas] [--mix-rtt-ms 20 50] [--mix-concurrency 4 16]
+
+Serving mix (``--micro-batches``, ``--replicas``; each measured side by side on one swarm):
+with an injected round trip, 1 vs 2 micro-batches in flight (``--micro-batches``) and 2 with
+hot experts (``--hot auto``), against the latency bound; and 2 workers that both hold every
+expert, ``--replicas race`` vs ``balance``: tokens/s and the CPU seconds the workers spent
+(race computes every request on both).
 """
 
 from __future__ import annotations
@@ -62,15 +69,15 @@ def pct(values: list[float], q: float) -> float | None:
 
 # -- ours: clients against `kvasir serve --http` --------------------------------------------------
 
-def start_server(path: Path, max_active: int, threads: int | None, nats: str | None = None
-                 ) -> tuple[subprocess.Popen, str]:
+def start_server(path: Path, max_active: int, threads: int | None, nats: str | None = None,
+                 extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if threads:
         env["KVASIR_THREADS"] = str(threads)
     bus = ["--nats", nats, "--deterministic"] if nats else []
     proc = subprocess.Popen([sys.executable, "-m", "kvasir_bus.cli", "serve", "--model", str(path),
                              "--http", "127.0.0.1:0", "--model-name", "bench", "--max-active", str(max_active),
-                             "--step-tokens", str(max(256, max_active)), *bus],
+                             "--step-tokens", str(max(256, max_active)), *bus, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     line = proc.stdout.readline()
     match = re.search(r"(http://\S+)/v1", line)
@@ -310,6 +317,17 @@ def main() -> None:
                     help="(c): injected round trips between the workers and the bus (default 20 50)")
     ap.add_argument("--rtt-workers", type=int, default=2, help="workers for (c) (default 2)")
     ap.add_argument("--skip-local", action="store_true", help="skip (a)")
+    ap.add_argument("--micro-batches", action="store_true",
+                    help="with each --mix-rtt-ms: 1 vs 2 micro-batches in flight, and 2 with --hot auto")
+    ap.add_argument("--mix-rtt-ms", type=float, nargs="+", default=[20, 50], metavar="MS",
+                    help="round trips of --micro-batches (default 20 50)")
+    ap.add_argument("--replicas", action="store_true",
+                    help="2 workers holding every expert: race vs balance, tokens/s and the workers' CPU")
+    ap.add_argument("--mix-timeout-ms", type=float, default=2000, metavar="MS",
+                    help="the servers' per-expert timeout in --micro-batches and --replicas (default 2000: "
+                    "compare the modes, not adaptive timeouts firing on a loaded machine; 0: adaptive)")
+    ap.add_argument("--mix-concurrency", type=int, nargs="+", default=[4, 16], metavar="C",
+                    help="concurrencies of --micro-batches and --replicas (default 4 16)")
     ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
     args = ap.parse_args()
@@ -334,6 +352,10 @@ def main() -> None:
         out["sharded"].append(run_sharded(path, n, 0.0, args, args.threads))
     for rtt in args.rtt_ms:
         out["sharded"].append(run_sharded(path, args.rtt_workers, rtt, args, args.threads))
+    if args.micro_batches:
+        out["micro_batches"] = [run_micro_batches(path, rtt, args) for rtt in args.mix_rtt_ms]
+    if args.replicas:
+        out["replicas"] = run_replicas(path, args)
     print(json.dumps(out, indent=2))
 
 
@@ -356,6 +378,133 @@ def run_local(path: Path, args, top: int, n_ctx: int, threads: int, out: dict) -
         ref.close()
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# -- serving mix: micro-batches, hot experts, replica modes ----------------------------------------
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has spent so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Swarm:
+    """An embedded nats-server, ``n_workers`` workers (through a :class:`DelayProxy` when
+    ``rtt_ms`` > 0) and, per :meth:`serve`, a ``kvasir serve --http --nats`` in front of them.
+    ``replicate``: every worker holds every expert (replicas) instead of a share."""
+
+    def __init__(self, path: Path, n_workers: int, rtt_ms: float, *, replicas: str = "race",
+                 replicate: bool = False):
+        from backbone.model import Engine
+        from kvasir_bus.fingerprint import model_fingerprint
+        from kvasir_bus.server import EmbeddedNats
+        from launch.swarm import spawn_worker, split_experts, wait_for_nodes
+
+        engine = Engine(path)
+        fp, n_expert = model_fingerprint(engine.reader), engine.cfg.n_expert
+        del engine
+        self.path, self.nats, self.proxy = path, EmbeddedNats().__enter__(), None
+        if rtt_ms:
+            host, port = self.nats.url.rsplit("//", 1)[1].rsplit(":", 1)
+            self.proxy = DelayProxy((host, int(port)), rtt_ms / 2000.0)
+        url = self.proxy.url if self.proxy else self.nats.url
+        ranges = [(0, n_expert - 1)] * n_workers if replicate else split_experts(n_expert, n_workers)
+        self.workers = [spawn_worker(url, f"bench-{i}", ["--model", str(path), "--layer", "all",
+                                                         "--experts", f"{lo}-{hi}"], extra=["--replicas", replicas])
+                        for i, (lo, hi) in enumerate(ranges)]
+        try:
+            asyncio.run(wait_for_nodes(self.nats.url, fp, {w.node for w in self.workers}, procs=self.workers,
+                                       timeout=300))
+        except BaseException:
+            self.close()
+            raise
+
+    def serve(self, max_active: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
+        proc, url = start_server(self.path, max_active=max_active, threads=None, nats=self.nats.url, extra=extra)
+        asyncio.run(run_clients(url, prompts(1, 16), 2))  # warm up
+        return proc, url
+
+    def worker_cpu_s(self) -> float:
+        return sum(cpu_seconds(w.proc.pid) for w in self.workers)
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+        if self.proxy is not None:
+            self.proxy.close()
+        self.nats.__exit__(None, None, None)
+
+
+def dispatch_counts(url: str) -> dict:
+    """The server's expert calls so far, from its ``$SRV.STATS`` (remote, local, timeouts,
+    hedges, hot)."""
+    from kvasir_bus.connect import connect
+
+    async def ask() -> dict:
+        nc = await connect(url, "bench-stats")
+        try:
+            msg = await nc.request("$SRV.STATS.kvasir-backbone", b"", timeout=10)
+        finally:
+            await nc.close()
+        data = next(e["data"] for e in json.loads(msg.data)["endpoints"] if e["name"] == "dispatch")
+        return {"remote": data["remote"], "local": data["local"], "timeouts": data["timeouts"],
+                "hedges": data["replicas"]["hedges"], "hot_calls": data["hot"].get("hot_calls", 0)}
+
+    return asyncio.run(ask())
+
+
+def _measure(swarm: Swarm, extra: list[str], args, label: str, rtt_ms: float = 0.0) -> list[dict]:
+    top = max(args.mix_concurrency)
+    if args.mix_timeout_ms:
+        extra = [*extra, "--timeout-ms", str(args.mix_timeout_ms)]
+    proc, url = swarm.serve(top, extra)
+    rows = []
+    try:
+        for c in args.mix_concurrency:
+            cpu0, calls0 = swarm.worker_cpu_s(), dispatch_counts(swarm.nats.url)
+            res = asyncio.run(run_clients(url, prompts(c, args.prompt_tokens), args.tokens))
+            res["worker_cpu_s"] = round(swarm.worker_cpu_s() - cpu0, 2)
+            res["expert_calls"] = {k: v - calls0[k] for k, v in dispatch_counts(swarm.nats.url).items()}
+            res["worker_cpu_ms_per_token"] = round(1000 * res["worker_cpu_s"] / res["tokens"], 2)
+            if rtt_ms:
+                bound = c / (args.layers * rtt_ms / 1000.0)
+                res["latency_bound_tok_s"] = round(bound, 2)
+                res["of_bound"] = round(res["tok_s"] / bound, 3)
+            rows.append({"config": label, "concurrency": c, **res})
+            print(f"# {label}, {c} streams: {res['tok_s']} tok/s, workers' CPU {res['worker_cpu_s']} s",
+                  file=sys.stderr, flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    return rows
+
+
+def run_micro_batches(path: Path, rtt_ms: float, args) -> dict:
+    """Sharded over 2 workers with an injected round trip: 1 vs 2 micro-batches in flight, and
+    2 with hot experts, on the same swarm, side by side."""
+    swarm = Swarm(path, args.rtt_workers, rtt_ms)
+    try:
+        rows = []
+        for label, extra in (("1 micro-batch", ["--micro-batches", "1"]),
+                             ("2 micro-batches", ["--micro-batches", "2"]),
+                             ("2 micro-batches, --hot auto", ["--micro-batches", "2", "--hot", "auto"])):
+            rows += _measure(swarm, extra, args, label, rtt_ms)
+    finally:
+        swarm.close()
+    return {"workers": args.rtt_workers, "rtt_ms": rtt_ms, "results": rows}
+
+
+def run_replicas(path: Path, args) -> dict:
+    """2 workers that both hold every expert, over loopback NATS: race (both compute every
+    request) vs balance (a queue group: one computes, hedged), tokens/s and the workers' CPU."""
+    rows = []
+    for mode in ("race", "balance"):
+        swarm = Swarm(path, 2, 0.0, replicas=mode, replicate=True)
+        try:
+            rows += _measure(swarm, ["--replicas", mode], args, mode)
+        finally:
+            swarm.close()
+    return {"workers": 2, "replicas_per_expert": 2, "results": rows}
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from backbone.cli import add_audit_flags, add_http_flags, cmd_serve_http, http_config, run_http
+from backbone.cli import add_audit_flags, add_http_flags, add_replica_flags, cmd_serve_http, http_config, run_http
 from backbone.service import BackboneConfig, BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
@@ -60,6 +60,7 @@ def register(sub) -> None:
     p.add_argument("--check", action="store_true",
                    help="also run the model monolithically and compare tokens and logits bit for bit")
     add_audit_flags(p)
+    add_replica_flags(p)
     p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
                    help="per-expert reply timeout (default: adaptive)")
     p.add_argument("--no-market", action="store_true", help="do not start the coverage market")
@@ -83,6 +84,9 @@ def register(sub) -> None:
                    help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
     add_connection_flags(p)
     add_audit_flags(p)
+    add_replica_flags(p)
+    p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
+                   help="per-expert reply timeout (default: adaptive)")
     add_weights_flags(p)
     add_http_flags(p)
     p.set_defaults(func=cmd_serve)
@@ -206,7 +210,8 @@ def cmd_up(args) -> int:
             logf = stack.enter_context(open(logdir / f"worker-{i}.log", "w"))
             workers.append(spawn_worker(url, f"worker-{i}", ["--model", args.model, "--layer", "all",
                                                             "--experts", f"{lo}-{hi}"], log_file=logf,
-                                        extra=["--creds", creds[f"worker-{i}"]] if creds else []))
+                                        extra=["--replicas", cfg.replicas.mode,
+                                               *(["--creds", creds[f"worker-{i}"]] if creds else [])]))
         # Workers load their experts before their first heartbeat: on a big model that is
         # minutes, so a log file hears how many are ready every 10 s (a terminal waits quietly).
         ready = None if sys.stderr.isatty() else LogProgress("up_workers_ready", unit="workers", model=fp)

@@ -21,6 +21,10 @@ from kvasir_bus.connect import add_connection_flags
 from kvasir_bus.threads import add_kernel_flags
 from kvasir_bus.errors import KvasirError, UsageError
 
+# The queue group of balance-mode replicas, one name on every expert subject (a queue group is
+# scoped to its subject); backbone.replicas.BALANCE_QUEUE is the same (tests/serve/test_replicas.py).
+BALANCE_QUEUE = "kvasir-balance"
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     for add in _COMMANDS:
@@ -101,8 +105,13 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
                    "identity, else HOSTNAME-PID)")
     p.add_argument("--heartbeat", type=float, default=2.0, metavar="S",
                    help="seconds between coverage heartbeats (default 2)")
+    p.add_argument("--replicas", choices=("race", "balance"), default="race",
+                   help="race: every replica of an expert computes each request, the first reply wins; "
+                   f"balance: the replicas share each expert subject in the NATS queue group {BALANCE_QUEUE} "
+                   "(one computes; NATS prefers a nearby member); give the backbone the same --replicas "
+                   "so that it hedges (default race)")
     p.add_argument("--queue-group", metavar="NAME", default=None,
-                   help="load-balance with other replicas in this queue group instead of racing them")
+                   help="load-balance in this queue group instead of racing (overrides --replicas)")
     p.add_argument("--max-rows", type=int, default=16384, metavar="N", help="largest request in rows")
     p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="B",
                    help="largest request in bytes (default 8 MiB, the max_payload of deploy/nats.conf)")
@@ -164,7 +173,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
     apply_kernel_flags(args)  # before the slice is read: ggml loads once, in this mode
     cfg = WorkerConfig(node=node, heartbeat_s=args.heartbeat, max_rows=args.max_rows,
-                       max_bytes=args.max_request_bytes, queue_group=args.queue_group, metrics=args.metrics)
+                       max_bytes=args.max_request_bytes, queue_group=args.queue_group or (BALANCE_QUEUE if args.replicas == "balance" else None),
+                       metrics=args.metrics)
     if volunteering:
         import os
 

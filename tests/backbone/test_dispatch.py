@@ -412,3 +412,33 @@ def test_a_closed_bus_loop_costs_no_wait_every_expert_is_computed_here(rig, bus)
     assert all(np.array_equal(o, 2 * ROWS) for o in outs)
     assert remote.stats.layer(0).bus_errors == 2 and nc.requests == []
     assert [c[3] for c in recorder.calls] == [False, False]
+
+
+def test_balance_mode_re_sends_an_unanswered_call_and_stops_once_it_is_answered(rig, bus):
+    """A queue group's member froze: after the hedge delay the same request (same reply token)
+    goes out again; the second member's reply wins; no hedge follows an answered call."""
+    from backbone.replicas import ReplicaConfig, Replicas
+
+    remote, nc, local, recorder, _ = rig()
+    remote.replicas = Replicas(ReplicaConfig(mode="balance", hedge_initial_s=0.01, max_hedges=2))
+    first = {}
+
+    def frozen_then_second(subject, req):
+        if req.request_id not in first:  # the frozen member swallows the first copy
+            first[req.request_id] = True
+            return []
+        return [reply(req, 3 * req.rows, "second")]
+
+    nc.answer = frozen_then_second
+    (out,) = remote.run_layer(0, [(5, ROWS)])
+    assert np.array_equal(out, 3 * ROWS) and local.calls == []
+    tokens = [reply_to for _, _, reply_to in nc.requests]
+    assert len(tokens) == 2 and tokens[0] == tokens[1]  # the same call, asked twice
+    assert remote.replicas.to_dict() == {"mode": "balance", "hedges": 1, "hedged_calls": 1}
+    assert recorder.wins == [("second", 0, 5, 2)]
+    assert remote.replicas.book.mean(0, 5) is not None  # its round trip is on record
+
+    nc.answer = times(3)  # answered at once: nothing is re-sent
+    remote.run_layer(0, [(6, ROWS)])
+    bus.run(asyncio.sleep(0.05))
+    assert remote.replicas.to_dict()["hedges"] == 1
