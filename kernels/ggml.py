@@ -713,3 +713,69 @@ def _one_row(fn, *args, routed: bool):
     """
     *head, x = args
     return fn(*head, np.repeat(x, 2, axis=0), routed=routed)[:1]
+
+
+def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.ndarray, *,
+            biases: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] = (None, None, None),
+            glu: str = "swiglu") -> np.ndarray:
+    """Many routed experts in one graph, llama.cpp's ``build_moe_ffn`` up to the weighting.
+
+    gate/up: the 3-D expert slabs, ne (n_embd, n_ff, E); down ne (n_ff, n_embd, E). x (T, n_embd)
+    float32; ids (T, K) int32, the experts each row goes to. Returns (T, K, n_embd) float32: row
+    t through expert ids[t, k], before the router weight. ``biases``: gpt-oss' bias rows (E, n_ff),
+    (E, n_ff), (E, n_embd) float32 or None; ``glu``: the activation (swiglu or swiglu_oai).
+
+    ``ggml_mul_mat_id`` computes each expert on the rows that chose it, in row order, so every
+    row's result is the one the same expert gives those rows alone (:func:`expert_ffn` with
+    ``routed=True``, what a worker computes): one call per layer instead of one per expert.
+    """
+    for w in (gate, up, down):
+        check_weight(w, dims=3)
+    n_embd, n_ff, E = gate.ne
+    if up.ne != gate.ne or down.ne != (n_ff, n_embd, E):
+        raise ValueError(f"expert slabs {gate.ne}, {up.ne}, {down.ne} do not fit together")
+    x = check_rows(x, n_embd, gate.name)
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    if ids.ndim != 2 or ids.shape[0] != x.shape[0] or ids.size == 0:
+        raise ValueError(f"ids: expected shape ({x.shape[0]}, K), got {ids.shape}")
+    if ids.min() < 0 or ids.max() >= E:
+        raise ValueError(f"expert ids out of range 0..{E - 1}")
+    for b, rows in zip(biases, (n_ff, n_ff, n_embd)):
+        if b is not None and (b.dtype != np.float32 or b.shape != (E, rows) or not b.flags.c_contiguous):
+            raise ValueError(f"expert bias: expected C-contiguous float32 ({E}, {rows}), got {b.dtype} {b.shape}")
+    n, k = ids.shape
+    lib = load()
+    threads = threads_for(3 * n * k * n_embd * n_ff)
+    has_bias = tuple(b is not None for b in biases)
+
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=16)
+        try:
+            xt = g.input(T.F32, (n_embd, 1, n))  # one row per token, broadcast over its K slots
+            it = g.input(T.I32, (k, n))
+            gw, uw, dw = (g.input(w.ggml_type, w.ne) for w in (gate, up, down))
+            bt = [g.input(T.F32, (rows, E)) if has else None for has, rows in zip(has_bias, (n_ff, n_ff, n_embd))]
+
+            def biased(t, b):
+                return t if b is None else g.scratch(lib.ggml_add_id(g.ctx, t, b, it))
+
+            # build_moe_ffn's order: up and its bias, then gate and its bias
+            ut = biased(g.scratch(lib.ggml_mul_mat_id(g.ctx, uw, xt, it)), bt[1])  # (n_ff, K, n)
+            gt = biased(g.scratch(lib.ggml_mul_mat_id(g.ctx, gw, xt, it)), bt[0])
+            if glu == "swiglu_oai":
+                h = g.scratch(lib.ggml_swiglu_oai(g.ctx, gt, ut, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT))
+            else:
+                h = g.scratch(lib.ggml_swiglu_split(g.ctx, gt, ut))
+            y = lib.ggml_mul_mat_id(g.ctx, dw, h, it)  # (n_embd, K, n)
+            if bt[2] is not None:
+                y = biased(g.scratch(y), bt[2])
+            g.output(y)
+            return g.finish(threads)
+        except BaseException:
+            g.free()
+            raise
+
+    out = np.empty((n, k, n_embd), dtype=np.float32)
+    key = ("moe", n, k, threads, _weight_key(gate), _weight_key(up), _weight_key(down), has_bias, glu)
+    run_cached(key, build, (x, ids, gate.data, up.data, down.data, *(b for b in biases if b is not None), out))
+    return out
