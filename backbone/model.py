@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kernels import deltanet, dense, ops
+from kernels import deltanet, dense, fused, ops
 from backbone.config import ModelConfig, read_config
 from backbone.experts import ExpertBackend, LocalExperts
 from kvasir_bus.errors import ModelFileError, UsageError
 from kernels.expert import expert_ffn
 from kernels.backend import backend_name, matmul
+from kernels.ggml import deterministic as ggml_deterministic
 from kernels.tensors import QTensor, open_gguf, tensors_from_reader
 
 WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -281,6 +282,19 @@ class Engine:
         # Attention (RoPE, QK, softmax, PV) through ggml, bit-identical to llama.cpp, when the
         # kernels are ggml's; the numpy version of the same math otherwise.
         self.ggml_attention = backend_name() == "ggml" and dense.available()
+        # Attention layers as two graphs each (kernels/fused.py) where ggml computes them; the
+        # gated-query (IMROPE) attention of qwen35moe/qwen3next keeps the op-by-op path.
+        self.fused = self.ggml_attention and not cfg.traits.attn_q_gate and cfg.traits.rope_style != "imrope"
+        self.one_row_as_two = self.fused and ggml_deterministic()
+        self._shapes: tuple[ModelConfig, list[fused.AttentionShape]] | None = None
+
+    def _attention_shape(self, il: int) -> fused.AttentionShape:
+        """Layer ``il``'s attention shape and RoPE parameters, made once per config."""
+        c = self.cfg
+        if self._shapes is None or self._shapes[0] is not c:
+            self._shapes = (c, [fused.AttentionShape(c.n_head, c.n_head_kv, c.head_dim, c.rms_eps, dense.rope_params(
+                c.n_rot, c.traits.rope_style, c.layer_rope_base(i), c.n_ctx_train)) for i in range(c.n_layer)])
+        return self._shapes[1][il]
         if (cfg.traits.delta_net or cfg.traits.rope_style == "imrope" or cfg.traits.attn_sinks) \
                 and not self.ggml_attention:
             raise UsageError(f"architecture {cfg.arch} runs on ggml's kernels only (its delta-net, "
@@ -326,6 +340,10 @@ class Engine:
 
         x = embed(w.token_embd, ids)  # (T, D)
         for il, blk in enumerate(w.layers):
+            if self.fused and blk.attn_q is not None:  # the same math in two ggml graphs
+                f = self._attention_fused(il, blk, x, positions, batch, starts)
+                x = f.x + self._moe(il, blk, f.h, router=f.router, shared=f.shared)
+                continue
             h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
             if blk.ssm_out is not None:
                 x = x + self._delta_net(il, blk, h, batch, starts)
@@ -384,6 +402,37 @@ class Engine:
         out = matmul(blk.attn_output, out)
         return out if blk.attn_output_bias is None else out + blk.attn_output_bias
 
+    def _attention_fused(self, il: int, blk: Layer, x: np.ndarray, positions: np.ndarray, batch,
+                         starts) -> fused.FfnIn:
+        """An attention layer up to the routed experts, as ``_attention`` then the FFN norm,
+        router and shared expert of ``_moe`` compute it, in two ggml graphs around the KV cache
+        (``kernels/fused.py``). Deterministic mode runs a one-row step as two rows, as every
+        dense product does there (``kernels.ggml.matmul``)."""
+        c = self.cfg
+        T = x.shape[0]
+        pad = T == 1 and self.one_row_as_two
+        xs, pos = (np.repeat(x, 2, axis=0), np.repeat(positions, 2)) if pad else (x, positions)
+        q, k, v = fused.attention_in(xs, pos, self._attention_shape(il), attn_norm=blk.attn_norm, wq=blk.attn_q,
+                                     wk=blk.attn_k, wv=blk.attn_v, bq=blk.attn_q_bias, bk=blk.attn_k_bias,
+                                     bv=blk.attn_v_bias, q_norm=blk.attn_q_norm, k_norm=blk.attn_k_norm)
+        k16, v16 = k[:T].astype(np.float16), v[:T].astype(np.float16)  # the KV cache is f16
+        out = np.empty((len(xs), c.n_head * c.head_dim), dtype=np.float32)
+        extra = dict(sinks=blk.attn_sinks, window=c.layer_window(il), scale=dense.kq_scale(c.n_rot)) \
+            if blk.attn_sinks is not None else {}
+        for (seq, _), a, b in zip(batch, starts[:-1], starts[1:]):
+            seq.append(il, k16[a:b], v16[a:b])
+            out[a:b] = dense.attention(q[a:b], seq.k[il], seq.v[il], seq.n_past, **extra)
+        if pad:
+            out[1] = out[0]
+        shexp = (blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp) if blk.ffn_gate_shexp is not None else None
+        f = fused.attention_out(out, xs, eps=c.rms_eps, wo=blk.attn_output, bo=blk.attn_output_bias,
+                                ffn_norm=blk.ffn_norm, router=blk.ffn_gate_inp, router_bias=blk.ffn_gate_inp_bias,
+                                router_softmax=c.traits.router != "softmax_weight", shexp=shexp,
+                                shexp_gate=blk.ffn_gate_inp_shexp, shexp_gate_kind=c.traits.shexp_gate)
+        if pad:
+            f = fused.FfnIn(f.x[:1], f.h[:1], f.router[:1], None if f.shared is None else f.shared[:1])
+        return f
+
     def _delta_net(self, il: int, blk: Layer, h: np.ndarray, batch, starts) -> np.ndarray:
         """A gated delta-net layer: the projections on all rows at once, then each sequence's
         chunk through ``kernels.deltanet.delta_net`` with its own conv and recurrent state."""
@@ -402,16 +451,23 @@ class Engine:
                 blk.ssm_a, blk.ssm_norm, k_heads=c.ssm_k_heads, eps=c.rms_eps, interleave=c.traits.ssm_ba)
         return matmul(blk.ssm_out, out)
 
-    def _moe(self, il: int, blk: Layer, h: np.ndarray) -> np.ndarray:
+    def _moe(self, il: int, blk: Layer, h: np.ndarray, *, router: np.ndarray | None = None,
+             shared: np.ndarray | None = None) -> np.ndarray:
+        """The MoE FFN of rows ``h``. ``router``/``shared``: the router's output (probabilities,
+        or logits for a softmax_weight router) and the gated shared expert, when the fused
+        graph has computed them already."""
         c = self.cfg
-        router_logits = matmul(blk.ffn_gate_inp, h)  # (T, E)
-        if blk.ffn_gate_inp_bias is not None:
-            router_logits = router_logits + blk.ffn_gate_inp_bias
         softmax = dense.softmax if self.ggml_attention else ops.softmax
+        if router is None:
+            router = matmul(blk.ffn_gate_inp, h)  # (T, E)
+            if blk.ffn_gate_inp_bias is not None:
+                router = router + blk.ffn_gate_inp_bias
+        elif c.traits.router != "softmax_weight":
+            softmax = _already_softmaxed
         if c.traits.router == "softmax_weight":
-            ids, weights = ops.route_softmax_weight(router_logits, c.n_expert_used, softmax)  # (T, K)
+            ids, weights = ops.route_softmax_weight(router, c.n_expert_used, softmax)  # (T, K)
         else:
-            ids, weights = ops.route(router_logits, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
+            ids, weights = ops.route(router, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
         # Whatever rounding the wire applies to the rows, the local path applies too.
         rows = h.astype(self.wire_dtype).astype(np.float32)
         experts = np.unique(ids)
@@ -421,6 +477,8 @@ class Engine:
         for (e, (r, slot)), out in zip(groups, outs):
             expert_out[r, slot] = out
         moe = ops.combine(expert_out, weights)
+        if shared is not None:
+            return moe + shared
         if blk.ffn_gate_shexp is not None:
             shared = expert_ffn(blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp, h, routed=False)
             if blk.ffn_gate_inp_shexp is not None:
@@ -431,6 +489,11 @@ class Engine:
                 shared = shared * gate
             moe = moe + shared
         return moe
+
+
+def _already_softmaxed(p: np.ndarray) -> np.ndarray:
+    """The router's softmax when the fused graph has applied it (``ops.route`` takes one)."""
+    return p
 
 
 def _f32_tensor(name: str, array: np.ndarray) -> QTensor:
