@@ -32,7 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from kernels import ggml
-from kernels.ggml import Graph, run_cached, threads_for
+from kernels.ggml import Graph, repacked, run_cached, threads_for, weight_data, weight_input
 from kernels.tensors import QTensor
 
 NODES = 64  # graph size: attention_out with a shared expert and its gate has about 25 nodes
@@ -74,6 +74,7 @@ def attention_in(x: np.ndarray, positions: np.ndarray, shape: AttentionShape, *,
     has = tuple(b is not None for b in bias) + tuple(v is not None for v in norms)
     lib = ggml.load()
     threads = threads_for(n * D * (H + 2 * Hkv) * Dh)
+    rps = [repacked(w) for w in (wq, wk, wv)]
 
     def build() -> Graph:
         g = Graph(lib, n_tensors=40, nodes=NODES)
@@ -82,7 +83,7 @@ def attention_in(x: np.ndarray, positions: np.ndarray, shape: AttentionShape, *,
             xt = g.input(T.F32, (D, n))
             nt = g.input(T.F32, (D,))
             pt = g.input(T.I32, (n,))
-            ws = [g.input(w.ggml_type, w.ne) for w in (wq, wk, wv)]
+            ws = [weight_input(g, w, rp) for w, rp in zip((wq, wk, wv), rps)]
             bs = [g.input(T.F32, (w.ne[1],)) if b is not None else None for w, b in zip((wq, wk, wv), bias)]
             ns = [g.input(T.F32, (Dh,)) if v is not None else None for v in norms]
             h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, xt, eps)), nt))
@@ -108,8 +109,8 @@ def attention_in(x: np.ndarray, positions: np.ndarray, shape: AttentionShape, *,
     q_out = np.empty((n, H, Dh), dtype=np.float32)
     k_out = np.empty((n, Hkv, Dh), dtype=np.float32)
     v_out = np.empty((n, Hkv * Dh), dtype=np.float32)
-    key = ("attn_in", n, shape, threads, _key(wq), _key(wk), _key(wv), has)
-    arrays = [x, _vec(attn_norm), pos, wq.data, wk.data, wv.data, *(b for b in bias if b is not None),
+    key = ("attn_in", n, shape, threads, _key(wq), _key(wk), _key(wv), has, tuple(rp is not None for rp in rps))
+    arrays = [x, _vec(attn_norm), pos, *(weight_data(w, rp) for w, rp in zip((wq, wk, wv), rps)), *(b for b in bias if b is not None),
               *(v for v in norms if v is not None), q_out, k_out, v_out]
     run_cached(key, build, arrays)
     return q_out, k_out, v_out
@@ -144,6 +145,8 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
     F = shexp[0].ne[1] if shexp is not None else 0
     lib = ggml.load()
     threads = threads_for(n * (wo.ne[0] * D + D * E + 3 * D * F))
+    rp_o = repacked(wo)
+    rp_s = [repacked(w) for w in shexp] if shexp is not None else []
 
     def build() -> Graph:
         g = Graph(lib, n_tensors=48, nodes=NODES)
@@ -151,12 +154,12 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
             ctx = g.ctx
             at = g.input(T.F32, (wo.ne[0], n))
             xt = g.input(T.F32, (D, n))
-            wot = g.input(wo.ggml_type, wo.ne)
+            wot = weight_input(g, wo, rp_o)
             bot = g.input(T.F32, (D,)) if has[0] else None
             fnt = g.input(T.F32, (D,))
             wrt = g.input(router.ggml_type, router.ne)
             brt = g.input(T.F32, (E,)) if has[1] else None
-            sw = [g.input(w.ggml_type, w.ne) for w in shexp] if has[2] else None
+            sw = [weight_input(g, w, rp) for w, rp in zip(shexp, rp_s)] if has[2] else None
             sgt = g.input(T.F32, (D, 1)) if has[3] else None
 
             y = g.scratch(lib.ggml_mul_mat(ctx, wot, at))
@@ -191,9 +194,10 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
     r_out = np.empty((n, E), dtype=np.float32)
     s_out = np.empty_like(x) if shexp is not None else None
     key = ("attn_out", n, float(eps), threads, _key(wo), _key(router), router_softmax, has, shexp_gate_kind,
-           tuple(_key(w) for w in shexp) if shexp is not None else None)
-    arrays = [attn, x, wo.data, *((bo,) if has[0] else ()), _vec(ffn_norm), router.data,
-              *((router_bias,) if has[1] else ()), *((w.data for w in shexp) if has[2] else ()),
+           tuple(_key(w) for w in shexp) if shexp is not None else None, rp_o is not None,
+           tuple(rp is not None for rp in rp_s))
+    arrays = [attn, x, weight_data(wo, rp_o), *((bo,) if has[0] else ()), _vec(ffn_norm), router.data,
+              *((router_bias,) if has[1] else ()), *(weight_data(w, rp) for w, rp in zip(shexp or (), rp_s)),
               *((shexp_gate,) if has[3] else ()), x_out, h_out, r_out, *((s_out,) if has[2] else ())]
     run_cached(key, build, arrays)
     return FfnIn(x_out, h_out, r_out, s_out)

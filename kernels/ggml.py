@@ -33,6 +33,7 @@ import functools
 import importlib.util
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -211,6 +212,17 @@ class Lib:
         fn(base, "ggml_quantize_chunk", sz, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, i64, i64, i64,
            ctypes.c_void_p)
         fn(cpu, "ggml_cpu_init", None)
+        # weight repacking (llama.cpp's default on CPU): the repack buffer type is C++ (mangled)
+        fn(base, "ggml_backend_alloc_ctx_tensors_from_buft", ctypes.c_void_p, c_ctx, ctypes.c_void_p)
+        fn(base, "ggml_backend_tensor_set", None, _PT, ctypes.c_void_p, sz, sz)
+        fn(base, "ggml_backend_buffer_free", None, ctypes.c_void_p)
+        fn(base, "ggml_log_get", None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p))
+        fn(base, "ggml_log_set", None, ctypes.c_void_p, ctypes.c_void_p)
+        try:
+            fn(cpu, "_Z35ggml_backend_cpu_repack_buffer_typev", ctypes.c_void_p)
+            self.repack_buft = self._Z35ggml_backend_cpu_repack_buffer_typev()
+        except GgmlUnavailable:
+            self.repack_buft = None
         fn(cpu, "ggml_get_type_traits_cpu", ctypes.POINTER(TypeTraitsCpu), ctypes.c_int)
         fn(cpu, "ggml_graph_plan", CPlan, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
         fn(cpu, "ggml_graph_compute", ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(CPlan))
@@ -526,6 +538,113 @@ def _weight_key(w: QTensor) -> tuple:
     return (int(w.ggml_type), w.ne)
 
 
+# --- weight repacking ---------------------------------------------------------------------------
+# llama.cpp on this CPU puts Q4_0, Q4_K, IQ4_NL... weights into ggml_backend_cpu's "repack"
+# buffer type: the bytes are interleaved once, at load, for gemv/gemm kernels several times
+# faster than vec_dot. They round differently and switch kernels with the row count, so only
+# the fast mode repacks, and only dense weights (attention, shared expert, output head): the
+# routed experts stay the pure function a worker computes from its slice.
+
+ENV_REPACK = "KVASIR_REPACK"  # "1" turns repacking on in fast mode (default off: see repack_enabled)
+
+
+class Repacked:
+    """One weight's bytes in the CPU repack buffer, and what a graph's weight input needs to use
+    them: ``data`` (a uint8 view of the repacked bytes, bound like any input), ``buffer`` and
+    ``extra`` (the buffer and repack traits ggml's CPU backend dispatches on)."""
+
+    def __init__(self, lib: Lib, w: QTensor, ctx, tensor, buffer):
+        self.lib, self.ctx, self.buffer_handle = lib, ctx, buffer
+        c = tensor.contents
+        self.buffer, self.extra = c.buffer, c.extra
+        n = lib.ggml_nbytes(tensor)
+        self.data = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(c.data))
+
+    def __del__(self) -> None:
+        try:
+            self.lib.ggml_backend_buffer_free(self.buffer_handle)
+            self.lib.ggml_free(self.ctx)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+_repacked: "weakref.WeakKeyDictionary[QTensor, Repacked | None]" = weakref.WeakKeyDictionary()
+_repack_lock = threading.Lock()
+
+
+def repack_enabled() -> bool:
+    """Whether dense weights are repacked in this process: fast mode with KVASIR_REPACK=1.
+
+    Off by default because on this project's AVX2 machine it gains nothing: ggml's tiled kernel
+    (fast mode) is as fast as the repacked gemm, and the repacked gemv as vec_dot (a Q4_K
+    512x2048 product: 96 vs 78 us for one row, 3.4 vs 2.8 ms for 64; llama.cpp's own decode is
+    no faster with it either). Where the repacked kernels win (AVX-512, ARM), turn it on."""
+    lib = load()
+    return lib.mode == "fast" and lib.repack_buft is not None and os.environ.get(ENV_REPACK, "0") == "1"
+
+
+def repacked(w: QTensor) -> Repacked | None:
+    """``w`` in the repack buffer (made once per tensor), or None where repacking is off or ggml
+    has no repacked kernel for its type and shape."""
+    if not repack_enabled() or len(w.ne) != 2:
+        return None
+    try:
+        return _repacked[w]
+    except KeyError:
+        pass
+    with _repack_lock:
+        if w not in _repacked:
+            _repacked[w] = _repack(load(), w)
+    return _repacked[w]
+
+
+def _repack(lib: Lib, w: QTensor) -> Repacked | None:
+    check_weight(w)
+    ctx = lib.ggml_init(InitParams(lib.tensor_overhead * 2 + 1024, None, True))
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    t = lib.ggml_new_tensor_2d(ctx, int(w.ggml_type), int(w.ne[0]), int(w.ne[1]))
+    buffer = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx, lib.repack_buft) if t else None
+    if not buffer:
+        lib.ggml_free(ctx)
+        return None
+    if not t.contents.extra:  # no repacked layout for this type/shape on this CPU
+        lib.ggml_backend_buffer_free(buffer)
+        lib.ggml_free(ctx)
+        return None
+    # ggml logs every repacked tensor at debug level to stderr: quiet it for this call only
+    old_cb, old_data = ctypes.c_void_p(), ctypes.c_void_p()
+    lib.ggml_log_get(ctypes.byref(old_cb), ctypes.byref(old_data))
+    lib.ggml_log_set(ctypes.cast(_quiet_log, ctypes.c_void_p), None)
+    try:
+        lib.ggml_backend_tensor_set(t, w.data.ctypes.data, 0, w.data.nbytes)  # repacks
+    finally:
+        lib.ggml_log_set(old_cb, old_data)
+    return Repacked(lib, w, ctx, t, buffer)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _quiet_log(level, text, user_data) -> None:
+    """A ggml log callback that keeps warnings and errors (levels 3, 4) and drops the rest."""
+    if level in (3, 4):
+        import sys
+
+        sys.stderr.write(text.decode(errors="replace"))
+
+
+def weight_input(g: Graph, w: QTensor, rp: Repacked | None):
+    """A weight input of ``g``: bound per call to ``w.data``, or to ``rp.data`` when repacked
+    (then the tensor carries the repack buffer and traits, the same for every weight of its type)."""
+    t = g.input(w.ggml_type, w.ne)
+    if rp is not None:
+        t.contents.buffer, t.contents.extra = rp.buffer, rp.extra
+    return t
+
+
+def weight_data(w: QTensor, rp: Repacked | None) -> np.ndarray:
+    return w.data if rp is None else rp.data
+
+
 # --- public kernels ---------------------------------------------------------------------------
 
 def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
@@ -543,6 +662,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
     n = x.shape[0]
     lib = load()
     threads = threads_for(n * w.ne[0] * w.ne[1])
+    rp = None if routed else repacked(w)
 
     def build() -> Graph:
         g = Graph(lib, n_tensors=5)
@@ -553,7 +673,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
                 ids = g.constant(T.I32, (1, n), np.zeros(n, dtype=np.int32))
                 g.output(lib.ggml_mul_mat_id(g.ctx, wt, xt, ids))  # (n, 1, ne1)
             else:
-                wt = g.input(w.ggml_type, w.ne)
+                wt = weight_input(g, w, rp)
                 xt = g.input(T.F32, (w.ne[0], n))
                 g.output(lib.ggml_mul_mat(g.ctx, wt, xt))  # (n, ne1)
             return g.finish(threads)
@@ -562,7 +682,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
             raise
 
     out = np.empty((n, w.ne[1]), dtype=np.float32)
-    run_cached(("mm", routed, n, threads, _weight_key(w)), build, (w.data, x, out))
+    run_cached(("mm", routed, n, threads, _weight_key(w), rp is not None), build, (weight_data(w, rp), x, out))
     return out
 
 
