@@ -51,14 +51,14 @@ class LocalExperts:
         x = np.concatenate([rows for _, rows in calls]) if len(calls) > 1 else calls[0][1]
         ids = np.repeat(np.array([e for e, _ in calls], dtype=np.int32), counts)[:, None]
         out = self.run_ids(layer, x, ids)[:, 0]
-        self.calls[layer] += len(calls)
-        self.rows[layer] += len(x)
         return np.split(out, np.cumsum(counts)[:-1])
 
     def run_ids(self, layer: int, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Rows ``x`` (T, D) through the experts ``ids`` (T, K) of ``layer`` in one ggml graph:
         (T, K, D) float32, each slot the bits :meth:`compute` gives that expert's rows."""
         blk = self.weights.layers[layer]
+        self.calls[layer] += len(np.unique(ids))
+        self.rows[layer] += ids.size
         return ggml_moe_ffn(blk.ffn_gate_exps, blk.ffn_up_exps, blk.ffn_down_exps, x, ids,
                             biases=(blk.ffn_gate_exps_bias, blk.ffn_up_exps_bias, blk.ffn_down_exps_bias),
                             glu=self.weights.expert_glu)

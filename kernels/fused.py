@@ -201,3 +201,289 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
               *((shexp_gate,) if has[3] else ()), x_out, h_out, r_out, *((s_out,) if has[2] else ())]
     run_cached(key, build, arrays)
     return FfnIn(x_out, h_out, r_out, s_out)
+
+
+# --- one sequence's step as one graph per layer ------------------------------------------------
+#
+# When a step holds one sequence and every routed expert is local, a layer's only reason to
+# return to Python is the router's top-k (numpy, ``kernels.ops.route``: kept there so that the
+# expert choice stays the one the other paths make, bit for bit). So the step runs as
+# ``n_layer + 1`` graphs, each from one router to the next:
+#
+#     segment 0:       x = embedding rows;                     attention part of layer 0
+#     segment i:       moe part of layer i-1 (its top-k given); attention part of layer i
+#     segment n_layer: moe part of the last layer;             output norm and head
+#
+#     attention part:  h = rms_norm(x) * attn_norm; q, k, v (+biases, Q/K norms, RoPE)
+#                      K and V copied into the sequence's f16 cache at n_past
+#                      attention over the cache (kernels/dense.py's graph); x = x + Wo attn (+bo)
+#                      h = rms_norm(x) * ffn_norm; router probabilities; shared expert (gated)
+#     moe part:        experts via mul_mat_id on the chosen ids, times the router weights,
+#                      summed in top-k order; x = x + (moe + shared)
+#
+# Every op is the one the op-by-op path uses, so the bits are the same (the tests compare).
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What fixes a step segment's graph besides the weights' types and shapes."""
+
+    rows: int  # R: rows through the dense ops (a one-row step runs as two in deterministic mode)
+    n_new: int  # L: the tokens this step stores (L == R, or 1 when R == 2 for one row)
+    kv_size: int  # cells of the sequence's cache
+    n_kv: int  # cells the attention sees (kernels.dense.n_kv_for)
+    scale: float  # the attention's KQ scale
+    n_expert_used: int
+    glu: str  # the routed experts' activation
+    shexp_gate: str  # silu_div or sigmoid (kernels.dense.shared_expert_gate)
+
+
+def _attention_part(g: Graph, lib, x, pos, mask, layer, shape: AttentionShape, step: StepShape, rps: dict):
+    """Inputs of one layer's attention part, in binding order, and its ops; returns
+    (x after attention, h, router probabilities, gated shared expert or None)."""
+    ctx, eps, R, L = g.ctx, float(shape.eps), step.rows, step.n_new
+    H, Hkv, Dh = shape.n_head, shape.n_head_kv, shape.head_dim
+    gqa, A = Hkv * Dh, max(R, 2)
+    an = g.input(T.F32, (x_ne0 := layer.attn_q.ne[0],))
+    ws = [weight_input(g, w, rps.get(id(w))) for w in (layer.attn_q, layer.attn_k, layer.attn_v)]
+    bs = [g.input(T.F32, (w.ne[1],)) if b is not None else None
+          for w, b in ((layer.attn_q, layer.attn_q_bias), (layer.attn_k, layer.attn_k_bias),
+                       (layer.attn_v, layer.attn_v_bias))]
+    qn = g.input(T.F32, (Dh,)) if layer.attn_q_norm is not None else None
+    kn = g.input(T.F32, (Dh,)) if layer.attn_k_norm is not None else None
+    kc = g.input(T.F16, (gqa, step.kv_size))  # the cache, as kernels/dense.py's attention reads it
+    vc = g.input(T.F16, (step.kv_size, gqa))
+    kd = g.input(T.F16, (gqa, L))  # where this step's keys go: cells n_past.. (bound per call)
+    vd = g.input(T.F16, (gqa, L))  # and its values, transposed: element (c, j) at V[c, n_past + j]
+    vd.contents.nb[0], vd.contents.nb[1] = 2 * step.kv_size, 2
+    vd.contents.nb[2] = vd.contents.nb[3] = 2 * step.kv_size * gqa
+    wo = weight_input(g, layer.attn_output, rps.get(id(layer.attn_output)))
+    bo = g.input(T.F32, (layer.attn_output.ne[1],)) if layer.attn_output_bias is not None else None
+    fn = g.input(T.F32, (x_ne0,))
+    wr = weight_input(g, layer.ffn_gate_inp, None)
+    br = g.input(T.F32, (layer.ffn_gate_inp.ne[1],)) if layer.ffn_gate_inp_bias is not None else None
+    shexp = (layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp) \
+        if layer.ffn_gate_shexp is not None else None
+    sw = [weight_input(g, w, rps.get(id(w))) for w in shexp] if shexp else None
+    sg = g.input(T.F32, (x_ne0, 1)) if layer.ffn_gate_inp_shexp is not None else None
+
+    h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x, eps)), an))
+    qkv = []
+    for w, b in zip(ws, bs):
+        y = g.scratch(lib.ggml_mul_mat(ctx, w, h))
+        qkv.append(y if b is None else g.scratch(lib.ggml_add(ctx, y, b)))
+    q, k, v = qkv
+    q = g.view(lib.ggml_reshape_3d(ctx, q, Dh, H, R))
+    k = g.view(lib.ggml_reshape_3d(ctx, k, Dh, Hkv, R))
+    if qn is not None:
+        q = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, q, eps)), qn))
+    if kn is not None:
+        k = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, k, eps)), kn))
+    q = g.scratch(lib.ggml_rope_ext(ctx, q, pos, None, *shape.rope))  # (Dh, H, R)
+    k = g.scratch(lib.ggml_rope_ext(ctx, k, pos, None, *shape.rope))
+    # store this step's L keys and values (f32 -> f16, rounded as numpy's astype rounds)
+    g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_view_2d(ctx, k, gqa, L, 4 * gqa, 0)), kd)))
+    g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_view_2d(ctx, v, gqa, L, 4 * gqa, 0)), vd)))
+    if A > R:  # one query row attends as two (kernels.dense.attention's min_rows)
+        q = g.scratch(lib.ggml_repeat_4d(ctx, q, Dh, H, A, 1))
+    f16 = lambda n: 2 * n  # noqa: E731  bytes of n f16 values
+    qp = g.view(lib.ggml_permute(ctx, q, 0, 2, 1, 3))
+    kv = g.view(lib.ggml_view_4d(ctx, kc, Dh, Hkv, step.n_kv, 1, f16(Dh), f16(gqa), f16(gqa * step.kv_size), 0))
+    vv = g.view(lib.ggml_view_4d(ctx, vc, step.n_kv, Hkv, Dh, 1, f16(step.kv_size * Dh), f16(step.kv_size),
+                                 f16(step.kv_size * gqa), 0))
+    kv = g.view(lib.ggml_permute(ctx, kv, 0, 2, 1, 3))
+    vv = g.view(lib.ggml_permute(ctx, vv, 0, 2, 1, 3))
+    kq = g.scratch(lib.ggml_mul_mat(ctx, kv, qp))  # (n_kv, A, H)
+    lib.ggml_prec_set_acc(kq, 10)  # GGML_PREC_F32
+    kq = g.scratch(lib.ggml_soft_max_ext(ctx, kq, mask, float(step.scale), 0.0))
+    kqv = g.scratch(lib.ggml_mul_mat(ctx, vv, kq))  # (Dh, A, H)
+    cur = g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, A)
+    attn = g.scratch(lib.ggml_cont_2d(ctx, cur, Dh * H, A))
+    if A > R:
+        attn = g.view(lib.ggml_view_2d(ctx, attn, Dh * H, R, 4 * Dh * H, 0))
+    y = g.scratch(lib.ggml_mul_mat(ctx, wo, attn))
+    if bo is not None:
+        y = g.scratch(lib.ggml_add(ctx, y, bo))
+    x2 = g.scratch(lib.ggml_add(ctx, x, y))
+    h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x2, eps)), fn))
+    r = g.scratch(lib.ggml_mul_mat(ctx, wr, h))  # (E, R)
+    if br is not None:
+        r = g.scratch(lib.ggml_add(ctx, r, br))
+    probs = lib.ggml_soft_max(ctx, r)
+    shared = None
+    if sw is not None:
+        gate = g.scratch(lib.ggml_mul_mat(ctx, sw[0], h))
+        up = g.scratch(lib.ggml_mul_mat(ctx, sw[1], h))
+        shared = g.scratch(lib.ggml_mul_mat(ctx, sw[2], g.scratch(lib.ggml_swiglu_split(ctx, gate, up))))
+        if sg is not None:
+            gl = g.scratch(lib.ggml_mul_mat(ctx, sg, h))  # (1, R)
+            if step.shexp_gate == "sigmoid":
+                gl = g.scratch(lib.ggml_sigmoid(ctx, gl))
+            else:
+                gl = g.scratch(lib.ggml_div(ctx, g.scratch(lib.ggml_silu(ctx, gl)), gl))
+            shared = g.scratch(lib.ggml_mul(ctx, shared, gl))
+    return x2, h, probs, shared
+
+
+def _moe_part(g: Graph, lib, x2, h, shared, layer, step: StepShape):
+    """Inputs of one layer's MoE part (its experts' slabs, then ids (K, R) and weights (K, R)
+    from the router's top-k) and its ops; returns x + (moe + shared)."""
+    ctx, R, K = g.ctx, step.n_new, step.n_expert_used  # the experts see the step's real rows only
+    gw, uw, dw = (g.input(w.ggml_type, w.ne) for w in (layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps))
+    it = g.input(T.I32, (K, R))
+    wt = g.input(T.F32, (1, K, R))
+    n_embd = layer.ffn_gate_exps.ne[0]
+    if R < step.rows:  # a one-row step run as two: its first row
+        first = lambda t: g.view(lib.ggml_view_2d(ctx, t, n_embd, R, 4 * n_embd, 0))  # noqa: E731
+        x2, h = first(x2), first(h)
+        shared = None if shared is None else first(shared)
+    xt = g.view(lib.ggml_reshape_3d(ctx, h, n_embd, 1, R))
+    up = g.scratch(lib.ggml_mul_mat_id(ctx, uw, xt, it))  # (n_ff, K, R)
+    gate = g.scratch(lib.ggml_mul_mat_id(ctx, gw, xt, it))
+    if step.glu == "swiglu_oai":
+        act = g.scratch(lib.ggml_swiglu_oai(ctx, gate, up, ggml.SWIGLU_OAI_ALPHA, ggml.SWIGLU_OAI_LIMIT))
+    else:
+        act = g.scratch(lib.ggml_swiglu_split(ctx, gate, up))
+    ex = g.scratch(lib.ggml_mul_mat_id(ctx, dw, act, it))  # (n_embd, K, R)
+    ex = g.scratch(lib.ggml_mul(ctx, ex, wt))  # kernels.ops.combine: times the weights ...
+    nb1, nb2 = ex.contents.nb[1], ex.contents.nb[2]
+    slot = lambda j: g.view(lib.ggml_view_2d(ctx, ex, n_embd, R, nb2, j * nb1))  # noqa: E731
+    moe = slot(0)
+    for j in range(1, K):  # ... then summed in top-k order
+        moe = g.scratch(lib.ggml_add(ctx, moe, slot(j)))
+    if shared is not None:
+        moe = g.scratch(lib.ggml_add(ctx, moe, shared))
+    return lib.ggml_add(ctx, x2, moe)
+
+
+def _attention_arrays(layer, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int, rps: dict) -> list:
+    """The data of :func:`_attention_part`'s inputs, in its order."""
+    gqa = k_cache.shape[1]
+    out = [layer.attn_norm, *(weight_data(w, rps.get(id(w))) for w in (layer.attn_q, layer.attn_k, layer.attn_v))]
+    out += [b for b in (layer.attn_q_bias, layer.attn_k_bias, layer.attn_v_bias) if b is not None]
+    out += [n for n in (layer.attn_q_norm, layer.attn_k_norm) if n is not None]
+    kp, vp = k_cache.__array_interface__["data"][0], v_cache.__array_interface__["data"][0]
+    out += [k_cache, v_cache, kp + 2 * gqa * n_past, vp + 2 * n_past]
+    out.append(weight_data(layer.attn_output, rps.get(id(layer.attn_output))))
+    if layer.attn_output_bias is not None:
+        out.append(layer.attn_output_bias)
+    out += [layer.ffn_norm, layer.ffn_gate_inp.ptr]
+    if layer.ffn_gate_inp_bias is not None:
+        out.append(layer.ffn_gate_inp_bias)
+    if layer.ffn_gate_shexp is not None:
+        out += [weight_data(w, rps.get(id(w))) for w in (layer.ffn_gate_shexp, layer.ffn_up_shexp,
+                                                         layer.ffn_down_shexp)]
+    if layer.ffn_gate_inp_shexp is not None:
+        out.append(layer.ffn_gate_inp_shexp)
+    return out
+
+
+def _layer_key(layer) -> tuple:
+    """Which optional tensors a layer has, and its weights' types and shapes."""
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_shexp", "ffn_up_shexp",
+             "ffn_down_shexp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    optional = ("attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_q_norm", "attn_k_norm", "attn_output_bias",
+                "ffn_gate_inp_bias", "ffn_gate_inp_shexp")
+    return (tuple(_key(getattr(layer, n)) for n in names), tuple(getattr(layer, n) is not None for n in optional))
+
+
+@dataclass
+class Segment:
+    """What a segment returns: the residual after attention, the FFN input, the router's
+    probabilities and the gated shared expert of its layer (attention part), or the logits."""
+
+    x: np.ndarray | None = None
+    h: np.ndarray | None = None
+    probs: np.ndarray | None = None
+    shared: np.ndarray | None = None
+    logits: np.ndarray | None = None
+
+
+def segment(step: StepShape, *, x: np.ndarray | None = None, prev: Segment | None = None, prev_layer=None,
+            ids: np.ndarray | None = None, weights: np.ndarray | None = None, layer=None,
+            shape: AttentionShape | None = None, cache: tuple[np.ndarray, np.ndarray] | None = None,
+            n_past: int = 0, positions: np.ndarray | None = None, mask: np.ndarray | None = None,
+            head: tuple | None = None) -> Segment:
+    """One graph of a one-sequence step (see above): starting from the embedding rows ``x``
+    (R, D), or from ``prev`` (the previous segment's outputs) with ``prev_layer``'s experts on
+    ``ids`` (R, K) weighted by ``weights`` (R, K); then ``layer``'s attention part (its cache
+    ``(K (kv_size, gqa), V (gqa, kv_size))`` f16, written at ``n_past``), or the ``head``:
+    (output_norm (D,), output QTensor, out_idx (n,) int32 rows to return) -> logits (n, V)."""
+    lib = ggml.load()
+    R = step.rows
+    rps = {}
+    for lay in (layer,) if layer is not None else ():
+        for w in (lay.attn_q, lay.attn_k, lay.attn_v, lay.attn_output, lay.ffn_gate_shexp, lay.ffn_up_shexp,
+                  lay.ffn_down_shexp):
+            if w is not None:
+                rps[id(w)] = repacked(w)
+    has_shared = prev is not None and prev.shared is not None
+    work = 0
+    if prev_layer is not None:
+        D, F, _ = prev_layer.ffn_gate_exps.ne
+        work += 3 * R * step.n_expert_used * D * F
+    if layer is not None:
+        work += R * sum(w.ne[0] * w.ne[1] for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output))
+    if head is not None:
+        work += len(head[2]) * head[1].ne[0] * head[1].ne[1]
+    threads = threads_for(work)
+    D = (layer or prev_layer).ffn_gate_exps.ne[0]
+
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=160, nodes=256)
+        try:
+            if prev is None:
+                xt = g.input(T.F32, (D, R))
+            else:
+                x2 = g.input(T.F32, (D, R))
+                h = g.input(T.F32, (D, R))
+                sh = g.input(T.F32, (D, R)) if has_shared else None
+                xt = g.scratch(_moe_part(g, lib, x2, h, sh, prev_layer, step))
+                if step.n_new < R and layer is not None:
+                    xt = g.scratch(lib.ggml_repeat_4d(g.ctx, xt, D, R, 1, 1))
+            if layer is not None:
+                pt = g.input(T.I32, (R,))
+                mt = g.input(T.F32, (step.n_kv, max(R, 2)))
+                x2, h, probs, shared = _attention_part(g, lib, xt, pt, mt, layer, shape, step, rps)
+                for t in (x2, h, probs) + ((shared,) if shared is not None else ()):
+                    g.output(lib.ggml_cont_2d(g.ctx, t, t.contents.ne[0], R) if t is not probs else t)
+            else:
+                n_out = len(head[2])
+                ot = g.input(T.I32, (n_out,))
+                nt = g.input(T.F32, (D,))
+                wt = weight_input(g, head[1], rp_head)
+                rows = g.scratch(lib.ggml_get_rows(g.ctx, xt, ot))  # the rows whose logits are wanted
+                out = g.scratch(lib.ggml_mul(g.ctx, g.scratch(lib.ggml_rms_norm(g.ctx, rows, float(shape_eps))), nt))
+                g.output(lib.ggml_mul_mat(g.ctx, wt, out))
+            return g.finish(threads)
+        except BaseException:
+            g.free()
+            raise
+
+    shape_eps = head[3] if head is not None else 0.0
+    rp_head = repacked(head[1]) if head is not None else None
+    arrays: list = []
+    if prev is None:
+        arrays.append(x)
+    else:
+        arrays += [prev.x, prev.h] + ([prev.shared] if has_shared else [])
+        arrays += [prev_layer.ffn_gate_exps.ptr, prev_layer.ffn_up_exps.ptr, prev_layer.ffn_down_exps.ptr,
+                   np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(weights, dtype=np.float32)]
+    result = Segment()
+    if layer is not None:
+        arrays += [np.ascontiguousarray(positions, dtype=np.int32), mask]
+        arrays += _attention_arrays(layer, cache[0], cache[1], n_past, rps)
+        E = layer.ffn_gate_inp.ne[1]
+        result = Segment(np.empty((R, D), np.float32), np.empty((R, D), np.float32), np.empty((R, E), np.float32),
+                         np.empty((R, D), np.float32) if layer.ffn_gate_shexp is not None else None)
+        arrays += [result.x, result.h, result.probs] + ([result.shared] if result.shared is not None else [])
+    else:
+        out_idx = np.ascontiguousarray(head[2], dtype=np.int32)
+        result = Segment(logits=np.empty((len(out_idx), head[1].ne[1]), np.float32))
+        arrays += [out_idx, head[0], weight_data(head[1], rp_head), result.logits]
+    key = ("segment", step, threads, prev is None, has_shared,
+           None if prev_layer is None else _layer_key(prev_layer),
+           None if layer is None else (_layer_key(layer), shape, tuple(v is not None for v in rps.values())),
+           None if head is None else (len(head[2]), _key(head[1]), float(head[3]), rp_head is not None))
+    run_cached(key, build, arrays)
+    return result

@@ -206,6 +206,10 @@ class Lib:
         fn(base, "ggml_reshape_4d", _PT, c_ctx, _PT, i64, i64, i64, i64)
         fn(base, "ggml_repeat_4d", _PT, c_ctx, _PT, i64, i64, i64, i64)
         fn(base, "ggml_nbytes", sz, _PT)
+        fn(base, "ggml_get_rows", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_cpy", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_view_2d", _PT, c_ctx, _PT, i64, i64, sz, sz)
+        fn(base, "ggml_view_3d", _PT, c_ctx, _PT, i64, i64, i64, sz, sz, sz)
         fn(base, "ggml_new_graph_custom", ctypes.c_void_p, c_ctx, sz, ctypes.c_bool)
         fn(base, "ggml_build_forward_expand", None, ctypes.c_void_p, _PT)
         fn(base, "ggml_quantize_requires_imatrix", ctypes.c_bool, ctypes.c_int)
@@ -302,13 +306,6 @@ def info() -> dict:
 SMALL_WORK = 1 << 21  # multiply-adds below which one thread beats waking a team (measured on 2 cores)
 
 
-def threads_for(work: int) -> int:
-    """Threads for a call of ``work`` multiply-adds: one for small products (waking an OpenMP
-    team costs more than it saves; a 1-row expert of the small model is 0.4 M), else
-    :func:`n_threads`. The thread count never changes the result."""
-    return 1 if work < SMALL_WORK else n_threads()
-
-
 @functools.lru_cache(maxsize=None)
 def _n_threads(value: str | None) -> int:
     if not value:
@@ -325,6 +322,13 @@ def _n_threads(value: str | None) -> int:
 def n_threads() -> int:
     """Threads per ggml call: env KVASIR_THREADS, else os.cpu_count()."""
     return _n_threads(os.environ.get(ENV_THREADS))
+
+
+def threads_for(work: int) -> int:
+    """Threads for a call of ``work`` multiply-adds: one for small products (waking an OpenMP
+    team costs more than it saves; a 1-row expert of the small model is 0.4 M), else
+    :func:`n_threads`. The thread count never changes the result."""
+    return 1 if work < SMALL_WORK else n_threads()
 
 
 # --- graphs and computation ---------------------------------------------------------------------
@@ -424,6 +428,14 @@ class Graph:
         self.lib.ggml_build_forward_expand(self.graph, t)
         return t
 
+    def expand(self, t):
+        """Add op ``t`` (e.g. a copy into a cache) to the graph, computed after everything
+        expanded before it and before everything expanded after."""
+        if not t:
+            raise MemoryError("ggml op failed")
+        self.lib.ggml_build_forward_expand(self.graph, t)
+        return t
+
     def finish(self, threads: int) -> "Graph":
         """Plan the graph for ``threads`` threads; call after the last :meth:`output`."""
         self.plan = self.lib.ggml_graph_plan(self.graph, threads, None)
@@ -436,7 +448,8 @@ class Graph:
         C-contiguous and of the planned sizes: the callers check)."""
         if len(arrays) != self.n_inputs:
             raise ValueError(f"graph takes {self.n_inputs} arrays, got {len(arrays)}")
-        ptrs = [_ptr(a) for a in arrays]
+        # ints are addresses already (weights: QTensor.ptr), the rest numpy arrays
+        ptrs = [a if a.__class__ is int else a.__array_interface__["data"][0] for a in arrays]
         for c, p in zip(self.inputs, ptrs):
             c.data = p
         for c, i, offs in self.views:
@@ -559,6 +572,7 @@ class Repacked:
         self.buffer, self.extra = c.buffer, c.extra
         n = lib.ggml_nbytes(tensor)
         self.data = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(c.data))
+        self.ptr = int(c.data)
 
     def __del__(self) -> None:
         try:
@@ -641,8 +655,9 @@ def weight_input(g: Graph, w: QTensor, rp: Repacked | None):
     return t
 
 
-def weight_data(w: QTensor, rp: Repacked | None) -> np.ndarray:
-    return w.data if rp is None else rp.data
+def weight_data(w: QTensor, rp: Repacked | None) -> int:
+    """The address a weight input of :func:`weight_input` is bound to."""
+    return w.ptr if rp is None else rp.ptr
 
 
 # --- public kernels ---------------------------------------------------------------------------
@@ -754,7 +769,7 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
 
     out = np.empty((n, n_embd), dtype=np.float32)
     key = ("ffn", routed, n, threads, _weight_key(gate), _weight_key(up), _weight_key(down), has_bias, gate.glu)
-    run_cached(key, build, (x, gate.data, up.data, down.data, *biases, out))
+    run_cached(key, build, (x, gate.ptr, up.ptr, down.ptr, *biases, out))
     return out
 
 
@@ -897,5 +912,31 @@ def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.nd
 
     out = np.empty((n, k, n_embd), dtype=np.float32)
     key = ("moe", n, k, threads, _weight_key(gate), _weight_key(up), _weight_key(down), has_bias, glu)
-    run_cached(key, build, (x, ids, gate.data, up.data, down.data, *(b for b in biases if b is not None), out))
+    run_cached(key, build, (x, ids, gate.ptr, up.ptr, down.ptr, *(b for b in biases if b is not None), out))
+    return out
+
+
+def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
+    """Rows ``ids`` (n,) of a 2-D weight, dequantised by ggml (``ggml_get_rows``, llama.cpp's
+    token embedding lookup): (n, ne0) float32."""
+    check_weight(w)
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= w.ne[1]:
+        raise ValueError(f"{w.name}: row ids must be a non-empty 1-D array in 0..{w.ne[1] - 1}")
+    n = len(ids)
+    lib = load()
+
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=4)
+        try:
+            wt = g.input(w.ggml_type, w.ne)
+            it = g.input(T.I32, (n,))
+            g.output(lib.ggml_get_rows(g.ctx, wt, it))
+            return g.finish(1)
+        except BaseException:
+            g.free()
+            raise
+
+    out = np.empty((n, w.ne[0]), dtype=np.float32)
+    run_cached(("get_rows", n, _weight_key(w)), build, (w.ptr, ids, out))
     return out
