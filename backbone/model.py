@@ -15,6 +15,18 @@ prefill chunks and single decode tokens mixed): every dense matmul runs on all r
 and the router groups the rows of the whole batch by expert, so each selected expert is asked
 once per layer with every row that chose it. Who computes an expert is the business of the
 :class:`~backbone.experts.ExpertBackend` (all local here; remote workers in the sharded setup).
+
+How it runs on ggml (the same ops, so the same bits, whichever way):
+
+- one sequence, every expert local: one graph per layer, from one router to the next
+  (``_step_segments``, ``kernels.fused.segment``); only the router's top-k is numpy;
+- a batch, or remote experts: two graphs per attention layer around the per-sequence
+  attention (``_attention_fused``), the experts as one ``mul_mat_id`` graph or remote calls;
+- delta-net and gated-query attention layers (qwen35moe, qwen3next): one call per op, below.
+
+``forward`` below is the order of operations of every architecture, op by op; the graph
+builders of ``kernels/fused.py`` follow it line for line (tests/backbone/test_parity.py checks
+that the three paths give identical logits).
 """
 
 from __future__ import annotations

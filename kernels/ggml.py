@@ -608,11 +608,14 @@ def repacked(w: QTensor) -> Repacked | None:
         pass
     with _repack_lock:
         if w not in _repacked:
-            _repacked[w] = _repack(load(), w)
+            _repacked[w] = repack_weight(w)
     return _repacked[w]
 
 
-def _repack(lib: Lib, w: QTensor) -> Repacked | None:
+def repack_weight(w: QTensor) -> Repacked | None:
+    """``w`` copied into the CPU repack buffer whatever the mode (None: no repacked kernel for
+    its type and shape here). :func:`repacked` is the cached, mode-aware way in."""
+    lib = load()
     check_weight(w)
     ctx = lib.ggml_init(InitParams(lib.tensor_overhead * 2 + 1024, None, True))
     if not ctx:

@@ -63,7 +63,7 @@ def test_repacked_q4_k_weight_multiplies_like_the_plain_one(ggml):
     if lib.repack_buft is None:
         pytest.skip("this ggml has no CPU repack buffer type")
     w = _expert(T.Q4_K)[0]
-    rp = ggml._repack(lib, w)
+    rp = ggml.repack_weight(w)
     if rp is None:
         pytest.skip("no repacked Q4_K kernel on this CPU")
     x = np.random.default_rng(0).standard_normal((5, N_EMBD)).astype(np.float32)
