@@ -187,7 +187,7 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
     mask = causal_mask(q_pos0, L, n_kv, rows, window)
     out = np.empty((rows, H * Dh), dtype=np.float32)
     lib = ggml.load()
-    threads = threads_for(rows * n_kv * H * Dh)
+    threads = threads_for(rows * n_kv * H * Dh, L)
     has_sinks = sinks is not None
     key = ("attn", rows, H, Hkv, Dh, n_kv, kv_size, float(scale), threads, has_sinks)
     arrays = (qx, k_cache, v_cache, mask) + ((sinks,) if has_sinks else ()) + (out,)

@@ -73,7 +73,7 @@ def attention_in(x: np.ndarray, positions: np.ndarray, shape: AttentionShape, *,
     norms = [_vec(v) for v in (q_norm, k_norm)]
     has = tuple(b is not None for b in bias) + tuple(v is not None for v in norms)
     lib = ggml.load()
-    threads = threads_for(n * D * (H + 2 * Hkv) * Dh)
+    threads = threads_for(n * D * (H + 2 * Hkv) * Dh, n)
     rps = [repacked(w) for w in (wq, wk, wv)]
 
     def build() -> Graph:
@@ -144,7 +144,7 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
     has = (bo is not None, router_bias is not None, shexp is not None, shexp_gate is not None)
     F = shexp[0].ne[1] if shexp is not None else 0
     lib = ggml.load()
-    threads = threads_for(n * (wo.ne[0] * D + D * E + 3 * D * F))
+    threads = threads_for(n * (wo.ne[0] * D + D * E + 3 * D * F), n)
     rp_o = repacked(wo)
     rp_s = [repacked(w) for w in shexp] if shexp is not None else []
 
@@ -426,7 +426,7 @@ def segment(step: StepShape, *, x: np.ndarray | None = None, prev: Segment | Non
         work += R * sum(w.ne[0] * w.ne[1] for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output))
     if head is not None:
         work += len(head[2]) * head[1].ne[0] * head[1].ne[1]
-    threads = threads_for(work)
+    threads = threads_for(work, step.n_new)
     D = (layer or prev_layer).ffn_gate_exps.ne[0]
 
     def build() -> Graph:

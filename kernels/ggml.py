@@ -324,11 +324,24 @@ def n_threads() -> int:
     return _n_threads(os.environ.get(ENV_THREADS))
 
 
-def threads_for(work: int) -> int:
-    """Threads for a call of ``work`` multiply-adds: one for small products (waking an OpenMP
-    team costs more than it saves; a 1-row expert of the small model is 0.4 M), else
-    :func:`n_threads`. The thread count never changes the result."""
-    return 1 if work < SMALL_WORK else n_threads()
+def decode_threads() -> int:
+    """Threads for a one-token (decode) graph: env KVASIR_THREADS, else half the cores, as
+    llama.cpp's default ``n_threads`` (its batches get every core, like :func:`n_threads`).
+    A decode graph is short: an OpenMP team on every core then spends its time at barriers,
+    and on a machine shared with workers or other processes one descheduled thread stalls the
+    team (measured on 2 loaded cores: 2-thread decode at 1.5 tok/s, 1-thread at ~35)."""
+    value = os.environ.get(ENV_THREADS)
+    return _n_threads(value) if value else max(1, (os.cpu_count() or 1) // 2)
+
+
+def threads_for(work: int, tokens: int = 0) -> int:
+    """Threads for a call of ``work`` multiply-adds on ``tokens`` token rows (0: unknown): one
+    for small products (waking an OpenMP team costs more than it saves; a 1-row expert of the
+    small model is 0.4 M), :func:`decode_threads` for one token, else :func:`n_threads`. The
+    thread count never changes the result."""
+    if work < SMALL_WORK:
+        return 1
+    return decode_threads() if tokens == 1 else n_threads()
 
 
 # --- graphs and computation ---------------------------------------------------------------------
@@ -679,7 +692,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
         return _one_row(matmul, w, x, routed=False)
     n = x.shape[0]
     lib = load()
-    threads = threads_for(n * w.ne[0] * w.ne[1])
+    threads = threads_for(n * w.ne[0] * w.ne[1], n)
     rp = None if routed else repacked(w)
 
     def build() -> Graph:
@@ -720,7 +733,7 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     n = x.shape[0]
     n_embd, n_ff = gate.ne
     lib = load()
-    threads = threads_for(3 * n * n_embd * n_ff)
+    threads = threads_for(3 * n * n_embd * n_ff, n)
 
     biases = [w.bias for w in (gate, up, down) if w.bias is not None]
     has_bias = tuple(w.bias is not None for w in (gate, up, down))
@@ -883,7 +896,7 @@ def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.nd
             raise ValueError(f"expert bias: expected C-contiguous float32 ({E}, {rows}), got {b.dtype} {b.shape}")
     n, k = ids.shape
     lib = load()
-    threads = threads_for(3 * n * k * n_embd * n_ff)
+    threads = threads_for(3 * n * k * n_embd * n_ff, n)
     has_bias = tuple(b is not None for b in biases)
 
     def build() -> Graph:
