@@ -14,7 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from kernels.backend import backend_name
-from kernels.expert import expert_ffn
+from kernels.expert import expert_ffn, moe_ffn as ggml_moe_ffn
 
 
 class ExpertBackend(Protocol):
@@ -43,4 +43,22 @@ class LocalExperts:
         return int(self.weights.expert(layer, 0)[2].ggml_type)
 
     def run_layer(self, layer: int, calls: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
-        return [self.compute(layer, e, rows) for e, rows in calls]
+        if self.backend != "ggml" or not calls:
+            return [self.compute(layer, e, rows) for e, rows in calls]
+        # All of them in one ggml graph (mul_mat_id, as llama.cpp): each expert still sees
+        # exactly its rows, so each output has the bits compute() gives it alone.
+        counts = [len(rows) for _, rows in calls]
+        x = np.concatenate([rows for _, rows in calls]) if len(calls) > 1 else calls[0][1]
+        ids = np.repeat(np.array([e for e, _ in calls], dtype=np.int32), counts)[:, None]
+        out = self.run_ids(layer, x, ids)[:, 0]
+        return np.split(out, np.cumsum(counts)[:-1])
+
+    def run_ids(self, layer: int, x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Rows ``x`` (T, D) through the experts ``ids`` (T, K) of ``layer`` in one ggml graph:
+        (T, K, D) float32, each slot the bits :meth:`compute` gives that expert's rows."""
+        blk = self.weights.layers[layer]
+        self.calls[layer] += len(np.unique(ids))
+        self.rows[layer] += ids.size
+        return ggml_moe_ffn(blk.ffn_gate_exps, blk.ffn_up_exps, blk.ffn_down_exps, x, ids,
+                            biases=(blk.ffn_gate_exps_bias, blk.ffn_up_exps_bias, blk.ffn_down_exps_bias),
+                            glu=self.weights.expert_glu)

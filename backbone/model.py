@@ -15,6 +15,18 @@ prefill chunks and single decode tokens mixed): every dense matmul runs on all r
 and the router groups the rows of the whole batch by expert, so each selected expert is asked
 once per layer with every row that chose it. Who computes an expert is the business of the
 :class:`~backbone.experts.ExpertBackend` (all local here; remote workers in the sharded setup).
+
+How it runs on ggml (the same ops, so the same bits, whichever way):
+
+- one sequence, every expert local: one graph per layer, from one router to the next
+  (``_step_segments``, ``kernels.fused.segment``); only the router's top-k is numpy;
+- a batch, or remote experts: two graphs per attention layer around the per-sequence
+  attention (``_attention_fused``), the experts as one ``mul_mat_id`` graph or remote calls;
+- delta-net and gated-query attention layers (qwen35moe, qwen3next): one call per op, below.
+
+``forward`` below is the order of operations of every architecture, op by op; the graph
+builders of ``kernels/fused.py`` follow it line for line (tests/backbone/test_parity.py checks
+that the three paths give identical logits).
 """
 
 from __future__ import annotations
@@ -25,12 +37,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kernels import deltanet, dense, ops
+from kernels import deltanet, dense, fused, ops
 from backbone.config import ModelConfig, read_config
 from backbone.experts import ExpertBackend, LocalExperts
 from kvasir_bus.errors import ModelFileError, UsageError
 from kernels.expert import expert_ffn
 from kernels.backend import backend_name, matmul
+from kernels.ggml import deterministic as ggml_deterministic, get_rows as ggml_get_rows
 from kernels.tensors import QTensor, open_gguf, tensors_from_reader
 
 WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -219,10 +232,8 @@ class Sequence:
     conv: list[np.ndarray | None] = field(default_factory=list)
     ssm: list[np.ndarray | None] = field(default_factory=list)
 
-    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store this chunk's keys and values (L, Hkv, Dh) at positions n_past.."""
-        L = k.shape[0]
-        end = self.n_past + L
+    def reserve(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Make the layer's cache hold cells 0..end-1; returns (K, V)."""
         cache_k, cache_v = self.k[layer], self.v[layer]
         if end > cache_k.shape[0]:  # grow geometrically, in chunks of 256 cells
             cap = dense.cache_cells_for(max(end, 2 * cache_k.shape[0]), self.n_ctx)
@@ -231,6 +242,13 @@ class Sequence:
             grown_k[:cache_k.shape[0]] = cache_k
             grown_v[:, :cache_v.shape[1]] = cache_v
             self.k[layer], self.v[layer] = cache_k, cache_v = grown_k, grown_v
+        return cache_k, cache_v
+
+    def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store this chunk's keys and values (L, Hkv, Dh) at positions n_past.."""
+        L = k.shape[0]
+        end = self.n_past + L
+        cache_k, cache_v = self.reserve(layer, end)
         cache_k[self.n_past:end] = k.reshape(L, -1)
         cache_v[:, self.n_past:end] = v.reshape(L, -1).T
 
@@ -281,6 +299,25 @@ class Engine:
         # Attention (RoPE, QK, softmax, PV) through ggml, bit-identical to llama.cpp, when the
         # kernels are ggml's; the numpy version of the same math otherwise.
         self.ggml_attention = backend_name() == "ggml" and dense.available()
+        # Attention layers as two graphs each (kernels/fused.py) where ggml computes them; the
+        # gated-query (IMROPE) attention of qwen35moe/qwen3next keeps the op-by-op path.
+        self.fused = self.ggml_attention and not cfg.traits.attn_q_gate and cfg.traits.rope_style != "imrope"
+        self.one_row_as_two = self.fused and ggml_deterministic()
+        self._shapes: tuple[ModelConfig, list[fused.AttentionShape]] | None = None
+        # One graph per layer for one-sequence steps where nothing needs Python between the
+        # routers: no delta-net layers, no attention sinks or windows, no expert biases, the
+        # softmax-then-top-k router, rows sent to the experts unrounded.
+        t = cfg.traits
+        self.segments = self.fused and not t.delta_net and not t.attn_sinks and t.router != "softmax_weight" \
+            and weights.layers[0].ffn_gate_exps_bias is None and self.wire_dtype == np.float32
+
+    def _attention_shape(self, il: int) -> fused.AttentionShape:
+        """Layer ``il``'s attention shape and RoPE parameters, made once per config."""
+        c = self.cfg
+        if self._shapes is None or self._shapes[0] is not c:
+            self._shapes = (c, [fused.AttentionShape(c.n_head, c.n_head_kv, c.head_dim, c.rms_eps, dense.rope_params(
+                c.n_rot, c.traits.rope_style, c.layer_rope_base(i), c.n_ctx_train)) for i in range(c.n_layer)])
+        return self._shapes[1][il]
         if (cfg.traits.delta_net or cfg.traits.rope_style == "imrope" or cfg.traits.attn_sinks) \
                 and not self.ggml_attention:
             raise UsageError(f"architecture {cfg.arch} runs on ggml's kernels only (its delta-net, "
@@ -319,13 +356,19 @@ class Engine:
                 raise UsageError(f"sequence needs {seq.n_past + L} positions; the context is {seq.n_ctx}")
             if np.any((ids < 0) | (ids >= c.n_vocab)):
                 raise UsageError(f"token id out of range 0..{c.n_vocab - 1}")
+        if self._one_graph_per_layer(batch):
+            return self._step_segments(batch[0][0], np.asarray(batch[0][1], dtype=np.int64), all_logits)
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
         positions = np.concatenate([seq.n_past + np.arange(L) for (seq, _), L in zip(batch, lengths)])
         starts = np.cumsum([0] + lengths)
         rope = positions if self.ggml_attention else ops.rope_cache(positions, c.n_rot, c.rope_base)
 
-        x = embed(w.token_embd, ids)  # (T, D)
+        x = ggml_get_rows(w.token_embd, ids) if self.ggml_attention else embed(w.token_embd, ids)  # (T, D)
         for il, blk in enumerate(w.layers):
+            if self.fused and blk.attn_q is not None:  # the same math in two ggml graphs
+                f = self._attention_fused(il, blk, x, positions, batch, starts)
+                x = f.x + self._moe(il, blk, f.h, router=f.router, shared=f.shared)
+                continue
             h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
             if blk.ssm_out is not None:
                 x = x + self._delta_net(il, blk, h, batch, starts)
@@ -384,6 +427,83 @@ class Engine:
         out = matmul(blk.attn_output, out)
         return out if blk.attn_output_bias is None else out + blk.attn_output_bias
 
+    def _one_graph_per_layer(self, batch) -> bool:
+        """Whether this step can run as one graph per layer (``_step_segments``): one sequence,
+        every expert local and unrounded, standard attention and routing, a chunk that needs no
+        splitting of its attention."""
+        if not self.segments or len(batch) != 1 or self.experts is not self.local_experts:
+            return False
+        seq, ids = batch[0]
+        end = seq.n_past + len(ids)
+        n_kv = dense.n_kv_for(end, dense.cache_cells_for(end, seq.n_ctx))
+        return len(ids) <= max(2, dense.MAX_KQ_BYTES // (8 * n_kv * self.cfg.n_head))
+
+    def _step_segments(self, seq: Sequence, ids: np.ndarray, all_logits: bool) -> list[np.ndarray]:
+        """One sequence's step as ``n_layer + 1`` ggml graphs, one from each router to the next
+        (``kernels.fused.segment``): the forward pass above, with the same ops and bits."""
+        c, w = self.cfg, self.weights
+        T = len(ids)
+        R = 2 if T == 1 and self.one_row_as_two else T
+        end = seq.n_past + T
+        caches = [seq.reserve(il, end) for il in range(c.n_layer)]
+        kv_size = caches[0][0].shape[0]
+        n_kv = dense.n_kv_for(end, kv_size)
+        step = fused.StepShape(R, T, kv_size, n_kv, float(dense.kq_scale(c.head_dim)), c.n_expert_used,
+                               w.expert_glu, c.traits.shexp_gate)
+        mask = dense.causal_mask(seq.n_past, T, n_kv, max(R, 2))
+        positions = np.repeat(seq.n_past + np.arange(T), R // T).astype(np.int32)
+        x = ggml_get_rows(w.token_embd, np.repeat(ids, R // T))  # (R, D)
+        at = dict(n_past=seq.n_past, positions=positions, mask=mask)
+        seg = fused.segment(step, x=x, layer=w.layers[0], shape=self._attention_shape(0), cache=caches[0], **at)
+        for il in range(1, c.n_layer + 1):
+            blk = w.layers[il - 1]
+            # the router's top-k, as _moe computes it (the graph applied the softmax)
+            top, weights = ops.route(seg.probs[:T], c.n_expert_used, c.traits.norm_topk, _already_softmaxed)
+            self.local_experts.calls[il - 1] += len(np.unique(top))
+            self.local_experts.rows[il - 1] += top.size
+            if il < c.n_layer:
+                seg = fused.segment(step, prev=seg, prev_layer=blk, ids=top, weights=weights, layer=w.layers[il],
+                                    shape=self._attention_shape(il), cache=caches[il], **at)
+            else:
+                rows = np.arange(T) if all_logits else np.array([T - 1])
+                if len(rows) == 1 and self.one_row_as_two:  # the head's one row as two, as matmul does
+                    rows = np.repeat(rows, 2)
+                seg = fused.segment(step, prev=seg, prev_layer=blk, ids=top, weights=weights,
+                                    head=(w.output_norm, w.output, rows, c.rms_eps))
+        seq.n_past = end
+        return [seg.logits[:T] if all_logits else seg.logits[:1]]
+
+    def _attention_fused(self, il: int, blk: Layer, x: np.ndarray, positions: np.ndarray, batch,
+                         starts) -> fused.FfnIn:
+        """An attention layer up to the routed experts, as ``_attention`` then the FFN norm,
+        router and shared expert of ``_moe`` compute it, in two ggml graphs around the KV cache
+        (``kernels/fused.py``). Deterministic mode runs a one-row step as two rows, as every
+        dense product does there (``kernels.ggml.matmul``)."""
+        c = self.cfg
+        T = x.shape[0]
+        pad = T == 1 and self.one_row_as_two
+        xs, pos = (np.repeat(x, 2, axis=0), np.repeat(positions, 2)) if pad else (x, positions)
+        q, k, v = fused.attention_in(xs, pos, self._attention_shape(il), attn_norm=blk.attn_norm, wq=blk.attn_q,
+                                     wk=blk.attn_k, wv=blk.attn_v, bq=blk.attn_q_bias, bk=blk.attn_k_bias,
+                                     bv=blk.attn_v_bias, q_norm=blk.attn_q_norm, k_norm=blk.attn_k_norm)
+        k16, v16 = k[:T].astype(np.float16), v[:T].astype(np.float16)  # the KV cache is f16
+        out = np.empty((len(xs), c.n_head * c.head_dim), dtype=np.float32)
+        extra = dict(sinks=blk.attn_sinks, window=c.layer_window(il), scale=dense.kq_scale(c.n_rot)) \
+            if blk.attn_sinks is not None else {}
+        for (seq, _), a, b in zip(batch, starts[:-1], starts[1:]):
+            seq.append(il, k16[a:b], v16[a:b])
+            out[a:b] = dense.attention(q[a:b], seq.k[il], seq.v[il], seq.n_past, **extra)
+        if pad:
+            out[1] = out[0]
+        shexp = (blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp) if blk.ffn_gate_shexp is not None else None
+        f = fused.attention_out(out, xs, eps=c.rms_eps, wo=blk.attn_output, bo=blk.attn_output_bias,
+                                ffn_norm=blk.ffn_norm, router=blk.ffn_gate_inp, router_bias=blk.ffn_gate_inp_bias,
+                                router_softmax=c.traits.router != "softmax_weight", shexp=shexp,
+                                shexp_gate=blk.ffn_gate_inp_shexp, shexp_gate_kind=c.traits.shexp_gate)
+        if pad:
+            f = fused.FfnIn(f.x[:1], f.h[:1], f.router[:1], None if f.shared is None else f.shared[:1])
+        return f
+
     def _delta_net(self, il: int, blk: Layer, h: np.ndarray, batch, starts) -> np.ndarray:
         """A gated delta-net layer: the projections on all rows at once, then each sequence's
         chunk through ``kernels.deltanet.delta_net`` with its own conv and recurrent state."""
@@ -402,18 +522,29 @@ class Engine:
                 blk.ssm_a, blk.ssm_norm, k_heads=c.ssm_k_heads, eps=c.rms_eps, interleave=c.traits.ssm_ba)
         return matmul(blk.ssm_out, out)
 
-    def _moe(self, il: int, blk: Layer, h: np.ndarray) -> np.ndarray:
+    def _moe(self, il: int, blk: Layer, h: np.ndarray, *, router: np.ndarray | None = None,
+             shared: np.ndarray | None = None) -> np.ndarray:
+        """The MoE FFN of rows ``h``. ``router``/``shared``: the router's output (probabilities,
+        or logits for a softmax_weight router) and the gated shared expert, when the fused
+        graph has computed them already."""
         c = self.cfg
-        router_logits = matmul(blk.ffn_gate_inp, h)  # (T, E)
-        if blk.ffn_gate_inp_bias is not None:
-            router_logits = router_logits + blk.ffn_gate_inp_bias
         softmax = dense.softmax if self.ggml_attention else ops.softmax
+        if router is None:
+            router = matmul(blk.ffn_gate_inp, h)  # (T, E)
+            if blk.ffn_gate_inp_bias is not None:
+                router = router + blk.ffn_gate_inp_bias
+        elif c.traits.router != "softmax_weight":
+            softmax = _already_softmaxed
         if c.traits.router == "softmax_weight":
-            ids, weights = ops.route_softmax_weight(router_logits, c.n_expert_used, softmax)  # (T, K)
+            ids, weights = ops.route_softmax_weight(router, c.n_expert_used, softmax)  # (T, K)
         else:
-            ids, weights = ops.route(router_logits, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
+            ids, weights = ops.route(router, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
         # Whatever rounding the wire applies to the rows, the local path applies too.
         rows = h.astype(self.wire_dtype).astype(np.float32)
+        if self.experts is self.local_experts and self.ggml_attention:  # llama.cpp's layout, one graph
+            expert_out = self.local_experts.run_ids(il, rows, ids)  # (T, K, D)
+            moe = ops.combine(expert_out, weights)
+            return moe + shared if shared is not None else self._shared(blk, h, moe)
         experts = np.unique(ids)
         groups = [(int(e), np.nonzero(ids == e)) for e in experts]  # (row idx, slot idx) per expert
         outs = self.experts.run_layer(il, [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups])
@@ -421,6 +552,11 @@ class Engine:
         for (e, (r, slot)), out in zip(groups, outs):
             expert_out[r, slot] = out
         moe = ops.combine(expert_out, weights)
+        return moe + shared if shared is not None else self._shared(blk, h, moe)
+
+    def _shared(self, blk: Layer, h: np.ndarray, moe: np.ndarray) -> np.ndarray:
+        """``moe`` plus the (gated) shared expert of rows ``h``, where the layer has one."""
+        c = self.cfg
         if blk.ffn_gate_shexp is not None:
             shared = expert_ffn(blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp, h, routed=False)
             if blk.ffn_gate_inp_shexp is not None:
@@ -431,6 +567,11 @@ class Engine:
                 shared = shared * gate
             moe = moe + shared
         return moe
+
+
+def _already_softmaxed(p: np.ndarray) -> np.ndarray:
+    """The router's softmax when the fused graph has applied it (``ops.route`` takes one)."""
+    return p
 
 
 def _f32_tensor(name: str, array: np.ndarray) -> QTensor:

@@ -8,6 +8,12 @@ and every core, the settings ``kvasir verify`` compares against bit for bit. Our
 both kernel modes: ``fast`` (the default) and ``deterministic`` (batch-invariant); the cost of
 the latter is reported as its slowdown.
 
+Our engine's defaults follow llama.cpp's: a decode step's graphs run on half the cores, a
+prompt's on all of them (``kernels.ggml.decode_threads``); weight repacking is off
+(``KVASIR_REPACK=1`` turns it on for dense weights; on this project's AVX2 machine it gains
+nothing, see ``kernels.ggml.repack_enabled``). The JSON records the load average before and
+after: on a shared machine the ratios are only as good as the load was steady.
+
 Every configuration runs in its own child process (ggml reads its kernel switches once, when it
 loads), on the same GGUF, prompt and number of greedy steps, one after the other, so the ratios
 compare like with like on this (noisy) machine. The best of ``--repeat`` runs is reported.
@@ -32,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # llama.cpp's own default for the tiled kernel is on; the child for "as users run it" gets an
 # environment without our switches so that llama.cpp decides.
-OUR_ENV = ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_THREADS")
+OUR_ENV = ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_THREADS", "KVASIR_REPACK")
 
 
 def child(kind: str, path: str, n_prompt: int, n_decode: int, repeat: int) -> dict:
@@ -169,7 +175,11 @@ def main() -> None:
            "reference": "llama.cpp via llama-cpp-python defaults (repacking on, its default flash "
                         "attention and threads); 'matched' = repacking and flash attention off, all cores, "
                         "the same tiled-matmul switch as ours: what kvasir verify compares against",
+           "load_average_before": [round(v, 2) for v in os.getloadavg()],
            "results": [bench_model(path, label, args) for path, label in todo]}
+    # The ratios compare runs made one after the other: on a machine shared with other work
+    # they are only as good as the load was steady (2-thread runs suffer most from it).
+    out["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
     print(json.dumps(out, indent=2))
 
 

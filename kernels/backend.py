@@ -304,7 +304,19 @@ def kernel_settings() -> dict:
     mode = kernel_mode()
     return {"backend": backend_name(), "mode": mode, "label": kernel_label(),
             "tiled_mm": mode == "fast", "one_row_as_two": mode == "deterministic",
-            "repack": False, "threads": _threads_setting()}
+            "repack": _repack_setting(), "threads": _threads_setting(), "decode_threads": _decode_threads()}
+
+
+def _decode_threads() -> int:
+    from kernels.ggml import decode_threads
+
+    return decode_threads()
+
+
+def _repack_setting() -> bool:
+    from kernels import ggml
+
+    return backend_name() == "ggml" and ggml.repack_enabled()
 
 
 def _threads_setting() -> int:

@@ -36,14 +36,15 @@ ACT_FORMAT: dict[GGMLQuantizationType, str] = {t: _ACT_FORMAT_BY_NAME[t.name] fo
 _passed: "weakref.WeakSet[QTensor]" = weakref.WeakSet()
 
 
-def check_weight(w: QTensor) -> None:
-    """ValueError unless ``w`` is a 2-D weight of a supported type whose bytes match its shape."""
-    if w in _passed:
+def check_weight(w: QTensor, dims: int = 2) -> None:
+    """ValueError unless ``w`` is a ``dims``-D weight (2, or 3 for an expert slab) of a supported
+    type whose bytes match its shape."""
+    if w in _passed and len(w.ne) == dims:
         return
     if w.ggml_type not in ACT_FORMAT:
         raise ValueError(f"{w.name}: cannot multiply weights of type {T(w.ggml_type).name}")
-    if len(w.ne) != 2:
-        raise ValueError(f"{w.name}: expected a 2-D weight, got ne={w.ne}")
+    if len(w.ne) != dims:
+        raise ValueError(f"{w.name}: expected a {dims}-D weight, got ne={w.ne}")
     if min(w.ne) < 1:
         raise ValueError(f"{w.name}: empty weight, ne={w.ne}")
     block, _ = GGML_QUANT_SIZES[w.ggml_type]

@@ -187,7 +187,7 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
     mask = causal_mask(q_pos0, L, n_kv, rows, window)
     out = np.empty((rows, H * Dh), dtype=np.float32)
     lib = ggml.load()
-    threads = threads_for(rows * n_kv * H * Dh)
+    threads = threads_for(rows * n_kv * H * Dh, L)
     has_sinks = sinks is not None
     key = ("attn", rows, H, Hkv, Dh, n_kv, kv_size, float(scale), threads, has_sinks)
     arrays = (qx, k_cache, v_cache, mask) + ((sinks,) if has_sinks else ()) + (out,)
@@ -250,6 +250,16 @@ def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, style: str, base: flo
     return _rope((x,), positions, n_rot, style, base, n_ctx_orig, **yarn)[0]
 
 
+def rope_params(n_rot: int, style: str, base: float, n_ctx_orig: int = 0, freq_scale=1.0, ext_factor=0.0,
+                attn_factor=1.0, beta_fast=32.0, beta_slow=1.0) -> tuple:
+    """The arguments of ``ggml_rope_ext`` after the positions, as :func:`rope_qk` passes them
+    (the fused layer graphs of ``kernels/fused.py`` pass the same)."""
+    if style not in ROPE_MODES:
+        raise ValueError(f"unknown rope style {style!r}")
+    return (int(n_rot), ROPE_MODES[style], int(n_ctx_orig), float(base), float(freq_scale), float(ext_factor),
+            float(attn_factor), float(beta_fast), float(beta_slow))
+
+
 def _rope(xs, positions, n_rot, style, base, n_ctx_orig=0, freq_scale=1.0, ext_factor=0.0, attn_factor=1.0,
           beta_fast=32.0, beta_slow=1.0) -> tuple[np.ndarray, ...]:
     xs = tuple(np.ascontiguousarray(x, dtype=np.float32) for x in xs)
@@ -262,10 +272,8 @@ def _rope(xs, positions, n_rot, style, base, n_ctx_orig=0, freq_scale=1.0, ext_f
     pos = np.ascontiguousarray(positions, dtype=np.int32)
     if pos.shape != (T,):
         raise ValueError(f"positions: expected shape ({T},), got {pos.shape}")
-    if style not in ROPE_MODES:
-        raise ValueError(f"unknown rope style {style!r}")
-    params = (int(n_rot), ROPE_MODES[style], int(n_ctx_orig), float(base), float(freq_scale), float(ext_factor),
-              float(attn_factor), float(beta_fast), float(beta_slow))
+    params = rope_params(n_rot, style, base, n_ctx_orig, freq_scale=freq_scale, ext_factor=ext_factor,
+                         attn_factor=attn_factor, beta_fast=beta_fast, beta_slow=beta_slow)
     shapes = tuple(x.shape for x in xs)
     lib = ggml.load()
     threads = threads_for(sum(x.size for x in xs) * 16)

@@ -54,3 +54,13 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,
     """
     x = check_ffn(gate, up, down, x)
     return backends.get_backend(backend).expert_ffn(gate, up, down, x, routed=routed)
+
+
+def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.ndarray, *,
+            biases=(None, None, None), glu: str = "swiglu") -> np.ndarray:
+    """Routed experts of a whole layer at once with ggml (``kernels.ggml.moe_ffn``): x (T, D),
+    ids (T, K) -> (T, K, D) float32; row t of slot k has the bits :func:`expert_ffn` (routed)
+    gives expert ids[t, k] on the rows that chose it."""
+    from kernels import ggml
+
+    return ggml.moe_ffn(gate, up, down, x, ids, biases=biases, glu=glu)

@@ -33,6 +33,7 @@ import functools
 import importlib.util
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -205,12 +206,27 @@ class Lib:
         fn(base, "ggml_reshape_4d", _PT, c_ctx, _PT, i64, i64, i64, i64)
         fn(base, "ggml_repeat_4d", _PT, c_ctx, _PT, i64, i64, i64, i64)
         fn(base, "ggml_nbytes", sz, _PT)
+        fn(base, "ggml_get_rows", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_cpy", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_view_2d", _PT, c_ctx, _PT, i64, i64, sz, sz)
+        fn(base, "ggml_view_3d", _PT, c_ctx, _PT, i64, i64, i64, sz, sz, sz)
         fn(base, "ggml_new_graph_custom", ctypes.c_void_p, c_ctx, sz, ctypes.c_bool)
         fn(base, "ggml_build_forward_expand", None, ctypes.c_void_p, _PT)
         fn(base, "ggml_quantize_requires_imatrix", ctypes.c_bool, ctypes.c_int)
         fn(base, "ggml_quantize_chunk", sz, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, i64, i64, i64,
            ctypes.c_void_p)
         fn(cpu, "ggml_cpu_init", None)
+        # weight repacking (llama.cpp's default on CPU): the repack buffer type is C++ (mangled)
+        fn(base, "ggml_backend_alloc_ctx_tensors_from_buft", ctypes.c_void_p, c_ctx, ctypes.c_void_p)
+        fn(base, "ggml_backend_tensor_set", None, _PT, ctypes.c_void_p, sz, sz)
+        fn(base, "ggml_backend_buffer_free", None, ctypes.c_void_p)
+        fn(base, "ggml_log_get", None, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p))
+        fn(base, "ggml_log_set", None, ctypes.c_void_p, ctypes.c_void_p)
+        try:
+            fn(cpu, "_Z35ggml_backend_cpu_repack_buffer_typev", ctypes.c_void_p)
+            self.repack_buft = self._Z35ggml_backend_cpu_repack_buffer_typev()
+        except GgmlUnavailable:
+            self.repack_buft = None
         fn(cpu, "ggml_get_type_traits_cpu", ctypes.POINTER(TypeTraitsCpu), ctypes.c_int)
         fn(cpu, "ggml_graph_plan", CPlan, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
         fn(cpu, "ggml_graph_compute", ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(CPlan))
@@ -290,13 +306,6 @@ def info() -> dict:
 SMALL_WORK = 1 << 21  # multiply-adds below which one thread beats waking a team (measured on 2 cores)
 
 
-def threads_for(work: int) -> int:
-    """Threads for a call of ``work`` multiply-adds: one for small products (waking an OpenMP
-    team costs more than it saves; a 1-row expert of the small model is 0.4 M), else
-    :func:`n_threads`. The thread count never changes the result."""
-    return 1 if work < SMALL_WORK else n_threads()
-
-
 @functools.lru_cache(maxsize=None)
 def _n_threads(value: str | None) -> int:
     if not value:
@@ -313,6 +322,26 @@ def _n_threads(value: str | None) -> int:
 def n_threads() -> int:
     """Threads per ggml call: env KVASIR_THREADS, else os.cpu_count()."""
     return _n_threads(os.environ.get(ENV_THREADS))
+
+
+def decode_threads() -> int:
+    """Threads for a one-token (decode) graph: env KVASIR_THREADS, else half the cores, as
+    llama.cpp's default ``n_threads`` (its batches get every core, like :func:`n_threads`).
+    A decode graph is short: an OpenMP team on every core then spends its time at barriers,
+    and on a machine shared with workers or other processes one descheduled thread stalls the
+    team (measured on 2 loaded cores: 2-thread decode at 1.5 tok/s, 1-thread at ~35)."""
+    value = os.environ.get(ENV_THREADS)
+    return _n_threads(value) if value else max(1, (os.cpu_count() or 1) // 2)
+
+
+def threads_for(work: int, tokens: int = 0) -> int:
+    """Threads for a call of ``work`` multiply-adds on ``tokens`` token rows (0: unknown): one
+    for small products (waking an OpenMP team costs more than it saves; a 1-row expert of the
+    small model is 0.4 M), :func:`decode_threads` for one token, else :func:`n_threads`. The
+    thread count never changes the result."""
+    if work < SMALL_WORK:
+        return 1
+    return decode_threads() if tokens == 1 else n_threads()
 
 
 # --- graphs and computation ---------------------------------------------------------------------
@@ -412,6 +441,14 @@ class Graph:
         self.lib.ggml_build_forward_expand(self.graph, t)
         return t
 
+    def expand(self, t):
+        """Add op ``t`` (e.g. a copy into a cache) to the graph, computed after everything
+        expanded before it and before everything expanded after."""
+        if not t:
+            raise MemoryError("ggml op failed")
+        self.lib.ggml_build_forward_expand(self.graph, t)
+        return t
+
     def finish(self, threads: int) -> "Graph":
         """Plan the graph for ``threads`` threads; call after the last :meth:`output`."""
         self.plan = self.lib.ggml_graph_plan(self.graph, threads, None)
@@ -424,7 +461,8 @@ class Graph:
         C-contiguous and of the planned sizes: the callers check)."""
         if len(arrays) != self.n_inputs:
             raise ValueError(f"graph takes {self.n_inputs} arrays, got {len(arrays)}")
-        ptrs = [_ptr(a) for a in arrays]
+        # ints are addresses already (weights: QTensor.ptr), the rest numpy arrays
+        ptrs = [a if a.__class__ is int else a.__array_interface__["data"][0] for a in arrays]
         for c, p in zip(self.inputs, ptrs):
             c.data = p
         for c, i, offs in self.views:
@@ -526,6 +564,118 @@ def _weight_key(w: QTensor) -> tuple:
     return (int(w.ggml_type), w.ne)
 
 
+# --- weight repacking ---------------------------------------------------------------------------
+# llama.cpp on this CPU puts Q4_0, Q4_K, IQ4_NL... weights into ggml_backend_cpu's "repack"
+# buffer type: the bytes are interleaved once, at load, for gemv/gemm kernels several times
+# faster than vec_dot. They round differently and switch kernels with the row count, so only
+# the fast mode repacks, and only dense weights (attention, shared expert, output head): the
+# routed experts stay the pure function a worker computes from its slice.
+
+ENV_REPACK = "KVASIR_REPACK"  # "1" turns repacking on in fast mode (default off: see repack_enabled)
+
+
+class Repacked:
+    """One weight's bytes in the CPU repack buffer, and what a graph's weight input needs to use
+    them: ``data`` (a uint8 view of the repacked bytes, bound like any input), ``buffer`` and
+    ``extra`` (the buffer and repack traits ggml's CPU backend dispatches on)."""
+
+    def __init__(self, lib: Lib, w: QTensor, ctx, tensor, buffer):
+        self.lib, self.ctx, self.buffer_handle = lib, ctx, buffer
+        c = tensor.contents
+        self.buffer, self.extra = c.buffer, c.extra
+        n = lib.ggml_nbytes(tensor)
+        self.data = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(c.data))
+        self.ptr = int(c.data)
+
+    def __del__(self) -> None:
+        try:
+            self.lib.ggml_backend_buffer_free(self.buffer_handle)
+            self.lib.ggml_free(self.ctx)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+_repacked: "weakref.WeakKeyDictionary[QTensor, Repacked | None]" = weakref.WeakKeyDictionary()
+_repack_lock = threading.Lock()
+
+
+def repack_enabled() -> bool:
+    """Whether dense weights are repacked in this process: fast mode with KVASIR_REPACK=1.
+
+    Off by default because on this project's AVX2 machine it gains nothing: ggml's tiled kernel
+    (fast mode) is as fast as the repacked gemm, and the repacked gemv as vec_dot (a Q4_K
+    512x2048 product: 96 vs 78 us for one row, 3.4 vs 2.8 ms for 64; llama.cpp's own decode is
+    no faster with it either). Where the repacked kernels win (AVX-512, ARM), turn it on."""
+    lib = load()
+    return lib.mode == "fast" and lib.repack_buft is not None and os.environ.get(ENV_REPACK, "0") == "1"
+
+
+def repacked(w: QTensor) -> Repacked | None:
+    """``w`` in the repack buffer (made once per tensor), or None where repacking is off or ggml
+    has no repacked kernel for its type and shape."""
+    if not repack_enabled() or len(w.ne) != 2:
+        return None
+    try:
+        return _repacked[w]
+    except KeyError:
+        pass
+    with _repack_lock:
+        if w not in _repacked:
+            _repacked[w] = repack_weight(w)
+    return _repacked[w]
+
+
+def repack_weight(w: QTensor) -> Repacked | None:
+    """``w`` copied into the CPU repack buffer whatever the mode (None: no repacked kernel for
+    its type and shape here). :func:`repacked` is the cached, mode-aware way in."""
+    lib = load()
+    check_weight(w)
+    ctx = lib.ggml_init(InitParams(lib.tensor_overhead * 2 + 1024, None, True))
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    t = lib.ggml_new_tensor_2d(ctx, int(w.ggml_type), int(w.ne[0]), int(w.ne[1]))
+    buffer = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx, lib.repack_buft) if t else None
+    if not buffer:
+        lib.ggml_free(ctx)
+        return None
+    if not t.contents.extra:  # no repacked layout for this type/shape on this CPU
+        lib.ggml_backend_buffer_free(buffer)
+        lib.ggml_free(ctx)
+        return None
+    # ggml logs every repacked tensor at debug level to stderr: quiet it for this call only
+    old_cb, old_data = ctypes.c_void_p(), ctypes.c_void_p()
+    lib.ggml_log_get(ctypes.byref(old_cb), ctypes.byref(old_data))
+    lib.ggml_log_set(ctypes.cast(_quiet_log, ctypes.c_void_p), None)
+    try:
+        lib.ggml_backend_tensor_set(t, w.data.ctypes.data, 0, w.data.nbytes)  # repacks
+    finally:
+        lib.ggml_log_set(old_cb, old_data)
+    return Repacked(lib, w, ctx, t, buffer)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _quiet_log(level, text, user_data) -> None:
+    """A ggml log callback that keeps warnings and errors (levels 3, 4) and drops the rest."""
+    if level in (3, 4):
+        import sys
+
+        sys.stderr.write(text.decode(errors="replace"))
+
+
+def weight_input(g: Graph, w: QTensor, rp: Repacked | None):
+    """A weight input of ``g``: bound per call to ``w.data``, or to ``rp.data`` when repacked
+    (then the tensor carries the repack buffer and traits, the same for every weight of its type)."""
+    t = g.input(w.ggml_type, w.ne)
+    if rp is not None:
+        t.contents.buffer, t.contents.extra = rp.buffer, rp.extra
+    return t
+
+
+def weight_data(w: QTensor, rp: Repacked | None) -> int:
+    """The address a weight input of :func:`weight_input` is bound to."""
+    return w.ptr if rp is None else rp.ptr
+
+
 # --- public kernels ---------------------------------------------------------------------------
 
 def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
@@ -542,7 +692,8 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
         return _one_row(matmul, w, x, routed=False)
     n = x.shape[0]
     lib = load()
-    threads = threads_for(n * w.ne[0] * w.ne[1])
+    threads = threads_for(n * w.ne[0] * w.ne[1], n)
+    rp = None if routed else repacked(w)
 
     def build() -> Graph:
         g = Graph(lib, n_tensors=5)
@@ -553,7 +704,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
                 ids = g.constant(T.I32, (1, n), np.zeros(n, dtype=np.int32))
                 g.output(lib.ggml_mul_mat_id(g.ctx, wt, xt, ids))  # (n, 1, ne1)
             else:
-                wt = g.input(w.ggml_type, w.ne)
+                wt = weight_input(g, w, rp)
                 xt = g.input(T.F32, (w.ne[0], n))
                 g.output(lib.ggml_mul_mat(g.ctx, wt, xt))  # (n, ne1)
             return g.finish(threads)
@@ -562,7 +713,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
             raise
 
     out = np.empty((n, w.ne[1]), dtype=np.float32)
-    run_cached(("mm", routed, n, threads, _weight_key(w)), build, (w.data, x, out))
+    run_cached(("mm", routed, n, threads, _weight_key(w), rp is not None), build, (weight_data(w, rp), x, out))
     return out
 
 
@@ -582,7 +733,7 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     n = x.shape[0]
     n_embd, n_ff = gate.ne
     lib = load()
-    threads = threads_for(3 * n * n_embd * n_ff)
+    threads = threads_for(3 * n * n_embd * n_ff, n)
 
     biases = [w.bias for w in (gate, up, down) if w.bias is not None]
     has_bias = tuple(w.bias is not None for w in (gate, up, down))
@@ -634,7 +785,7 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
 
     out = np.empty((n, n_embd), dtype=np.float32)
     key = ("ffn", routed, n, threads, _weight_key(gate), _weight_key(up), _weight_key(down), has_bias, gate.glu)
-    run_cached(key, build, (x, gate.data, up.data, down.data, *biases, out))
+    run_cached(key, build, (x, gate.ptr, up.ptr, down.ptr, *biases, out))
     return out
 
 
@@ -713,3 +864,95 @@ def _one_row(fn, *args, routed: bool):
     """
     *head, x = args
     return fn(*head, np.repeat(x, 2, axis=0), routed=routed)[:1]
+
+
+def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.ndarray, *,
+            biases: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None] = (None, None, None),
+            glu: str = "swiglu") -> np.ndarray:
+    """Many routed experts in one graph, llama.cpp's ``build_moe_ffn`` up to the weighting.
+
+    gate/up: the 3-D expert slabs, ne (n_embd, n_ff, E); down ne (n_ff, n_embd, E). x (T, n_embd)
+    float32; ids (T, K) int32, the experts each row goes to. Returns (T, K, n_embd) float32: row
+    t through expert ids[t, k], before the router weight. ``biases``: gpt-oss' bias rows (E, n_ff),
+    (E, n_ff), (E, n_embd) float32 or None; ``glu``: the activation (swiglu or swiglu_oai).
+
+    ``ggml_mul_mat_id`` computes each expert on the rows that chose it, in row order, so every
+    row's result is the one the same expert gives those rows alone (:func:`expert_ffn` with
+    ``routed=True``, what a worker computes): one call per layer instead of one per expert.
+    """
+    for w in (gate, up, down):
+        check_weight(w, dims=3)
+    n_embd, n_ff, E = gate.ne
+    if up.ne != gate.ne or down.ne != (n_ff, n_embd, E):
+        raise ValueError(f"expert slabs {gate.ne}, {up.ne}, {down.ne} do not fit together")
+    x = check_rows(x, n_embd, gate.name)
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    if ids.ndim != 2 or ids.shape[0] != x.shape[0] or ids.size == 0:
+        raise ValueError(f"ids: expected shape ({x.shape[0]}, K), got {ids.shape}")
+    if ids.min() < 0 or ids.max() >= E:
+        raise ValueError(f"expert ids out of range 0..{E - 1}")
+    for b, rows in zip(biases, (n_ff, n_ff, n_embd)):
+        if b is not None and (b.dtype != np.float32 or b.shape != (E, rows) or not b.flags.c_contiguous):
+            raise ValueError(f"expert bias: expected C-contiguous float32 ({E}, {rows}), got {b.dtype} {b.shape}")
+    n, k = ids.shape
+    lib = load()
+    threads = threads_for(3 * n * k * n_embd * n_ff, n)
+    has_bias = tuple(b is not None for b in biases)
+
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=16)
+        try:
+            xt = g.input(T.F32, (n_embd, 1, n))  # one row per token, broadcast over its K slots
+            it = g.input(T.I32, (k, n))
+            gw, uw, dw = (g.input(w.ggml_type, w.ne) for w in (gate, up, down))
+            bt = [g.input(T.F32, (rows, E)) if has else None for has, rows in zip(has_bias, (n_ff, n_ff, n_embd))]
+
+            def biased(t, b):
+                return t if b is None else g.scratch(lib.ggml_add_id(g.ctx, t, b, it))
+
+            # build_moe_ffn's order: up and its bias, then gate and its bias
+            ut = biased(g.scratch(lib.ggml_mul_mat_id(g.ctx, uw, xt, it)), bt[1])  # (n_ff, K, n)
+            gt = biased(g.scratch(lib.ggml_mul_mat_id(g.ctx, gw, xt, it)), bt[0])
+            if glu == "swiglu_oai":
+                h = g.scratch(lib.ggml_swiglu_oai(g.ctx, gt, ut, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT))
+            else:
+                h = g.scratch(lib.ggml_swiglu_split(g.ctx, gt, ut))
+            y = lib.ggml_mul_mat_id(g.ctx, dw, h, it)  # (n_embd, K, n)
+            if bt[2] is not None:
+                y = biased(g.scratch(y), bt[2])
+            g.output(y)
+            return g.finish(threads)
+        except BaseException:
+            g.free()
+            raise
+
+    out = np.empty((n, k, n_embd), dtype=np.float32)
+    key = ("moe", n, k, threads, _weight_key(gate), _weight_key(up), _weight_key(down), has_bias, glu)
+    run_cached(key, build, (x, ids, gate.ptr, up.ptr, down.ptr, *(b for b in biases if b is not None), out))
+    return out
+
+
+def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
+    """Rows ``ids`` (n,) of a 2-D weight, dequantised by ggml (``ggml_get_rows``, llama.cpp's
+    token embedding lookup): (n, ne0) float32."""
+    check_weight(w)
+    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= w.ne[1]:
+        raise ValueError(f"{w.name}: row ids must be a non-empty 1-D array in 0..{w.ne[1] - 1}")
+    n = len(ids)
+    lib = load()
+
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=4)
+        try:
+            wt = g.input(w.ggml_type, w.ne)
+            it = g.input(T.I32, (n,))
+            g.output(lib.ggml_get_rows(g.ctx, wt, it))
+            return g.finish(1)
+        except BaseException:
+            g.free()
+            raise
+
+    out = np.empty((n, w.ne[0]), dtype=np.float32)
+    run_cached(("get_rows", n, _weight_key(w)), build, (w.ptr, ids, out))
+    return out

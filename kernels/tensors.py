@@ -9,6 +9,7 @@ memory-mapped file; nothing is copied or dequantised). For the 3-D expert tensor
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -64,6 +65,11 @@ class QTensor:
         nb2 = self.expert_bytes
         return QTensor(f"{self.name}[{e}]", self.ggml_type, self.ne[:2], self.data[e * nb2:(e + 1) * nb2],
                        None if bias is None else bias[e], glu)
+
+    @functools.cached_property
+    def ptr(self) -> int:
+        """The address of ``data`` (what a ggml graph binds; made once: the bytes never move)."""
+        return self.data.ctypes.data
 
     def f32(self) -> np.ndarray:
         """Dequantised copy in numpy order (``ne`` reversed), float32."""

@@ -1,0 +1,84 @@
+"""The fused kernels: all of a layer's experts in one graph, ggml's embedding lookup, repacking.
+
+Each must give the bits of the op-by-op kernels it replaces (tests/backbone/test_parity.py
+checks the same for whole engine steps).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from kernels.expert import expert_ffn, moe_ffn
+from kernels.tensors import QTensor
+from tests.kernels.test_expert import N_EMBD, _expert, ggml  # noqa: F401  (fixture)
+
+
+def _slabs(qtype: T, n_expert: int) -> tuple[list[QTensor], list[tuple[QTensor, QTensor, QTensor]]]:
+    """n_expert random experts, stacked into 3-D slabs as in a GGUF, and the experts alone."""
+    experts = [_expert(qtype, seed=10 * e) for e in range(n_expert)]
+    slabs = [QTensor(ws[0].name, ws[0].ggml_type, (*ws[0].ne, n_expert), np.concatenate([w.data for w in ws]))
+             for ws in zip(*experts)]
+    return slabs, experts
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tokens", [1, 3, 12])
+def test_moe_ffn_gives_each_expert_the_bits_it_gives_its_rows_alone(ggml, qtype, n_tokens):
+    slabs, experts = _slabs(qtype, 6)
+    rng = np.random.default_rng(n_tokens)
+    x = rng.standard_normal((n_tokens, N_EMBD)).astype(np.float32)
+    ids = np.stack([rng.permutation(6)[:3] for _ in range(n_tokens)])  # (T, K=3), distinct per token
+    out = moe_ffn(*slabs, x, ids)  # (T, K, D)
+    assert out.shape == (n_tokens, 3, N_EMBD)
+    for e in np.unique(ids):
+        rows, slots = np.nonzero(ids == e)
+        alone = expert_ffn(*experts[e], x[rows], routed=True, backend="ggml")
+        assert np.array_equal(out[rows, slots], alone)
+
+
+def test_moe_ffn_rejects_bad_ids(ggml):
+    slabs, _ = _slabs(T.Q8_0, 2)
+    x = np.zeros((2, N_EMBD), dtype=np.float32)
+    with pytest.raises(ValueError, match="out of range"):
+        moe_ffn(*slabs, x, np.array([[0], [2]]))
+    with pytest.raises(ValueError, match="ids"):
+        moe_ffn(*slabs, x, np.array([0, 1]))
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.F16], ids=lambda t: t.name)
+def test_get_rows_dequantises_as_gguf_does(ggml, qtype):
+    w = _expert(qtype)[0]  # (N_EMBD -> N_FF): N_FF rows of N_EMBD
+    ids = np.array([3, 0, 3, 255])
+    assert np.array_equal(ggml.get_rows(w, ids), w.f32()[ids])
+    with pytest.raises(ValueError, match="row ids"):
+        ggml.get_rows(w, np.array([256]))
+
+
+def test_repacked_q4_k_weight_multiplies_like_the_plain_one(ggml):
+    """The repack buffer (fast mode's opt-in): ggml interleaves the bytes once; the product
+    sums in another order, so it agrees to rounding, not bit for bit."""
+    lib = ggml.load()
+    if lib.repack_buft is None:
+        pytest.skip("this ggml has no CPU repack buffer type")
+    w = _expert(T.Q4_K)[0]
+    rp = ggml.repack_weight(w)
+    if rp is None:
+        pytest.skip("no repacked Q4_K kernel on this CPU")
+    x = np.random.default_rng(0).standard_normal((5, N_EMBD)).astype(np.float32)
+
+    def product(rp_or_none):
+        g = ggml.Graph(lib, n_tensors=4)
+        wt = ggml.weight_input(g, w, rp_or_none)
+        xt = g.input(T.F32, (N_EMBD, 5))
+        g.output(lib.ggml_mul_mat(g.ctx, wt, xt))
+        g.finish(1)
+        out = np.empty((5, w.ne[1]), dtype=np.float32)
+        g.run((ggml.weight_data(w, rp_or_none), x, out))
+        g.free()
+        return out
+
+    plain, packed = product(None), product(rp)
+    assert not np.array_equal(rp.data[:64], w.data[:64])  # really repacked
+    np.testing.assert_allclose(packed, plain, rtol=0, atol=1e-4 * np.abs(plain).max())
