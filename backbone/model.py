@@ -316,7 +316,7 @@ class Engine:
         c = self.cfg
         if self._shapes is None or self._shapes[0] is not c:
             self._shapes = (c, [fused.AttentionShape(c.n_head, c.n_head_kv, c.head_dim, c.rms_eps, dense.rope_params(
-                c.n_rot, c.traits.rope_style, c.layer_rope_base(i), c.n_ctx_train)) for i in range(c.n_layer)])
+                c.n_rot, c.traits.rope_style, c.layer_rope_base(i), **c.rope.ggml_args())) for i in range(c.n_layer)])
         return self._shapes[1][il]
         if (cfg.traits.delta_net or cfg.traits.rope_style == "imrope" or cfg.traits.attn_sinks) \
                 and not self.ggml_attention:
