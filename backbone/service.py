@@ -67,6 +67,7 @@ class BackboneConfig:
     tokens: tuple[str, ...] = ()  # node tokens for weight downloads; none: open
     advertise_host: str | None = None
     disconnect_timeout_s: float = 10.0
+    spool: str | None = None  # ledger spool DIR (None: the default place, "off": none)
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
@@ -94,6 +95,7 @@ class BackboneConfig:
             serve_weights=getattr(args, "serve_weights", None),
             tokens=node_tokens(getattr(args, "token", None) or ()),
             advertise_host=getattr(args, "advertise_host", None),
+            spool=getattr(args, "spool", None),
         )
         values.update(fixed)
         return cls(**values)
@@ -242,9 +244,11 @@ class BackboneService:
                 raise
             if cfg.market:
                 from backbone.market_link import MarketLink
+                from backbone.spool import Spool, resolve
 
+                where = resolve(cfg.spool, self.model, cfg.node)
                 run.link = MarketLink(run.nc, self.model, cfg.node, interval_s=cfg.market_interval_s,
-                                      top_k=self.engine.cfg.n_expert_used)
+                                      top_k=self.engine.cfg.n_expert_used, spool=Spool(where) if where else None)
             run.dispatch = RemoteExperts(run.bus, run.nc, self.model, self.engine.local_experts,
                                          self.engine.cfg.n_embd, cfg.dispatch,
                                          coverage=CoverageView(cfg.dispatch.uncovered_ttl_s, n_layer=self.engine.cfg.n_layer,

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from backbone.cli import add_audit_flags, add_http_flags, cmd_serve_http, http_config, run_http
+from backbone.cli import add_audit_flags, add_http_flags, add_spool_flag, cmd_serve_http, http_config, run_http
 from backbone.service import BackboneConfig, BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
@@ -60,6 +60,7 @@ def register(sub) -> None:
     p.add_argument("--check", action="store_true",
                    help="also run the model monolithically and compare tokens and logits bit for bit")
     add_audit_flags(p)
+    add_spool_flag(p)
     p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
                    help="per-expert reply timeout (default: adaptive)")
     p.add_argument("--no-market", action="store_true", help="do not start the coverage market")
@@ -83,6 +84,7 @@ def register(sub) -> None:
                    help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
     add_connection_flags(p)
     add_audit_flags(p)
+    add_spool_flag(p)
     add_weights_flags(p)
     add_http_flags(p)
     p.set_defaults(func=cmd_serve)

@@ -696,7 +696,8 @@ class Market:
         if isinstance(record, mc.RoutingStats):
             remote = [(layer, e, min(rows, 1 << 40)) for layer, e, rows in record.remote
                       if not self._out_of_range(ms, ((layer, e, e + 1),))]
-            await self._db(self.ledger.apply_routing, stream, seq, model, record.node, remote)
+            msg_id = (m.headers or {}).get(ledger_stream.MSG_ID)
+            await self._db(self.ledger.apply_routing, stream, seq, model, record.node, remote, msg_id)
         elif isinstance(record, mc.Quarantine):
             voided = await self._db(self.ledger.apply_quarantine, stream, seq, model,
                                     record.node, record.at)
