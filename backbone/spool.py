@@ -54,7 +54,7 @@ from kvasir_bus.errors import KvasirError, UsageError
 VERSION = 1
 FILE = "spool.log"
 LOCK = "lock"
-DEFAULT_MAX_BYTES = 64 << 20       # ~900k wins at ~70 bytes each: days of a market away
+DEFAULT_MAX_BYTES = 64 << 20       # ~800k wins at ~80 bytes each
 DEFAULT_COMPACT_BYTES = 1 << 20
 OFF = "off"
 _FRAME = struct.Struct("<II")
