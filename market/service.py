@@ -379,9 +379,15 @@ class Market:
                     await self._reply_error(msg, mc.ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
         return cb
 
+    def _replier(self, msg: Any) -> Any:
+        """The connection a request came in on answers it: under per-identity permissions
+        (``allow_responses``) only that one may publish to its reply subject."""
+        status = msg.subject == subjects.MARKET_OVERVIEW or msg.subject.endswith(".market.status")
+        return self._status_nc if status and self._status_nc is not None else self.nc
+
     async def _reply(self, msg: Any, record: Any) -> None:
         try:
-            await self.nc.publish(msg.reply, record.encode(), headers=mc.headers_for(record))
+            await self._replier(msg).publish(msg.reply, record.encode(), headers=mc.headers_for(record))
         except Exception as exc:
             self.log.warning("reply_failed", subject=msg.subject, error=str(exc))
 
@@ -863,7 +869,7 @@ class Market:
                 record = await self.status(model)
             got = self._status_cache[model] = (now, record.encode(), mc.headers_for(record))
         try:
-            await self.nc.publish(msg.reply, got[1], headers=got[2])
+            await self._replier(msg).publish(msg.reply, got[1], headers=got[2])
         except Exception as exc:
             self.refusals.warning("reply", "reply_failed", subject=msg.subject, error=str(exc))
 
