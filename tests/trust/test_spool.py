@@ -190,3 +190,36 @@ def test_the_market_adds_a_replayed_routing_bound_once_past_the_streams_window(t
         got = led.apply_batch("S", 4, FP, "bb", "b", [(mc.LedgerEvent(f"e{i}", "w", 0, 1, 5, 1.0), 1.0)
                                                       for i in range(3)], 1.0)
         assert got[0]["accepted"] == 2 and got[0]["unbacked"] == 1
+
+
+def test_generate_replays_its_spool_at_start_and_reports_it_in_json(nats_server, models, tmp_path):
+    pytest.importorskip("llama_cpp", reason="the backbone's kernel and the synthetic models need llama.cpp")
+    from backbone.model import Engine
+    from kvasir_bus.fingerprint import model_fingerprint
+
+    model = models("qwen2moe", "q4_k")
+    fp = model_fingerprint(Engine(model).reader)
+    events = [mc.LedgerEvent(f"backbone:dead:{i}", "w", 1, i % 8, 1, 1.0) for i in range(4)]
+    (tmp_path / "sp").mkdir()
+    (tmp_path / "sp" / spool.FILE).write_bytes(b"".join(spool.frame(r) for r in [
+        ["H", 1, fp, "backbone"], *(spool.event_record(e) for e in events)]))
+    done = subprocess.run([sys.executable, "-m", "kvasir_bus.cli", "generate", "--model", str(model), "--prompt", "hi",
+                           "-n", "2", "--json", "--nats", nats_server.url, "--spool", str(tmp_path / "sp")],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr[-2000:]
+    ledger = json.loads(done.stdout)["ledger"]
+    assert ledger["replayed"] == 4 and ledger["stored"] >= 4 and ledger["unsent"] == 0
+    assert ledger["spool"] == str(tmp_path / "sp")
+    assert "ledger_spool_replay" in done.stderr
+    assert spool.read(tmp_path / "sp").events == 0
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["serve"], ["up"]])
+def test_generate_serve_and_up_take_a_spool_and_hand_it_to_the_backbone(command, tmp_path):
+    from backbone.service import BackboneConfig
+    from kvasir_bus.cli import build_parser
+
+    args = build_parser().parse_args([command[0], "--model", "m.gguf", *command[1:], "--spool", str(tmp_path)])
+    assert BackboneConfig.from_args(args).spool == str(tmp_path)
+    args = build_parser().parse_args([command[0], "--model", "m.gguf", *command[1:]])
+    assert BackboneConfig.from_args(args).spool is None  # the default place
