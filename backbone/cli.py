@@ -51,6 +51,23 @@ def register(sub) -> None:
     add_kernel_flags(p)
     p.set_defaults(func=cmd_verify)
 
+    p = sub.add_parser(
+        "ledger", help="the backbone's ledger spool",
+        description="Operate on a backbone's ledger spool (won events not yet stored by the market's stream).")
+    ledger = p.add_subparsers(dest="ledger_command", metavar="ACTION", parser_class=type(p))
+    ledger.required = True
+    p = ledger.add_parser("replay", help="send a (dead) backbone's spooled wins to the ledger stream",
+                          description="Send every won event a backbone's spool holds that the ledger stream "
+                          "has not acknowledged, under the ids it was first sent with (the stream and the "
+                          "market count each once), then compact the spool.")
+    p.add_argument("--spool", required=True, metavar="DIR", help="the spool directory")
+    p.add_argument("--nats", metavar="URL", default=None, help="the bus (default: $NATS_URL, else local)")
+    add_connection_flags(p)
+    p.add_argument("--timeout", type=float, default=30.0, metavar="S",
+                   help="wait this long for the stream to store everything (default 30)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_ledger_replay)
+
 
 def add_bus_flags(p: argparse.ArgumentParser) -> None:
     """Flags for running against expert workers; filled in by the sharding milestone."""
@@ -64,6 +81,7 @@ def add_bus_flags(p: argparse.ArgumentParser) -> None:
                    help="rounding of rows on the wire, applied to local experts too (default float32)")
     add_audit_flags(p)
     add_replica_flags(p)
+    add_spool_flag(p)
 
 
 def add_replica_flags(p: argparse.ArgumentParser) -> None:
@@ -77,6 +95,45 @@ def add_replica_flags(p: argparse.ArgumentParser) -> None:
                    help="auto: compute an expert here when this node's measured cost beats its measured "
                    "round trip (a slow link costs less than a local compute); off: always ask the workers "
                    "(default off)")
+
+
+def add_spool_flag(p: argparse.ArgumentParser) -> None:
+    """``--spool DIR``: where won ledger events wait for the stream (backbone.spool)."""
+    p.add_argument("--spool", metavar="DIR", default=None,
+                   help="keep every won ledger event here until the market's stream stores it, so a "
+                   "killed backbone loses none (sent on the next start, or by `kvasir ledger replay`); "
+                   "default $XDG_STATE_HOME/kvasir/spool/<model>/<node>, 'off': no spool")
+
+
+def cmd_ledger_replay(args) -> int:
+    import asyncio
+
+    from backbone.market_link import replay
+    from kvasir_bus.connect import connect
+    from kvasir_bus.errors import KvasirError, UsageError
+    from kvasir_bus.logs import configure
+
+    if not args.timeout > 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout}")
+    configure("warning")
+
+    async def run() -> dict:
+        nc = await connect(args.nats, name="kvasir-ledger-replay")
+        try:
+            return await replay(nc, args.spool, args.timeout)
+        finally:
+            await nc.drain()
+
+    got = asyncio.run(run())
+    if args.json:
+        print(json.dumps(got))
+    else:
+        print(f"spool {got['spool']} ({got['node']}, model {got['model']}): {got['replayed']} event(s) "
+              f"to replay, {got['stored']} stored by the stream, {got['unsent']} left")
+    if got["unsent"]:
+        raise KvasirError(f"{got['unsent']} spooled record(s) not stored within {args.timeout:g} s "
+                          "(is the bus up, with JetStream?); they stay in the spool")
+    return 0
 
 
 def add_audit_flags(p: argparse.ArgumentParser) -> None:
@@ -235,12 +292,14 @@ def cmd_generate(args) -> int:
             sys.stdout.write(stream.push(t))
             sys.stdout.flush()
 
-    stats = None
+    stats = ledger = None
     with _backbone_for(cfg, engine) as backbone:
         gen = generate(engine, prompt, args.n, sampler, stop_on_eos=not args.no_stop,
                        keep_logits=bool(args.dump_logits), on_token=on_token)
         if backbone is not None:
             stats = backbone.stats.to_dict()
+    if backbone is not None and backbone.market_link is not None:
+        ledger = backbone.market_link.report()  # after stop: its last flush counted
     if args.dump_logits:
         np.save(args.dump_logits, gen.logits_array())
     from kernels.backend import backend_name
@@ -257,6 +316,8 @@ def cmd_generate(args) -> int:
     }
     if stats:
         result["dispatch"] = stats
+    if ledger:
+        result["ledger"] = ledger
     if args.json:
         print(json.dumps(result))
     else:

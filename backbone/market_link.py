@@ -24,9 +24,16 @@
 * ``void(node)``: an audit caught ``node`` lying: its wins not yet handed to the stream are
   dropped, and later wins of it are not recorded (nor their latency).
 
-Not covered: a SIGKILL between a win and the stream's acknowledgement of its batch loses that
-win (at most ``flush_s`` plus one round trip of wins); ``wait_acked`` tells the caller when
-everything recorded so far is safe.
+* Spool (:mod:`backbone.spool`): with one, every won event is also written to a local file the
+  moment it is recorded, with the routing statistics and batch cuts that carry it and a record
+  of each acknowledgement. A SIGKILL between a win and the stream's acknowledgement loses
+  nothing: the next ``start()`` on the same spool (a restarted backbone, or
+  ``kvasir ledger replay``) resends what was not acknowledged with the same ``Nats-Msg-Id``
+  (stored once by the stream; the market also refuses an event id or routing id it applied
+  before, past the stream's duplicate window), and wins never cut into a batch go out with
+  their rows as a new bound. Without a spool, such a SIGKILL loses at most ``flush_s`` plus
+  one round trip of wins. ``wait_acked`` tells the caller when everything recorded so far is
+  safe in the market's hands.
 """
 
 from __future__ import annotations
@@ -37,11 +44,15 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from dataclasses import replace
 
 import structlog
 
+from backbone import spool as spool_file
 from kvasir_bus import ledger_stream, market_codec as mc
+from kvasir_bus.codec import CodecError
 from kvasir_bus.subjects import Subjects
+from kvasir_bus.throttle import ThrottledLog
 
 log = structlog.get_logger("kvasir.market_link")
 
@@ -53,10 +64,18 @@ def _latency_entries(latency: dict[str, list]) -> tuple[tuple[str, int, float], 
     return tuple((node, calls, 1000 * seconds / calls) for node, (calls, seconds) in sorted(busiest))
 
 
+def _routing_record(msg_id: str, stats: mc.RoutingStats) -> list:
+    """The spool's copy of routing statistics: the bound (``remote``) only. A replay resends it
+    under the same id; usage and latency of that window are not worth counting twice on the
+    market's live subscription, which no duplicate window guards."""
+    bound = replace(stats, hits=(), fallback_rate=None, latency=(), tokens=0)
+    return ["R", msg_id, bound.encode()]
+
+
 class MarketLink:
     def __init__(self, nc, model: str, node: str = "backbone", *, interval_s: float = 1.0,
                  batch_events: int = 5000, max_unacked: int = 200_000, ack_timeout_s: float = 2.0,
-                 flush_s: float = 0.05, top_k: int = 0):
+                 flush_s: float = 0.05, top_k: int = 0, spool: spool_file.Spool | None = None):
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: tokens not counted), got {top_k}")
         self.nc, self.model, self.node = nc, model, node
@@ -88,6 +107,11 @@ class MarketLink:
         self.dropped_events = 0
         self._no_market = False
         self._settled = asyncio.Event()  # set by a flush that left nothing unacknowledged
+        self.spool = spool
+        self._spool_floor = 0        # the spool's size after its last compaction
+        self.replayed_events = 0     # events this start found in the spool, not yet stored
+        self.spool_refused = 0       # records the spool's size bound refused (or the disk did)
+        self._spool_log = ThrottledLog(log, 60.0)
 
     # -- recording (any thread) -----------------------------------------------------------------
 
@@ -111,6 +135,7 @@ class MarketLink:
             if node in self._void:
                 return
             self._events.append(event)
+            self._spool([spool_file.event_record(event)])
             if latency_s is not None and latency_s >= 0 and latency_s != float("inf"):
                 acc = self._latency.setdefault(node, [0, 0.0])
                 acc[0] += 1
@@ -127,6 +152,7 @@ class MarketLink:
         its later ones. Returns the events dropped. Thread-safe."""
         with self._lock:
             self._void.add(node)
+            self._spool([["V", node]])
             kept = deque(e for e in self._events if e.node != node)
             dropped = len(self._events) - len(kept)
             self._events = kept
@@ -183,13 +209,84 @@ class MarketLink:
     # -- the loop -------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Take the spool (if any) and resend what it holds; then run. Raises KvasirError if
+        the spool is another process's or another model's."""
         if self._task is None:
             self._loop = asyncio.get_running_loop()
             self._wake = asyncio.Event()
+            if self.spool is not None:
+                self._load(self.spool.open(self.model, self.node))
             self._task = asyncio.create_task(self._run())
+            if self.unacked_events:
+                self._wake.set()
+
+    def _load(self, backlog: spool_file.Backlog) -> None:
+        """What a spool held, back in the queues it left: routing and batches to resend under
+        their own ids, wins never cut (their rows become the bound of a new cut)."""
+        routing = 0
+        with self._lock:
+            for msg_id, data in backlog.routing:
+                try:
+                    self._routing.append((msg_id, mc.decode_routing(data)))
+                    routing += 1
+                except CodecError as exc:
+                    log.warning("ledger_spool_record_invalid", msg_id=msg_id, error=str(exc))
+            for batch_id, events in backlog.batches:
+                if events:
+                    self._unacked[batch_id] = mc.LedgerBatch(self.model, self.node, batch_id, events)
+            for event in backlog.pending:
+                self._events.append(event)
+                self._remote[(event.layer, event.expert)] += event.rows
+            self.replayed_events = backlog.events
+            self._compact()
+        if backlog.events or routing or backlog.torn:
+            log.log(30 if backlog.torn else 20, "ledger_spool_replay", spool=str(self.spool.dir),
+                    events=backlog.events, batches=len(backlog.batches), routing=routing,
+                    torn_tail=backlog.torn)
+
+    # -- the spool (under self._lock) ------------------------------------------------------------
+
+    def _spool(self, records: list[list]) -> None:
+        """Append records to the spool; compact it when it has grown past ``compact_bytes``
+        and twice its live size; refuse (loudly, once a minute) what would pass ``max_bytes``
+        even then, or what the disk refuses: the event itself is still sent, only not safe
+        from a SIGKILL."""
+        sp = self.spool
+        if sp is None or not records or sp.closed:
+            return
+        data = b"".join(spool_file.frame(r) for r in records)
+        try:
+            if sp.size + len(data) > max(sp.compact_bytes, 2 * self._spool_floor) or not sp.fits(len(data)):
+                self._compact()
+            if not sp.fits(len(data)):
+                raise OSError(f"the spool holds {sp.size} bytes; its bound is {sp.max_bytes}")
+            sp.append(data)
+        except OSError as exc:
+            self.spool_refused += len(records)
+            self._spool_log.error("spool", "ledger_spool_refused", spool=str(sp.dir), refused=self.spool_refused,
+                                  error=str(exc), note="these wins are sent, but a SIGKILL now would lose them")
+
+    def _compact(self) -> None:
+        """Rewrite the spool as what is not yet acknowledged: routing, batches, uncut wins."""
+        records = [_routing_record(msg_id, stats) for msg_id, stats in self._routing if stats.remote]
+        for batch in self._unacked.values():
+            records += [spool_file.event_record(e) for e in batch.events]
+            records.append(["B", batch.batch_id, [e.event_id for e in batch.events]])
+        records += [spool_file.event_record(e) for e in self._events]
+        self.spool.rewrite(records)
+        self._spool_floor = self.spool.size
+
+    def report(self) -> dict:
+        """For ``--json``: what the spool replayed at start, what the stream stored, what is
+        left unsent (spooled for the next start, if there is a spool)."""
+        return {"spool": str(self.spool.dir) if self.spool else None, "replayed": self.replayed_events,
+                "stored": self.acked_events, "unsent": self.unacked_events,
+                "spool_refused": self.spool_refused, "dropped": self.dropped_events}
 
     async def stop(self, flush_timeout_s: float = 5.0) -> None:
         if self._task is None:
+            if self.spool is not None:
+                self.spool.close()
             return
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
@@ -203,10 +300,19 @@ class MarketLink:
             if self._no_market:
                 break  # nobody listens: waiting cannot help
             await asyncio.sleep(0.2)
+        if self.spool is not None and not self.spool.closed:
+            with self._lock:
+                try:
+                    self._compact()
+                except OSError as exc:
+                    log.error("ledger_spool_not_compacted", spool=str(self.spool.dir), error=str(exc))
+                self.spool.close()
         if self.unacked_events:
             log.log(30 if self.acked_events else 20, "ledger_events_unsent", model=self.model,
-                    events=self.unacked_events,
-                    reason="no market on the bus" if self._no_market else "no acknowledgement before shutdown")
+                    events=self.unacked_events, spool=str(self.spool.dir) if self.spool else None,
+                    reason="no market on the bus" if self._no_market else "no acknowledgement before shutdown",
+                    note="kept in the spool: sent on the next start, or by kvasir ledger replay"
+                    if self.spool else "lost: no spool")
 
     async def _run(self) -> None:
         next_routing = time.monotonic() + self.interval_s
@@ -240,19 +346,26 @@ class MarketLink:
             latency, self._latency = self._latency, {}
             tokens, self._first_rows = divmod(self._first_rows, self.top_k) if self.top_k else (0, 0)
             self._published.update(hits)
+            spooled = []
             if hits or remote:
-                self._routing.append((f"{self.node}:{self._boot}:r{next(self._batches):x}", mc.RoutingStats(
+                msg_id = f"{self.node}:{self._boot}:r{next(self._batches):x}"
+                stats = mc.RoutingStats(
                     model=self.model, node=self.node, window_s=self.interval_s,
                     hits=tuple((layer, e, rows) for (layer, e), rows in sorted(hits.items())),
                     fallback_rate=local / calls if calls else None,
                     remote=tuple((layer, e, rows) for (layer, e), rows in sorted(remote.items())),
-                    latency=_latency_entries(latency), tokens=min(tokens, 1 << 40))))
+                    latency=_latency_entries(latency), tokens=min(tokens, 1 << 40))
+                self._routing.append((msg_id, stats))
+                if remote:  # the bound of the batches below: spooled before them
+                    spooled.append(_routing_record(msg_id, stats))
             while self._events:
                 n = min(self.batch_events, len(self._events))
                 events = tuple(self._events.popleft() for _ in range(n))
                 batch = mc.LedgerBatch(model=self.model, source=self.node,
                                        batch_id=f"{self.node}:{self._boot}:b{next(self._batches):x}", events=events)
                 self._unacked[batch.batch_id] = batch
+                spooled.append(["B", batch.batch_id, [e.event_id for e in events]])
+            self._spool(spooled)
             while sum(len(b.events) for b in self._unacked.values()) > self.max_unacked:
                 _, oldest = self._unacked.popitem(last=False)  # bounded memory: say so loudly
                 self.dropped_events += len(oldest.events)
@@ -271,6 +384,8 @@ class MarketLink:
             with self._lock:
                 if self._routing and self._routing[0] is item:
                     self._routing.popleft()
+                if item[1].remote:
+                    self._spool([["A", msg_id]])
 
     async def _store(self, js, subject: str, record, msg_id: str):
         """Publish ``record`` into the stream (with its readable headers and the id the stream
@@ -306,8 +421,27 @@ class MarketLink:
                 return False
             with self._lock:
                 self._unacked.pop(batch.batch_id, None)
+                self._spool([["A", batch.batch_id]])
             self.acked_events += len(batch.events)
             log.debug("ledger_stored", batch=batch.batch_id, events=len(batch.events))
         if not self.unacked_events:
             self._settled.set()
         return True
+
+
+async def replay(nc, directory, timeout_s: float = 30.0) -> dict:
+    """``kvasir ledger replay``: hand what a (dead) backbone's spool holds to the ledger stream,
+    under the ids it was first sent with, and wait up to ``timeout_s`` for the stream to store
+    it. The spool's header says whose it is; a spool a live backbone holds is refused."""
+    from kvasir_bus.errors import UsageError
+
+    backlog = spool_file.read(directory)
+    if not backlog.model:
+        raise UsageError(f"{directory}: not a ledger spool (no header record)")
+    link = MarketLink(nc, backlog.model, backlog.node, spool=spool_file.Spool(directory))
+    await link.start()
+    deadline = time.monotonic() + timeout_s
+    while link.unacked_events and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await link.stop(flush_timeout_s=max(0.0, deadline - time.monotonic()))
+    return {"model": backlog.model, "node": backlog.node, **link.report()}

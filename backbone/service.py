@@ -71,6 +71,7 @@ class BackboneConfig:
     disconnect_timeout_s: float = 10.0
     replicas: ReplicaConfig = ReplicaConfig()  # race or balance (hedged) with the workers' replicas
     hot: HotConfig = HotConfig()  # compute an expert here when that beats its round trip
+    spool: str | None = None  # ledger spool DIR (None: the default place, "off": none)
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
@@ -100,6 +101,7 @@ class BackboneConfig:
             advertise_host=getattr(args, "advertise_host", None),
             replicas=ReplicaConfig(mode=getattr(args, "replicas", None) or "race"),
             hot=HotConfig(mode=getattr(args, "hot", None) or "off"),
+            spool=getattr(args, "spool", None),
         )
         values.update(fixed)
         return cls(**values)
@@ -268,9 +270,11 @@ class BackboneService:
                 raise
             if cfg.market:
                 from backbone.market_link import MarketLink
+                from backbone.spool import Spool, resolve
 
+                where = resolve(cfg.spool, self.model, cfg.node)
                 run.link = MarketLink(run.nc, self.model, cfg.node, interval_s=cfg.market_interval_s,
-                                      top_k=self.engine.cfg.n_expert_used)
+                                      top_k=self.engine.cfg.n_expert_used, spool=Spool(where) if where else None)
             run.dispatch = RemoteExperts(run.bus, run.nc, self.model, self.engine.local_experts,
                                          self.engine.cfg.n_embd, cfg.dispatch,
                                          coverage=CoverageView(cfg.dispatch.uncovered_ttl_s, n_layer=self.engine.cfg.n_layer,

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from backbone.cli import add_audit_flags, add_http_flags, add_replica_flags, cmd_serve_http, http_config, run_http
+from backbone.cli import (add_audit_flags, add_http_flags, add_replica_flags, add_spool_flag, cmd_serve_http,
+                          http_config, run_http)
 from backbone.service import BackboneConfig, BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
@@ -61,6 +62,7 @@ def register(sub) -> None:
                    help="also run the model monolithically and compare tokens and logits bit for bit")
     add_audit_flags(p)
     add_replica_flags(p)
+    add_spool_flag(p)
     p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
                    help="per-expert reply timeout (default: adaptive)")
     p.add_argument("--no-market", action="store_true", help="do not start the coverage market")
@@ -87,6 +89,7 @@ def register(sub) -> None:
     add_replica_flags(p)
     p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
                    help="per-expert reply timeout (default: adaptive)")
+    add_spool_flag(p)
     add_weights_flags(p)
     add_http_flags(p)
     p.set_defaults(func=cmd_serve)

@@ -154,6 +154,31 @@ async def _serve(cfg, url, http=None) -> int:
 
 # -- kvasir status / rewards: asking the market ---------------------------------------------
 
+async def ask_market(nc, subject: str, timeout: float, attempt_s: float = 0.25):
+    """A request to the market that asks again (a fresh inbox each time) every ``attempt_s``
+    until ``timeout``: under a status flood the market sheds whole backlogs unread (see
+    :mod:`market.service`), a request among them with them. Raises the last failure:
+    ``NoRespondersError`` (no market, or one reconnecting its status connection) or
+    ``TimeoutError``."""
+    import asyncio
+    import time
+
+    import nats.errors
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return await nc.request(subject, b"", timeout=max(0.01, min(attempt_s, left)))
+        except nats.errors.NoRespondersError:
+            if left <= 0.05:
+                raise
+            await asyncio.sleep(0.05)
+        except (nats.errors.TimeoutError, TimeoutError):
+            if deadline - time.monotonic() <= 0:
+                raise
+
+
 async def _ask(url: str | None, subject: str, timeout: float):
     import nats.errors
 
@@ -164,7 +189,7 @@ async def _ask(url: str | None, subject: str, timeout: float):
     nc = await connect(url, name=connection_name("status"))
     try:
         try:
-            msg = await nc.request(subject, b"", timeout=timeout)
+            msg = await ask_market(nc, subject, timeout)
         except nats.errors.NoRespondersError:
             raise KvasirError("no market is running on this bus (start one with "
                               "kvasir market)") from None

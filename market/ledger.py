@@ -12,7 +12,9 @@ volunteer that is downloading its slice.
 What the market reads from the ledger stream (:mod:`kvasir_bus.ledger_stream`) is applied with
 :meth:`Ledger.apply_routing`, :meth:`Ledger.apply_batch` and :meth:`Ledger.apply_quarantine`,
 each one transaction that also stores the stream sequence it applied: a message redelivered
-after a crash between commit and ack changes nothing. ``bounds`` holds, per (model, backbone,
+after a crash between commit and ack changes nothing; an event id (``events``) or a routing
+message id (``routing_ids``) applied before is not applied again, however late a backbone
+replays its spool. ``bounds`` holds, per (model, backbone,
 layer, expert), the rows the backbone's replies from workers won (``routed``, from its routing
 statistics) and the rows credited so far: an event that would credit more than was routed is
 refused ("unbacked"). A quarantined node's events are void (reward 0; ``void`` = 1) and its
@@ -74,6 +76,12 @@ CREATE TABLE IF NOT EXISTS manifests (
 CREATE TABLE IF NOT EXISTS stream (
     name        TEXT PRIMARY KEY,
     seq         INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS routing_ids (
+    model       TEXT NOT NULL,
+    source      TEXT NOT NULL,
+    msg_id      TEXT NOT NULL,
+    PRIMARY KEY (model, source, msg_id)
 );
 CREATE TABLE IF NOT EXISTS assignments (
     model       TEXT NOT NULL,
@@ -201,11 +209,16 @@ class Ledger:
         return False
 
     def apply_routing(self, stream: str, seq: int, model: str, source: str,
-                      remote: Iterable[tuple[int, int, int]]) -> bool:
+                      remote: Iterable[tuple[int, int, int]], msg_id: str | None = None) -> bool:
         """Add ``(layer, expert, rows)`` won by workers to the bounds of ``source``; False if
-        ``seq`` was applied already."""
+        ``seq`` was applied already, or a message with the same ``msg_id`` (``Nats-Msg-Id``)
+        from that source: a backbone replaying its spool after the stream's duplicate window
+        adds its bound once."""
         with self._db:
             if self._applied(stream, seq):
+                return False
+            if msg_id and self._db.execute("INSERT OR IGNORE INTO routing_ids VALUES (?, ?, ?)",
+                                           (model, source, msg_id)).rowcount == 0:
                 return False
             self._db.executemany(
                 "INSERT INTO bounds VALUES (?, ?, ?, ?, ?, 0) ON CONFLICT (model, source, layer, "

@@ -30,6 +30,14 @@ Trust nothing on the bus (issue 8):
   identity only, ``deploy/``); the market's checks bound what a forger can reach without them.
 * Floods. Per-sender token buckets on the request subjects (the sender is the reply inbox of
   the asking connection), bounded subscription queues, bounded maps, throttled log lines.
+  Status and overview requests have a connection of their own: a status flood never queues in
+  front of heartbeats, volunteers or the ledger stream, and cannot queue for long in front of
+  an honest status request either. nats-py parses every message a connection receives, one
+  at a time (~20 us each here), so 80k queued requests cost seconds whatever the handler does;
+  instead, once the status subscription has dropped ``STATUS_SHED_AFTER`` requests (its
+  backlog is full), the market closes that connection and opens a new one: the flood still
+  unread goes with the old one, unparsed. A request shed with it gets no answer; the client
+  asks again (``market.cli.ask_market``, within its deadline).
 
 and publishes each model's :class:`~kvasir_bus.market_codec.DemandMap` on
 ``kvasir.<model>.demand`` every ``demand_interval_s`` and as soon as any range's replicas or
@@ -77,6 +85,11 @@ log = structlog.get_logger("kvasir.market")
 ERR_QUARANTINED = "quarantined"
 SUB_LIMITS = dict(pending_msgs_limit=20_000, pending_bytes_limit=8 * 1024 * 1024)
 REQUEST_LIMITS = dict(pending_msgs_limit=100_000, pending_bytes_limit=16 * 1024 * 1024)
+# Status and overview requests come on a connection of their own (see Market): a small backlog,
+# and past STATUS_SHED_AFTER dropped requests the connection is closed and opened afresh, so
+# the unread flood behind them (in our socket and the server's buffer) is shed unparsed.
+STATUS_LIMITS = dict(pending_msgs_limit=128, pending_bytes_limit=1024 * 1024)
+STATUS_SHED_AFTER = 256
 
 
 @dataclass(frozen=True)
@@ -196,6 +209,11 @@ class Market:
         self.beats = RateLimiter(self.cfg.heartbeat_rate, 2 * self.cfg.heartbeat_rate,
                                  total_rate=self.cfg.heartbeat_total_rate, max_keys=65_536)
         self.stream_applied = 0  # stream messages applied since start (tests wait on it)
+        self._status_nc: Any = None       # the status connection (self.nc if none of its own)
+        self._status_subs: list[Any] = []
+        self._status_dropped = 0          # status requests dropped since that connection opened
+        self._shedding = False
+        self.status_sheds = 0             # times a flooded status connection was replaced
         self._status_cache: dict[str | None, tuple[float, bytes, dict]] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -217,12 +235,15 @@ class Market:
                     ("volunteer", subjects.ALL_VOLUNTEER, self._on_volunteer),
                     ("status", subjects.ALL_STATUS, self._on_status),
                     ("overview", subjects.MARKET_OVERVIEW, self._on_overview)):
-                limits = SUB_LIMITS if handler in (self._on_heartbeat, self._on_routing) \
-                    else REQUEST_LIMITS  # a backlog a flood fills is dropped, never the probe behind it
                 tally = self.tallies[name] = micro.Tally()
                 served.append(micro.Served(name, wildcard, stats=lambda t=tally: t))
+                if name in ("status", "overview"):
+                    continue  # on the status connection, below
+                limits = SUB_LIMITS if handler in (self._on_heartbeat, self._on_routing) \
+                    else REQUEST_LIMITS  # a backlog a flood fills is dropped, never the probe behind it
                 self._subs.append(await self.nc.subscribe(wildcard, cb=self._guard(handler, tally), **limits))
             await self.nc.flush()
+            await self._open_status()
             self._service = await micro.start_service(self.nc, micro.Card(
                 "market", self.cfg.node, ",".join(self.cfg.models) or "*"), served)
             for model in self.cfg.models:
@@ -247,6 +268,7 @@ class Market:
             except Exception:  # the connection may be gone already
                 pass
         self._subs.clear()
+        await self._close_status()
         await micro.stop_service(self._service)
         await _cancel_all(self._tasks)
         if self.ledger is not None:
@@ -262,6 +284,71 @@ class Market:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    # -- the status connection --------------------------------------------------------------
+    async def _open_status(self, main: bool = False) -> None:
+        """Subscribe status and overview on a connection of their own (to the server the main
+        connection is on, with the same credentials); on the main one with ``main``, or if it
+        has no URL to copy (a test double)."""
+        url = getattr(self.nc, "connected_url", None)
+        if url is None or main:
+            snc = self.nc
+        else:
+            from kvasir_bus.connect import connect
+
+            snc = await connect(url.geturl(), name=micro.connection_name("market-status", self.cfg.node),
+                                error_cb=self._on_status_error)
+        self._status_nc, self._status_dropped = snc, 0
+        limits = STATUS_LIMITS if snc is not self.nc else REQUEST_LIMITS
+        self._status_subs = [
+            await snc.subscribe(subjects.ALL_STATUS, cb=self._guard(self._on_status, self.tallies["status"]), **limits),
+            await snc.subscribe(subjects.MARKET_OVERVIEW, cb=self._guard(self._on_overview, self.tallies["overview"]),
+                                **limits)]
+        await snc.flush()
+
+    async def _close_status(self) -> None:
+        snc, self._status_nc = self._status_nc, None
+        subs, self._status_subs = self._status_subs, []
+        try:
+            if snc is self.nc:
+                for sub in subs:
+                    await sub.unsubscribe()
+            elif snc is not None:
+                await snc.close()  # what it has not read yet goes with it, unparsed
+        except Exception:  # the connection may be gone already
+            pass
+
+    async def _on_status_error(self, exc: Exception) -> None:
+        """The status connection's error callback: called once per request it drops (when its
+        backlog is full), so it only counts; past ``STATUS_SHED_AFTER`` the connection is
+        replaced (once at a time)."""
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            self._status_dropped += 1
+            if self._status_dropped >= STATUS_SHED_AFTER and not self._shedding \
+                    and self.state is State.RUNNING:
+                self._shedding = True
+                self._spawn(self._shed_status(), "status-shed")
+            return
+        self.refusals.warning(("status-connection", type(exc).__name__), "status_connection_error",
+                              error=f"{type(exc).__name__}: {exc}")
+
+    async def _shed_status(self) -> None:
+        dropped = self._status_dropped
+        try:
+            await self._close_status()
+            if self.state is State.RUNNING:
+                await self._open_status()
+            self.status_sheds += 1
+            self.refusals.warning("status-flood", "status_flood_shed", dropped=dropped, sheds=self.status_sheds,
+                                  note="a status flood: its unread backlog was dropped with the connection")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # status is answered on the main connection from now on
+            self.log.error("status_connection_failed", error=f"{type(exc).__name__}: {exc}")
+            if self.state is State.RUNNING and self._status_nc is None:
+                await self._open_status(main=True)
+        finally:
+            self._shedding = False
 
     # -- plumbing ---------------------------------------------------------------------------
     def _spawn(self, coro: Awaitable, name: str) -> asyncio.Task:
@@ -292,9 +379,15 @@ class Market:
                     await self._reply_error(msg, mc.ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
         return cb
 
+    def _replier(self, msg: Any) -> Any:
+        """The connection a request came in on answers it: under per-identity permissions
+        (``allow_responses``) only that one may publish to its reply subject."""
+        status = msg.subject == subjects.MARKET_OVERVIEW or msg.subject.endswith(".market.status")
+        return self._status_nc if status and self._status_nc is not None else self.nc
+
     async def _reply(self, msg: Any, record: Any) -> None:
         try:
-            await self.nc.publish(msg.reply, record.encode(), headers=mc.headers_for(record))
+            await self._replier(msg).publish(msg.reply, record.encode(), headers=mc.headers_for(record))
         except Exception as exc:
             self.log.warning("reply_failed", subject=msg.subject, error=str(exc))
 
@@ -696,7 +789,8 @@ class Market:
         if isinstance(record, mc.RoutingStats):
             remote = [(layer, e, min(rows, 1 << 40)) for layer, e, rows in record.remote
                       if not self._out_of_range(ms, ((layer, e, e + 1),))]
-            await self._db(self.ledger.apply_routing, stream, seq, model, record.node, remote)
+            msg_id = (m.headers or {}).get(ledger_stream.MSG_ID)
+            await self._db(self.ledger.apply_routing, stream, seq, model, record.node, remote, msg_id)
         elif isinstance(record, mc.Quarantine):
             voided = await self._db(self.ledger.apply_quarantine, stream, seq, model,
                                     record.node, record.at)
@@ -775,7 +869,7 @@ class Market:
                 record = await self.status(model)
             got = self._status_cache[model] = (now, record.encode(), mc.headers_for(record))
         try:
-            await self.nc.publish(msg.reply, got[1], headers=got[2])
+            await self._replier(msg).publish(msg.reply, got[1], headers=got[2])
         except Exception as exc:
             self.refusals.warning("reply", "reply_failed", subject=msg.subject, error=str(exc))
 

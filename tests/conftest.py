@@ -32,6 +32,13 @@ import pytest
 from kvasir_bus.server import EmbeddedNats
 
 
+@pytest.fixture(autouse=True)
+def _own_state_home(tmp_path_factory, monkeypatch):
+    """Every test (and the processes it starts) gets its own $XDG_STATE_HOME: a backbone's
+    default ledger spool lives there, and must not carry one test's wins into another."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+
+
 @pytest.fixture
 def nats_server() -> Iterator[EmbeddedNats]:
     server = EmbeddedNats(port=0, websocket_port=0)
