@@ -42,7 +42,7 @@ from kvasir_bus.wire import encode, headers_for
 
 log = structlog.get_logger("kvasir.generate_bus")
 
-QUEUE = "kvasir-backbones"  # the queue group every backbone of a model joins
+QUEUE = gc.GENERATE_QUEUE  # the queue group every backbone of a model joins
 
 
 class GenerateRefused(KvasirError):

@@ -46,6 +46,9 @@ MAX_NEW_TOKENS = 1 << 20
 MAX_PIECE_CHARS = 4096  # one token's text (a token is at most a few hundred bytes)
 FINISH_REASONS = ("stop", "length")
 GENERATE_MAX_BYTES = 8 << 20  # a request; every reply is far smaller
+#: The NATS queue group every backbone serves ``kvasir.<model>.generate`` in (the
+#: ``kvasir creds`` config lets a backbone subscribe to generate in this group only).
+GENERATE_QUEUE = "kvasir-backbones"
 
 
 @record
