@@ -55,7 +55,7 @@ def test_tap_decodes_a_live_generate_stream(nats_server, models, arun):
             await client.close()
             return shown, lines, req.request_id
 
-        shown, lines, rid = arun(go(), timeout=60)
+        shown, lines, rid = arun(go(), timeout=180)
     assert shown == 6
     summaries = [ln.split("} ", 1)[1] for ln in lines]
     assert summaries[0] == f"generate prompt=3 ids max=3 greedy ignore_eos id={rid}"
