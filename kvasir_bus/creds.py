@@ -47,8 +47,8 @@ from pathlib import Path
 
 from kvasir_bus import ledger_stream, subjects
 from kvasir_bus.connect import IDENTITY_HEADER, inbox_prefix_for
-from kvasir_bus.generate_codec import GENERATE_QUEUE
 from kvasir_bus.errors import UsageError
+from kvasir_bus.generate_codec import GENERATE_QUEUE
 
 ROLES = ("backbone", "market", "observer", "operator")  # fixed identities; the rest are workers or clients
 KINDS = ("worker", "client")  # the identities added by name
@@ -167,7 +167,7 @@ def _check_hostport(value: str, flag: str) -> str:
     return value
 
 
-def _check_worker_name(name: str, taken: set[str], kind: str = "worker") -> str:
+def _check_name(name: str, taken: set[str], kind: str = "worker") -> str:
     try:
         subjects.check_node(name)
     except ValueError as exc:
@@ -294,9 +294,9 @@ def init(directory: str | os.PathLike, listen: str, workers: list[str], *,
                 raise UsageError(f"TLS file {p}: no such file")
     taken: set[str] = set()
     for name in workers:
-        taken.add(_check_worker_name(name, taken))
+        taken.add(_check_name(name, taken))
     for name in clients:
-        taken.add(_check_worker_name(name, taken, "client"))
+        taken.add(_check_name(name, taken, "client"))
     out = Path(directory)
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not empty: choose a new directory (keys are "
@@ -310,23 +310,25 @@ def init(directory: str | os.PathLike, listen: str, workers: list[str], *,
     return dep
 
 
-def add_worker(directory: str | os.PathLike, name: str, kind: str = "worker") -> Identity:
-    """Add worker ``name`` (or a ``kind="client"`` of the generate API) to the deployment in
-    ``directory``; the configs are rewritten.
+def add_worker(directory: str | os.PathLike, name: str) -> Identity:
+    """Add worker ``name`` to the deployment in ``directory``; the configs are rewritten.
 
-    A running server picks the new identity up on ``nats-server --signal reload`` (SIGHUP).
+    A running server picks the new worker up on ``nats-server --signal reload`` (SIGHUP).
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind {kind!r}: expected one of {', '.join(KINDS)}")
+    return _add(directory, name, "worker")
+
+
+def add_client(directory: str | os.PathLike, name: str) -> Identity:
+    """Add client ``name`` of the generate API (see :func:`permissions`), as :func:`add_worker`.
+    The backbone's rights are rewritten too: it may stream tokens to the new client's inbox."""
+    return _add(directory, name, "client")
+
+
+def _add(directory: str | os.PathLike, name: str, kind: str) -> Identity:
     out = Path(directory)
     dep = load(out)
-    _check_worker_name(name, dep.names(), kind)
+    _check_name(name, dep.names(), kind)
     ident = _new_identity(out, name, kind)
     _save(out, Deployment(dep.listen, dep.websocket, dep.websocket_tls,
                           dep.identities + (ident,)))
     return ident
-
-
-def add_client(directory: str | os.PathLike, name: str) -> Identity:
-    """Add client ``name`` of the generate API (see :func:`permissions`)."""
-    return add_worker(directory, name, "client")
