@@ -45,7 +45,7 @@ def test_tap_decodes_a_live_generate_stream(nats_server, models, arun):
             lines: list[str] = []
             ready = asyncio.Event()
             # everything, inboxes included: the generate request, each token, the end, a cancel
-            watching = asyncio.ensure_future(tap(watch, ">", lines.append, count=6, duration=60, ready=ready.set))
+            watching = asyncio.ensure_future(tap(watch, ">", lines.append, count=6, duration=170, ready=ready.set))
             await ready.wait()
             req = new_request([1, 2, 3], 3, stop_on_eos=False)
             await generate_all(client, fp, req)
