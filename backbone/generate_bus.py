@@ -8,7 +8,16 @@ a second backbone on the bus adds capacity with no configuration (and NATS prefe
 the requester's own cluster or leafnode).
 
 :func:`generate` is the client: it publishes a request with an inbox of its own and yields the
-streamed tokens, then the :class:`~kvasir_bus.generate_codec.GenerateDone`.
+streamed tokens, then the :class:`~kvasir_bus.generate_codec.GenerateDone`; a client that stops
+early says so with a :class:`~kvasir_bus.generate_codec.GenerateCancel`.
+
+A client that leaves frees its sequence at the next engine step, as an HTTP client that
+disconnects does. Two ways, because a client may go without a word: a cancel message on
+``kvasir.<model>.generate.cancel`` (every backbone hears it; the one holding the request drops
+it), and the inbox itself: each token is published with a reply subject under this backbone's
+own inbox (one per stream), so once the client's inbox has no subscriber (it unsubscribed, or its
+connection closed) the NATS server answers that reply subject with a no-responders status and
+the backbone drops the stream.
 
 Everything async runs on one event loop (the HTTP server's); the scheduler's events arrive on
 the engine thread and are handed to that loop.
@@ -17,6 +26,7 @@ the engine thread and are handed to that loop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from typing import AsyncIterator
 
@@ -32,7 +42,7 @@ from kvasir_bus.wire import encode, headers_for
 
 log = structlog.get_logger("kvasir.generate_bus")
 
-QUEUE = "kvasir-backbones"  # the queue group every backbone of a model joins
+QUEUE = gc.GENERATE_QUEUE  # the queue group every backbone of a model joins
 
 
 class GenerateRefused(KvasirError):
@@ -49,30 +59,42 @@ class NoBackbone(KvasirError):
 
 class GenerateBus:
     """``await start()`` subscribes in the queue group; ``await stop()`` unsubscribes and ends
-    the streams still running (idempotent). ``served`` counts the requests this node took."""
+    the streams still running (idempotent). ``served`` counts the requests this node took;
+    ``dropped`` the streams ended because their client left: ``cancel`` (it said so) and
+    ``gone`` (its inbox had no subscriber any more)."""
 
     def __init__(self, nc, model: str, node: str, scheduler: Scheduler, tokenizer, eos_id: int):
         self.nc, self.node, self.scheduler, self.tokenizer, self.eos_id = nc, node, scheduler, tokenizer, eos_id
-        self.subject = Subjects(model).generate()
+        subjects = Subjects(model)
+        self.subject, self.cancel_subject = subjects.generate(), subjects.generate_cancel()
         self.served = 0
-        self._sub = None
+        self.dropped = {"cancel": 0, "gone": 0}
+        self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
+        self._streams: dict[str, asyncio.Task] = {}  # request id -> the task streaming it
+        self._feedback = ""  # this backbone's no-responders inbox: "<it>.<n>" for stream n
+        self._feedback_ids: dict[str, str] = {}  # "<n>" -> request id (an id may hold dots)
+        self._numbers = itertools.count()
 
     async def start(self) -> "GenerateBus":
-        if self._sub is None:
-            self._sub = await self.nc.subscribe(self.subject, queue=QUEUE, cb=self._on_request)
-            await self.nc.flush()  # the subscription is live on the server when start() returns
+        if not self._subs:
+            self._feedback = self.nc.new_inbox()
+            self._subs = [await self.nc.subscribe(self.subject, queue=QUEUE, cb=self._on_request),
+                          await self.nc.subscribe(self.cancel_subject, cb=self._on_cancel),
+                          await self.nc.subscribe(f"{self._feedback}.*", cb=self._on_no_responders)]
+            await self.nc.flush()  # the subscriptions are live on the server when start() returns
             log.info("generate_bus_serving", subject=self.subject, queue=QUEUE, node=self.node)
         return self
 
     async def stop(self) -> None:
-        if self._sub is None:
+        if not self._subs:
             return
-        sub, self._sub = self._sub, None
-        try:
-            await sub.unsubscribe()
-        except Exception as exc:  # the connection is gone already: nothing left to undo
-            log.warning("generate_unsubscribe_failed", error=f"{type(exc).__name__}: {exc}")
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # the connection is gone already: nothing left to undo
+                log.warning("generate_unsubscribe_failed", error=f"{type(exc).__name__}: {exc}")
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -85,18 +107,56 @@ class GenerateBus:
         except gc.CodecError as exc:
             await self._refuse(msg.reply, "", gc.ERR_BAD_REQUEST, str(exc))
             return
-        task = asyncio.ensure_future(self._serve(req, msg.reply))
+        if req.request_id in self._streams:
+            await self._refuse(msg.reply, req.request_id, gc.ERR_BAD_REQUEST,
+                               "a stream with this request id is running here already")
+            return
+        number = str(next(self._numbers))
+        task = asyncio.ensure_future(self._serve(req, msg.reply, f"{self._feedback}.{number}"))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._streams[req.request_id] = task
+        self._feedback_ids[number] = req.request_id
+        task.add_done_callback(lambda t, rid=req.request_id, n=number: self._forget(rid, n, t))
+
+    def _forget(self, request_id: str, number: str, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._feedback_ids.pop(number, None)
+        if self._streams.get(request_id) is task:
+            del self._streams[request_id]
+
+    def _drop(self, request_id: str, why: str) -> None:
+        """End the stream of ``request_id`` if this backbone runs it: its task's ``finally``
+        cancels the job, and the scheduler frees the sequence at its next step."""
+        task = self._streams.pop(request_id, None)
+        if task is not None and not task.done():
+            self.dropped[why] += 1
+            log.info("generate_dropped", request_id=request_id, why=why, node=self.node)
+            task.cancel()
+
+    async def _on_cancel(self, msg) -> None:
+        try:
+            cancel = gc.decode_generate_cancel(msg.data)
+        except gc.CodecError as exc:  # no reply: a cancel is fire and forget
+            log.warning("generate_bad_cancel", error=str(exc))
+            return
+        self._drop(cancel.request_id, "cancel")
+
+    async def _on_no_responders(self, msg) -> None:
+        # Only the NATS server writes here (under `kvasir creds` nobody else may publish to
+        # this backbone's inbox): a token of stream <n> found no subscriber on its client's inbox.
+        if msg.headers and msg.headers.get("Status") == "503":
+            request_id = self._feedback_ids.get(msg.subject.rsplit(".", 1)[-1])
+            if request_id is not None:
+                self._drop(request_id, "gone")
 
     async def _refuse(self, inbox: str, request_id: str, code: str, message: str) -> None:
         reply = gc.ErrorReply(request_id, self.node, code, message[:gc.MAX_ERROR_MESSAGE])
         await self.nc.publish(inbox, encode(reply), headers=headers_for(reply))
 
-    async def _send(self, inbox: str, record) -> None:
-        await self.nc.publish(inbox, encode(record), headers=headers_for(record))
+    async def _send(self, inbox: str, record, feedback: str = "") -> None:
+        await self.nc.publish(inbox, encode(record), reply=feedback, headers=headers_for(record))
 
-    async def _serve(self, req: gc.GenerateRequest, inbox: str) -> None:
+    async def _serve(self, req: gc.GenerateRequest, inbox: str, feedback: str) -> None:
         rid = req.request_id
         try:
             prompt = list(req.prompt_ids) or self.tokenizer.encode(req.prompt_text)
@@ -121,7 +181,7 @@ class GenerateBus:
                 kind, value = await events.get()
                 if kind == "token":
                     text = "" if (req.stop_on_eos and value == self.eos_id) else decoder.push(value)
-                    await self._send(inbox, gc.GenerateToken(rid, index, value, text[:gc.MAX_PIECE_CHARS]))
+                    await self._send(inbox, gc.GenerateToken(rid, index, value, text[:gc.MAX_PIECE_CHARS]), feedback)
                     index += 1
                 elif kind == "done":
                     finished = True
@@ -132,7 +192,7 @@ class GenerateBus:
                     await self._refuse(inbox, rid, gc.ERR_INTERNAL, str(value))
                     return
         finally:
-            if not finished:  # stopped (or the connection failed): free the sequence
+            if not finished:  # the client left, we stopped, or the connection failed: free the sequence
                 self.scheduler.cancel(job)
 
 
@@ -140,18 +200,22 @@ async def generate(nc, model: str, request: gc.GenerateRequest, timeout_s: float
                    ) -> AsyncIterator[gc.GenerateToken | gc.GenerateDone]:
     """Ask whichever backbone of ``model`` the queue group picks; yields each token, then the
     done record. Raises :class:`NoBackbone`, :class:`GenerateRefused`, or
-    ``asyncio.TimeoutError`` when ``timeout_s`` pass without a message."""
+    ``asyncio.TimeoutError`` when ``timeout_s`` pass without a message. A caller that stops
+    early (breaks out, is cancelled, times out) cancels the request on the backbone."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
+    ended = False  # the backbone has nothing more to do for this request
     try:
         await nc.publish(Subjects(model).generate(), encode(request), reply=inbox, headers=headers_for(request))
         expected = 0
         while True:
             msg = await sub.next_msg(timeout=timeout_s)
             if msg.headers and msg.headers.get("Status") == "503":
+                ended = True
                 raise NoBackbone(f"no backbone serves model {model} on this bus")
             rec = gc.decode_generate_reply(msg.data)
             if isinstance(rec, gc.ErrorReply):
+                ended = True
                 raise GenerateRefused(rec.code, rec.message)
             if rec.request_id != request.request_id:
                 continue  # not ours (cannot happen on a private inbox; cheap to check)
@@ -159,14 +223,24 @@ async def generate(nc, model: str, request: gc.GenerateRequest, timeout_s: float
                 if rec.index != expected:
                     raise KvasirError(f"token {expected} of the stream was lost (got {rec.index})")
                 expected += 1
-            yield rec
             if isinstance(rec, gc.GenerateDone):
+                ended = True
+            yield rec
+            if ended:
                 return
     finally:
         try:
-            await sub.unsubscribe()
+            await sub.unsubscribe()  # from here on, a token would find no responder anyway
+            if not ended:
+                await cancel(nc, model, request.request_id)
         except Exception:  # the connection closed under us: the subscription went with it
             pass
+
+
+async def cancel(nc, model: str, request_id: str) -> None:
+    """Tell the backbones of ``model`` to drop the stream ``request_id`` (fire and forget)."""
+    msg = gc.GenerateCancel(request_id)
+    await nc.publish(Subjects(model).generate_cancel(), encode(msg), headers=headers_for(msg))
 
 
 async def generate_all(nc, model: str, request: gc.GenerateRequest, timeout_s: float = 60.0

@@ -303,6 +303,172 @@ def run_sharded(path: Path, n_workers: int, rtt_ms: float, args, threads: int | 
     return out
 
 
+# -- the reference server: llama-server -np 16, built from the same vendored llama.cpp -------------
+#
+# llama-cpp-python's sdist carries the llama.cpp it was built from (vendor/llama.cpp). The bench
+# builds that tree's llama-server once (Release, GGML_NATIVE, only that target) into
+# ~/.cache/kvasir/llama-server-<version>/build and runs it with its defaults plus
+# -np <slots> -c <enough> -t <threads>, driven by the same client code as ours.
+
+REFERENCE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON",
+                   "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF",
+                   "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
+                   "-DLLAMA_USE_PREBUILT_UI=OFF"]  # no download at build time: the bench's API only
+
+
+class ReferenceUnavailable(Exception):
+    """llama-server cannot be had here; the message is one line saying why."""
+
+
+def llama_cpp_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama_cpp_python")
+    except PackageNotFoundError:
+        raise ReferenceUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python)") from None
+
+
+def reference_cache(version: str) -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvasir" / f"llama-server-{version}"
+
+
+def _vendored_source(version: str, cache: Path, src: str | None) -> Path:
+    """The llama.cpp tree to build: ``src`` if given, else the sdist's vendor/llama.cpp, from
+    pip's cache (or the index) with ``pip download --no-binary :all: --no-deps``."""
+    import glob
+    import tarfile
+
+    if src:
+        tree = Path(src)
+        if not (tree / "tools" / "server").is_dir():
+            raise ReferenceUnavailable(f"--llama-src {src}: not a llama.cpp tree (no tools/server)")
+        return tree
+    tree = cache / "src" / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if (tree / "CMakeLists.txt").exists():
+        return tree
+    sdists = cache / "sdist"
+    found = glob.glob(str(sdists / f"llama_cpp_python-{version}.tar.gz"))
+    if not found:
+        print(f"# llama-server: fetching the llama-cpp-python {version} sdist (pip download)", file=sys.stderr,
+              flush=True)
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                              f"llama-cpp-python=={version}", "-d", str(sdists)],
+                             capture_output=True, text=True)
+        found = glob.glob(str(sdists / f"llama_cpp_python-{version}.tar.gz"))
+        if not found:
+            last = (got.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ReferenceUnavailable(f"cannot get the llama-cpp-python {version} sdist ({last}); "
+                                       "pass --llama-src DIR (a llama.cpp tree)")
+    with tarfile.open(found[0]) as tar:
+        tar.extractall(cache / "src", filter="data")
+    if not (tree / "CMakeLists.txt").exists():
+        raise ReferenceUnavailable(f"{found[0]} carries no vendor/llama.cpp")
+    return tree
+
+
+def llama_server_binary(src: str | None = None) -> Path:
+    """The cached llama-server of the installed llama-cpp-python's llama.cpp, built on first use
+    (minutes; progress on stderr). Raises :class:`ReferenceUnavailable`."""
+    import shutil
+
+    version = llama_cpp_version()
+    cache = reference_cache(version)
+    binary = cache / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    missing = [tool for tool, names in (("cmake", ["cmake"]), ("a C++ compiler", ["c++", "g++", "clang++"]))
+               if not any(shutil.which(n) for n in names)]
+    if missing:
+        raise ReferenceUnavailable(f"{' and '.join(missing)} missing: cannot build llama-server")
+    tree = _vendored_source(version, cache, src)
+    build, log_path = cache / "build", cache / "build.log"
+    cache.mkdir(parents=True, exist_ok=True)
+    print(f"# llama-server: building {tree} into {build} (once; log {log_path})", file=sys.stderr, flush=True)
+    with open(log_path, "w") as log:
+        steps = [["cmake", "-S", str(tree), "-B", str(build), *REFERENCE_FLAGS],
+                 ["cmake", "--build", str(build), "--target", "llama-server", "-j", str(os.cpu_count() or 1)]]
+        for cmd in steps:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            shown = -10
+            for out_line in proc.stdout:
+                log.write(out_line)
+                m = re.match(r"\[\s*(\d+)%\]", out_line)
+                if m and int(m.group(1)) >= shown + 10:
+                    shown = int(m.group(1))
+                    print(f"# llama-server: {shown}% built", file=sys.stderr, flush=True)
+            if proc.wait() != 0:
+                raise ReferenceUnavailable(f"`{' '.join(cmd[:2])} ...` failed (exit {proc.returncode}); see {log_path}")
+    if not binary.exists():
+        raise ReferenceUnavailable(f"the build made no {binary}; see {log_path}")
+    return binary
+
+
+def start_llama_server(binary: Path, path: Path, slots: int, n_ctx: int, threads: int
+                       ) -> tuple[subprocess.Popen, str]:
+    """llama-server on a free loopback port, once /health says it is ready."""
+    import socket
+    import tempfile
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(port),
+                             "-np", str(slots), "-c", str(n_ctx), "-t", str(threads), "-tb", str(threads)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            tail = log.read().strip().splitlines()[-3:]
+            raise ReferenceUnavailable(f"llama-server exited with {proc.returncode}: {' | '.join(tail)}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise ReferenceUnavailable("llama-server was not ready after 300 s")
+
+
+def run_llama_server(path: Path, args, n_ctx: int, threads: int, out: dict) -> None:
+    """Every concurrency against llama-server -np <slots>: its figures go beside ours in
+    ``out["results"]`` (``llama_server``, ``ratio_vs_llama_server``). Without it, one line
+    on stderr and ``out["llama_server"]["unavailable"]``: the reference is then
+    ``llama_cpp_batched`` (llama.cpp's own batched decode)."""
+    try:
+        binary = Path(args.llama_server) if args.llama_server else llama_server_binary(args.llama_src)
+        proc, url = start_llama_server(binary, path, args.llama_slots, n_ctx, threads)
+    except ReferenceUnavailable as exc:
+        print(f"# llama-server unavailable: {exc}; the reference is llama.cpp's batched decode "
+              "(llama_cpp_batched)", file=sys.stderr, flush=True)
+        out["llama_server"] = {"unavailable": str(exc)}
+        return
+    out["llama_server"] = {"binary": str(binary), "llama_cpp_python": llama_cpp_version(),
+                           "flags": f"-np {args.llama_slots} -c {n_ctx} -t {threads} -tb {threads}"}
+    by_c = {r["concurrency"]: r for r in out["results"]}
+    try:
+        asyncio.run(run_clients(url, prompts(1, args.prompt_tokens), 2))  # warm up, as ours
+        for c in args.concurrency:
+            theirs = asyncio.run(run_clients(url, prompts(c, args.prompt_tokens), args.tokens))
+            row = by_c.setdefault(c, {"concurrency": c})
+            row["llama_server"] = theirs
+            if "kvasir_serve" in row:
+                row["ratio_vs_llama_server"] = round(row["kvasir_serve"]["tok_s"] / theirs["tok_s"], 3)
+            print(f"# llama-server -np {args.llama_slots}, {c} streams: {theirs['tok_s']} tok/s",
+                  file=sys.stderr, flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    out["results"] = sorted(by_c.values(), key=lambda r: r["concurrency"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="qwen3moe")
@@ -330,6 +496,12 @@ def main() -> None:
                     help="concurrencies of --micro-batches and --replicas (default 4 16)")
     ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
+    ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server reference of (a)")
+    ap.add_argument("--llama-server", metavar="BIN", default=None,
+                    help="use this llama-server binary (default: build the vendored one, cached)")
+    ap.add_argument("--llama-src", metavar="DIR", default=None,
+                    help="llama.cpp tree to build llama-server from (default: llama-cpp-python's sdist)")
+    ap.add_argument("--llama-slots", type=int, default=16, help="llama-server -np (default 16)")
     args = ap.parse_args()
     from kvasir_bus.logs import configure
 
@@ -348,6 +520,8 @@ def main() -> None:
            "threads": threads, "cpus": os.cpu_count(), "results": [], "sharded": []}
     if not args.skip_local:
         run_local(path, args, top, n_ctx, threads, out)
+        if not args.no_llama_server:
+            run_llama_server(path, args, n_ctx, threads, out)
     for n in args.sharded:
         out["sharded"].append(run_sharded(path, n, 0.0, args, args.threads))
     for rtt in args.rtt_ms:

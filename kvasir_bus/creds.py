@@ -13,8 +13,9 @@ calls :func:`init`, which writes::
     DIR/deployment.json    what :func:`add_worker` needs to write the configs again
 
 Identities: ``backbone``, ``market``, ``observer`` (``kvasir tap`` / ``kvasir status``),
-``operator`` (the only user of the ``$SYS`` account) and one per worker, named as the worker's
-``--node``. Anonymous connections are refused: the config has accounts and no ``no_auth_user``.
+``operator`` (the only user of the ``$SYS`` account), one per worker, named as the worker's
+``--node``, and one per client of the generation API (``kvasir creds add-client DIR NAME``).
+Anonymous connections are refused: the config has accounts and no ``no_auth_user``.
 
 Rights (:func:`permissions`) follow the message flow of :mod:`kvasir_bus.subjects`:
 
@@ -22,6 +23,11 @@ Rights (:func:`permissions`) follow the message flow of :mod:`kvasir_bus.subject
   ``kvasir.*.coverage.W``, requests to the market (volunteer) and for the manifest; answer the
   requests it receives (``allow_responses``), nothing else;
 - backbone: the only publisher of dispatch, routing and ledger; answers manifest requests;
+  serves ``kvasir.*.generate`` in the backbones' queue group only, hears its cancels, and
+  streams tokens to the clients' inboxes (each client's, named in the config);
+- client C: publishes generate requests and cancels (``kvasir.*.generate``,
+  ``kvasir.*.generate.cancel``) and reads its own inbox, nothing else (no worker, market or
+  observer may call generate);
 - market: the only publisher of demand; answers volunteer, status and ledger requests;
 - observer: reads everything under ``kvasir.>``; may only ask the market for its status and
   every service who it is (``$SRV.>``);
@@ -42,8 +48,10 @@ from pathlib import Path
 from kvasir_bus import ledger_stream, subjects
 from kvasir_bus.connect import IDENTITY_HEADER, inbox_prefix_for
 from kvasir_bus.errors import UsageError
+from kvasir_bus.generate_codec import GENERATE_QUEUE
 
-ROLES = ("backbone", "market", "observer", "operator")  # fixed identities; the rest are workers
+ROLES = ("backbone", "market", "observer", "operator")  # fixed identities; the rest are workers or clients
+KINDS = ("worker", "client")  # the identities added by name
 STATE_FILE = "deployment.json"
 ACCOUNT = "KVASIR"
 SYSTEM_ACCOUNT = "SYS"
@@ -53,13 +61,15 @@ RESPONSE_EXPIRY = "2m"
 
 _P = subjects.PREFIX
 _DISPATCH = f"{_P}.*.x.*.*"
+_GENERATE = f"{_P}.*.generate"
+_GENERATE_CANCEL = f"{_P}.*.generate.cancel"
 SRV = "$SRV"  # the NATS micro protocol's discovery prefix
 
 
 @dataclass(frozen=True)
 class Identity:
     name: str
-    role: str  # one of ROLES, or "worker"
+    role: str  # one of ROLES, or one of KINDS
     public_key: str
 
 
@@ -74,6 +84,9 @@ class Deployment:
 
     def names(self) -> set[str]:
         return {i.name for i in self.identities}
+
+    def client_keys(self) -> tuple[str, ...]:
+        return tuple(i.public_key for i in self.identities if i.role == "client")
 
 
 def service_subjects(role: str) -> list[str]:
@@ -97,8 +110,10 @@ _JS_MARKET = [*_JS_STREAM,
               f"$JS.ACK.{ledger_stream.STREAM}.{ledger_stream.CONSUMER}.>"]
 
 
-def permissions(role: str, name: str, public_key: str) -> dict:
-    """The nats-server ``permissions`` block of one identity (a JSON-able dict)."""
+def permissions(role: str, name: str, public_key: str, client_keys: tuple[str, ...] = ()) -> dict:
+    """The nats-server ``permissions`` block of one identity (a JSON-able dict).
+    ``client_keys``: the public keys of the deployment's clients (the backbone streams tokens
+    to their inboxes)."""
     inbox = f"{inbox_prefix_for(public_key)}.>"
     if role == "worker":
         return {"publish": {"allow": [f"{_P}.*.coverage.{subjects.check_node(name)}",
@@ -107,10 +122,15 @@ def permissions(role: str, name: str, public_key: str) -> dict:
                 "allow_responses": {"max": 1, "expires": RESPONSE_EXPIRY}}
     if role == "backbone":
         return {"publish": {"allow": [_DISPATCH, f"{_P}.*.routing", f"{_P}.*.ledger", f"{_P}.*.quarantine",
-                                      f"{_P}.*.market.status", *_JS_BACKBONE]},
+                                      f"{_P}.*.market.status", *_JS_BACKBONE,
+                                      *(f"{inbox_prefix_for(k)}.>" for k in client_keys)]},
                 "subscribe": {"allow": [f"{_P}.*.manifest", f"{_P}.*.coverage.*", inbox,
+                                        f"{_GENERATE} {GENERATE_QUEUE}", _GENERATE_CANCEL,  # the queue group only
                                         *service_subjects(role)]},
                 "allow_responses": True}
+    if role == "client":  # the generation API and its own replies, nothing else
+        return {"publish": {"allow": [_GENERATE, _GENERATE_CANCEL]},
+                "subscribe": {"allow": [inbox]}}
     if role == "market":
         return {"publish": {"allow": [f"{_P}.*.demand", f"{_P}.*.manifest", *_JS_MARKET]},
                 "subscribe": {"allow": [subjects.ALL_COVERAGE, subjects.ALL_ROUTING,
@@ -147,22 +167,22 @@ def _check_hostport(value: str, flag: str) -> str:
     return value
 
 
-def _check_worker_name(name: str, taken: set[str]) -> str:
+def _check_name(name: str, taken: set[str], kind: str = "worker") -> str:
     try:
         subjects.check_node(name)
     except ValueError as exc:
-        raise UsageError(f"worker name {name!r}: {exc}") from None
+        raise UsageError(f"{kind} name {name!r}: {exc}") from None
     if name in ROLES:
-        raise UsageError(f"worker name {name!r} is reserved for the {name} identity")
+        raise UsageError(f"{kind} name {name!r} is reserved for the {name} identity")
     if name in taken:
         raise UsageError(f"identity {name!r} exists already")
     return name
 
 
-def _identity_lines(ident: Identity) -> str:
+def _identity_lines(ident: Identity, client_keys: tuple[str, ...]) -> str:
     user = {"nkey": ident.public_key}
     if ident.role != "operator":
-        user["permissions"] = permissions(ident.role, ident.name, ident.public_key)
+        user["permissions"] = permissions(ident.role, ident.name, ident.public_key, client_keys)
     return f"      # {ident.name} ({ident.role})\n      {json.dumps(user)}"
 
 
@@ -171,17 +191,18 @@ def render_accounts(dep: Deployment) -> str:
     users = [i for i in dep.identities if i.role != "operator"]
     ops = [i for i in dep.identities if i.role == "operator"]
     return "\n".join([
-        "# generated by `kvasir creds`; add workers with `kvasir creds add-worker DIR NAME`",
+        "# generated by `kvasir creds`; add workers with `kvasir creds add-worker DIR NAME`,",
+        "# clients of the generate API with `kvasir creds add-client DIR NAME`",
         "accounts {",
         f"  {ACCOUNT}: {{",
         "    jetstream: enabled  # the ledger stream (kvasir_bus.ledger_stream)",
         "    users: [",
-        *[_identity_lines(i) for i in users],
+        *[_identity_lines(i, dep.client_keys()) for i in users],
         "    ]",
         "  }",
         f"  {SYSTEM_ACCOUNT}: {{",
         "    users: [",
-        *[_identity_lines(i) for i in ops],
+        *[_identity_lines(i, ()) for i in ops],
         "    ]",
         "  }",
         "}",
@@ -259,7 +280,7 @@ def _new_identity(directory: Path, name: str, role: str) -> Identity:
 
 def init(directory: str | os.PathLike, listen: str, workers: list[str], *,
          websocket: str | None = None,
-         websocket_tls: tuple[str, str] | None = None) -> Deployment:
+         websocket_tls: tuple[str, str] | None = None, clients: list[str] = ()) -> Deployment:
     """Create ``directory`` with every identity of a deployment and its server config."""
     _check_hostport(listen, "--listen")
     if websocket is not None:
@@ -273,7 +294,9 @@ def init(directory: str | os.PathLike, listen: str, workers: list[str], *,
                 raise UsageError(f"TLS file {p}: no such file")
     taken: set[str] = set()
     for name in workers:
-        taken.add(_check_worker_name(name, taken))
+        taken.add(_check_name(name, taken))
+    for name in clients:
+        taken.add(_check_name(name, taken, "client"))
     out = Path(directory)
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out} exists and is not empty: choose a new directory (keys are "
@@ -281,6 +304,7 @@ def init(directory: str | os.PathLike, listen: str, workers: list[str], *,
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     idents = [_new_identity(out, role, role) for role in ROLES]
     idents += [_new_identity(out, name, "worker") for name in workers]
+    idents += [_new_identity(out, name, "client") for name in clients]
     dep = Deployment(listen, websocket, websocket_tls, tuple(idents))
     _save(out, dep)
     return dep
@@ -291,10 +315,20 @@ def add_worker(directory: str | os.PathLike, name: str) -> Identity:
 
     A running server picks the new worker up on ``nats-server --signal reload`` (SIGHUP).
     """
+    return _add(directory, name, "worker")
+
+
+def add_client(directory: str | os.PathLike, name: str) -> Identity:
+    """Add client ``name`` of the generate API (see :func:`permissions`), as :func:`add_worker`.
+    The backbone's rights are rewritten too: it may stream tokens to the new client's inbox."""
+    return _add(directory, name, "client")
+
+
+def _add(directory: str | os.PathLike, name: str, kind: str) -> Identity:
     out = Path(directory)
     dep = load(out)
-    _check_worker_name(name, dep.names())
-    ident = _new_identity(out, name, "worker")
+    _check_name(name, dep.names(), kind)
+    ident = _new_identity(out, name, kind)
     _save(out, Deployment(dep.listen, dep.websocket, dep.websocket_tls,
                           dep.identities + (ident,)))
     return ident

@@ -2,6 +2,7 @@
 
     kvasir creds init DIR --listen 0.0.0.0:4222 [--websocket 0.0.0.0:443] --workers a1,a2
     kvasir creds add-worker DIR NAME
+    kvasir creds add-client DIR NAME             # a user of kvasir.<model>.generate, nothing else
     nats-server -c DIR/nats.conf                 # or: kvasir nats --config DIR/nats.conf
     kvasir worker --nats nats://host:4222 --creds DIR/a1.creds --node a1 ...
 
@@ -21,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "creds", help="create a deployment's identities and its nats-server config",
         description="One identity per node: an nkey seed file per backbone, market, observer, "
-        "operator and worker, and a nats-server config granting each only its own rights.")
+        "operator, worker and client of the generate API, and a nats-server config granting "
+        "each only its own rights.")
     sub = p.add_subparsers(dest="creds_command", metavar="ACTION", parser_class=type(p))
     sub.required = True
     init = sub.add_parser("init", help="create DIR with every identity and DIR/nats.conf",
@@ -39,12 +41,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="private key of --ws-tls-cert")
     init.add_argument("--workers", metavar="NAME,NAME", default="",
                       help="worker identities (each worker's --node)")
+    init.add_argument("--clients", metavar="NAME,NAME", default="",
+                      help="client identities of the generate API (kvasir.<model>.generate)")
     init.set_defaults(func=cmd_init)
     add = sub.add_parser("add-worker", help="add one worker identity to DIR",
                          epilog="then: nats-server --signal reload  (or restart the server)")
     add.add_argument("dir", metavar="DIR")
     add.add_argument("name", metavar="NAME")
     add.set_defaults(func=cmd_add_worker)
+    client = sub.add_parser("add-client", help="add one client of the generate API to DIR",
+                            description="A client may publish generate requests and cancels "
+                            "(kvasir.<model>.generate[.cancel]) and read its own inbox, nothing else.",
+                            epilog="then: nats-server --signal reload  (or restart the server)")
+    client.add_argument("dir", metavar="DIR")
+    client.add_argument("name", metavar="NAME")
+    client.set_defaults(func=cmd_add_client)
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -54,7 +65,9 @@ def cmd_init(args: argparse.Namespace) -> int:
         raise UsageError("--ws-tls-cert and --ws-tls-key go together")
     tls = (args.ws_tls_cert, args.ws_tls_key) if args.ws_tls_cert else None
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
-    dep = creds.init(args.dir, args.listen, workers, websocket=args.websocket, websocket_tls=tls)
+    clients = [c.strip() for c in args.clients.split(",") if c.strip()]
+    dep = creds.init(args.dir, args.listen, workers, websocket=args.websocket, websocket_tls=tls,
+                     clients=clients)
     out = Path(args.dir)
     for ident in dep.identities:
         print(f"{ident.role:9s} {out / (ident.name + '.creds')}  {ident.public_key}")
@@ -67,5 +80,14 @@ def cmd_add_worker(args: argparse.Namespace) -> int:
 
     ident = creds.add_worker(args.dir, args.name)
     print(f"worker    {Path(args.dir) / (ident.name + '.creds')}  {ident.public_key}")
+    print("reload the server to admit it: nats-server --signal reload", file=sys.stderr)
+    return 0
+
+
+def cmd_add_client(args: argparse.Namespace) -> int:
+    from kvasir_bus import creds
+
+    ident = creds.add_client(args.dir, args.name)
+    print(f"client    {Path(args.dir) / (ident.name + '.creds')}  {ident.public_key}")
     print("reload the server to admit it: nats-server --signal reload", file=sys.stderr)
     return 0

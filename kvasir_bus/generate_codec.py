@@ -9,12 +9,23 @@ and the token counts; or an ``e`` :class:`~kvasir_bus.wire.ErrorReply` instead (
 cannot run, a full queue: code ``overloaded``, an engine failure). With nobody serving the
 model, the NATS server answers the inbox with a ``Status: 503`` header (no responders).
 
+A client that leaves frees its sequence at the backbone's next engine step, either way:
+
+* it says so: a :class:`GenerateCancel` with the request id on ``kvasir.<model>.generate.cancel``
+  (every backbone of the model hears it; the one holding the request drops it, queued or
+  running; the others ignore it). The request id is the capability: only the client and the
+  backbone (and observers) ever see it.
+* it just goes (disconnects, or unsubscribes its inbox): the backbone publishes every token
+  with a reply subject of its own, so once nobody listens on the inbox the NATS server answers
+  that reply subject with ``Status: 503`` (no responders), and the backbone drops the stream.
+
 Messages (``t``):
 
 * ``gq`` :class:`GenerateRequest` client -> backbone on ``kvasir.<model>.generate``
 * ``gt`` :class:`GenerateToken`   backbone -> client inbox, one per token
 * ``gd`` :class:`GenerateDone`    backbone -> client inbox, the last message
 * ``e``  :class:`~kvasir_bus.wire.ErrorReply` backbone -> client inbox, instead of ``gd``
+* ``gc`` :class:`GenerateCancel`  client -> every backbone on ``kvasir.<model>.generate.cancel``
 
 The prompt is either token ids or text (the backbone tokenizes it, with its BOS); never both.
 """
@@ -35,6 +46,9 @@ MAX_NEW_TOKENS = 1 << 20
 MAX_PIECE_CHARS = 4096  # one token's text (a token is at most a few hundred bytes)
 FINISH_REASONS = ("stop", "length")
 GENERATE_MAX_BYTES = 8 << 20  # a request; every reply is far smaller
+#: The NATS queue group every backbone serves ``kvasir.<model>.generate`` in (the
+#: ``kvasir creds`` config lets a backbone subscribe to generate in this group only).
+GENERATE_QUEUE = "kvasir-backbones"
 
 
 @record
@@ -171,6 +185,36 @@ class GenerateDone(Record):
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Request": self.request_id, "Kvasir-Node": self.node,
                 "Kvasir-Finish": self.finish_reason}
+
+
+@record
+@dataclass(frozen=True)
+class GenerateCancel(Record):
+    """Drop the stream of ``request_id`` (queued or running); no reply. Idempotent: a
+    backbone that does not hold the request, or has finished it, ignores it."""
+
+    kind: ClassVar[str] = "gc"
+    what: ClassVar[str] = "generate cancel"
+
+    request_id: str
+
+    def __post_init__(self) -> None:
+        check_id(self.what, "request_id", self.request_id)
+
+    def body(self) -> dict[str, Any]:
+        return {"request_id": self.request_id}
+
+    @classmethod
+    def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> GenerateCancel:
+        return cls(need(body, cls.what, "request_id"))
+
+    def headers(self) -> dict[str, str]:
+        return {"Kvasir-Request": self.request_id}
+
+
+def decode_generate_cancel(data: bytes) -> GenerateCancel:
+    """Bytes -> :class:`GenerateCancel`."""
+    return decode(data, ("gc",), GenerateCancel.what, max_bytes=4096)
 
 
 def decode_generate_request(data: bytes, *, max_bytes: int = GENERATE_MAX_BYTES) -> GenerateRequest:

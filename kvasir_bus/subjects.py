@@ -165,6 +165,11 @@ class Subjects:
         backbone of the model answers in one queue group (:mod:`kvasir_bus.generate_codec`)."""
         return f"{self.root}.generate"
 
+    def generate_cancel(self) -> str:
+        """``kvasir.<model>.generate.cancel``: a client drops its stream (every backbone of the
+        model hears it; the one running that request frees its sequence)."""
+        return f"{self.root}.generate.cancel"
+
     def everything(self) -> str:
         """``kvasir.<model>.>``: every subject of this model."""
         return f"{self.root}.>"

@@ -6,7 +6,9 @@ summary of the payload::
     12:00:01.234 kvasir.0123456789abcdef.x.3.17 {layer=3 expert=17 rows=4} req x.3.17 rows=4 f32 id=1a
 
 Every message type of the bus is decoded (dispatch requests, replies and errors, heartbeats,
-manifests, volunteering, routing statistics, demand, ledger, status). A payload that is not a
+manifests, volunteering, routing statistics, demand, ledger, status, and the generate API's
+requests, tokens, ends and cancels: prompts and token texts cut short, each on one line, control
+characters escaped). A payload that is not a
 Kvasir message prints its size and a hex prefix; one that claims to be but does not validate
 prints why. :func:`summarize` never raises.
 """
@@ -20,7 +22,7 @@ from typing import Any
 
 import msgpack
 
-from kvasir_bus import codec, market_codec as mc, wire
+from kvasir_bus import codec, generate_codec as gc, market_codec as mc, wire
 from market.show import holdings_text, size
 
 _DTYPE = {"float32": "f32", "float16": "f16"}
@@ -39,7 +41,26 @@ def _short(text: str, n: int = 80) -> str:
     return text if len(text) <= n else text[:n - 3] + "..."
 
 
+def _text(text: str, n: int = 40) -> str:
+    """A prompt or token text as one bounded, quoted line: ``"a\\nb"``."""
+    quoted = repr(text[:n + 1])[1:-1]
+    return f'"{quoted[:n]}{"..." if len(quoted) > n else ""}"'
+
+
 def _summary(msg: Any) -> str:
+    if isinstance(msg, gc.GenerateRequest):
+        prompt = (f"prompt={len(msg.prompt_ids)} ids" if msg.prompt_ids
+                  else f"prompt={_text(msg.prompt_text)} ({len(msg.prompt_text)} chars)")
+        sampling = "greedy" if msg.temperature == 0 else f"t={msg.temperature:g} top_p={msg.top_p:g} seed={msg.seed}"
+        eos = "" if msg.stop_on_eos else " ignore_eos"
+        return f"generate {prompt} max={msg.max_tokens} {sampling}{eos} id={msg.request_id}"
+    if isinstance(msg, gc.GenerateToken):
+        return f"token #{msg.index} {msg.token} {_text(msg.text, 24)} id={msg.request_id}"
+    if isinstance(msg, gc.GenerateDone):
+        return (f"generate-done node={msg.node} finish={msg.finish_reason} prompt={msg.prompt_tokens} "
+                f"completion={msg.completion_tokens} id={msg.request_id}")
+    if isinstance(msg, gc.GenerateCancel):
+        return f"generate-cancel id={msg.request_id}"
     if isinstance(msg, codec.DispatchRequest):
         return (f"req x.{msg.layer}.{msg.expert} rows={msg.rows.shape[0]} "
                 f"{_DTYPE.get(msg.rows.dtype.name, msg.rows.dtype.name)} id={msg.request_id}")

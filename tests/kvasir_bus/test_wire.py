@@ -37,6 +37,7 @@ def one_of_each() -> list[Record]:
         gc.GenerateRequest("g-1", (1, 2, 3), "", 8),
         gc.GenerateToken("g-1", 0, 42, "hi"),
         gc.GenerateDone("g-1", "bb", "length", 3, 8),
+        gc.GenerateCancel("g-1"),
     ]
 
 
