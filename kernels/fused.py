@@ -57,6 +57,26 @@ def _vec(a: np.ndarray | None) -> np.ndarray | None:
     return None if a is None else np.ascontiguousarray(a, dtype=np.float32)
 
 
+def _qkv_heads(g: Graph, lib, x, norm, ws, bs, q_norm, k_norm, shape: AttentionShape, rows: int):
+    """The ops both attention builders start with: h = rms_norm(x) * norm, Q/K/V = W h (+ bias),
+    Q and K as (Dh, heads, rows) with their per-head RMS norms when the model has them.
+    Returns (h, q, k, v); v stays (Hkv*Dh, rows)."""
+    ctx, eps = g.ctx, float(shape.eps)
+    h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x, eps)), norm))
+    outs = []
+    for w, b in zip(ws, bs):
+        y = g.scratch(lib.ggml_mul_mat(ctx, w, h))
+        outs.append(y if b is None else g.scratch(lib.ggml_add(ctx, y, b)))
+    q, k, v = outs
+    q = g.view(lib.ggml_reshape_3d(ctx, q, shape.head_dim, shape.n_head, rows))
+    k = g.view(lib.ggml_reshape_3d(ctx, k, shape.head_dim, shape.n_head_kv, rows))
+    if q_norm is not None:
+        q = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, q, eps)), q_norm))
+    if k_norm is not None:
+        k = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, k, eps)), k_norm))
+    return h, q, k, v
+
+
 def attention_in(x: np.ndarray, positions: np.ndarray, shape: AttentionShape, *, attn_norm: np.ndarray,
                  wq: QTensor, wk: QTensor, wv: QTensor, bq=None, bk=None, bv=None, q_norm=None,
                  k_norm=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -79,25 +99,14 @@ def attention_in(x: np.ndarray, positions: np.ndarray, shape: AttentionShape, *,
     def build() -> Graph:
         g = Graph(lib, n_tensors=40, nodes=NODES)
         try:
-            ctx, eps = g.ctx, float(shape.eps)
+            ctx = g.ctx
             xt = g.input(T.F32, (D, n))
             nt = g.input(T.F32, (D,))
             pt = g.input(T.I32, (n,))
             ws = [weight_input(g, w, rp) for w, rp in zip((wq, wk, wv), rps)]
             bs = [g.input(T.F32, (w.ne[1],)) if b is not None else None for w, b in zip((wq, wk, wv), bias)]
             ns = [g.input(T.F32, (Dh,)) if v is not None else None for v in norms]
-            h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, xt, eps)), nt))
-            outs = []
-            for w, b in zip(ws, bs):
-                y = g.scratch(lib.ggml_mul_mat(ctx, w, h))
-                outs.append(y if b is None else g.scratch(lib.ggml_add(ctx, y, b)))
-            q, k, v = outs
-            q = g.view(lib.ggml_reshape_3d(ctx, q, Dh, H, n))
-            k = g.view(lib.ggml_reshape_3d(ctx, k, Dh, Hkv, n))
-            if ns[0] is not None:
-                q = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, q, eps)), ns[0]))
-            if ns[1] is not None:
-                k = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, k, eps)), ns[1]))
+            _, q, k, v = _qkv_heads(g, lib, xt, nt, ws, bs, ns[0], ns[1], shape, n)
             g.output(lib.ggml_rope_ext(ctx, q, pt, None, *shape.rope))
             g.output(lib.ggml_rope_ext(ctx, k, pt, None, *shape.rope))
             g.output(lib.ggml_cont_2d(ctx, v, Hkv * Dh, n))  # a copy: the product is a scratch buffer
@@ -267,18 +276,7 @@ def _attention_part(g: Graph, lib, x, pos, mask, layer, shape: AttentionShape, s
     sw = [weight_input(g, w, rps.get(id(w))) for w in shexp] if shexp else None
     sg = g.input(T.F32, (x_ne0, 1)) if layer.ffn_gate_inp_shexp is not None else None
 
-    h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x, eps)), an))
-    qkv = []
-    for w, b in zip(ws, bs):
-        y = g.scratch(lib.ggml_mul_mat(ctx, w, h))
-        qkv.append(y if b is None else g.scratch(lib.ggml_add(ctx, y, b)))
-    q, k, v = qkv
-    q = g.view(lib.ggml_reshape_3d(ctx, q, Dh, H, R))
-    k = g.view(lib.ggml_reshape_3d(ctx, k, Dh, Hkv, R))
-    if qn is not None:
-        q = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, q, eps)), qn))
-    if kn is not None:
-        k = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, k, eps)), kn))
+    h, q, k, v = _qkv_heads(g, lib, x, an, ws, bs, qn, kn, shape, R)
     q = g.scratch(lib.ggml_rope_ext(ctx, q, pos, None, *shape.rope))  # (Dh, H, R)
     k = g.scratch(lib.ggml_rope_ext(ctx, k, pos, None, *shape.rope))
     # store this step's L keys and values (f32 -> f16, rounded as numpy's astype rounds)

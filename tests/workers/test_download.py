@@ -18,7 +18,6 @@ import pytest
 from gguf import GGUFReader
 
 from backbone.manifest import build_manifest, serve_manifest
-from backbone.weights_http import WeightsServer
 from kvasir_bus import codec, market_codec
 from kvasir_bus.cli import main
 from kvasir_bus.connect import connect
@@ -65,20 +64,6 @@ def manifests(tmp_path_factory):
         return made[path]
 
     return get
-
-
-@pytest.fixture
-def serve():
-    servers = []
-
-    def start(path, **kw):
-        srv = WeightsServer(path, port=0, **kw).start()
-        servers.append(srv)
-        return srv
-
-    yield start
-    for srv in servers:
-        srv.stop()
 
 
 def expert_bytes(path, layer, expert):

@@ -17,7 +17,6 @@ import pytest
 from gguf import GGUFReader
 
 from backbone.manifest import build_manifest
-from backbone.weights_http import WeightsServer
 from kernels.expert import expert_ffn
 from kernels.tensors import tensors_from_reader
 from kvasir_bus import codec, market_codec
@@ -48,20 +47,6 @@ def gpt_oss(models):
 def split(models, tmp_path_factory):
     single = models("qwen3moe", "q8_0", seed=1)
     return single, write_split(single, tmp_path_factory.mktemp("split3"), 3)
-
-
-@pytest.fixture
-def serve():
-    servers = []
-
-    def start(path, **kw):
-        srv = WeightsServer(path, port=0, **kw).start()
-        servers.append(srv)
-        return srv
-
-    yield start
-    for srv in servers:
-        srv.stop()
 
 
 def _kvasir_slice(single, holdings, out):
