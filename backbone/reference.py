@@ -59,12 +59,12 @@ class Reference:
     another order; without it, llama.cpp and our ggml path run the same kernels)."""
 
     def __init__(self, path: str | os.PathLike, n_ctx: int, n_threads: int | None = None, n_batch: int = 512,
-                 repack: bool = False):
+                 repack: bool = False, logits_all: bool = True):
         llama_cpp = import_llama_cpp()
         self.path = os.fspath(path)
         with _model_params(llama_cpp, use_extra_bufts=repack):
             self.llm = quiet_llama(llama_cpp, self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                                   logits_all=True, flash_attn=False,
+                                   logits_all=logits_all, flash_attn=False,
                                    n_threads=n_threads or os.cpu_count(),
                                    n_threads_batch=n_threads or os.cpu_count())
 

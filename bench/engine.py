@@ -20,6 +20,31 @@ compare like with like on this (noisy) machine. The best of ``--repeat`` runs is
 Models: ``small`` f16 and q4_k (qwen3moe) and a 2-layer ``122b-layer`` q4_k (the 122B's expert
 shapes, ``--experts-122b`` experts per layer). Prints JSON on stdout.
 
+What the users' reference gains, setting by setting (prefill of 64 tokens, llama.cpp alone in
+a child, one setting changed from its defaults; issue 10, measured on this 2-core machine):
+
+- ``logits_all``: llama.cpp computes the last layer's FFN (the routed experts) only for the
+  rows whose logits are asked for. With every position's logits asked for, as ``kvasir verify``
+  needs, the 2-layer 122b-layer model's prefill drops from 314-353 to 182-195 tok/s: half of
+  its expert work is the last layer. This was most of the earlier "matched" gap (292 vs 166);
+  the matched child now asks for the last position only, like ours and the users' run.
+  Our engine runs every layer on every row; a prototype of the same pruning in
+  ``backbone.model.Engine._step_segments`` (the last layer's experts and head on the last row,
+  deterministic logits unchanged bit for bit) took our 122b-layer prefill from 155-166 to
+  232-256 tok/s. It belongs in the forward pass, on the sharded path too (else fast-mode
+  sharded and monolithic logits part), so it is left to that code's owner.
+- ``GOMP_SPINCOUNT``: libgomp's default spin (300000) against the 10000 ``kvasir_bus.threads``
+  set: equal on an idle machine, but with one other busy process on the 2 cores, ggml's
+  per-node ``omp barrier`` sleeps and waits for the scheduler: users' llama.cpp F16 prefill
+  302-382 tok/s, the same with 10000 178-214 (5 paired runs). The matched child imported
+  kvasir_bus and so ran with 10000: that was the F16 and Q4_K gap of a run under load
+  (load average 1.6: 748 vs 477); on an idle machine users and matched are within noise.
+- weight repacking (``use_extra_bufts``): nothing measurable on F16 (no repacked kernel for it
+  on AVX2); about +10% on Q4_K (122b-layer 280-298 without, 314-353 with).
+- threads (users: ``n_threads`` = cores / 2 for decode, all cores for prefill), the tiled-mm
+  switch (on by default) and flash attention (off by default in llama-cpp-python): no
+  measurable prefill difference.
+
     python bench/engine.py [--types f16 q4_k] [--prompt-tokens 64] [--decode 32] [--repeat 3]
                            [--experts-122b 32] [--no-122b]
 """
@@ -78,12 +103,19 @@ def child(kind: str, path: str, n_prompt: int, n_decode: int, repeat: int) -> di
         else:  # matched: what kvasir verify compares against
             from backbone.reference import Reference
 
-            llm = Reference(path, n_ctx=n_prompt + n_decode + 8).llm
+            # the last position's logits only, as ours and the users' run: with all of them
+            # llama.cpp also runs the last layer's experts on every row (see above)
+            llm = Reference(path, n_ctx=n_prompt + n_decode + 8, logits_all=False).llm
             settings = {"repack": False, "flash_attn": False, "n_threads": llm.n_threads,
                         "n_threads_batch": llm.n_threads_batch, "tiled_mm": os.environ.get("GGML_CPU_TILED_MM")}
+        import llama_cpp
         import numpy as np
 
         n_vocab = llm.n_vocab()
+
+        def next_token() -> int:  # llm.scores holds nothing without logits_all: read the last row
+            return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))))
+
         prompt = np.random.default_rng(0).integers(0, n_vocab, n_prompt).tolist()
         runs = []
         for _ in range(repeat):
@@ -91,12 +123,13 @@ def child(kind: str, path: str, n_prompt: int, n_decode: int, repeat: int) -> di
             t0 = time.perf_counter()
             llm.eval(prompt)
             t1 = time.perf_counter()
-            token = int(np.argmax(llm.scores[n_prompt - 1]))
+            token = next_token()
             for _ in range(n_decode):
                 llm.eval([token])
-                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                token = next_token()
             t2 = time.perf_counter()
             runs.append((n_prompt / (t1 - t0), n_decode / (t2 - t1)))
+    settings["GOMP_SPINCOUNT"] = os.environ.get("GOMP_SPINCOUNT", "unset: libgomp's default")
     return {"prefill_tok_s": round(max(r[0] for r in runs), 1), "decode_tok_s": round(max(r[1] for r in runs), 2),
             "settings": settings}
 
@@ -174,7 +207,8 @@ def main() -> None:
            "decode_tokens": args.decode, "repeat": args.repeat,
            "reference": "llama.cpp via llama-cpp-python defaults (repacking on, its default flash "
                         "attention and threads); 'matched' = repacking and flash attention off, all cores, "
-                        "the same tiled-matmul switch as ours: what kvasir verify compares against",
+                        "the same tiled-matmul switch as ours: the kernels kvasir verify compares against "
+                        "(here with the last position's logits only, as ours)",
            "load_average_before": [round(v, 2) for v in os.getloadavg()],
            "results": [bench_model(path, label, args) for path, label in todo]}
     # The ratios compare runs made one after the other: on a machine shared with other work

@@ -2,8 +2,11 @@
 (OpenMP) load.
 
 On small machines OpenBLAS' idle threads and ggml's OpenMP threads busy-wait against each
-other: alternating numpy and ggml calls made a 1-row ggml matmul 30x slower in a probe. Short
-spin counts on both sides fix it without making either slow.
+other: alternating numpy and ggml calls made a 1-row ggml matmul 30x slower in a probe. A short
+OpenBLAS thread timeout fixes it. ggml's OpenMP team keeps libgomp's default spin, as llama.cpp
+runs: its per-node barriers are ``omp barrier``, and with a short GOMP_SPINCOUNT a waiting thread
+sleeps and, on cores shared with another busy process, waits for the scheduler at every node
+(llama.cpp's prefill at half speed; see bench/engine.py).
 
 The kernel mode (env ``KVASIR_KERNEL_MODE``: ``fast``, the default, or ``deterministic``) decides
 ``GGML_CPU_TILED_MM``, which ggml's CPU backend reads once when it loads:
@@ -26,7 +29,6 @@ ENV_THREADS = "KVASIR_THREADS"
 MODES = ("fast", "deterministic")
 
 DEFAULTS = {
-    "GOMP_SPINCOUNT": "10000",
     "OPENBLAS_THREAD_TIMEOUT": "4",
 }
 
