@@ -5,7 +5,6 @@ generated config."""
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
@@ -19,6 +18,7 @@ from kvasir_bus.connect import inbox_prefix_for
 from kvasir_bus.server import EmbeddedNats
 from kvasir_bus.subjects import Subjects
 from tests.net.test_permissions import Client
+from tests.polling import until
 
 pytest.importorskip("llama_cpp", reason="the backbone's tokenizer is llama.cpp's vocabulary")
 
@@ -35,15 +35,6 @@ def with_clients(tmp_path, capsys):
     assert kvasir(["creds", "add-client", str(out), "c2"]) == 0
     capsys.readouterr()
     return out
-
-
-async def until(check, what: str, timeout_s: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.02)
 
 
 def test_a_client_may_generate_and_cancel_and_nothing_else(with_clients, models, arun):

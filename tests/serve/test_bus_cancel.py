@@ -23,6 +23,7 @@ from kvasir_bus.connect import connect
 from kvasir_bus.fingerprint import model_fingerprint
 from kvasir_bus.subjects import Subjects
 from kvasir_bus.wire import encode, headers_for
+from tests.polling import until
 
 LONG = 4000
 
@@ -41,16 +42,6 @@ def one_slot_backbone(model, url, fp) -> ServerThread:
     cfg = ServerConfig(port=0, model_name="tiny", bus_model=fp, bus_url=url, node="bb",
                        scheduler=SchedulerConfig(max_active=1, max_queue=4, step_tokens=16))
     return ServerThread(Engine(model), Tokenizer(model), cfg)
-
-
-async def until(check, what: str, timeout_s: float = 60.0) -> None:
-    """Poll ``check()`` (cheap, in-process) until it holds."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not check():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.02)
 
 
 async def leave_mid_stream(url: str, fp: str, how: str, bb) -> tuple[list[int], dict]:
