@@ -5,7 +5,6 @@ generated config."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from backbone.generate_bus import QUEUE, GenerateBus, generate, generate_all, new_request
