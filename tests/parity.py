@@ -6,6 +6,10 @@ from backbone.generate import generate
 from backbone.model import Engine
 from backbone.sampling import Sampler, SamplerConfig
 
+# The prompt every parity test runs (36+ tokens with the synthetic byte-level vocabulary).
+PROMPT = ("Experts are cut out of the model one by one, so a small phone can hold a real share "
+          "of it while the backbone keeps them all.")
+
 
 def assert_logits_match_llama_cpp(path, prompt_text: str, *, min_prompt: int, n_decode: int = 16,
                                   max_abs_diff: float = 1e-3) -> dict:

@@ -21,7 +21,7 @@ import pytest
 
 from backbone.config import ARCHES, read_config
 from backbone.model import Engine
-from tests.parity import assert_logits_match_llama_cpp
+from tests.parity import PROMPT, assert_logits_match_llama_cpp
 from tests.arch.sharding import assert_sharded_with_a_killed_worker_equals_monolithic
 from kernels import backend as backends
 from kernels.expert import EXPERT_GLU, expert_ffn
@@ -32,11 +32,8 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp is the reference 
 from backbone.reference import Reference  # noqa: E402
 
 ARCH = "gpt-oss"
-PROMPT = ("Experts are cut out of the model one by one, so a small phone can hold a real share "
-          "of it while the backbone keeps them all.")
 MAX_ABS_DIFF = 1e-3  # the issue's bound; measured: 0 (bit-identical) for all five types
 N_PROMPT, N_DECODE = 36, 16
-
 
 
 def test_tiny_file_has_what_gpt_oss_adds(models):

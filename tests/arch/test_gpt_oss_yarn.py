@@ -22,13 +22,11 @@ from kernels.tensors import open_gguf
 from kvasir_bus.cli import main
 from kvasir_bus.errors import UsageError
 from synth.model import make_config
-from tests.parity import assert_logits_match_llama_cpp
+from tests.parity import PROMPT, assert_logits_match_llama_cpp
 
 pytest.importorskip("llama_cpp", reason="llama.cpp is the reference engine")
 
 ARCH = "gpt-oss"
-PROMPT = ("Experts are cut out of the model one by one, so a small phone can hold a real share "
-          "of it while the backbone keeps them all.")
 MAX_ABS_DIFF = 1e-3  # the bound; the target (and what is measured) is 0
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from backbone.config import read_config
 from backbone.model import Engine
-from tests.parity import assert_logits_match_llama_cpp
+from tests.parity import PROMPT, assert_logits_match_llama_cpp
 from tests.arch.sharding import assert_sharded_with_a_killed_worker_equals_monolithic
 from kernels import deltanet, ops
 from kernels.tensors import open_gguf
@@ -25,11 +25,8 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp is the reference 
 
 
 ARCH = "qwen35moe"
-PROMPT = ("Experts are cut out of the model one by one, so a small phone can hold a real share "
-          "of it while the backbone keeps them all.")
 MAX_ABS_DIFF = 1e-3  # the issue's bound; measured: 0 (bit-identical) for all four types
 N_PROMPT, N_DECODE = 36, 16
-
 
 
 def test_tiny_has_three_delta_net_layers_then_one_gated_attention_layer(models):

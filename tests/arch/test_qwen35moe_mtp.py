@@ -20,13 +20,11 @@ from kvasir_bus.cli import main
 from kvasir_bus.errors import UsageError
 from modelfile.slicer import plan_slice
 from synth.model import make_config
-from tests.parity import assert_logits_match_llama_cpp
+from tests.parity import PROMPT, assert_logits_match_llama_cpp
 
 pytest.importorskip("llama_cpp", reason="llama.cpp is the reference engine")
 
 ARCH = "qwen35moe"
-PROMPT = ("Experts are cut out of the model one by one, so a small phone can hold a real share "
-          "of it while the backbone keeps them all.")
 
 
 def test_the_mtp_block_is_what_llama_cpps_loader_expects(models):

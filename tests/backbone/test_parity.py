@@ -4,13 +4,11 @@ import numpy as np
 import pytest
 
 from backbone.model import Engine
-from tests.parity import assert_logits_match_llama_cpp
+from tests.parity import PROMPT, assert_logits_match_llama_cpp
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp is the reference engine")
 
 
-PROMPT = ("Experts are cut out of the model one by one, so a small phone can hold a real share "
-          "of it while the backbone keeps them all.")
 ARCHES = ["qwen3moe", "qwen2moe", "mixtral"]
 TYPES = ["f32", "f16", "q8_0", "q4_k"]
 # Reached on x86 (AVX2) with llama-cpp-python 0.3.36: max |logit difference| = 0 for all 12
@@ -18,7 +16,6 @@ TYPES = ["f32", "f16", "q8_0", "q4_k"]
 # ggml's own kernels and keeps every product batch-invariant). The bound asserted is the
 # issue's 1e-3, so a CPU whose kernels round differently still passes on real agreement.
 MAX_ABS_DIFF = 1e-3
-
 
 
 @pytest.mark.parametrize("qtype", TYPES)
