@@ -7,7 +7,13 @@ n_ff 1024), routed (``ggml_mul_mat_id``), Q4_K and Q8_0 weights, 1/8/64/512 rows
 the numpy backend (cached float64 weights) and checks that alternating numpy (OpenBLAS) and
 ggml (OpenMP) calls does not slow ggml's 1-row call down (threads.py's spin settings).
 
-Prints one JSON object. ``python -m bench.kernel [--quick]``; about a minute on 2 cores.
+``--calls`` measures only what one call costs around ``ggml_graph_compute`` (issue 10): µs per
+``expert_ffn`` call (routed, as a worker computes it) for a trivial expert (64x32 F32, 1 row),
+a small-model expert (512x256 Q4_K, 1 and 8 rows) and a 122b expert (3072x1024 Q4_K, 1 row),
+and the decode rate of the small Q4_K model (64-token prompt, 100 decode steps). Each figure is
+the least and the median of several timing loops: on a shared machine the least is the cost.
+
+Prints one JSON object. ``python -m bench.kernel [--quick | --calls]``; about a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -102,9 +108,67 @@ class RawGraph:
         self.lib.ggml_free(self.ctx)
 
 
+CALL_SHAPES = (  # (label, type, n_embd, n_ff, rows, calls per timing loop)
+    ("trivial_64x32_f32_1row", T.F32, 64, 32, 1, 3000),
+    ("small_512x256_q4_k_1row", T.Q4_K, 512, 256, 1, 1000),
+    ("small_512x256_q4_k_8rows", T.Q4_K, 512, 256, 8, 300),
+    ("122b_3072x1024_q4_k_1row", T.Q4_K, 3072, 1024, 1, 100),
+)
+
+
+def us_per_call(fn, calls: int, loops: int = 5) -> dict:
+    """The least and median µs per call of fn() over ``loops`` loops of ``calls`` calls."""
+    fn()
+    per = []
+    for _ in range(loops):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        per.append(1e6 * (time.perf_counter() - t0) / calls)
+    return {"min": round(min(per), 1), "median": round(statistics.median(per), 1)}
+
+
+def bench_calls(decode_model: str | None) -> dict:
+    """µs per expert_ffn call for CALL_SHAPES, and the small model's decode tokens/s."""
+    result: dict = {"us_per_call": {}}
+    for label, qtype, n_embd, n_ff, rows, calls in CALL_SHAPES:
+        rng = np.random.default_rng(1)
+
+        def weight(name: str, out: int, inp: int) -> QTensor:
+            w = (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
+            return QTensor(f"blk.0.ffn_{name}_exps.weight[0]", qtype, (inp, out), ggml.quantize(w, qtype))
+
+        gate, up, down = weight("gate", n_ff, n_embd), weight("up", n_ff, n_embd), weight("down", n_embd, n_ff)
+        x = rng.standard_normal((rows, n_embd)).astype(np.float32)
+        result["us_per_call"][label] = us_per_call(lambda: expert_ffn(gate, up, down, x, routed=True), calls)
+    if decode_model:
+        from backbone.model import Engine
+        from kvasir_bus.logs import configure
+
+        configure("warning")
+        engine = Engine(decode_model)
+        prompt = np.random.default_rng(0).integers(0, engine.cfg.n_vocab, 64)
+        rates = []
+        for _ in range(3):
+            seq = engine.new_sequence()
+            (logits,) = engine.forward([(seq, prompt)], all_logits=False)
+            t0 = time.perf_counter()
+            for _ in range(100):
+                (logits,) = engine.forward([(seq, np.array([int(logits[-1].argmax())]))], all_logits=False)
+            rates.append(100 / (time.perf_counter() - t0))
+        result["decode_tok_s"] = {"model": os.path.basename(decode_model), "max": round(max(rates), 1),
+                                  "median": round(statistics.median(rates), 1)}
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter timing budgets (a smoke run)")
+    parser.add_argument("--calls", action="store_true",
+                        help="only the per-call cost: µs per expert call of four shapes, small-model decode tok/s")
+    parser.add_argument("--decode-model", default=None,
+                        help="--calls: the small Q4_K GGUF to decode (default: models/small-qwen3moe-q4_k.gguf, "
+                             "made if missing; 'none' skips decode)")
     args = parser.parse_args(argv)
     budget = 0.25 if args.quick else 1.0
 
@@ -112,6 +176,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": "ggml libraries not available (llama-cpp-python not installed)"}))
         return 1
     started = time.perf_counter()
+    if args.calls:
+        result = {"ggml": ggml.info(), "load_avg_start": os.getloadavg()[0]}
+        result.update(bench_calls(_decode_model(args.decode_model)))
+        result["load_avg_end"] = os.getloadavg()[0]
+        result["bench_seconds"] = round(time.perf_counter() - started, 1)
+        json.dump(result, sys.stdout, indent=1)
+        print()
+        return 0
     result: dict = {
         "shape": {"n_embd": N_EMBD, "n_ff": N_FF, "op": "mul_mat_id (routed expert)"},
         "ggml": ggml.info(),
@@ -172,6 +244,22 @@ def main(argv: list[str] | None = None) -> int:
     json.dump(result, sys.stdout, indent=1)
     print()
     return 0
+
+
+def _decode_model(given: str | None) -> str | None:
+    if given == "none":
+        return None
+    if given:
+        return given
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "models" / "small-qwen3moe-q4_k.gguf"
+    if not path.exists():
+        from synth.model import synth_model
+
+        path.parent.mkdir(exist_ok=True)
+        synth_model(path, arch="qwen3moe", preset="small", qtype="q4_k", seed=0)
+    return str(path)
 
 
 if __name__ == "__main__":
