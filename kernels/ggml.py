@@ -307,9 +307,16 @@ SMALL_WORK = 1 << 21  # multiply-adds below which one thread beats waking a team
 
 
 @functools.lru_cache(maxsize=None)
+def _cpu_count() -> int:
+    """os.cpu_count(), asked once: glibc answers it by reading /sys (~15 µs), and the thread
+    policy is consulted on every graph call."""
+    return os.cpu_count() or 1
+
+
+@functools.lru_cache(maxsize=None)
 def _n_threads(value: str | None) -> int:
     if not value:
-        return os.cpu_count() or 1
+        return _cpu_count()
     try:
         n = int(value)
     except ValueError:
@@ -331,7 +338,7 @@ def decode_threads() -> int:
     and on a machine shared with workers or other processes one descheduled thread stalls the
     team (measured on 2 loaded cores: 2-thread decode at 1.5 tok/s, 1-thread at ~35)."""
     value = os.environ.get(ENV_THREADS)
-    return _n_threads(value) if value else max(1, (os.cpu_count() or 1) // 2)
+    return _n_threads(value) if value else max(1, _cpu_count() // 2)
 
 
 def threads_for(work: int, tokens: int = 0) -> int:
@@ -351,18 +358,25 @@ def threads_for(work: int, tokens: int = 0) -> int:
 # read it build objects: ``__array_interface__`` a dict (~2 µs on this machine),
 # ``.ctypes.data`` a ``_ctypes`` helper (~1.5-2.5 µs); a decode step binds a few hundred.
 # The address is the first field of numpy's public ``PyArrayObject_fields`` struct, right
-# after the object header, so it is read from there (~0.3 µs), once the self-check below has
-# confirmed the layout on this build; anything else (ndarray subclasses such as np.memmap,
-# or a layout that fails the check) takes the dict.
+# after the object header (subclasses such as np.memmap extend the struct after it), so it is
+# read from there (~0.3 µs), once the self-check below has confirmed the layout on this build;
+# where it fails, every array takes the dict.
 
 _ndarray = np.ndarray
 _read_address = ctypes.c_void_p.from_address
 _DATA_FIELD = object.__basicsize__  # sizeof(PyObject): where PyArrayObject's ``data`` starts
 
 
-def _address_slow(a) -> int:
+class _Subclass(np.ndarray):
+    """An ndarray subclass for the self-check (np.memmap is one)."""
+
+
+def _address_other(a) -> int:
+    """The address of an ndarray subclass (or of any array where the self-check failed)."""
     if not isinstance(a, np.ndarray):
         raise TypeError(f"expected a numpy array or an int address, got {type(a).__name__}")
+    if _FAST_ADDRESS:
+        return _read_address(id(a) + _DATA_FIELD).value or 0
     return a.__array_interface__["data"][0]
 
 
@@ -371,7 +385,7 @@ def _layout_holds() -> bool:
     way the kernels see them (owned, sliced, read-only over bytes, reshaped, empty)."""
     base = np.arange(64, dtype=np.float32)
     samples = (base, base[3:17], base.reshape(8, 8)[2:], np.frombuffer(bytes(64), dtype=np.float32, offset=4),
-               np.empty((0, 4), dtype=np.float32), np.zeros(3, dtype=np.int32))
+               np.empty((0, 4), dtype=np.float32), np.zeros(3, dtype=np.int32), base[8:].view(_Subclass))
     return all(_read_address(id(a) + _DATA_FIELD).value == a.__array_interface__["data"][0] for a in samples)
 
 
@@ -384,7 +398,7 @@ def address(a) -> int:
         return a
     if a.__class__ is _ndarray and _FAST_ADDRESS:
         return _read_address(id(a) + _DATA_FIELD).value or 0
-    return _address_slow(a)
+    return _address_other(a)
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -517,7 +531,7 @@ class Graph:
             for c, a in zip(self.inputs, arrays):
                 cls = a.__class__
                 c.data = a if cls is int else (_read_address(id(a) + _DATA_FIELD).value if cls is _ndarray
-                                               else _address_slow(a))
+                                               else _address_other(a))
         else:
             for c, a in zip(self.inputs, arrays):
                 c.data = address(a)
@@ -780,76 +794,133 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
     return out
 
 
+class _FfnPlan:
+    """What every call of one expert's FFN needs besides its rows, checked once: the three
+    tensors are immutable, so they pass :func:`check_ffn` for good. ``shape_id`` names the
+    graph shape (types, sizes, biases, activation: never the weights' bytes, which are bound
+    per call), so experts of one shape share their cached graphs."""
+
+    __slots__ = ("up", "down", "n_embd", "n_ff", "work", "shape_id", "weights")
+
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
+        self.up, self.down = up, down
+        self.n_embd, self.n_ff = gate.ne
+        self.work = 3 * self.n_embd * self.n_ff  # multiply-adds per row
+        self.shape_id = _shape_id((int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), gate.ne,
+                                   tuple(w.bias is not None for w in (gate, up, down)), gate.glu))
+        # the addresses a call binds after x, in graph input order: weights, then bias rows
+        self.weights = (gate.ptr, up.ptr, down.ptr, *(w.bias_ptr for w in (gate, up, down) if w.bias is not None))
+
+
+_ffn_plans: "weakref.WeakKeyDictionary[QTensor, _FfnPlan]" = weakref.WeakKeyDictionary()
+_shape_ids: dict[tuple, int] = {}
+
+
+def _shape_id(shape: tuple) -> int:
+    """A small int standing for a graph-shape tuple: cache keys stay a few ints, hashed in
+    nanoseconds, however much the shape holds."""
+    got = _shape_ids.get(shape)
+    if got is None:
+        got = _shape_ids.setdefault(shape, len(_shape_ids))
+    return got
+
+
+_F32 = np.dtype(np.float32)
+_I32 = np.dtype(np.int32)
+
+
+def _rows(x, width: int, what: str) -> np.ndarray:
+    """:func:`check_rows` with its answer for the common case (already a C-contiguous float32
+    (n>=1, width) array) found without a numpy call."""
+    if (x.__class__ is _ndarray and x.dtype == _F32 and x.ndim == 2 and x.shape[1] == width and x.shape[0]
+            and x.flags.c_contiguous):
+        return x
+    return check_rows(x, width, what)
+
+
+def _ffn_plan(gate: QTensor, up: QTensor, down: QTensor, x) -> tuple[_FfnPlan, np.ndarray]:
+    """The checked plan of this expert and its rows as C-contiguous (n, n_embd) float32."""
+    plan = _ffn_plans.get(gate)
+    if plan is not None and plan.up is up and plan.down is down:
+        return plan, _rows(x, plan.n_embd, gate.name)
+    x = check_ffn(gate, up, down, x)
+    plan = _FfnPlan(gate, up, down)
+    _ffn_plans[gate] = plan
+    return plan, x
+
+
 def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, routed: bool) -> np.ndarray:
     """``down(silu(gate(x)) * up(x))`` as one ggml graph, as llama.cpp builds it.
 
-    x (n, n_embd) float32 -> (n, n_embd) float32. ``routed=True`` uses ``ggml_mul_mat_id``
-    (llama.cpp's ``build_moe_ffn``), ``routed=False`` ``ggml_mul_mat`` (``build_ffn``, the
-    shared expert). ``ggml_swiglu_split`` rounds silu(g)*u to float32 and the down matmul
-    quantizes that, as in llama.cpp. gpt-oss' experts: each product's bias is added with
-    ``ggml_add_id`` (``ggml_add`` when not routed) and the activation is ``ggml_swiglu_oai``
-    when the gate says so (``gate.glu``), the ops and order of ``build_moe_ffn``.
+    x (n, n_embd) float32 -> (n, n_embd) float32, a new array. ``routed=True`` uses
+    ``ggml_mul_mat_id`` (llama.cpp's ``build_moe_ffn``), ``routed=False`` ``ggml_mul_mat``
+    (``build_ffn``, the shared expert). ``ggml_swiglu_split`` rounds silu(g)*u to float32 and
+    the down matmul quantizes that, as in llama.cpp. gpt-oss' experts: each product's bias is
+    added with ``ggml_add_id`` (``ggml_add`` when not routed) and the activation is
+    ``ggml_swiglu_oai`` when the gate says so (``gate.glu``), the ops and order of ``build_moe_ffn``.
+
+    A worker calls this once per request, often on one row of a small expert, so the call
+    itself is kept to a plan lookup, a graph-cache hit and the binding of x and the result.
     """
-    x = check_ffn(gate, up, down, x)
-    if not routed and x.shape[0] == 1 and deterministic():  # batch invariance: see _one_row
-        return _one_row(expert_ffn, gate, up, down, x, routed=False)
+    plan, x = _ffn_plan(gate, up, down, x)
     n = x.shape[0]
+    if n == 1 and not routed and deterministic():  # batch invariance: see _one_row
+        return _one_row(expert_ffn, gate, up, down, x, routed=False)
+    threads = threads_for(plan.work * n, n)
+    key = ("ffn", plan.shape_id, routed, n, threads)
+    out = np.empty((n, plan.n_embd), dtype=np.float32)
+    run_cached(key, lambda: _build_ffn(gate, up, down, routed, n, threads), (x, *plan.weights, out))
+    return out
+
+
+def _build_ffn(gate: QTensor, up: QTensor, down: QTensor, routed: bool, n: int, threads: int) -> Graph:
+    """:func:`expert_ffn`'s graph for ``n`` rows of experts shaped like these (any such expert's
+    bytes are bound to it per call). Inputs: x, gate, up, down, the bias rows present, the result."""
     n_embd, n_ff = gate.ne
     lib = load()
-    threads = threads_for(3 * n * n_embd * n_ff, n)
+    g = Graph(lib, n_tensors=16)
+    try:
+        ids = None
+        if routed:
+            ids = g.constant(T.I32, (1, n), np.zeros(n, dtype=np.int32))
+            xt = g.input(T.F32, (n_embd, 1, n))
+            gw = g.input(gate.ggml_type, (n_embd, n_ff, 1))
+            uw = g.input(up.ggml_type, (n_embd, n_ff, 1))
+            dw = g.input(down.ggml_type, (n_ff, n_embd, 1))
+            gt = g.scratch(lib.ggml_mul_mat_id(g.ctx, gw, xt, ids))  # (n, 1, n_ff)
+            ut = g.scratch(lib.ggml_mul_mat_id(g.ctx, uw, xt, ids))
+        else:
+            xt = g.input(T.F32, (n_embd, n))
+            gw = g.input(gate.ggml_type, gate.ne)
+            uw = g.input(up.ggml_type, up.ne)
+            dw = g.input(down.ggml_type, down.ne)
+            gt = g.scratch(lib.ggml_mul_mat(g.ctx, gw, xt))  # (n, n_ff)
+            ut = g.scratch(lib.ggml_mul_mat(g.ctx, uw, xt))
+        # bias inputs in gate, up, down order (the order of their addresses in _FfnPlan.weights)
+        bt = {role: g.input(T.F32, (w.ne[1], 1) if routed else (w.ne[1],))
+              for role, w in (("gate", gate), ("up", up), ("down", down)) if w.bias is not None}
 
-    biases = [w.bias for w in (gate, up, down) if w.bias is not None]
-    has_bias = tuple(w.bias is not None for w in (gate, up, down))
+        def biased(t, role: str):
+            b = bt.get(role)
+            if b is None:
+                return t
+            return g.scratch(lib.ggml_add_id(g.ctx, t, b, ids) if routed else lib.ggml_add(g.ctx, t, b))
 
-    def build() -> Graph:
-        g = Graph(lib, n_tensors=16)
-        try:
-            ids = None
-            if routed:
-                ids = g.constant(T.I32, (1, n), np.zeros(n, dtype=np.int32))
-                xt = g.input(T.F32, (n_embd, 1, n))
-                gw = g.input(gate.ggml_type, (n_embd, n_ff, 1))
-                uw = g.input(up.ggml_type, (n_embd, n_ff, 1))
-                dw = g.input(down.ggml_type, (n_ff, n_embd, 1))
-                gt = g.scratch(lib.ggml_mul_mat_id(g.ctx, gw, xt, ids))  # (n, 1, n_ff)
-                ut = g.scratch(lib.ggml_mul_mat_id(g.ctx, uw, xt, ids))
-            else:
-                xt = g.input(T.F32, (n_embd, n))
-                gw = g.input(gate.ggml_type, gate.ne)
-                uw = g.input(up.ggml_type, up.ne)
-                dw = g.input(down.ggml_type, down.ne)
-                gt = g.scratch(lib.ggml_mul_mat(g.ctx, gw, xt))  # (n, n_ff)
-                ut = g.scratch(lib.ggml_mul_mat(g.ctx, uw, xt))
-            # bias inputs in gate, up, down order (the order of their arrays in run_cached)
-            bt = {role: g.input(T.F32, (w.ne[1], 1) if routed else (w.ne[1],))
-                  for role, w in (("gate", gate), ("up", up), ("down", down)) if w.bias is not None}
-
-            def biased(t, role: str):
-                b = bt.get(role)
-                if b is None:
-                    return t
-                return g.scratch(lib.ggml_add_id(g.ctx, t, b, ids) if routed else lib.ggml_add(g.ctx, t, b))
-
-            # build_moe_ffn's order: up and its bias, then gate and its bias
-            ut = biased(ut, "up")
-            gt = biased(gt, "gate")
-            if gate.glu == "swiglu_oai":
-                h = g.scratch(lib.ggml_swiglu_oai(g.ctx, gt, ut, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT))
-            else:
-                h = g.scratch(lib.ggml_swiglu_split(g.ctx, gt, ut))  # silu(g) * u, float32
-            y = lib.ggml_mul_mat_id(g.ctx, dw, h, ids) if routed else lib.ggml_mul_mat(g.ctx, dw, h)
-            if "down" in bt:
-                y = biased(g.scratch(y), "down")
-            g.output(y)
-            return g.finish(threads)
-        except BaseException:
-            g.free()
-            raise
-
-    out = np.empty((n, n_embd), dtype=np.float32)
-    key = ("ffn", routed, n, threads, _weight_key(gate), _weight_key(up), _weight_key(down), has_bias, gate.glu)
-    run_cached(key, build, (x, gate.ptr, up.ptr, down.ptr, *biases, out))
-    return out
+        # build_moe_ffn's order: up and its bias, then gate and its bias
+        ut = biased(ut, "up")
+        gt = biased(gt, "gate")
+        if gate.glu == "swiglu_oai":
+            h = g.scratch(lib.ggml_swiglu_oai(g.ctx, gt, ut, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT))
+        else:
+            h = g.scratch(lib.ggml_swiglu_split(g.ctx, gt, ut))  # silu(g) * u, float32
+        y = lib.ggml_mul_mat_id(g.ctx, dw, h, ids) if routed else lib.ggml_mul_mat(g.ctx, dw, h)
+        if "down" in bt:
+            y = biased(g.scratch(y), "down")
+        g.output(y)
+        return g.finish(threads)
+    except BaseException:
+        g.free()
+        raise
 
 
 def quantize(x: np.ndarray, ggml_type: int, imatrix: np.ndarray | None = None) -> np.ndarray:

@@ -71,6 +71,11 @@ class QTensor:
         """The address of ``data`` (what a ggml graph binds; made once: the bytes never move)."""
         return self.data.ctypes.data
 
+    @functools.cached_property
+    def bias_ptr(self) -> int | None:
+        """The address of ``bias`` (None without one), made once like :attr:`ptr`."""
+        return None if self.bias is None else self.bias.ctypes.data
+
     def f32(self) -> np.ndarray:
         """Dequantised copy in numpy order (``ne`` reversed), float32."""
         from gguf.quants import dequantize
