@@ -271,6 +271,9 @@ def load() -> Lib:
                 set_kernel_mode(mode)  # ggml reads GGML_CPU_TILED_MM once, as it loads
                 _lib = Lib(lib_dir())
                 _lib.mode = mode
+                # read once, like the mode: repacked() is asked for every dense weight of every call
+                _lib.repack = (mode == "fast" and _lib.repack_buft is not None
+                               and os.environ.get(ENV_REPACK, "0") == "1")
             except GgmlUnavailable as exc:
                 _lib_error = exc
     if _lib is None:
@@ -521,20 +524,16 @@ class Graph:
         already (a weight's ``QTensor.ptr``, a repacked buffer), the rest are numpy arrays."""
         if len(arrays) != self.n_inputs:
             raise ValueError(f"graph takes {self.n_inputs} arrays, got {len(arrays)}")
-        if self.views:
-            ptrs = [address(a) for a in arrays]
-            for c, p in zip(self.inputs, ptrs):
-                c.data = p
-            for c, i, offs in self.views:
-                c.data = ptrs[i] + offs
-        elif _FAST_ADDRESS:  # address() inlined: this loop runs for every graph call
-            for c, a in zip(self.inputs, arrays):
-                cls = a.__class__
-                c.data = a if cls is int else (_read_address(id(a) + _DATA_FIELD).value if cls is _ndarray
-                                               else _address_other(a))
+        if _FAST_ADDRESS:  # address() inlined: this runs for every array of every graph call
+            ptrs = [a if a.__class__ is int else
+                    _read_address(id(a) + _DATA_FIELD).value if a.__class__ is _ndarray else _address_other(a)
+                    for a in arrays]
         else:
-            for c, a in zip(self.inputs, arrays):
-                c.data = address(a)
+            ptrs = [address(a) for a in arrays]
+        for c, p in zip(self.inputs, ptrs):
+            c.data = p
+        for c, i, offs in self.views:
+            c.data = ptrs[i] + offs
         if self.work_size:
             self.plan.work_data = work_address(self.work_size)
         status = self._compute(self._graph_arg, self.plan_ref)
@@ -636,11 +635,6 @@ def run_cached(key: tuple, build, arrays) -> None:
             graph.free()
 
 
-def _weight_key(w: QTensor) -> tuple:
-    """Graphs are keyed by the weights' type and shape only: their bytes are rebound per call."""
-    return (int(w.ggml_type), w.ne)
-
-
 # --- weight repacking ---------------------------------------------------------------------------
 # llama.cpp on this CPU puts Q4_0, Q4_K, IQ4_NL... weights into ggml_backend_cpu's "repack"
 # buffer type: the bytes are interleaved once, at load, for gemv/gemm kernels several times
@@ -682,15 +676,15 @@ def repack_enabled() -> bool:
     Off by default because on this project's AVX2 machine it gains nothing: ggml's tiled kernel
     (fast mode) is as fast as the repacked gemm, and the repacked gemv as vec_dot (a Q4_K
     512x2048 product: 96 vs 78 us for one row, 3.4 vs 2.8 ms for 64; llama.cpp's own decode is
-    no faster with it either). Where the repacked kernels win (AVX-512, ARM), turn it on."""
-    lib = load()
-    return lib.mode == "fast" and lib.repack_buft is not None and os.environ.get(ENV_REPACK, "0") == "1"
+    no faster with it either). Where the repacked kernels win (AVX-512, ARM), turn it on.
+    Fixed when the libraries load (KVASIR_REPACK is read then), as the mode is."""
+    return load().repack
 
 
 def repacked(w: QTensor) -> Repacked | None:
     """``w`` in the repack buffer (made once per tensor), or None where repacking is off or ggml
     has no repacked kernel for its type and shape."""
-    if not repack_enabled() or len(w.ne) != 2:
+    if not load().repack or len(w.ne) != 2:
         return None
     try:
         return _repacked[w]
@@ -764,7 +758,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
     see the module docstring).
     """
     check_weight(w)
-    x = check_rows(x, w.ne[0], w.name)
+    x = _rows(x, w.ne[0], w.name)
     if not routed and x.shape[0] == 1 and deterministic():  # batch invariance: see _one_row
         return _one_row(matmul, w, x, routed=False)
     n = x.shape[0]
@@ -790,7 +784,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
             raise
 
     out = np.empty((n, w.ne[1]), dtype=np.float32)
-    run_cached(("mm", routed, n, threads, _weight_key(w), rp is not None), build, (weight_data(w, rp), x, out))
+    run_cached(("mm", routed, n, threads, rp is not None, *w.shape_key), build, (weight_data(w, rp), x, out))
     return out
 
 
@@ -1014,56 +1008,99 @@ def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.nd
     row's result is the one the same expert gives those rows alone (:func:`expert_ffn` with
     ``routed=True``, what a worker computes): one call per layer instead of one per expert.
     """
-    for w in (gate, up, down):
-        check_weight(w, dims=3)
+    plan = _moe_plans.get(gate)
+    if plan is None or not plan.fits(up, down, biases, glu):
+        plan = _MoePlan(gate, up, down, biases, glu)
+        _moe_plans[gate] = plan
     n_embd, n_ff, E = gate.ne
-    if up.ne != gate.ne or down.ne != (n_ff, n_embd, E):
-        raise ValueError(f"expert slabs {gate.ne}, {up.ne}, {down.ne} do not fit together")
-    x = check_rows(x, n_embd, gate.name)
-    ids = np.ascontiguousarray(ids, dtype=np.int32)
+    x = _rows(x, n_embd, gate.name)
+    if not (ids.__class__ is _ndarray and ids.dtype == _I32 and ids.flags.c_contiguous):
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
     if ids.ndim != 2 or ids.shape[0] != x.shape[0] or ids.size == 0:
         raise ValueError(f"ids: expected shape ({x.shape[0]}, K), got {ids.shape}")
-    if ids.min() < 0 or ids.max() >= E:
+    # ggml aborts on an id outside 0..E-1. Read as uint32 a negative id is >= 2**31 > E, so one
+    # maximum checks both ends; a decode step's few ids are quicker to check as Python ints.
+    if ids.size <= 64:
+        listed = ids.ravel().tolist()
+        bad = min(listed) < 0 or max(listed) >= E
+    else:
+        bad = int(ids.view(np.uint32).max()) >= E
+    if bad:
         raise ValueError(f"expert ids out of range 0..{E - 1}")
-    for b, rows in zip(biases, (n_ff, n_ff, n_embd)):
-        if b is not None and (b.dtype != np.float32 or b.shape != (E, rows) or not b.flags.c_contiguous):
-            raise ValueError(f"expert bias: expected C-contiguous float32 ({E}, {rows}), got {b.dtype} {b.shape}")
     n, k = ids.shape
-    lib = load()
-    threads = threads_for(3 * n * k * n_embd * n_ff, n)
-    has_bias = tuple(b is not None for b in biases)
-
-    def build() -> Graph:
-        g = Graph(lib, n_tensors=16)
-        try:
-            xt = g.input(T.F32, (n_embd, 1, n))  # one row per token, broadcast over its K slots
-            it = g.input(T.I32, (k, n))
-            gw, uw, dw = (g.input(w.ggml_type, w.ne) for w in (gate, up, down))
-            bt = [g.input(T.F32, (rows, E)) if has else None for has, rows in zip(has_bias, (n_ff, n_ff, n_embd))]
-
-            def biased(t, b):
-                return t if b is None else g.scratch(lib.ggml_add_id(g.ctx, t, b, it))
-
-            # build_moe_ffn's order: up and its bias, then gate and its bias
-            ut = biased(g.scratch(lib.ggml_mul_mat_id(g.ctx, uw, xt, it)), bt[1])  # (n_ff, K, n)
-            gt = biased(g.scratch(lib.ggml_mul_mat_id(g.ctx, gw, xt, it)), bt[0])
-            if glu == "swiglu_oai":
-                h = g.scratch(lib.ggml_swiglu_oai(g.ctx, gt, ut, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT))
-            else:
-                h = g.scratch(lib.ggml_swiglu_split(g.ctx, gt, ut))
-            y = lib.ggml_mul_mat_id(g.ctx, dw, h, it)  # (n_embd, K, n)
-            if bt[2] is not None:
-                y = biased(g.scratch(y), bt[2])
-            g.output(y)
-            return g.finish(threads)
-        except BaseException:
-            g.free()
-            raise
-
+    threads = threads_for(plan.work * n * k, n)
     out = np.empty((n, k, n_embd), dtype=np.float32)
-    key = ("moe", n, k, threads, _weight_key(gate), _weight_key(up), _weight_key(down), has_bias, glu)
-    run_cached(key, build, (x, ids, gate.ptr, up.ptr, down.ptr, *(b for b in biases if b is not None), out))
+    run_cached(("moe", plan.shape_id, n, k, threads), lambda: _build_moe(plan, gate, up, down, n, k, threads),
+               (x, ids, *plan.weights, out))
     return out
+
+
+class _MoePlan:
+    """:func:`moe_ffn`'s checked expert slabs, bias rows and activation (as :class:`_FfnPlan`)."""
+
+    __slots__ = ("up", "down", "biases", "glu", "work", "shape_id", "weights")
+
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor, biases: tuple, glu: str):
+        for w in (gate, up, down):
+            check_weight(w, dims=3)
+        n_embd, n_ff, E = gate.ne
+        if up.ne != gate.ne or down.ne != (n_ff, n_embd, E):
+            raise ValueError(f"expert slabs {gate.ne}, {up.ne}, {down.ne} do not fit together")
+        biases = tuple(biases)
+        if len(biases) != 3:
+            raise ValueError(f"expected three bias entries (gate, up, down), got {len(biases)}")
+        for b, rows in zip(biases, (n_ff, n_ff, n_embd)):
+            if b is not None and (not isinstance(b, np.ndarray) or b.dtype != np.float32 or b.shape != (E, rows)
+                                  or not b.flags.c_contiguous):
+                raise ValueError(f"expert bias: expected C-contiguous float32 ({E}, {rows}), got "
+                                 f"{getattr(b, 'dtype', type(b).__name__)} {getattr(b, 'shape', '')}")
+        self.up, self.down, self.biases, self.glu = up, down, biases, glu
+        self.work = 3 * n_embd * n_ff  # multiply-adds per (row, slot)
+        self.shape_id = _shape_id(("moe", gate.shape_key, up.shape_key, down.shape_key,
+                                   tuple(b is not None for b in biases), glu))
+        self.weights = (gate.ptr, up.ptr, down.ptr, *(address(b) for b in biases if b is not None))
+
+    def fits(self, up: QTensor, down: QTensor, biases: tuple, glu: str) -> bool:
+        """Whether a call with these arguments is the one this plan checked (same objects)."""
+        mine = self.biases
+        return (up is self.up and down is self.down and glu == self.glu and len(biases) == 3
+                and biases[0] is mine[0] and biases[1] is mine[1] and biases[2] is mine[2])
+
+
+_moe_plans: "weakref.WeakKeyDictionary[QTensor, _MoePlan]" = weakref.WeakKeyDictionary()
+
+
+def _build_moe(plan: _MoePlan, gate: QTensor, up: QTensor, down: QTensor, n: int, k: int, threads: int) -> Graph:
+    """:func:`moe_ffn`'s graph for ``n`` rows of ``k`` slots. Inputs: x, ids, the three slabs,
+    the bias rows present, the result."""
+    n_embd, n_ff, E = gate.ne
+    lib = load()
+    g = Graph(lib, n_tensors=16)
+    try:
+        xt = g.input(T.F32, (n_embd, 1, n))  # one row per token, broadcast over its K slots
+        it = g.input(T.I32, (k, n))
+        gw, uw, dw = (g.input(w.ggml_type, w.ne) for w in (gate, up, down))
+        bt = [g.input(T.F32, (rows, E)) if b is not None else None
+              for b, rows in zip(plan.biases, (n_ff, n_ff, n_embd))]
+
+        def biased(t, b):
+            return t if b is None else g.scratch(lib.ggml_add_id(g.ctx, t, b, it))
+
+        # build_moe_ffn's order: up and its bias, then gate and its bias
+        ut = biased(g.scratch(lib.ggml_mul_mat_id(g.ctx, uw, xt, it)), bt[1])  # (n_ff, K, n)
+        gt = biased(g.scratch(lib.ggml_mul_mat_id(g.ctx, gw, xt, it)), bt[0])
+        if plan.glu == "swiglu_oai":
+            h = g.scratch(lib.ggml_swiglu_oai(g.ctx, gt, ut, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT))
+        else:
+            h = g.scratch(lib.ggml_swiglu_split(g.ctx, gt, ut))
+        y = lib.ggml_mul_mat_id(g.ctx, dw, h, it)  # (n_embd, K, n)
+        if bt[2] is not None:
+            y = biased(g.scratch(y), bt[2])
+        g.output(y)
+        return g.finish(threads)
+    except BaseException:
+        g.free()
+        raise
 
 
 def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
@@ -1088,5 +1125,5 @@ def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
             raise
 
     out = np.empty((n, w.ne[0]), dtype=np.float32)
-    run_cached(("get_rows", n, _weight_key(w)), build, (w.ptr, ids, out))
+    run_cached(("get_rows", n, *w.shape_key), build, (w.ptr, ids, out))
     return out

@@ -72,6 +72,12 @@ class QTensor:
         return self.data.ctypes.data
 
     @functools.cached_property
+    def shape_key(self) -> tuple[int, ...]:
+        """(ggml type, *ne): what a compute graph's shape depends on, as one flat tuple of ints
+        (a graph cache key hashes it on every call; never the bytes, which are bound per call)."""
+        return (int(self.ggml_type), *self.ne)
+
+    @functools.cached_property
     def bias_ptr(self) -> int | None:
         """The address of ``bias`` (None without one), made once like :attr:`ptr`."""
         return None if self.bias is None else self.bias.ctypes.data
