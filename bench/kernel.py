@@ -1,6 +1,6 @@
 """Expert FFN throughput: our ggml path vs raw ggml with a prebuilt graph, and the numpy backend.
 
-Measures ``kernels.expert.expert_ffn`` (validation + a fresh ggml context and graph per call)
+Measures ``kernels.expert.expert_ffn`` (validation + a cached ggml graph rebound per call)
 against the minimum-overhead way to run the same ops: one ggml context and graph built once,
 then only ``ggml_graph_compute`` timed. Shape: one expert of the 122b layer (n_embd 3072,
 n_ff 1024), routed (``ggml_mul_mat_id``), Q4_K and Q8_0 weights, 1/8/64/512 rows. Also times

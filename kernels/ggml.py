@@ -5,8 +5,10 @@ package itself is never imported, so loading them costs no model machinery. Weig
 zero-copy: a small metadata-only ggml context (``no_alloc``) points each weight tensor's
 ``data`` at the GGUF memmap slice and the activations at numpy buffers; a graph is planned and
 run with ``ggml_graph_compute`` and a per-thread work buffer. Built graphs are kept in a small
-per-thread LRU keyed by (weights, rows, threads), so a repeated call only rebinds its input
-and output. Threads share no ggml state: any number of Python threads may call at once
+per-thread LRU keyed by a few ints (the weights' types and shapes, rows, threads), so a
+repeated call only rebinds its data addresses: the weights' (ints made once per tensor), and
+each array's, read from numpy's struct (:func:`address`). An expert's three tensors are
+checked once (a plan per gate tensor), its rows on every call. Threads share no ggml state: any number of Python threads may call at once
 (ctypes releases the GIL; with ggml's OpenMP build each calling thread gets its own team of
 ``n_threads``, so concurrent callers should lower KVASIR_THREADS to avoid oversubscription).
 
@@ -808,14 +810,17 @@ class _FfnPlan:
 
 _ffn_plans: "weakref.WeakKeyDictionary[QTensor, _FfnPlan]" = weakref.WeakKeyDictionary()
 _shape_ids: dict[tuple, int] = {}
+_shape_lock = threading.Lock()
 
 
 def _shape_id(shape: tuple) -> int:
     """A small int standing for a graph-shape tuple: cache keys stay a few ints, hashed in
-    nanoseconds, however much the shape holds."""
+    nanoseconds, however much the shape holds. Two shapes must never share an id (a graph
+    built for one would read the other's bytes), hence the lock around numbering a new one."""
     got = _shape_ids.get(shape)
     if got is None:
-        got = _shape_ids.setdefault(shape, len(_shape_ids))
+        with _shape_lock:
+            got = _shape_ids.setdefault(shape, len(_shape_ids))
     return got
 
 

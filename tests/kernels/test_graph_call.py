@@ -158,3 +158,23 @@ def test_a_bigger_work_buffer_is_taken_when_a_graph_needs_one(ggml):
     for _ in range(2):  # alternate: the second big call reuses the grown buffer
         ggml.expert_ffn(*small, x_small, routed=True)
         assert np.array_equal(ggml.expert_ffn(*big, x_big, routed=True), want)
+
+
+def test_shapes_numbered_from_many_threads_never_share_an_id(ggml):
+    import threading
+
+    shapes = [("test-shape", i) for i in range(200)]
+    got: dict = {}
+    barrier = threading.Barrier(4)
+
+    def number(part):
+        barrier.wait()
+        for s in part:
+            got[s] = ggml._shape_id(s)
+
+    threads = [threading.Thread(target=number, args=(shapes[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got.values())) == len(shapes)
