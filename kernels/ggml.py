@@ -1023,14 +1023,7 @@ def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.nd
         ids = np.ascontiguousarray(ids, dtype=np.int32)
     if ids.ndim != 2 or ids.shape[0] != x.shape[0] or ids.size == 0:
         raise ValueError(f"ids: expected shape ({x.shape[0]}, K), got {ids.shape}")
-    # ggml aborts on an id outside 0..E-1. Read as uint32 a negative id is >= 2**31 > E, so one
-    # maximum checks both ends; a decode step's few ids are quicker to check as Python ints.
-    if ids.size <= 64:
-        listed = ids.ravel().tolist()
-        bad = min(listed) < 0 or max(listed) >= E
-    else:
-        bad = int(ids.view(np.uint32).max()) >= E
-    if bad:
+    if not _ids_in_range(ids, E):  # ggml aborts on an id outside 0..E-1
         raise ValueError(f"expert ids out of range 0..{E - 1}")
     n, k = ids.shape
     threads = threads_for(plan.work * n * k, n)
@@ -1038,6 +1031,16 @@ def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.nd
     run_cached(("moe", plan.shape_id, n, k, threads), lambda: _build_moe(plan, gate, up, down, n, k, threads),
                (x, ids, *plan.weights, out))
     return out
+
+
+def _ids_in_range(ids: np.ndarray, limit: int) -> bool:
+    """Whether every entry of the C-contiguous int32 ``ids`` (non-empty) lies in 0..limit-1.
+    Read as uint32 a negative id is >= 2**31 > limit, so one maximum checks both ends; a
+    decode step's few ids are quicker to check as Python ints than with a numpy reduction."""
+    if ids.size <= 64:
+        listed = ids.ravel().tolist()
+        return min(listed) >= 0 and max(listed) < limit
+    return int(ids.view(np.uint32).max()) < limit
 
 
 class _MoePlan:
@@ -1112,8 +1115,9 @@ def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     """Rows ``ids`` (n,) of a 2-D weight, dequantised by ggml (``ggml_get_rows``, llama.cpp's
     token embedding lookup): (n, ne0) float32."""
     check_weight(w)
-    ids = np.ascontiguousarray(ids, dtype=np.int32)
-    if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= w.ne[1]:
+    if not (ids.__class__ is _ndarray and ids.dtype == _I32 and ids.flags.c_contiguous):
+        ids = np.ascontiguousarray(ids, dtype=np.int32)
+    if ids.ndim != 1 or ids.size == 0 or not _ids_in_range(ids, w.ne[1]):
         raise ValueError(f"{w.name}: row ids must be a non-empty 1-D array in 0..{w.ne[1] - 1}")
     n = len(ids)
     lib = load()

@@ -178,3 +178,15 @@ def test_shapes_numbered_from_many_threads_never_share_an_id(ggml):
     for t in threads:
         t.join()
     assert len(set(got.values())) == len(shapes)
+
+
+@pytest.mark.parametrize("n", [3, 100])  # few ids (checked as Python ints) and many (numpy)
+def test_get_rows_refuses_out_of_range_rows(ggml, n):
+    w = _weight(ggml, "token_embd", 16, 64, 0)  # 16 rows of 64
+    ids = np.arange(n, dtype=np.int64) % 16
+    assert np.array_equal(ggml.get_rows(w, ids), w.f32()[ids])
+    for bad in (-1, 16, -2**31):
+        wrong = ids.astype(np.int32)
+        wrong[-1] = bad
+        with pytest.raises(ValueError, match=r"0\.\.15"):
+            ggml.get_rows(w, wrong)
