@@ -626,10 +626,11 @@ def run_cached(key: tuple, build, arrays) -> None:
     fails; a graph too big to cache is freed after this one run."""
     cache = graph_cache()
     graph = cache.get(key)
-    cached = True
-    if graph is None:
-        graph = build()
-        cached = cache.put(key, graph)
+    if graph is not None:  # the common case: a hit, then only the binding and the compute
+        graph.run(arrays)
+        return
+    graph = build()
+    cached = cache.put(key, graph)
     try:
         graph.run(arrays)
     finally:
