@@ -803,7 +803,7 @@ class _FfnPlan:
         self.up, self.down = up, down
         self.n_embd, self.n_ff = gate.ne
         self.work = 3 * self.n_embd * self.n_ff  # multiply-adds per row
-        self.shape_id = _shape_id((int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), gate.ne,
+        self.shape_id = shape_id((int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), gate.ne,
                                    tuple(w.bias is not None for w in (gate, up, down)), gate.glu))
         # the addresses a call binds after x, in graph input order: weights, then bias rows
         self.weights = (gate.ptr, up.ptr, down.ptr, *(w.bias_ptr for w in (gate, up, down) if w.bias is not None))
@@ -814,9 +814,10 @@ _shape_ids: dict[tuple, int] = {}
 _shape_lock = threading.Lock()
 
 
-def _shape_id(shape: tuple) -> int:
-    """A small int standing for a graph-shape tuple: cache keys stay a few ints, hashed in
-    nanoseconds, however much the shape holds. Two shapes must never share an id (a graph
+def shape_id(shape: tuple) -> int:
+    """A small int standing for a graph-shape tuple (any hashable description of what fixes a
+    graph's shapes): cache keys stay a few ints, hashed in nanoseconds, however much the shape
+    holds. Work it out once per set of weights (as the expert plans here do), not per call. Two shapes must never share an id (a graph
     built for one would read the other's bytes), hence the lock around numbering a new one."""
     got = _shape_ids.get(shape)
     if got is None:
@@ -1065,7 +1066,7 @@ class _MoePlan:
                                  f"{getattr(b, 'dtype', type(b).__name__)} {getattr(b, 'shape', '')}")
         self.up, self.down, self.biases, self.glu = up, down, biases, glu
         self.work = 3 * n_embd * n_ff  # multiply-adds per (row, slot)
-        self.shape_id = _shape_id(("moe", gate.shape_key, up.shape_key, down.shape_key,
+        self.shape_id = shape_id(("moe", gate.shape_key, up.shape_key, down.shape_key,
                                    tuple(b is not None for b in biases), glu))
         self.weights = (gate.ptr, up.ptr, down.ptr, *(address(b) for b in biases if b is not None))
 

@@ -170,7 +170,7 @@ def test_shapes_numbered_from_many_threads_never_share_an_id(ggml):
     def number(part):
         barrier.wait()
         for s in part:
-            got[s] = ggml._shape_id(s)
+            got[s] = ggml.shape_id(s)
 
     threads = [threading.Thread(target=number, args=(shapes[i::4],)) for i in range(4)]
     for t in threads:
