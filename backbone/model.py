@@ -5,6 +5,8 @@
         x = x + attn(rms_norm(x) * attn_norm)          # RoPE, GQA, per-sequence KV cache
                                                         # (qwen35moe: Q-gated attention, or a gated
                                                         #  delta-net with per-sequence conv + state)
+        (last layer, only each sequence's last logits wanted: keep only those rows of x and
+         of attn's output, as llama.cpp's inp_out_ids does; the FFN and head see those alone)
         h = rms_norm(x) * ffn_norm                      # (qwen35moe: post_attention_norm)
         ids, w = route(h @ ffn_gate_inp, k)             # the router runs once, here
         x = x + combine(experts(h rows by expert), w) + shared_expert(h)
@@ -32,7 +34,7 @@ that the three paths give identical logits).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -299,6 +301,11 @@ class Engine:
         # Attention (RoPE, QK, softmax, PV) through ggml, bit-identical to llama.cpp, when the
         # kernels are ggml's; the numpy version of the same math otherwise.
         self.ggml_attention = backend_name() == "ggml" and dense.available()
+        if (cfg.traits.delta_net or cfg.traits.rope_style == "imrope" or cfg.traits.attn_sinks) \
+                and not self.ggml_attention:
+            raise UsageError(f"architecture {cfg.arch} runs on ggml's kernels only (its delta-net, "
+                             "multi-section RoPE and attention sinks have no numpy path in the engine); "
+                             "unset KVASIR_KERNEL")
         # Attention layers as two graphs each (kernels/fused.py) where ggml computes them; the
         # gated-query (IMROPE) attention of qwen35moe/qwen3next keeps the op-by-op path.
         self.fused = self.ggml_attention and not cfg.traits.attn_q_gate and cfg.traits.rope_style != "imrope"
@@ -318,11 +325,6 @@ class Engine:
             self._shapes = (c, [fused.AttentionShape(c.n_head, c.n_head_kv, c.head_dim, c.rms_eps, dense.rope_params(
                 c.n_rot, c.traits.rope_style, c.layer_rope_base(i), **c.rope.ggml_args())) for i in range(c.n_layer)])
         return self._shapes[1][il]
-        if (cfg.traits.delta_net or cfg.traits.rope_style == "imrope" or cfg.traits.attn_sinks) \
-                and not self.ggml_attention:
-            raise UsageError(f"architecture {cfg.arch} runs on ggml's kernels only (its delta-net, "
-                             "multi-section RoPE and attention sinks have no numpy path in the engine); "
-                             "unset KVASIR_KERNEL")
 
     def use_experts(self, experts: ExpertBackend | None) -> None:
         """From the next step on, ``experts`` computes the routed experts (None: this node)."""
@@ -356,31 +358,36 @@ class Engine:
                 raise UsageError(f"sequence needs {seq.n_past + L} positions; the context is {seq.n_ctx}")
             if np.any((ids < 0) | (ids >= c.n_vocab)):
                 raise UsageError(f"token id out of range 0..{c.n_vocab - 1}")
+        # Where only each sequence's last logits are wanted, the last layer's FFN and the head run
+        # on those rows alone: after the layer's attention (or delta-net) output projection, the
+        # other rows are dropped, as llama.cpp's ``inp_out_ids`` does.
+        starts = np.cumsum([0] + lengths)
+        keep = None if all_logits or len(batch) == starts[-1] else starts[1:] - 1
         if self._one_graph_per_layer(batch):
-            return self._step_segments(batch[0][0], np.asarray(batch[0][1], dtype=np.int64), all_logits)
+            return self._step_segments(batch[0][0], np.asarray(batch[0][1], dtype=np.int64), keep)
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
         positions = np.concatenate([seq.n_past + np.arange(L) for (seq, _), L in zip(batch, lengths)])
-        starts = np.cumsum([0] + lengths)
         rope = positions if self.ggml_attention else ops.rope_cache(positions, c.n_rot, c.rope_base)
 
         x = ggml_get_rows(w.token_embd, ids) if self.ggml_attention else embed(w.token_embd, ids)  # (T, D)
         for il, blk in enumerate(w.layers):
+            rows = keep if il == c.n_layer - 1 else None  # the rows that go on after the mixer
             if self.fused and blk.attn_q is not None:  # the same math in two ggml graphs
-                f = self._attention_fused(il, blk, x, positions, batch, starts)
+                f = self._attention_fused(il, blk, x, positions, batch, starts, keep=rows)
                 x = f.x + self._moe(il, blk, f.h, router=f.router, shared=f.shared)
                 continue
             h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
             if blk.ssm_out is not None:
-                x = x + self._delta_net(il, blk, h, batch, starts)
+                mixed = self._delta_net(il, blk, h, batch, starts)
             else:
-                x = x + self._attention(il, blk, h, rope, batch, starts)
+                mixed = self._attention(il, blk, h, rope, batch, starts)
+            x = x + mixed if rows is None else x[rows] + mixed[rows]
             h = ops.rms_norm(x, blk.ffn_norm, c.rms_eps)
             x = x + self._moe(il, blk, h)
         for seq, L in zip((s for s, _ in batch), lengths):
             seq.n_past += L
 
-        if not all_logits:
-            x = x[starts[1:] - 1]
+        if not all_logits:  # x holds each sequence's last row only
             starts = np.arange(len(batch) + 1)
         out = ops.rms_norm(x, w.output_norm, c.rms_eps)
         logits = matmul(w.output, out)  # (T, V)
@@ -438,9 +445,10 @@ class Engine:
         n_kv = dense.n_kv_for(end, dense.cache_cells_for(end, seq.n_ctx))
         return len(ids) <= max(2, dense.MAX_KQ_BYTES // (8 * n_kv * self.cfg.n_head))
 
-    def _step_segments(self, seq: Sequence, ids: np.ndarray, all_logits: bool) -> list[np.ndarray]:
+    def _step_segments(self, seq: Sequence, ids: np.ndarray, keep: np.ndarray | None) -> list[np.ndarray]:
         """One sequence's step as ``n_layer + 1`` ggml graphs, one from each router to the next
-        (``kernels.fused.segment``): the forward pass above, with the same ops and bits."""
+        (``kernels.fused.segment``): the forward pass above, with the same ops and bits.
+        ``keep``: the one row whose logits are wanted, or None for every row."""
         c, w = self.cfg, self.weights
         T = len(ids)
         R = 2 if T == 1 and self.one_row_as_two else T
@@ -454,31 +462,41 @@ class Engine:
         positions = np.repeat(seq.n_past + np.arange(T), R // T).astype(np.int32)
         x = ggml_get_rows(w.token_embd, np.repeat(ids, R // T))  # (R, D)
         at = dict(n_past=seq.n_past, positions=positions, mask=mask)
-        seg = fused.segment(step, x=x, layer=w.layers[0], shape=self._attention_shape(0), cache=caches[0], **at)
+        rows, last = self._dense_rows(keep), c.n_layer - 1
+        seg = fused.segment(step, x=x, layer=w.layers[0], shape=self._attention_shape(0), cache=caches[0],
+                            keep=rows if last == 0 else None, **at)
         for il in range(1, c.n_layer + 1):
-            blk = w.layers[il - 1]
+            if il - 1 == last and rows is not None:  # the last layer went on with the kept rows only
+                step = replace(step, rows=len(rows), n_new=len(keep))
             # the router's top-k, as _moe computes it (the graph applied the softmax)
-            top, weights = ops.route(seg.probs[:T], c.n_expert_used, c.traits.norm_topk, _already_softmaxed)
+            top, weights = ops.route(seg.probs[:step.n_new], c.n_expert_used, c.traits.norm_topk, _already_softmaxed)
             self.local_experts.calls[il - 1] += len(np.unique(top))
             self.local_experts.rows[il - 1] += top.size
-            if il < c.n_layer:
-                seg = fused.segment(step, prev=seg, prev_layer=blk, ids=top, weights=weights, layer=w.layers[il],
-                                    shape=self._attention_shape(il), cache=caches[il], **at)
-            else:
-                rows = np.arange(T) if all_logits else np.array([T - 1])
-                if len(rows) == 1 and self.one_row_as_two:  # the head's one row as two, as matmul does
-                    rows = np.repeat(rows, 2)
-                seg = fused.segment(step, prev=seg, prev_layer=blk, ids=top, weights=weights,
-                                    head=(w.output_norm, w.output, rows, c.rms_eps))
+            moe = dict(prev=seg, prev_layer=w.layers[il - 1], ids=top, weights=weights)
+            if il <= last:
+                seg = fused.segment(step, layer=w.layers[il], shape=self._attention_shape(il), cache=caches[il],
+                                    keep=rows if il == last else None, **moe, **at)
+        head_rows = np.arange(step.n_new)  # the rows whose logits are wanted (one as two, as matmul does)
+        if len(head_rows) == 1 and self.one_row_as_two:
+            head_rows = np.repeat(head_rows, 2)
+        seg = fused.segment(step, **moe, head=(w.output_norm, w.output, head_rows, c.rms_eps))
         seq.n_past = end
-        return [seg.logits[:T] if all_logits else seg.logits[:1]]
+        return [seg.logits[:step.n_new]]
+
+    def _dense_rows(self, keep: np.ndarray | None) -> np.ndarray | None:
+        """The rows the dense ops of the last layer keep: ``keep``, one row as two in
+        deterministic mode (as every dense product runs it there)."""
+        if keep is None or len(keep) > 1 or not self.one_row_as_two:
+            return keep
+        return np.repeat(keep, 2)
 
     def _attention_fused(self, il: int, blk: Layer, x: np.ndarray, positions: np.ndarray, batch,
-                         starts) -> fused.FfnIn:
+                         starts, keep: np.ndarray | None = None) -> fused.FfnIn:
         """An attention layer up to the routed experts, as ``_attention`` then the FFN norm,
         router and shared expert of ``_moe`` compute it, in two ggml graphs around the KV cache
-        (``kernels/fused.py``). Deterministic mode runs a one-row step as two rows, as every
-        dense product does there (``kernels.ggml.matmul``)."""
+        (``kernels/fused.py``); after the output projection only the rows ``keep`` go on.
+        Deterministic mode runs a one-row step as two rows, as every dense product does there
+        (``kernels.ggml.matmul``)."""
         c = self.cfg
         T = x.shape[0]
         pad = T == 1 and self.one_row_as_two
@@ -495,12 +513,13 @@ class Engine:
             out[a:b] = dense.attention(q[a:b], seq.k[il], seq.v[il], seq.n_past, **extra)
         if pad:
             out[1] = out[0]
+        rows = self._dense_rows(keep)
         shexp = (blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp) if blk.ffn_gate_shexp is not None else None
         f = fused.attention_out(out, xs, eps=c.rms_eps, wo=blk.attn_output, bo=blk.attn_output_bias,
                                 ffn_norm=blk.ffn_norm, router=blk.ffn_gate_inp, router_bias=blk.ffn_gate_inp_bias,
                                 router_softmax=c.traits.router != "softmax_weight", shexp=shexp,
-                                shexp_gate=blk.ffn_gate_inp_shexp, shexp_gate_kind=c.traits.shexp_gate)
-        if pad:
+                                shexp_gate=blk.ffn_gate_inp_shexp, shexp_gate_kind=c.traits.shexp_gate, keep=rows)
+        if pad or (rows is not None and len(rows) > len(keep)):  # the first of two equal rows
             f = fused.FfnIn(f.x[:1], f.h[:1], f.router[:1], None if f.shared is None else f.shared[:1])
         return f
 

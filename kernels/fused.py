@@ -138,14 +138,18 @@ class FfnIn:
 def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, bo=None,
                   ffn_norm: np.ndarray, router: QTensor, router_bias=None, router_softmax: bool = True,
                   shexp: tuple[QTensor, QTensor, QTensor] | None = None, shexp_gate=None,
-                  shexp_gate_kind: str = "silu_div") -> FfnIn:
+                  shexp_gate_kind: str = "silu_div", keep: np.ndarray | None = None) -> FfnIn:
     """Output projection (+bias) and residual, the FFN norm, the router (+bias, softmax) and the
-    shared expert with its gate, as one graph. attn (T, H*Dh), x (T, D) float32."""
+    shared expert with its gate, as one graph. attn (T, H*Dh), x (T, D) float32. ``keep``
+    (n,): after the output projection, only these rows go on (llama.cpp's ``inp_out_ids`` on
+    the last layer), so every result has n rows."""
     attn = np.ascontiguousarray(attn, dtype=np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    n, D = x.shape
+    T_in, D = x.shape
+    keep = None if keep is None else np.ascontiguousarray(keep, dtype=np.int32)
+    n = T_in if keep is None else len(keep)
     E = router.ne[1]
-    if wo.ne != (attn.shape[1], D) or attn.shape[0] != n or router.ne[0] != D:
+    if wo.ne != (attn.shape[1], D) or attn.shape[0] != T_in or router.ne[0] != D:
         raise ValueError(f"attention_out: attn {attn.shape}, x {x.shape}, Wo {wo.ne}, router {router.ne} do not fit")
     if shexp_gate_kind not in ("silu_div", "sigmoid"):
         raise ValueError(f"unknown shared-expert gate {shexp_gate_kind!r}")
@@ -153,7 +157,9 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
     has = (bo is not None, router_bias is not None, shexp is not None, shexp_gate is not None)
     F = shexp[0].ne[1] if shexp is not None else 0
     lib = ggml.load()
-    threads = threads_for(n * (wo.ne[0] * D + D * E + 3 * D * F), n)
+    if keep is not None and (keep.ndim != 1 or n == 0 or keep.min() < 0 or keep.max() >= T_in):
+        raise ValueError(f"attention_out: rows to keep {keep} are not rows of the {T_in} given")
+    threads = threads_for(T_in * wo.ne[0] * D + n * (D * E + 3 * D * F), T_in)
     rp_o = repacked(wo)
     rp_s = [repacked(w) for w in shexp] if shexp is not None else []
 
@@ -161,8 +167,9 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
         g = Graph(lib, n_tensors=48, nodes=NODES)
         try:
             ctx = g.ctx
-            at = g.input(T.F32, (wo.ne[0], n))
-            xt = g.input(T.F32, (D, n))
+            at = g.input(T.F32, (wo.ne[0], T_in))
+            xt = g.input(T.F32, (D, T_in))
+            kt = g.input(T.I32, (n,)) if keep is not None else None
             wot = weight_input(g, wo, rp_o)
             bot = g.input(T.F32, (D,)) if has[0] else None
             fnt = g.input(T.F32, (D,))
@@ -174,6 +181,8 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
             y = g.scratch(lib.ggml_mul_mat(ctx, wot, at))
             if bot is not None:
                 y = g.scratch(lib.ggml_add(ctx, y, bot))
+            if kt is not None:  # the rows whose logits are wanted, as llama.cpp prunes them
+                y, xt = (g.scratch(lib.ggml_get_rows(ctx, t, kt)) for t in (y, xt))
             x2 = g.output(lib.ggml_add(ctx, xt, y))
             h = g.output(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x2, float(eps))), fnt))
             r = lib.ggml_mul_mat(ctx, wrt, h)  # (E, T)
@@ -199,14 +208,15 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
             g.free()
             raise
 
-    x_out, h_out = np.empty_like(x), np.empty_like(x)
+    x_out, h_out = np.empty((n, D), np.float32), np.empty((n, D), np.float32)
     r_out = np.empty((n, E), dtype=np.float32)
-    s_out = np.empty_like(x) if shexp is not None else None
-    key = ("attn_out", n, float(eps), threads, _key(wo), _key(router), router_softmax, has, shexp_gate_kind,
+    s_out = np.empty((n, D), np.float32) if shexp is not None else None
+    key = ("attn_out", T_in, n if keep is not None else None, float(eps), threads, _key(wo), _key(router),
+           router_softmax, has, shexp_gate_kind,
            tuple(_key(w) for w in shexp) if shexp is not None else None, rp_o is not None,
            tuple(rp is not None for rp in rp_s))
-    arrays = [attn, x, weight_data(wo, rp_o), *((bo,) if has[0] else ()), _vec(ffn_norm), router.data,
-              *((router_bias,) if has[1] else ()), *(weight_data(w, rp) for w, rp in zip(shexp or (), rp_s)),
+    arrays = [attn, x, *((keep,) if keep is not None else ()), weight_data(wo, rp_o), *((bo,) if has[0] else ()),
+              _vec(ffn_norm), router.data, *((router_bias,) if has[1] else ()), *(weight_data(w, rp) for w, rp in zip(shexp or (), rp_s)),
               *((shexp_gate,) if has[3] else ()), x_out, h_out, r_out, *((s_out,) if has[2] else ())]
     run_cached(key, build, arrays)
     return FfnIn(x_out, h_out, r_out, s_out)
@@ -247,9 +257,10 @@ class StepShape:
     shexp_gate: str  # silu_div or sigmoid (kernels.dense.shared_expert_gate)
 
 
-def _attention_part(g: Graph, lib, x, pos, mask, layer, shape: AttentionShape, step: StepShape, rps: dict):
+def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionShape, step: StepShape, rps: dict):
     """Inputs of one layer's attention part, in binding order, and its ops; returns
-    (x after attention, h, router probabilities, gated shared expert or None)."""
+    (x after attention, h, router probabilities, gated shared expert or None), of the rows
+    ``keep`` (an I32 input, or None for all rows) after the output projection."""
     ctx, eps, R, L = g.ctx, float(shape.eps), step.rows, step.n_new
     H, Hkv, Dh = shape.n_head, shape.n_head_kv, shape.head_dim
     gqa, A = Hkv * Dh, max(R, 2)
@@ -302,6 +313,8 @@ def _attention_part(g: Graph, lib, x, pos, mask, layer, shape: AttentionShape, s
     y = g.scratch(lib.ggml_mul_mat(ctx, wo, attn))
     if bo is not None:
         y = g.scratch(lib.ggml_add(ctx, y, bo))
+    if keep is not None:  # the last layer: only the rows whose logits are wanted go on
+        y, x = (g.scratch(lib.ggml_get_rows(ctx, t, keep)) for t in (y, x))
     x2 = g.scratch(lib.ggml_add(ctx, x, y))
     h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x2, eps)), fn))
     r = g.scratch(lib.ggml_mul_mat(ctx, wr, h))  # (E, R)
@@ -401,14 +414,18 @@ def segment(step: StepShape, *, x: np.ndarray | None = None, prev: Segment | Non
             ids: np.ndarray | None = None, weights: np.ndarray | None = None, layer=None,
             shape: AttentionShape | None = None, cache: tuple[np.ndarray, np.ndarray] | None = None,
             n_past: int = 0, positions: np.ndarray | None = None, mask: np.ndarray | None = None,
-            head: tuple | None = None) -> Segment:
+            keep: np.ndarray | None = None, head: tuple | None = None) -> Segment:
     """One graph of a one-sequence step (see above): starting from the embedding rows ``x``
     (R, D), or from ``prev`` (the previous segment's outputs) with ``prev_layer``'s experts on
     ``ids`` (R, K) weighted by ``weights`` (R, K); then ``layer``'s attention part (its cache
     ``(K (kv_size, gqa), V (gqa, kv_size))`` f16, written at ``n_past``), or the ``head``:
-    (output_norm (D,), output QTensor, out_idx (n,) int32 rows to return) -> logits (n, V)."""
+    (output_norm (D,), output QTensor, out_idx (n,) int32 rows to return) -> logits (n, V).
+    ``keep`` (n,): the layer's rows that go on after its output projection (the last layer's
+    rows whose logits are wanted); its outputs then have n rows."""
     lib = ggml.load()
     R = step.rows
+    keep = None if keep is None else np.ascontiguousarray(keep, dtype=np.int32)
+    R_out = R if keep is None else len(keep)
     rps = {}
     for lay in (layer,) if layer is not None else ():
         for w in (lay.attn_q, lay.attn_k, lay.attn_v, lay.attn_output, lay.ffn_gate_shexp, lay.ffn_up_shexp,
@@ -442,9 +459,10 @@ def segment(step: StepShape, *, x: np.ndarray | None = None, prev: Segment | Non
             if layer is not None:
                 pt = g.input(T.I32, (R,))
                 mt = g.input(T.F32, (step.n_kv, max(R, 2)))
-                x2, h, probs, shared = _attention_part(g, lib, xt, pt, mt, layer, shape, step, rps)
+                kt = g.input(T.I32, (R_out,)) if keep is not None else None
+                x2, h, probs, shared = _attention_part(g, lib, xt, pt, mt, kt, layer, shape, step, rps)
                 for t in (x2, h, probs) + ((shared,) if shared is not None else ()):
-                    g.output(lib.ggml_cont_2d(g.ctx, t, t.contents.ne[0], R) if t is not probs else t)
+                    g.output(lib.ggml_cont_2d(g.ctx, t, t.contents.ne[0], R_out) if t is not probs else t)
             else:
                 n_out = len(head[2])
                 ot = g.input(T.I32, (n_out,))
@@ -469,17 +487,17 @@ def segment(step: StepShape, *, x: np.ndarray | None = None, prev: Segment | Non
                    np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(weights, dtype=np.float32)]
     result = Segment()
     if layer is not None:
-        arrays += [np.ascontiguousarray(positions, dtype=np.int32), mask]
+        arrays += [np.ascontiguousarray(positions, dtype=np.int32), mask] + ([keep] if keep is not None else [])
         arrays += _attention_arrays(layer, cache[0], cache[1], n_past, rps)
         E = layer.ffn_gate_inp.ne[1]
-        result = Segment(np.empty((R, D), np.float32), np.empty((R, D), np.float32), np.empty((R, E), np.float32),
-                         np.empty((R, D), np.float32) if layer.ffn_gate_shexp is not None else None)
+        result = Segment(*(np.empty((R_out, n), np.float32) for n in (D, D, E)),
+                         np.empty((R_out, D), np.float32) if layer.ffn_gate_shexp is not None else None)
         arrays += [result.x, result.h, result.probs] + ([result.shared] if result.shared is not None else [])
     else:
         out_idx = np.ascontiguousarray(head[2], dtype=np.int32)
         result = Segment(logits=np.empty((len(out_idx), head[1].ne[1]), np.float32))
         arrays += [out_idx, head[0], weight_data(head[1], rp_head), result.logits]
-    key = ("segment", step, threads, prev is None, has_shared,
+    key = ("segment", step, threads, prev is None, has_shared, None if keep is None else R_out,
            None if prev_layer is None else _layer_key(prev_layer),
            None if layer is None else (_layer_key(layer), shape, tuple(v is not None for v in rps.values())),
            None if head is None else (len(head[2]), _key(head[1]), float(head[3]), rp_head is not None))
