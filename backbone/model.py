@@ -20,10 +20,12 @@ once per layer with every row that chose it. Who computes an expert is the busin
 
 How it runs on ggml (the same ops, so the same bits, whichever way):
 
-- one sequence, every expert local: one graph per layer, from one router to the next
-  (``_step_segments``, ``kernels.fused.segment``); only the router's top-k is numpy;
+- one sequence, every expert local: one graph from the embedding to the logits, the router's
+  top-k included (a long chunk: a few layers per graph; ``_step_graphs``,
+  ``kernels.fused.step_graph``);
 - a batch, or remote experts: two graphs per attention layer around the per-sequence
-  attention (``_attention_fused``), the experts as one ``mul_mat_id`` graph or remote calls;
+  attention (``_attention_fused``; the second ends with the router's top-k, the same ops),
+  the experts as one ``mul_mat_id`` graph or remote calls;
 - delta-net and gated-query attention layers (qwen35moe, qwen3next): one call per op, below.
 
 ``forward`` below is the order of operations of every architecture, op by op; the graph
@@ -49,6 +51,9 @@ from kernels.ggml import deterministic as ggml_deterministic, get_rows as ggml_g
 from kernels.tensors import QTensor, open_gguf, tensors_from_reader
 
 WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
+# A one-sequence step's graph holds as many layers as keep its intermediates under this many
+# bytes (a decode step: all of them), so that the graph cache keeps it for the next step.
+STEP_GRAPH_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -311,8 +316,8 @@ class Engine:
         self.fused = self.ggml_attention and not cfg.traits.attn_q_gate and cfg.traits.rope_style != "imrope"
         self.one_row_as_two = self.fused and ggml_deterministic()
         self._shapes: tuple[ModelConfig, list[fused.AttentionShape]] | None = None
-        # One graph per layer for one-sequence steps where nothing needs Python between the
-        # routers: no delta-net layers, no attention sinks or windows, no expert biases, the
+        # One graph per step for one sequence where nothing needs Python between the layers:
+        # no delta-net layers, no attention sinks or windows, no expert biases, the
         # softmax-then-top-k router, rows sent to the experts unrounded.
         t = cfg.traits
         self.segments = self.fused and not t.delta_net and not t.attn_sinks and t.router != "softmax_weight" \
@@ -363,8 +368,8 @@ class Engine:
         # other rows are dropped, as llama.cpp's ``inp_out_ids`` does.
         starts = np.cumsum([0] + lengths)
         keep = None if all_logits or len(batch) == starts[-1] else starts[1:] - 1
-        if self._one_graph_per_layer(batch):
-            return self._step_segments(batch[0][0], np.asarray(batch[0][1], dtype=np.int64), keep)
+        if self._one_graph_per_step(batch):
+            return self._step_graphs(batch[0][0], np.asarray(batch[0][1], dtype=np.int64), keep)
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
         positions = np.concatenate([seq.n_past + np.arange(L) for (seq, _), L in zip(batch, lengths)])
         rope = positions if self.ggml_attention else ops.rope_cache(positions, c.n_rot, c.rope_base)
@@ -374,7 +379,7 @@ class Engine:
             rows = keep if il == c.n_layer - 1 else None  # the rows that go on after the mixer
             if self.fused and blk.attn_q is not None:  # the same math in two ggml graphs
                 f = self._attention_fused(il, blk, x, positions, batch, starts, keep=rows)
-                x = f.x + self._moe(il, blk, f.h, router=f.router, shared=f.shared)
+                x = f.x + self._moe(il, blk, f.h, routed=(f.ids, f.weights), shared=f.shared)
                 continue
             h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
             if blk.ssm_out is not None:
@@ -434,8 +439,8 @@ class Engine:
         out = matmul(blk.attn_output, out)
         return out if blk.attn_output_bias is None else out + blk.attn_output_bias
 
-    def _one_graph_per_layer(self, batch) -> bool:
-        """Whether this step can run as one graph per layer (``_step_segments``): one sequence,
+    def _one_graph_per_step(self, batch) -> bool:
+        """Whether this step can run as one graph (``_step_graphs``): one sequence,
         every expert local and unrounded, standard attention and routing, a chunk that needs no
         splitting of its attention."""
         if not self.segments or len(batch) != 1 or self.experts is not self.local_experts:
@@ -445,10 +450,11 @@ class Engine:
         n_kv = dense.n_kv_for(end, dense.cache_cells_for(end, seq.n_ctx))
         return len(ids) <= max(2, dense.MAX_KQ_BYTES // (8 * n_kv * self.cfg.n_head))
 
-    def _step_segments(self, seq: Sequence, ids: np.ndarray, keep: np.ndarray | None) -> list[np.ndarray]:
-        """One sequence's step as ``n_layer + 1`` ggml graphs, one from each router to the next
-        (``kernels.fused.segment``): the forward pass above, with the same ops and bits.
-        ``keep``: the one row whose logits are wanted, or None for every row."""
+    def _step_graphs(self, seq: Sequence, ids: np.ndarray, keep: np.ndarray | None) -> list[np.ndarray]:
+        """One sequence's step as one ggml graph from the embedding to the logits, routing
+        included (``kernels.fused.step_graph``), or a few layers per graph for a long chunk: the
+        forward pass above, with the same ops and bits. ``keep``: the one row whose logits are
+        wanted, or None for every row."""
         c, w = self.cfg, self.weights
         T = len(ids)
         R = 2 if T == 1 and self.one_row_as_two else T
@@ -457,31 +463,28 @@ class Engine:
         kv_size = caches[0][0].shape[0]
         n_kv = dense.n_kv_for(end, kv_size)
         step = fused.StepShape(R, T, kv_size, n_kv, float(dense.kq_scale(c.head_dim)), c.n_expert_used,
-                               w.expert_glu, c.traits.shexp_gate)
-        mask = dense.causal_mask(seq.n_past, T, n_kv, max(R, 2))
-        positions = np.repeat(seq.n_past + np.arange(T), R // T).astype(np.int32)
+                               w.expert_glu, c.traits.shexp_gate, c.traits.norm_topk)
+        blocks = [fused.Block(w.layers[il], self._attention_shape(il), caches[il]) for il in range(c.n_layer)]
+        per_graph = fused.layers_per_graph(step, w.layers[0], blocks[0].shape, STEP_GRAPH_BYTES)
+        at = dict(n_past=seq.n_past, positions=np.repeat(seq.n_past + np.arange(T), R // T).astype(np.int32),
+                  mask=dense.causal_mask(seq.n_past, T, n_kv, max(R, 2)))
         x = ggml_get_rows(w.token_embd, np.repeat(ids, R // T))  # (R, D)
-        at = dict(n_past=seq.n_past, positions=positions, mask=mask)
-        rows, last = self._dense_rows(keep), c.n_layer - 1
-        seg = fused.segment(step, x=x, layer=w.layers[0], shape=self._attention_shape(0), cache=caches[0],
-                            keep=rows if last == 0 else None, **at)
-        for il in range(1, c.n_layer + 1):
-            if il - 1 == last and rows is not None:  # the last layer went on with the kept rows only
-                step = replace(step, rows=len(rows), n_new=len(keep))
-            # the router's top-k, as _moe computes it (the graph applied the softmax)
-            top, weights = ops.route(seg.probs[:step.n_new], c.n_expert_used, c.traits.norm_topk, _already_softmaxed)
-            self.local_experts.calls[il - 1] += len(np.unique(top))
-            self.local_experts.rows[il - 1] += top.size
-            moe = dict(prev=seg, prev_layer=w.layers[il - 1], ids=top, weights=weights)
-            if il <= last:
-                seg = fused.segment(step, layer=w.layers[il], shape=self._attention_shape(il), cache=caches[il],
-                                    keep=rows if il == last else None, **moe, **at)
-        head_rows = np.arange(step.n_new)  # the rows whose logits are wanted (one as two, as matmul does)
-        if len(head_rows) == 1 and self.one_row_as_two:
+        n_out = T if keep is None else len(keep)  # the rows whose logits are wanted
+        head_rows = np.arange(n_out) if keep is None else np.zeros(n_out, dtype=np.int32)
+        if n_out == 1 and self.one_row_as_two:  # the head's one row as two, as matmul does
             head_rows = np.repeat(head_rows, 2)
-        seg = fused.segment(step, **moe, head=(w.output_norm, w.output, head_rows, c.rms_eps))
+        head = (w.output_norm, w.output, head_rows, c.rms_eps)
+        for first in range(0, c.n_layer, per_graph):
+            part = blocks[first:first + per_graph]
+            last = first + len(part) == c.n_layer
+            out = fused.step_graph(step, part, x=x, **at, head=head if last else None,
+                                   keep=self._dense_rows(keep) if last else None, n_kept=n_out)
+            for il, chosen in enumerate(out.ids, first):  # the local experts' statistics
+                self.local_experts.calls[il] += len(np.unique(chosen))
+                self.local_experts.rows[il] += chosen.size
+            x = out.x
         seq.n_past = end
-        return [seg.logits[:step.n_new]]
+        return [out.logits[:n_out]]
 
     def _dense_rows(self, keep: np.ndarray | None) -> np.ndarray | None:
         """The rows the dense ops of the last layer keep: ``keep``, one row as two in
@@ -517,10 +520,11 @@ class Engine:
         shexp = (blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp) if blk.ffn_gate_shexp is not None else None
         f = fused.attention_out(out, xs, eps=c.rms_eps, wo=blk.attn_output, bo=blk.attn_output_bias,
                                 ffn_norm=blk.ffn_norm, router=blk.ffn_gate_inp, router_bias=blk.ffn_gate_inp_bias,
-                                router_softmax=c.traits.router != "softmax_weight", shexp=shexp,
+                                router_softmax=c.traits.router != "softmax_weight", n_expert_used=c.n_expert_used,
+                                norm_topk=c.traits.norm_topk, shexp=shexp,
                                 shexp_gate=blk.ffn_gate_inp_shexp, shexp_gate_kind=c.traits.shexp_gate, keep=rows)
         if pad or (rows is not None and len(rows) > len(keep)):  # the first of two equal rows
-            f = fused.FfnIn(f.x[:1], f.h[:1], f.router[:1], None if f.shared is None else f.shared[:1])
+            f = fused.FfnIn(f.x[:1], f.h[:1], f.ids[:1], f.weights[:1], None if f.shared is None else f.shared[:1])
         return f
 
     def _delta_net(self, il: int, blk: Layer, h: np.ndarray, batch, starts) -> np.ndarray:
@@ -541,23 +545,22 @@ class Engine:
                 blk.ssm_a, blk.ssm_norm, k_heads=c.ssm_k_heads, eps=c.rms_eps, interleave=c.traits.ssm_ba)
         return matmul(blk.ssm_out, out)
 
-    def _moe(self, il: int, blk: Layer, h: np.ndarray, *, router: np.ndarray | None = None,
+    def _moe(self, il: int, blk: Layer, h: np.ndarray, *, routed: tuple[np.ndarray, np.ndarray] | None = None,
              shared: np.ndarray | None = None) -> np.ndarray:
-        """The MoE FFN of rows ``h``. ``router``/``shared``: the router's output (probabilities,
-        or logits for a softmax_weight router) and the gated shared expert, when the fused
-        graph has computed them already."""
+        """The MoE FFN of rows ``h``. ``routed``/``shared``: the router's choice (ids, weights)
+        (T, K) and the gated shared expert, when the fused graph has computed them already."""
         c = self.cfg
-        softmax = dense.softmax if self.ggml_attention else ops.softmax
-        if router is None:
+        if routed is not None:
+            ids, weights = routed
+        else:
+            softmax = dense.softmax if self.ggml_attention else ops.softmax
             router = matmul(blk.ffn_gate_inp, h)  # (T, E)
             if blk.ffn_gate_inp_bias is not None:
                 router = router + blk.ffn_gate_inp_bias
-        elif c.traits.router != "softmax_weight":
-            softmax = _already_softmaxed
-        if c.traits.router == "softmax_weight":
-            ids, weights = ops.route_softmax_weight(router, c.n_expert_used, softmax)  # (T, K)
-        else:
-            ids, weights = ops.route(router, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
+            if c.traits.router == "softmax_weight":
+                ids, weights = ops.route_softmax_weight(router, c.n_expert_used, softmax)  # (T, K)
+            else:
+                ids, weights = ops.route(router, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
         # Whatever rounding the wire applies to the rows, the local path applies too.
         rows = h.astype(self.wire_dtype).astype(np.float32)
         if self.experts is self.local_experts and self.ggml_attention:  # llama.cpp's layout, one graph
@@ -586,11 +589,6 @@ class Engine:
                 shared = shared * gate
             moe = moe + shared
         return moe
-
-
-def _already_softmaxed(p: np.ndarray) -> np.ndarray:
-    """The router's softmax when the fused graph has applied it (``ops.route`` takes one)."""
-    return p
 
 
 def _f32_tensor(name: str, array: np.ndarray) -> QTensor:

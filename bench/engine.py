@@ -29,7 +29,7 @@ a child, one setting changed from its defaults; issue 10, measured on this 2-cor
   its expert work is the last layer. This was most of the earlier "matched" gap (292 vs 166);
   the matched child now asks for the last position only, like ours and the users' run.
   Our engine runs every layer on every row; a prototype of the same pruning in
-  ``backbone.model.Engine._step_segments`` (the last layer's experts and head on the last row,
+  ``backbone.model.Engine._step_segments`` (now ``_step_graphs``) (the last layer's experts and head on the last row,
   deterministic logits unchanged bit for bit) took our 122b-layer prefill from 155-166 to
   232-256 tok/s. It belongs in the forward pass, on the sharded path too (else fast-mode
   sharded and monolithic logits part), so it is left to that code's owner.

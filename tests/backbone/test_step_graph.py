@@ -1,0 +1,62 @@
+"""A one-sequence step with every expert local runs as one ggml graph from the embedding to the
+logits, the router's top-k included (``kernels.fused.step_graph``); a long chunk as a few
+layers per graph. Each way gives the bits of the two-graphs-per-layer path and of the op-by-op
+path, and the same local-expert statistics (the market's demand weights)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backbone import model
+from backbone.model import Engine
+from kernels import fused
+
+
+def _run(engine: Engine) -> tuple[list[np.ndarray], dict, dict]:
+    engine.local_experts.calls.clear()
+    engine.local_experts.rows.clear()
+    rng = np.random.default_rng(11)
+    V = engine.cfg.n_vocab
+    seq = engine.new_sequence()
+    out = engine.forward([(seq, rng.integers(0, V, 9))])
+    out += engine.forward([(seq, rng.integers(0, V, 1))])
+    out += engine.forward([(seq, rng.integers(0, V, 5))], all_logits=False)
+    out += engine.forward([(seq, rng.integers(0, V, 1))], all_logits=False)
+    return out, dict(engine.local_experts.calls), dict(engine.local_experts.rows)
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3moe", "q4_k"), ("qwen2moe", "q8_0"), ("mixtral", "f16")])
+def test_one_graph_per_step_gives_the_bits_of_every_other_path(models, arch, qtype, monkeypatch):
+    engine = Engine(models(arch, qtype))
+    assert engine.segments
+    calls = []
+    real = fused.step_graph
+    monkeypatch.setattr(fused, "step_graph", lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw))
+    whole = _run(engine)
+    assert calls == [engine.cfg.n_layer] * 4  # every step of these tiny shapes: one graph
+    calls.clear()
+    monkeypatch.setattr(model, "STEP_GRAPH_BYTES", 1)  # one layer per graph
+    per_layer = _run(engine)
+    assert calls == [1] * (4 * engine.cfg.n_layer)
+    engine.segments = False  # two graphs per layer, the top-k from attention_out's graph
+    two = _run(engine)
+    engine.fused = False  # one call per op, numpy's top-k (kernels.ops.route)
+    op_by_op = _run(engine)
+    for other in (per_layer, two, op_by_op):
+        assert all(np.array_equal(a, b) for a, b in zip(whole[0], other[0]))
+        assert whole[1:] == other[1:]
+
+
+def test_layers_per_graph_keeps_a_long_chunk_small_and_a_decode_step_whole(models):
+    engine = Engine(models("qwen3moe", "q4_k"))
+    c, blk = engine.cfg, engine.weights.layers[0]
+    shape = engine._attention_shape(0)
+
+    def per_graph(rows: int, n_kv: int) -> int:
+        step = fused.StepShape(rows, rows, n_kv, n_kv, 1.0, c.n_expert_used, "swiglu", "silu_div", True)
+        return fused.layers_per_graph(step, blk, shape, model.STEP_GRAPH_BYTES)
+
+    assert per_graph(2, 256) >= 48  # a decode step of a deep model: one graph
+    assert per_graph(512, 4096) < per_graph(8, 4096)
+    assert per_graph(4096, 4096) == 1
