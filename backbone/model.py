@@ -440,10 +440,10 @@ class Engine:
         return out if blk.attn_output_bias is None else out + blk.attn_output_bias
 
     def _one_graph_per_step(self, batch) -> bool:
-        """Whether this step can run as one graph (``_step_graphs``): one sequence,
-        every expert local and unrounded, standard attention and routing, a chunk that needs no
-        splitting of its attention."""
-        if not self.segments or len(batch) != 1 or self.experts is not self.local_experts:
+        """Whether this step can run as one graph (``_step_graphs``; one per layer with remote
+        experts): one sequence, rows sent to the experts unrounded, standard attention and
+        routing, a chunk that needs no splitting of its attention."""
+        if not self.segments or len(batch) != 1:
             return False
         seq, ids = batch[0]
         end = seq.n_past + len(ids)
@@ -474,6 +474,10 @@ class Engine:
         if n_out == 1 and self.one_row_as_two:  # the head's one row as two, as matmul does
             head_rows = np.repeat(head_rows, 2)
         head = (w.output_norm, w.output, head_rows, c.rms_eps)
+        if self.experts is not self.local_experts:  # one graph per layer, the experts remote
+            logits = self._step_graphs_remote(step, blocks, x, at, keep, head)
+            seq.n_past = end
+            return [logits[:n_out]]
         for first in range(0, c.n_layer, per_graph):
             part = blocks[first:first + per_graph]
             last = first + len(part) == c.n_layer
@@ -485,6 +489,24 @@ class Engine:
             x = out.x
         seq.n_past = end
         return [out.logits[:n_out]]
+
+    def _step_graphs_remote(self, step: fused.StepShape, blocks: list, x: np.ndarray, at: dict,
+                            keep: np.ndarray | None, head: tuple) -> np.ndarray:
+        """``_step_graphs`` with the routed experts computed by ``self.experts``: one graph per
+        layer, from the previous layer's combine (its experts' outputs an input) to this
+        layer's router; then the last combine and the head. The same ops as the one graph of
+        an all-local step, so the same bits whoever computed the experts."""
+        n_layer, n_kept = len(blocks), 0 if keep is None else len(keep)
+        prev = None
+        for il, blk in enumerate(blocks):
+            last = il == n_layer - 1
+            out = fused.step_graph(step, [blk], x=x if prev is None else None, prev=prev, **at, remote=True,
+                                   keep=self._dense_rows(keep) if last else None, n_kept=n_kept)
+            r = out.routed
+            prev = (r, self._expert_outputs(il, r.h, r.ids))
+            if last and keep is not None:  # the kept rows only, from here on
+                step = replace(step, rows=len(self._dense_rows(keep)), n_new=len(keep))
+        return fused.step_graph(step, [], prev=prev, head=head).logits
 
     def _dense_rows(self, keep: np.ndarray | None) -> np.ndarray | None:
         """The rows the dense ops of the last layer keep: ``keep``, one row as two in
@@ -567,14 +589,18 @@ class Engine:
             expert_out = self.local_experts.run_ids(il, rows, ids)  # (T, K, D)
             moe = ops.combine(expert_out, weights)
             return moe + shared if shared is not None else self._shared(blk, h, moe)
-        experts = np.unique(ids)
-        groups = [(int(e), np.nonzero(ids == e)) for e in experts]  # (row idx, slot idx) per expert
+        moe = ops.combine(self._expert_outputs(il, rows, ids), weights)
+        return moe + shared if shared is not None else self._shared(blk, h, moe)
+
+    def _expert_outputs(self, il: int, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Every chosen expert of layer ``il`` on its rows, through ``self.experts`` (each
+        expert asked once, with every row that chose it): rows (T, D), ids (T, K) -> (T, K, D)."""
+        groups = [(int(e), np.nonzero(ids == e)) for e in np.unique(ids)]  # (row idx, slot idx) per expert
         outs = self.experts.run_layer(il, [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups])
-        expert_out = np.empty((h.shape[0], c.n_expert_used, c.n_embd), dtype=np.float32)  # (T, K, D)
+        expert_out = np.empty((*ids.shape, rows.shape[1]), dtype=np.float32)  # (T, K, D)
         for (e, (r, slot)), out in zip(groups, outs):
             expert_out[r, slot] = out
-        moe = ops.combine(expert_out, weights)
-        return moe + shared if shared is not None else self._shared(blk, h, moe)
+        return expert_out
 
     def _shared(self, blk: Layer, h: np.ndarray, moe: np.ndarray) -> np.ndarray:
         """``moe`` plus the (gated) shared expert of rows ``h``, where the layer has one."""

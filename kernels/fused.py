@@ -370,30 +370,35 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     return x2, h, probs, shared
 
 
-def _moe_part(g: Graph, lib, x2, h, shared, layer, ids, weights, n: int, glu: str):
-    """Inputs of one layer's MoE part (its experts' slabs) and its ops on the first ``n`` rows
-    of x2, h, shared (D, rows), with the routing's ids (K, n) and weights (1, K, n); returns
-    x + (moe + shared), (D, n)."""
-    ctx, K, rows = g.ctx, ids.contents.ne[0], x2.contents.ne[1]
+def _first(g: Graph, lib, t, n: int):
+    """The first ``n`` rows (columns in ggml's order) of a (D, rows) tensor, as a view."""
+    return g.view(lib.ggml_view_2d(g.ctx, t, t.contents.ne[0], n, t.contents.nb[1], 0))
+
+
+def _experts(g: Graph, lib, h, layer, ids, glu: str):
+    """Inputs of one layer's routed experts (their slabs) and their ops on rows h (D, n) with
+    the routing's ids (K, n): every chosen expert's output, (D, K, n)."""
+    ctx, n = g.ctx, h.contents.ne[1]
     gw, uw, dw = (g.input(w.ggml_type, w.ne) for w in (layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps))
-    n_embd = layer.ffn_gate_exps.ne[0]
-    if n < rows:  # a one-row step run as two: the experts see its first row only
-        first = lambda t: g.view(lib.ggml_view_2d(ctx, t, n_embd, n, 4 * n_embd, 0))  # noqa: E731
-        x2, h = first(x2), first(h)
-        shared = None if shared is None else first(shared)
-    xt = g.view(lib.ggml_reshape_3d(ctx, h, n_embd, 1, n))
+    xt = g.view(lib.ggml_reshape_3d(ctx, h, h.contents.ne[0], 1, n))
     up = g.scratch(lib.ggml_mul_mat_id(ctx, uw, xt, ids))  # (n_ff, K, n)
     gate = g.scratch(lib.ggml_mul_mat_id(ctx, gw, xt, ids))
     if glu == "swiglu_oai":
         act = g.scratch(lib.ggml_swiglu_oai(ctx, gate, up, ggml.SWIGLU_OAI_ALPHA, ggml.SWIGLU_OAI_LIMIT))
     else:
         act = g.scratch(lib.ggml_swiglu_split(ctx, gate, up))
-    ex = g.scratch(lib.ggml_mul_mat_id(ctx, dw, act, ids))  # (n_embd, K, n)
-    ex = g.scratch(lib.ggml_mul(ctx, ex, weights))  # kernels.ops.combine: times the weights ...
+    return g.scratch(lib.ggml_mul_mat_id(ctx, dw, act, ids))  # (D, K, n)
+
+
+def _combine(g: Graph, lib, x2, shared, ex, weights):
+    """x + (moe + shared): the expert outputs ex (D, K, n) times their weights (1, K, n), summed
+    in top-k order (``kernels.ops.combine``, the same float32 ops), on rows x2, shared (D, n)."""
+    ctx, (D, K, n) = g.ctx, tuple(ex.contents.ne[:3])
+    ex = g.scratch(lib.ggml_mul(ctx, ex, weights))
     nb1, nb2 = ex.contents.nb[1], ex.contents.nb[2]
-    slot = lambda j: g.view(lib.ggml_view_2d(ctx, ex, n_embd, n, nb2, j * nb1))  # noqa: E731
+    slot = lambda j: g.view(lib.ggml_view_2d(ctx, ex, D, n, nb2, j * nb1))  # noqa: E731
     moe = slot(0)
-    for j in range(1, K):  # ... then summed in top-k order
+    for j in range(1, K):
         moe = g.scratch(lib.ggml_add(ctx, moe, slot(j)))
     if shared is not None:
         moe = g.scratch(lib.ggml_add(ctx, moe, shared))
@@ -442,13 +447,28 @@ class Block:
 
 
 @dataclass
+class Routed:
+    """A layer stopped at its routed experts, for another node to compute them: the residual
+    after attention x, the FFN input h and the gated shared expert (n, D), the experts chosen
+    ids (n, K) int32 and their weights (n, K) float32, of the step's real rows."""
+
+    x: np.ndarray
+    h: np.ndarray
+    shared: np.ndarray | None
+    ids: np.ndarray
+    weights: np.ndarray
+
+
+@dataclass
 class StepOut:
-    """What a step graph returns: the residual stream after its last layer (R, D), or the
-    logits (n, V) when it ends with the head; and per layer the experts chosen (n_i, K)."""
+    """What a step graph returns: the residual stream after its last layer (R, D), the logits
+    (m, V) when it ends with the head, or its last layer stopped at its experts; and per layer
+    whose experts it computed the experts chosen (n_i, K)."""
 
     ids: list[np.ndarray]
     x: np.ndarray | None = None
     logits: np.ndarray | None = None
+    routed: Routed | None = None
 
 
 def layers_per_graph(step: StepShape, layer, shape: AttentionShape, budget: int) -> int:
@@ -464,54 +484,68 @@ def layers_per_graph(step: StepShape, layer, shape: AttentionShape, budget: int)
     return max(1, budget // per_layer)
 
 
-def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray, n_past: int, positions: np.ndarray,
-               mask: np.ndarray, keep: np.ndarray | None = None, n_kept: int = 0,
-               head: tuple | None = None) -> StepOut:
+def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = None,
+               prev: tuple[Routed, np.ndarray] | None = None, n_past: int = 0,
+               positions: np.ndarray | None = None, mask: np.ndarray | None = None,
+               keep: np.ndarray | None = None, n_kept: int = 0, head: tuple | None = None,
+               remote: bool = False) -> StepOut:
     """Layers ``blocks`` of a one-sequence step as one graph (see above), from rows ``x``
-    (R, D) float32 at ``positions`` (R,) int32, writing each layer's K and V into its cache at
-    ``n_past`` (``mask`` (n_kv, max(R, 2)) the causal mask). ``keep`` (n,): the last block's
-    rows that go on after its output projection (the model's last layer: the rows whose logits
-    are wanted), of which the first ``n_kept`` are real (the rest: one row as two); only with
-    the ``head``, which is (output_norm (D,), output QTensor, out_idx (m,) int32, eps) adds the
-    output norm and head on rows ``out_idx`` of the last block's output -> logits (m, V)."""
+    (R, D) float32, or from ``prev``: a layer stopped at its experts and their outputs
+    (n, K, D), combined first. ``positions`` (R,) int32, ``mask`` (n_kv, max(R, 2)): each
+    layer's K and V go into its cache at ``n_past``. ``keep`` (m,): the last block's rows that
+    go on after its output projection (the model's last layer: the rows whose logits are
+    wanted), of which the first ``n_kept`` are real (the rest: one row as two). ``remote``: the
+    last block stops at its routed experts (``StepOut.routed``). ``head``: (output_norm (D,),
+    output QTensor, out_idx (m,) int32, eps) adds the output norm and head on rows ``out_idx``
+    of the last layer's output -> logits (m, V)."""
     lib = ggml.load()
     R, K, n_new = step.rows, step.n_expert_used, step.n_new
     keep = None if keep is None else np.ascontiguousarray(keep, dtype=np.int32)
-    if keep is not None and (head is None or not 0 < n_kept <= len(keep)):
-        raise ValueError(f"step_graph: rows to keep {keep} need the head and 0 < n_kept ({n_kept}) <= {len(keep)}")
+    if keep is not None and not 0 < n_kept <= len(keep):
+        raise ValueError(f"step_graph: rows to keep {keep} need 0 < n_kept ({n_kept}) <= {len(keep)}")
+    if (x is None) == (prev is None) or (remote and (not blocks or head is not None)):
+        raise ValueError("step_graph: give x or prev; remote needs layers and no head")
     # rows through each block's dense ops and its experts (the last block's may be pruned)
     dense_rows = [R] * len(blocks)
     expert_rows = [n_new] * len(blocks)
     if keep is not None:
         dense_rows[-1], expert_rows[-1] = len(keep), n_kept
+    local = len(blocks) - (1 if remote else 0)  # blocks whose experts this graph computes
     rps = {}
     for b in blocks:
-        lay = b.layer
-        for w in (lay.attn_q, lay.attn_k, lay.attn_v, lay.attn_output, lay.ffn_gate_shexp, lay.ffn_up_shexp,
-                  lay.ffn_down_shexp):
-            if w is not None:
-                rps[id(w)] = repacked(w)
+        for w in _dense_weights(b.layer):
+            rps[id(w)] = repacked(w)
     rp_head = repacked(head[1]) if head is not None else None
     work = 0
-    for b, n in zip(blocks, expert_rows):
+    for i, b in enumerate(blocks):
         lay = b.layer
         D, F, _ = lay.ffn_gate_exps.ne
-        work += 3 * n * K * D * F
+        work += 3 * expert_rows[i] * K * D * F if i < local else 0
         work += R * sum(w.ne[0] * w.ne[1] for w in (lay.attn_q, lay.attn_k, lay.attn_v, lay.attn_output))
     if head is not None:
         work += len(head[2]) * head[1].ne[0] * head[1].ne[1]
     threads = threads_for(work, n_new)
-    D = blocks[0].layer.ffn_gate_exps.ne[0]
+    D = x.shape[1] if x is not None else prev[0].x.shape[1]
+    n_prev = 0 if prev is None else len(prev[0].ids)
+    has_shared = prev is not None and prev[0].shared is not None
     norm = step.norm_topk
 
     def build() -> Graph:
-        g = Graph(lib, n_tensors=160 * len(blocks) + 32, nodes=128 * len(blocks) + 32)
+        g = Graph(lib, n_tensors=160 * len(blocks) + 64, nodes=128 * len(blocks) + 64)
         try:
             ctx = g.ctx
-            xt = g.input(T.F32, (D, R))
-            pt = g.input(T.I32, (R,))
-            mt = g.input(T.F32, (step.n_kv, max(R, 2)))
-            kt = g.input(T.I32, (len(keep),)) if keep is not None else None
+            if prev is None:
+                xt = g.input(T.F32, (D, R))
+            else:  # the previous layer's combine, its experts' outputs given
+                x2, sh = g.input(T.F32, (D, n_prev)), g.input(T.F32, (D, n_prev)) if has_shared else None
+                wt, ex = g.input(T.F32, (1, K, n_prev)), g.input(T.F32, (D, K, n_prev))
+                xt = _combine(g, lib, x2, sh, ex, wt)
+                if n_prev < R and blocks:
+                    xt = g.scratch(lib.ggml_repeat_4d(ctx, xt, D, R, 1, 1))  # one row as two again
+            if blocks:
+                pt = g.input(T.I32, (R,))
+                mt = g.input(T.F32, (step.n_kv, max(R, 2)))
+                kt = g.input(T.I32, (len(keep),)) if keep is not None else None
             for i, b in enumerate(blocks):
                 last = i == len(blocks) - 1
                 rows, n = dense_rows[i], expert_rows[i]
@@ -519,42 +553,58 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray, n_past: i
                                                        step, rps)
                 ids, weights = _route(g, lib, probs, K, norm)
                 if n < rows:  # a one-row step run as two: the experts see its first row only
+                    x2, h = _first(g, lib, x2, n), _first(g, lib, h, n)
+                    shared = None if shared is None else _first(g, lib, shared, n)
                     ids = g.view(lib.ggml_view_2d(ctx, ids, K, n, ids.contents.nb[1], 0))
                     weights = g.view(lib.ggml_view_3d(ctx, weights, 1, K, n, weights.contents.nb[1],
                                                       weights.contents.nb[2], 0))
-                xt = _moe_part(g, lib, x2, h, shared, b.layer, ids, weights, n, step.glu)
+                if i == local:  # stop at the experts: what the remote call and the next graph need
+                    for t in (x2, h) + ((shared,) if shared is not None else ()) + (ids, weights):
+                        g.output(lib.ggml_cont(ctx, t))
+                    break
+                xt = _combine(g, lib, x2, shared, _experts(g, lib, h, b.layer, ids, step.glu), weights)
                 g.output(lib.ggml_cont(ctx, ids))  # the experts chosen, for the statistics
                 if n < R and not (last and head is not None):
                     xt = g.scratch(lib.ggml_repeat_4d(ctx, xt, D, R, 1, 1))  # one row as two again
-            if head is None:
-                g.output(lib.ggml_cont(ctx, xt))
-            else:
+            if head is not None:
                 ot = g.input(T.I32, (len(head[2]),))
                 nt = g.input(T.F32, (D,))
                 wt = weight_input(g, head[1], rp_head)
                 out = g.scratch(lib.ggml_get_rows(ctx, xt, ot))  # the rows whose logits are wanted
                 out = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, out, float(head[3]))), nt))
                 g.output(lib.ggml_mul_mat(ctx, wt, out))
+            elif not remote:
+                g.output(lib.ggml_cont(ctx, xt))
             return g.finish(threads)
         except BaseException:
             g.free()
             raise
 
-    arrays: list = [x, np.ascontiguousarray(positions, dtype=np.int32), mask]
-    if keep is not None:
-        arrays.append(keep)
-    result = StepOut(ids=[np.empty((n, K), np.int32) for n in expert_rows])
-    for b, ids in zip(blocks, result.ids):
+    arrays: list = [x] if prev is None else [prev[0].x, *((prev[0].shared,) if has_shared else ()),
+                                             np.ascontiguousarray(prev[0].weights), np.ascontiguousarray(prev[1])]
+    if blocks:
+        arrays += [np.ascontiguousarray(positions, dtype=np.int32), mask] + ([keep] if keep is not None else [])
+    result = StepOut(ids=[np.empty((n, K), np.int32) for n in expert_rows[:local]])
+    for i, b in enumerate(blocks):
         arrays += _attention_arrays(b.layer, b.cache[0], b.cache[1], n_past, rps)
-        arrays += [b.layer.ffn_gate_exps.ptr, b.layer.ffn_up_exps.ptr, b.layer.ffn_down_exps.ptr, ids]
-    if head is None:
-        result.x = np.empty((R, D), np.float32)
-        arrays.append(result.x)
-    else:
+        if i == local:
+            n = expert_rows[i]
+            shared = np.empty((n, D), np.float32) if b.layer.ffn_gate_shexp is not None else None
+            result.routed = Routed(np.empty((n, D), np.float32), np.empty((n, D), np.float32), shared,
+                                   np.empty((n, K), np.int32), np.empty((n, K), np.float32))
+            r = result.routed
+            arrays += [r.x, r.h] + ([shared] if shared is not None else []) + [r.ids, r.weights]
+            break
+        arrays += [b.layer.ffn_gate_exps.ptr, b.layer.ffn_up_exps.ptr, b.layer.ffn_down_exps.ptr, result.ids[i]]
+    if head is not None:
         out_idx = np.ascontiguousarray(head[2], dtype=np.int32)
         result.logits = np.empty((len(out_idx), head[1].ne[1]), np.float32)
         arrays += [out_idx, head[0], weight_data(head[1], rp_head), result.logits]
-    key = ("step", step, threads, None if keep is None else len(keep),
+    elif not remote:
+        result.x = np.empty((R, D), np.float32)
+        arrays.append(result.x)
+    key = ("step", step, threads, None if keep is None else (len(keep), n_kept), remote,
+           None if prev is None else (n_prev, has_shared),
            tuple((_layer_key(b.layer), b.shape, tuple(rps[id(w)] is not None for w in _dense_weights(b.layer)))
                  for b in blocks),
            None if head is None else (len(head[2]), _key(head[1]), float(head[3]), rp_head is not None))

@@ -60,3 +60,25 @@ def test_layers_per_graph_keeps_a_long_chunk_small_and_a_decode_step_whole(model
     assert per_graph(2, 256) >= 48  # a decode step of a deep model: one graph
     assert per_graph(512, 4096) < per_graph(8, 4096)
     assert per_graph(4096, 4096) == 1
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3moe", "q4_k"), ("qwen2moe", "q8_0")])
+def test_remote_experts_step_is_one_graph_per_layer_with_the_bits_of_the_local_one(models, arch, qtype,
+                                                                                  monkeypatch):
+    """With the experts elsewhere, a one-sequence step runs one graph per layer (the previous
+    layer's combine, its experts' outputs an input, then this layer up to its router) and one
+    for the last combine and the head: the same ops as the all-local graph, the same bits."""
+    from tests.backbone.test_pruning import Remote
+
+    local = Engine(models(arch, qtype))
+    sharded = Engine(models(arch, qtype))
+    remote = Remote(sharded)
+    sharded.use_experts(remote)
+    calls = []
+    real = fused.step_graph
+    monkeypatch.setattr(fused, "step_graph", lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw))
+    got = _run(sharded)
+    assert calls == [1] * sharded.cfg.n_layer + [0] + ([1] * sharded.cfg.n_layer + [0]) * 3
+    want = _run(local)
+    assert all(np.array_equal(a, b) for a, b in zip(got[0], want[0]))
+    assert remote.rows == want[2]  # every row each layer's local experts saw, asked of the remote
