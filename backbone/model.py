@@ -23,9 +23,12 @@ How it runs on ggml (the same ops, so the same bits, whichever way):
 - one sequence, every expert local: one graph from the embedding to the logits, the router's
   top-k included (a long chunk: a few layers per graph; ``_step_graphs``,
   ``kernels.fused.step_graph``);
-- a batch, or remote experts: two graphs per attention layer around the per-sequence
-  attention (``_attention_fused``; the second ends with the router's top-k, the same ops),
-  the experts as one ``mul_mat_id`` graph or remote calls;
+- one sequence, remote experts: the same ops split at the experts, one graph per layer from
+  the previous layer's combine (the remote outputs an input) to this layer's router
+  (``_step_graphs_remote``);
+- a batch: two graphs per attention layer around the per-sequence attention
+  (``_attention_fused``; the second ends with the router's top-k, the same ops), the experts
+  as one ``mul_mat_id`` graph or remote calls;
 - delta-net and gated-query attention layers (qwen35moe, qwen3next): one call per op, below.
 
 ``forward`` below is the order of operations of every architecture, op by op; the graph

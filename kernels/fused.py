@@ -10,11 +10,15 @@ between two points where the engine must act anyway is one graph:
                     q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm  # per head (qwen3moe)
                     q, k = rope(q), rope(k)
     -- the engine stores k, v in each sequence's KV cache and runs its attention --
-    attention_out:  x = x + Wo attn (+bo)
+    attention_out:  x = x + Wo attn (+bo)        (only the rows ``keep``: the last layer's)
                     h = rms_norm(x) * ffn_norm
                     router = Wr h (+br), softmax'ed unless the router takes top-k of logits
+                    ids, weights = top-k of the router (``_route``, llama.cpp's build_moe_ffn)
                     shared = down(silu(gate h) * up h) * shexp_gate(h)  # where the model has one
-    -- the engine routes, runs the experts (one graph, ``kernels.ggml.moe_ffn``), combines --
+    -- the engine runs the experts (one graph, ``kernels.ggml.moe_ffn``, or remote), combines --
+
+A one-sequence step needs no Python between its layers at all: ``step_graph`` below runs it
+as one graph (or a few), and split at the experts when they are remote.
 
 Every op is the one the single-op kernels of ``kernels/dense.py`` and ``kernels/ggml.py`` use,
 with the same shapes, so the results are those bits (the tests compare the two paths): rows
@@ -223,8 +227,9 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
            tuple(_key(w) for w in shexp) if shexp is not None else None, rp_o is not None,
            tuple(rp is not None for rp in rp_s))
     arrays = [attn, x, *((keep,) if keep is not None else ()), weight_data(wo, rp_o), *((bo,) if has[0] else ()),
-              _vec(ffn_norm), router.data, *((router_bias,) if has[1] else ()), *(weight_data(w, rp) for w, rp in zip(shexp or (), rp_s)),
-              *((shexp_gate,) if has[3] else ()), x_out, h_out, ids_out, w_out, *((s_out,) if has[2] else ())]
+              _vec(ffn_norm), router.data, *((router_bias,) if has[1] else ()),
+              *(weight_data(w, rp) for w, rp in zip(shexp or (), rp_s)), *((shexp_gate,) if has[3] else ()),
+              x_out, h_out, ids_out, w_out, *((s_out,) if has[2] else ())]
     run_cached(key, build, arrays)
     return FfnIn(x_out, h_out, ids_out, w_out, s_out)
 
