@@ -530,9 +530,21 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     if head is not None:
         work += len(head[2]) * head[1].ne[0] * head[1].ne[1]
     threads = threads_for(work, n_new)
-    D = x.shape[1] if x is not None else prev[0].x.shape[1]
+    D = blocks[0].layer.ffn_gate_exps.ne[0] if blocks else prev[0].x.shape[1]
     n_prev = 0 if prev is None else len(prev[0].ids)
     has_shared = prev is not None and prev[0].shared is not None
+    # ggml reads exactly these sizes from the pointers it is given: check them here
+    want = {"x": (x, (R, D), np.float32), "positions": (positions, (R,), np.int32),
+            "mask": (mask, (max(R, 2), step.n_kv), np.float32)} if blocks else {}
+    if prev is not None:
+        r = prev[0]
+        want.update({"prev.x": (r.x, (n_prev, D), np.float32), "prev.shared": (r.shared, (n_prev, D), np.float32),
+                     "prev.weights": (r.weights, (n_prev, K), np.float32),
+                     "expert outputs": (prev[1], (n_prev, K, D), np.float32)})
+        want.pop("x", None)
+    for name, (a, shape, dtype) in want.items():
+        if a is not None and (a.shape != shape or a.dtype != dtype):
+            raise ValueError(f"step_graph: {name} is {a.dtype}{a.shape}, expected {np.dtype(dtype)}{shape}")
     norm = step.norm_topk
 
     def build() -> Graph:

@@ -82,3 +82,29 @@ def test_remote_experts_step_is_one_graph_per_layer_with_the_bits_of_the_local_o
     want = _run(local)
     assert all(np.array_equal(a, b) for a, b in zip(got[0], want[0]))
     assert remote.rows == want[2]  # every row each layer's local experts saw, asked of the remote
+
+
+def test_step_graph_refuses_arrays_of_the_wrong_size(models, monkeypatch):
+    """ggml reads as many bytes as the graph's shapes say: a remote layer's outputs of another
+    shape are a ValueError, never a read past the array."""
+    from tests.backbone.test_pruning import Remote
+
+    engine = Engine(models("qwen3moe", "f32"))
+    engine.use_experts(Remote(engine))
+    seen = []
+    real = fused.step_graph
+
+    def spy(*a, **kw):
+        out = real(*a, **kw)
+        seen.append((a, kw, out))
+        return out
+
+    monkeypatch.setattr(fused, "step_graph", spy)
+    engine.forward([(engine.new_sequence(), np.arange(3))])
+    (step, blocks), kw, out = seen[0]
+    r = out.routed
+    with pytest.raises(ValueError, match="expert outputs"):
+        real(step, [], prev=(r, np.zeros((len(r.ids), r.ids.shape[1], 3), np.float32)),
+                         head=seen[-1][1]["head"])
+    with pytest.raises(ValueError, match="x is"):
+        real(step, blocks, **{**kw, "x": kw["x"][:1]})
