@@ -487,7 +487,7 @@ class Engine:
             out = fused.step_graph(step, part, x=x, **at, head=head if last else None,
                                    keep=self._dense_rows(keep) if last else None, n_kept=n_out)
             for il, chosen in enumerate(out.ids, first):  # the local experts' statistics
-                self.local_experts.calls[il] += len(np.unique(chosen))
+                self.local_experts.calls[il] += len(set(chosen.ravel().tolist()))  # (np.unique: 10x slower)
                 self.local_experts.rows[il] += chosen.size
             x = out.x
         seq.n_past = end
