@@ -323,7 +323,7 @@ class Engine:
         # no delta-net layers, no attention sinks or windows, no expert biases, the
         # softmax-then-top-k router, rows sent to the experts unrounded.
         t = cfg.traits
-        self.segments = self.fused and not t.delta_net and not t.attn_sinks and t.router != "softmax_weight" \
+        self.step_graphs = self.fused and not t.delta_net and not t.attn_sinks and t.router != "softmax_weight" \
             and weights.layers[0].ffn_gate_exps_bias is None and self.wire_dtype == np.float32
 
     def _attention_shape(self, il: int) -> fused.AttentionShape:
@@ -446,7 +446,7 @@ class Engine:
         """Whether this step can run as one graph (``_step_graphs``; one per layer with remote
         experts): one sequence, rows sent to the experts unrounded, standard attention and
         routing, a chunk that needs no splitting of its attention."""
-        if not self.segments or len(batch) != 1:
+        if not self.step_graphs or len(batch) != 1:
             return False
         seq, ids = batch[0]
         end = seq.n_past + len(ids)

@@ -38,7 +38,7 @@ class Remote:
         return self.local.run_layer(layer, calls)
 
 
-def _steps(engine: Engine, all_logits: bool, mode: str = "segments") -> list[np.ndarray]:
+def _steps(engine: Engine, all_logits: bool) -> list[np.ndarray]:
     """A prompt, a chunk and a decode step of one sequence, then a batch of a prefill and a
     decode: every shape the scheduler and generate() send."""
     rng = np.random.default_rng(5)
@@ -63,7 +63,7 @@ def test_pruned_logits_are_the_last_rows_of_all_logits_in_deterministic_mode(mod
     for f, p in zip(full, pruned):
         assert np.array_equal(p, f[-1:])
     if engine.fused:  # the op-by-op path prunes the same rows
-        engine.fused = engine.segments = False
+        engine.fused = engine.step_graphs = False
         assert all(np.array_equal(a, b) for a, b in zip(_steps(engine, False), pruned))
 
 

@@ -29,7 +29,7 @@ def _run(engine: Engine) -> tuple[list[np.ndarray], dict, dict]:
 @pytest.mark.parametrize("arch,qtype", [("qwen3moe", "q4_k"), ("qwen2moe", "q8_0"), ("mixtral", "f16")])
 def test_one_graph_per_step_gives_the_bits_of_every_other_path(models, arch, qtype, monkeypatch):
     engine = Engine(models(arch, qtype))
-    assert engine.segments
+    assert engine.step_graphs
     calls = []
     real = fused.step_graph
     monkeypatch.setattr(fused, "step_graph", lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw))
@@ -39,7 +39,7 @@ def test_one_graph_per_step_gives_the_bits_of_every_other_path(models, arch, qty
     monkeypatch.setattr(model, "STEP_GRAPH_BYTES", 1)  # one layer per graph
     per_layer = _run(engine)
     assert calls == [1] * (4 * engine.cfg.n_layer)
-    engine.segments = False  # two graphs per layer, the top-k from attention_out's graph
+    engine.step_graphs = False  # two graphs per layer, the top-k from attention_out's graph
     two = _run(engine)
     engine.fused = False  # one call per op, numpy's top-k (kernels.ops.route)
     op_by_op = _run(engine)
