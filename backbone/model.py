@@ -5,6 +5,8 @@
         x = x + attn(rms_norm(x) * attn_norm)          # RoPE, GQA, per-sequence KV cache
                                                         # (qwen35moe: Q-gated attention, or a gated
                                                         #  delta-net with per-sequence conv + state)
+        (last layer, only each sequence's last logits wanted: keep only those rows of x and
+         of attn's output, as llama.cpp's inp_out_ids does; the FFN and head see those alone)
         h = rms_norm(x) * ffn_norm                      # (qwen35moe: post_attention_norm)
         ids, w = route(h @ ffn_gate_inp, k)             # the router runs once, here
         x = x + combine(experts(h rows by expert), w) + shared_expert(h)
@@ -18,10 +20,15 @@ once per layer with every row that chose it. Who computes an expert is the busin
 
 How it runs on ggml (the same ops, so the same bits, whichever way):
 
-- one sequence, every expert local: one graph per layer, from one router to the next
-  (``_step_segments``, ``kernels.fused.segment``); only the router's top-k is numpy;
-- a batch, or remote experts: two graphs per attention layer around the per-sequence
-  attention (``_attention_fused``), the experts as one ``mul_mat_id`` graph or remote calls;
+- one sequence, every expert local: one graph from the embedding to the logits, the router's
+  top-k included (a long chunk: a few layers per graph; ``_step_graphs``,
+  ``kernels.fused.step_graph``);
+- one sequence, remote experts: the same ops split at the experts, one graph per layer from
+  the previous layer's combine (the remote outputs an input) to this layer's router
+  (``_step_graphs_remote``);
+- a batch: two graphs per attention layer around the per-sequence attention
+  (``_attention_fused``; the second ends with the router's top-k, the same ops), the experts
+  as one ``mul_mat_id`` graph or remote calls;
 - delta-net and gated-query attention layers (qwen35moe, qwen3next): one call per op, below.
 
 ``forward`` below is the order of operations of every architecture, op by op; the graph
@@ -32,7 +39,7 @@ that the three paths give identical logits).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -47,6 +54,9 @@ from kernels.ggml import deterministic as ggml_deterministic, get_rows as ggml_g
 from kernels.tensors import QTensor, open_gguf, tensors_from_reader
 
 WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
+# A one-sequence step's graph holds as many layers as keep its intermediates under this many
+# bytes (a decode step: all of them), so that the graph cache keeps it for the next step.
+STEP_GRAPH_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -299,16 +309,21 @@ class Engine:
         # Attention (RoPE, QK, softmax, PV) through ggml, bit-identical to llama.cpp, when the
         # kernels are ggml's; the numpy version of the same math otherwise.
         self.ggml_attention = backend_name() == "ggml" and dense.available()
+        if (cfg.traits.delta_net or cfg.traits.rope_style == "imrope" or cfg.traits.attn_sinks) \
+                and not self.ggml_attention:
+            raise UsageError(f"architecture {cfg.arch} runs on ggml's kernels only (its delta-net, "
+                             "multi-section RoPE and attention sinks have no numpy path in the engine); "
+                             "unset KVASIR_KERNEL")
         # Attention layers as two graphs each (kernels/fused.py) where ggml computes them; the
         # gated-query (IMROPE) attention of qwen35moe/qwen3next keeps the op-by-op path.
         self.fused = self.ggml_attention and not cfg.traits.attn_q_gate and cfg.traits.rope_style != "imrope"
         self.one_row_as_two = self.fused and ggml_deterministic()
         self._shapes: tuple[ModelConfig, list[fused.AttentionShape]] | None = None
-        # One graph per layer for one-sequence steps where nothing needs Python between the
-        # routers: no delta-net layers, no attention sinks or windows, no expert biases, the
+        # One graph per step for one sequence where nothing needs Python between the layers:
+        # no delta-net layers, no attention sinks or windows, no expert biases, the
         # softmax-then-top-k router, rows sent to the experts unrounded.
         t = cfg.traits
-        self.segments = self.fused and not t.delta_net and not t.attn_sinks and t.router != "softmax_weight" \
+        self.step_graphs = self.fused and not t.delta_net and not t.attn_sinks and t.router != "softmax_weight" \
             and weights.layers[0].ffn_gate_exps_bias is None and self.wire_dtype == np.float32
 
     def _attention_shape(self, il: int) -> fused.AttentionShape:
@@ -318,11 +333,6 @@ class Engine:
             self._shapes = (c, [fused.AttentionShape(c.n_head, c.n_head_kv, c.head_dim, c.rms_eps, dense.rope_params(
                 c.n_rot, c.traits.rope_style, c.layer_rope_base(i), **c.rope.ggml_args())) for i in range(c.n_layer)])
         return self._shapes[1][il]
-        if (cfg.traits.delta_net or cfg.traits.rope_style == "imrope" or cfg.traits.attn_sinks) \
-                and not self.ggml_attention:
-            raise UsageError(f"architecture {cfg.arch} runs on ggml's kernels only (its delta-net, "
-                             "multi-section RoPE and attention sinks have no numpy path in the engine); "
-                             "unset KVASIR_KERNEL")
 
     def use_experts(self, experts: ExpertBackend | None) -> None:
         """From the next step on, ``experts`` computes the routed experts (None: this node)."""
@@ -356,31 +366,36 @@ class Engine:
                 raise UsageError(f"sequence needs {seq.n_past + L} positions; the context is {seq.n_ctx}")
             if np.any((ids < 0) | (ids >= c.n_vocab)):
                 raise UsageError(f"token id out of range 0..{c.n_vocab - 1}")
-        if self._one_graph_per_layer(batch):
-            return self._step_segments(batch[0][0], np.asarray(batch[0][1], dtype=np.int64), all_logits)
+        # Where only each sequence's last logits are wanted, the last layer's FFN and the head run
+        # on those rows alone: after the layer's attention (or delta-net) output projection, the
+        # other rows are dropped, as llama.cpp's ``inp_out_ids`` does.
+        starts = np.cumsum([0] + lengths)
+        keep = None if all_logits or len(batch) == starts[-1] else starts[1:] - 1
+        if self._one_graph_per_step(batch):
+            return self._step_graphs(batch[0][0], np.asarray(batch[0][1], dtype=np.int64), keep)
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
         positions = np.concatenate([seq.n_past + np.arange(L) for (seq, _), L in zip(batch, lengths)])
-        starts = np.cumsum([0] + lengths)
         rope = positions if self.ggml_attention else ops.rope_cache(positions, c.n_rot, c.rope_base)
 
         x = ggml_get_rows(w.token_embd, ids) if self.ggml_attention else embed(w.token_embd, ids)  # (T, D)
         for il, blk in enumerate(w.layers):
+            rows = keep if il == c.n_layer - 1 else None  # the rows that go on after the mixer
             if self.fused and blk.attn_q is not None:  # the same math in two ggml graphs
-                f = self._attention_fused(il, blk, x, positions, batch, starts)
-                x = f.x + self._moe(il, blk, f.h, router=f.router, shared=f.shared)
+                f = self._attention_fused(il, blk, x, positions, batch, starts, keep=rows)
+                x = f.x + self._moe(il, blk, f.h, routed=(f.ids, f.weights), shared=f.shared)
                 continue
             h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
             if blk.ssm_out is not None:
-                x = x + self._delta_net(il, blk, h, batch, starts)
+                mixed = self._delta_net(il, blk, h, batch, starts)
             else:
-                x = x + self._attention(il, blk, h, rope, batch, starts)
+                mixed = self._attention(il, blk, h, rope, batch, starts)
+            x = x + mixed if rows is None else x[rows] + mixed[rows]
             h = ops.rms_norm(x, blk.ffn_norm, c.rms_eps)
             x = x + self._moe(il, blk, h)
         for seq, L in zip((s for s, _ in batch), lengths):
             seq.n_past += L
 
-        if not all_logits:
-            x = x[starts[1:] - 1]
+        if not all_logits:  # x holds each sequence's last row only
             starts = np.arange(len(batch) + 1)
         out = ops.rms_norm(x, w.output_norm, c.rms_eps)
         logits = matmul(w.output, out)  # (T, V)
@@ -427,20 +442,22 @@ class Engine:
         out = matmul(blk.attn_output, out)
         return out if blk.attn_output_bias is None else out + blk.attn_output_bias
 
-    def _one_graph_per_layer(self, batch) -> bool:
-        """Whether this step can run as one graph per layer (``_step_segments``): one sequence,
-        every expert local and unrounded, standard attention and routing, a chunk that needs no
-        splitting of its attention."""
-        if not self.segments or len(batch) != 1 or self.experts is not self.local_experts:
+    def _one_graph_per_step(self, batch) -> bool:
+        """Whether this step can run as one graph (``_step_graphs``; one per layer with remote
+        experts): one sequence, rows sent to the experts unrounded, standard attention and
+        routing, a chunk that needs no splitting of its attention."""
+        if not self.step_graphs or len(batch) != 1:
             return False
         seq, ids = batch[0]
         end = seq.n_past + len(ids)
         n_kv = dense.n_kv_for(end, dense.cache_cells_for(end, seq.n_ctx))
         return len(ids) <= max(2, dense.MAX_KQ_BYTES // (8 * n_kv * self.cfg.n_head))
 
-    def _step_segments(self, seq: Sequence, ids: np.ndarray, all_logits: bool) -> list[np.ndarray]:
-        """One sequence's step as ``n_layer + 1`` ggml graphs, one from each router to the next
-        (``kernels.fused.segment``): the forward pass above, with the same ops and bits."""
+    def _step_graphs(self, seq: Sequence, ids: np.ndarray, keep: np.ndarray | None) -> list[np.ndarray]:
+        """One sequence's step as one ggml graph from the embedding to the logits, routing
+        included (``kernels.fused.step_graph``), or a few layers per graph for a long chunk: the
+        forward pass above, with the same ops and bits. ``keep``: the one row whose logits are
+        wanted, or None for every row."""
         c, w = self.cfg, self.weights
         T = len(ids)
         R = 2 if T == 1 and self.one_row_as_two else T
@@ -449,36 +466,65 @@ class Engine:
         kv_size = caches[0][0].shape[0]
         n_kv = dense.n_kv_for(end, kv_size)
         step = fused.StepShape(R, T, kv_size, n_kv, float(dense.kq_scale(c.head_dim)), c.n_expert_used,
-                               w.expert_glu, c.traits.shexp_gate)
-        mask = dense.causal_mask(seq.n_past, T, n_kv, max(R, 2))
-        positions = np.repeat(seq.n_past + np.arange(T), R // T).astype(np.int32)
+                               w.expert_glu, c.traits.shexp_gate, c.traits.norm_topk)
+        blocks = [fused.Block(w.layers[il], self._attention_shape(il), caches[il]) for il in range(c.n_layer)]
+        per_graph = fused.layers_per_graph(step, w.layers[0], blocks[0].shape, STEP_GRAPH_BYTES)
+        at = dict(n_past=seq.n_past, positions=np.repeat(seq.n_past + np.arange(T), R // T).astype(np.int32),
+                  mask=dense.causal_mask(seq.n_past, T, n_kv, max(R, 2)))
         x = ggml_get_rows(w.token_embd, np.repeat(ids, R // T))  # (R, D)
-        at = dict(n_past=seq.n_past, positions=positions, mask=mask)
-        seg = fused.segment(step, x=x, layer=w.layers[0], shape=self._attention_shape(0), cache=caches[0], **at)
-        for il in range(1, c.n_layer + 1):
-            blk = w.layers[il - 1]
-            # the router's top-k, as _moe computes it (the graph applied the softmax)
-            top, weights = ops.route(seg.probs[:T], c.n_expert_used, c.traits.norm_topk, _already_softmaxed)
-            self.local_experts.calls[il - 1] += len(np.unique(top))
-            self.local_experts.rows[il - 1] += top.size
-            if il < c.n_layer:
-                seg = fused.segment(step, prev=seg, prev_layer=blk, ids=top, weights=weights, layer=w.layers[il],
-                                    shape=self._attention_shape(il), cache=caches[il], **at)
-            else:
-                rows = np.arange(T) if all_logits else np.array([T - 1])
-                if len(rows) == 1 and self.one_row_as_two:  # the head's one row as two, as matmul does
-                    rows = np.repeat(rows, 2)
-                seg = fused.segment(step, prev=seg, prev_layer=blk, ids=top, weights=weights,
-                                    head=(w.output_norm, w.output, rows, c.rms_eps))
+        n_out = T if keep is None else len(keep)  # the rows whose logits are wanted
+        head_rows = np.arange(n_out) if keep is None else np.zeros(n_out, dtype=np.int32)
+        if n_out == 1 and self.one_row_as_two:  # the head's one row as two, as matmul does
+            head_rows = np.repeat(head_rows, 2)
+        head = (w.output_norm, w.output, head_rows, c.rms_eps)
+        if self.experts is not self.local_experts:  # one graph per layer, the experts remote
+            logits = self._step_graphs_remote(step, blocks, x, at, keep, head)
+            seq.n_past = end
+            return [logits[:n_out]]
+        for first in range(0, c.n_layer, per_graph):
+            part = blocks[first:first + per_graph]
+            last = first + len(part) == c.n_layer
+            out = fused.step_graph(step, part, x=x, **at, head=head if last else None,
+                                   keep=self._dense_rows(keep) if last else None, n_kept=n_out)
+            for il, chosen in enumerate(out.ids, first):  # the local experts' statistics
+                self.local_experts.calls[il] += len(set(chosen.ravel().tolist()))  # (np.unique: 10x slower)
+                self.local_experts.rows[il] += chosen.size
+            x = out.x
         seq.n_past = end
-        return [seg.logits[:T] if all_logits else seg.logits[:1]]
+        return [out.logits[:n_out]]
+
+    def _step_graphs_remote(self, step: fused.StepShape, blocks: list, x: np.ndarray, at: dict,
+                            keep: np.ndarray | None, head: tuple) -> np.ndarray:
+        """``_step_graphs`` with the routed experts computed by ``self.experts``: one graph per
+        layer, from the previous layer's combine (its experts' outputs an input) to this
+        layer's router; then the last combine and the head. The same ops as the one graph of
+        an all-local step, so the same bits whoever computed the experts."""
+        n_layer, n_kept = len(blocks), 0 if keep is None else len(keep)
+        prev = None
+        for il, blk in enumerate(blocks):
+            last = il == n_layer - 1
+            out = fused.step_graph(step, [blk], x=x if prev is None else None, prev=prev, **at, remote=True,
+                                   keep=self._dense_rows(keep) if last else None, n_kept=n_kept)
+            r = out.routed
+            prev = (r, self._expert_outputs(il, r.h, r.ids))
+            if last and keep is not None:  # the kept rows only, from here on
+                step = replace(step, rows=len(self._dense_rows(keep)), n_new=len(keep))
+        return fused.step_graph(step, [], prev=prev, head=head).logits
+
+    def _dense_rows(self, keep: np.ndarray | None) -> np.ndarray | None:
+        """The rows the dense ops of the last layer keep: ``keep``, one row as two in
+        deterministic mode (as every dense product runs it there)."""
+        if keep is None or len(keep) > 1 or not self.one_row_as_two:
+            return keep
+        return np.repeat(keep, 2)
 
     def _attention_fused(self, il: int, blk: Layer, x: np.ndarray, positions: np.ndarray, batch,
-                         starts) -> fused.FfnIn:
+                         starts, keep: np.ndarray | None = None) -> fused.FfnIn:
         """An attention layer up to the routed experts, as ``_attention`` then the FFN norm,
         router and shared expert of ``_moe`` compute it, in two ggml graphs around the KV cache
-        (``kernels/fused.py``). Deterministic mode runs a one-row step as two rows, as every
-        dense product does there (``kernels.ggml.matmul``)."""
+        (``kernels/fused.py``); after the output projection only the rows ``keep`` go on.
+        Deterministic mode runs a one-row step as two rows, as every dense product does there
+        (``kernels.ggml.matmul``)."""
         c = self.cfg
         T = x.shape[0]
         pad = T == 1 and self.one_row_as_two
@@ -495,13 +541,15 @@ class Engine:
             out[a:b] = dense.attention(q[a:b], seq.k[il], seq.v[il], seq.n_past, **extra)
         if pad:
             out[1] = out[0]
+        rows = self._dense_rows(keep)
         shexp = (blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp) if blk.ffn_gate_shexp is not None else None
         f = fused.attention_out(out, xs, eps=c.rms_eps, wo=blk.attn_output, bo=blk.attn_output_bias,
                                 ffn_norm=blk.ffn_norm, router=blk.ffn_gate_inp, router_bias=blk.ffn_gate_inp_bias,
-                                router_softmax=c.traits.router != "softmax_weight", shexp=shexp,
-                                shexp_gate=blk.ffn_gate_inp_shexp, shexp_gate_kind=c.traits.shexp_gate)
-        if pad:
-            f = fused.FfnIn(f.x[:1], f.h[:1], f.router[:1], None if f.shared is None else f.shared[:1])
+                                router_softmax=c.traits.router != "softmax_weight", n_expert_used=c.n_expert_used,
+                                norm_topk=c.traits.norm_topk, shexp=shexp,
+                                shexp_gate=blk.ffn_gate_inp_shexp, shexp_gate_kind=c.traits.shexp_gate, keep=rows)
+        if pad or (rows is not None and len(rows) > len(keep)):  # the first of two equal rows
+            f = fused.FfnIn(f.x[:1], f.h[:1], f.ids[:1], f.weights[:1], None if f.shared is None else f.shared[:1])
         return f
 
     def _delta_net(self, il: int, blk: Layer, h: np.ndarray, batch, starts) -> np.ndarray:
@@ -522,37 +570,40 @@ class Engine:
                 blk.ssm_a, blk.ssm_norm, k_heads=c.ssm_k_heads, eps=c.rms_eps, interleave=c.traits.ssm_ba)
         return matmul(blk.ssm_out, out)
 
-    def _moe(self, il: int, blk: Layer, h: np.ndarray, *, router: np.ndarray | None = None,
+    def _moe(self, il: int, blk: Layer, h: np.ndarray, *, routed: tuple[np.ndarray, np.ndarray] | None = None,
              shared: np.ndarray | None = None) -> np.ndarray:
-        """The MoE FFN of rows ``h``. ``router``/``shared``: the router's output (probabilities,
-        or logits for a softmax_weight router) and the gated shared expert, when the fused
-        graph has computed them already."""
+        """The MoE FFN of rows ``h``. ``routed``/``shared``: the router's choice (ids, weights)
+        (T, K) and the gated shared expert, when the fused graph has computed them already."""
         c = self.cfg
-        softmax = dense.softmax if self.ggml_attention else ops.softmax
-        if router is None:
+        if routed is not None:
+            ids, weights = routed
+        else:
+            softmax = dense.softmax if self.ggml_attention else ops.softmax
             router = matmul(blk.ffn_gate_inp, h)  # (T, E)
             if blk.ffn_gate_inp_bias is not None:
                 router = router + blk.ffn_gate_inp_bias
-        elif c.traits.router != "softmax_weight":
-            softmax = _already_softmaxed
-        if c.traits.router == "softmax_weight":
-            ids, weights = ops.route_softmax_weight(router, c.n_expert_used, softmax)  # (T, K)
-        else:
-            ids, weights = ops.route(router, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
+            if c.traits.router == "softmax_weight":
+                ids, weights = ops.route_softmax_weight(router, c.n_expert_used, softmax)  # (T, K)
+            else:
+                ids, weights = ops.route(router, c.n_expert_used, c.traits.norm_topk, softmax)  # (T, K)
         # Whatever rounding the wire applies to the rows, the local path applies too.
         rows = h.astype(self.wire_dtype).astype(np.float32)
         if self.experts is self.local_experts and self.ggml_attention:  # llama.cpp's layout, one graph
             expert_out = self.local_experts.run_ids(il, rows, ids)  # (T, K, D)
             moe = ops.combine(expert_out, weights)
             return moe + shared if shared is not None else self._shared(blk, h, moe)
-        experts = np.unique(ids)
-        groups = [(int(e), np.nonzero(ids == e)) for e in experts]  # (row idx, slot idx) per expert
+        moe = ops.combine(self._expert_outputs(il, rows, ids), weights)
+        return moe + shared if shared is not None else self._shared(blk, h, moe)
+
+    def _expert_outputs(self, il: int, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Every chosen expert of layer ``il`` on its rows, through ``self.experts`` (each
+        expert asked once, with every row that chose it): rows (T, D), ids (T, K) -> (T, K, D)."""
+        groups = [(int(e), np.nonzero(ids == e)) for e in np.unique(ids)]  # (row idx, slot idx) per expert
         outs = self.experts.run_layer(il, [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups])
-        expert_out = np.empty((h.shape[0], c.n_expert_used, c.n_embd), dtype=np.float32)  # (T, K, D)
+        expert_out = np.empty((*ids.shape, rows.shape[1]), dtype=np.float32)  # (T, K, D)
         for (e, (r, slot)), out in zip(groups, outs):
             expert_out[r, slot] = out
-        moe = ops.combine(expert_out, weights)
-        return moe + shared if shared is not None else self._shared(blk, h, moe)
+        return expert_out
 
     def _shared(self, blk: Layer, h: np.ndarray, moe: np.ndarray) -> np.ndarray:
         """``moe`` plus the (gated) shared expert of rows ``h``, where the layer has one."""
@@ -567,11 +618,6 @@ class Engine:
                 shared = shared * gate
             moe = moe + shared
         return moe
-
-
-def _already_softmaxed(p: np.ndarray) -> np.ndarray:
-    """The router's softmax when the fused graph has applied it (``ops.route`` takes one)."""
-    return p
 
 
 def _f32_tensor(name: str, array: np.ndarray) -> QTensor:

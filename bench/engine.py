@@ -28,11 +28,10 @@ a child, one setting changed from its defaults; issue 10, measured on this 2-cor
   needs, the 2-layer 122b-layer model's prefill drops from 314-353 to 182-195 tok/s: half of
   its expert work is the last layer. This was most of the earlier "matched" gap (292 vs 166);
   the matched child now asks for the last position only, like ours and the users' run.
-  Our engine runs every layer on every row; a prototype of the same pruning in
-  ``backbone.model.Engine._step_segments`` (the last layer's experts and head on the last row,
-  deterministic logits unchanged bit for bit) took our 122b-layer prefill from 155-166 to
-  232-256 tok/s. It belongs in the forward pass, on the sharded path too (else fast-mode
-  sharded and monolithic logits part), so it is left to that code's owner.
+  Our engine prunes the same way (``backbone.model.Engine.forward``: after the last layer's
+  attention output projection only each sequence's last row goes on, on every path, the
+  sharded one included; deterministic logits unchanged bit for bit). A prototype of it took
+  our 122b-layer prefill from 155-166 to 232-256 tok/s.
 - ``GOMP_SPINCOUNT``: libgomp's default spin (300000) against the 10000 ``kvasir_bus.threads``
   set: equal on an idle machine, but with one other busy process on the 2 cores, ggml's
   per-node ``omp barrier`` sleeps and waits for the scheduler: users' llama.cpp F16 prefill

@@ -10,11 +10,15 @@ between two points where the engine must act anyway is one graph:
                     q, k = rms_norm(q) * q_norm, rms_norm(k) * k_norm  # per head (qwen3moe)
                     q, k = rope(q), rope(k)
     -- the engine stores k, v in each sequence's KV cache and runs its attention --
-    attention_out:  x = x + Wo attn (+bo)
+    attention_out:  x = x + Wo attn (+bo)        (only the rows ``keep``: the last layer's)
                     h = rms_norm(x) * ffn_norm
                     router = Wr h (+br), softmax'ed unless the router takes top-k of logits
+                    ids, weights = top-k of the router (``_route``, llama.cpp's build_moe_ffn)
                     shared = down(silu(gate h) * up h) * shexp_gate(h)  # where the model has one
-    -- the engine routes, runs the experts (one graph, ``kernels.ggml.moe_ffn``), combines --
+    -- the engine runs the experts (one graph, ``kernels.ggml.moe_ffn``, or remote), combines --
+
+A one-sequence step needs no Python between its layers at all: ``step_graph`` below runs it
+as one graph (or a few), and split at the experts when they are remote.
 
 Every op is the one the single-op kernels of ``kernels/dense.py`` and ``kernels/ggml.py`` use,
 with the same shapes, so the results are those bits (the tests compare the two paths): rows
@@ -127,25 +131,32 @@ def attention_in(x: np.ndarray, positions: np.ndarray, shape: AttentionShape, *,
 
 @dataclass(frozen=True)
 class FfnIn:
-    """What attention_out computes after the residual: the FFN input and the router's output."""
+    """What attention_out computes after the residual: the FFN input and the router's choice."""
 
     x: np.ndarray  # (T, D) the residual stream after attention
     h: np.ndarray  # (T, D) rms_norm(x) * ffn_norm
-    router: np.ndarray  # (T, E) probabilities, or logits when the router softmaxes after top-k
+    ids: np.ndarray  # (T, K) int32 the experts chosen, in top-k order
+    weights: np.ndarray  # (T, K) float32 their weights
     shared: np.ndarray | None  # (T, D) the gated shared expert, or None
 
 
 def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, bo=None,
                   ffn_norm: np.ndarray, router: QTensor, router_bias=None, router_softmax: bool = True,
+                  n_expert_used: int, norm_topk: bool,
                   shexp: tuple[QTensor, QTensor, QTensor] | None = None, shexp_gate=None,
-                  shexp_gate_kind: str = "silu_div") -> FfnIn:
-    """Output projection (+bias) and residual, the FFN norm, the router (+bias, softmax) and the
-    shared expert with its gate, as one graph. attn (T, H*Dh), x (T, D) float32."""
+                  shexp_gate_kind: str = "silu_div", keep: np.ndarray | None = None) -> FfnIn:
+    """Output projection (+bias) and residual, the FFN norm, the router (+bias, softmax) and
+    its top-k (``_route``; ``router_softmax`` false: top-k of the logits, then a softmax over
+    the k), the shared expert with its gate, as one graph. attn (T, H*Dh), x (T, D) float32. ``keep``
+    (n,): after the output projection, only these rows go on (llama.cpp's ``inp_out_ids`` on
+    the last layer), so every result has n rows."""
     attn = np.ascontiguousarray(attn, dtype=np.float32)
     x = np.ascontiguousarray(x, dtype=np.float32)
-    n, D = x.shape
-    E = router.ne[1]
-    if wo.ne != (attn.shape[1], D) or attn.shape[0] != n or router.ne[0] != D:
+    T_in, D = x.shape
+    keep = None if keep is None else np.ascontiguousarray(keep, dtype=np.int32)
+    n = T_in if keep is None else len(keep)
+    E, K = router.ne[1], int(n_expert_used)
+    if wo.ne != (attn.shape[1], D) or attn.shape[0] != T_in or router.ne[0] != D:
         raise ValueError(f"attention_out: attn {attn.shape}, x {x.shape}, Wo {wo.ne}, router {router.ne} do not fit")
     if shexp_gate_kind not in ("silu_div", "sigmoid"):
         raise ValueError(f"unknown shared-expert gate {shexp_gate_kind!r}")
@@ -153,7 +164,11 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
     has = (bo is not None, router_bias is not None, shexp is not None, shexp_gate is not None)
     F = shexp[0].ne[1] if shexp is not None else 0
     lib = ggml.load()
-    threads = threads_for(n * (wo.ne[0] * D + D * E + 3 * D * F), n)
+    if not 0 < K <= E:
+        raise ValueError(f"attention_out: {K} experts used of {E}")
+    if keep is not None and (keep.ndim != 1 or n == 0 or keep.min() < 0 or keep.max() >= T_in):
+        raise ValueError(f"attention_out: rows to keep {keep} are not rows of the {T_in} given")
+    threads = threads_for(T_in * wo.ne[0] * D + n * (D * E + 3 * D * F), T_in)
     rp_o = repacked(wo)
     rp_s = [repacked(w) for w in shexp] if shexp is not None else []
 
@@ -161,8 +176,9 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
         g = Graph(lib, n_tensors=48, nodes=NODES)
         try:
             ctx = g.ctx
-            at = g.input(T.F32, (wo.ne[0], n))
-            xt = g.input(T.F32, (D, n))
+            at = g.input(T.F32, (wo.ne[0], T_in))
+            xt = g.input(T.F32, (D, T_in))
+            kt = g.input(T.I32, (n,)) if keep is not None else None
             wot = weight_input(g, wo, rp_o)
             bot = g.input(T.F32, (D,)) if has[0] else None
             fnt = g.input(T.F32, (D,))
@@ -174,6 +190,8 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
             y = g.scratch(lib.ggml_mul_mat(ctx, wot, at))
             if bot is not None:
                 y = g.scratch(lib.ggml_add(ctx, y, bot))
+            if kt is not None:  # the rows whose logits are wanted, as llama.cpp prunes them
+                y, xt = (g.scratch(lib.ggml_get_rows(ctx, t, kt)) for t in (y, xt))
             x2 = g.output(lib.ggml_add(ctx, xt, y))
             h = g.output(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x2, float(eps))), fnt))
             r = lib.ggml_mul_mat(ctx, wrt, h)  # (E, T)
@@ -181,7 +199,9 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
                 r = lib.ggml_add(ctx, g.scratch(r), brt)
             if router_softmax:
                 r = lib.ggml_soft_max(ctx, g.scratch(r))
-            g.output(r)
+            ids, weights = _route(g, lib, g.scratch(r), K, norm_topk and router_softmax, not router_softmax)
+            g.output(lib.ggml_cont(ctx, ids))
+            g.output(lib.ggml_cont(ctx, weights))
             if sw is not None:  # kernels.ggml.expert_ffn(routed=False), then the gate
                 gate = g.scratch(lib.ggml_mul_mat(ctx, sw[0], h))
                 up = g.scratch(lib.ggml_mul_mat(ctx, sw[1], h))
@@ -199,43 +219,71 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
             g.free()
             raise
 
-    x_out, h_out = np.empty_like(x), np.empty_like(x)
-    r_out = np.empty((n, E), dtype=np.float32)
-    s_out = np.empty_like(x) if shexp is not None else None
-    key = ("attn_out", n, float(eps), threads, _key(wo), _key(router), router_softmax, has, shexp_gate_kind,
+    x_out, h_out = np.empty((n, D), np.float32), np.empty((n, D), np.float32)
+    ids_out, w_out = np.empty((n, K), np.int32), np.empty((n, K), np.float32)
+    s_out = np.empty((n, D), np.float32) if shexp is not None else None
+    key = ("attn_out", T_in, n if keep is not None else None, float(eps), threads, _key(wo), _key(router),
+           router_softmax, K, norm_topk, has, shexp_gate_kind,
            tuple(_key(w) for w in shexp) if shexp is not None else None, rp_o is not None,
            tuple(rp is not None for rp in rp_s))
-    arrays = [attn, x, weight_data(wo, rp_o), *((bo,) if has[0] else ()), _vec(ffn_norm), router.data,
-              *((router_bias,) if has[1] else ()), *(weight_data(w, rp) for w, rp in zip(shexp or (), rp_s)),
-              *((shexp_gate,) if has[3] else ()), x_out, h_out, r_out, *((s_out,) if has[2] else ())]
+    arrays = [attn, x, *((keep,) if keep is not None else ()), weight_data(wo, rp_o), *((bo,) if has[0] else ()),
+              _vec(ffn_norm), router.data, *((router_bias,) if has[1] else ()),
+              *(weight_data(w, rp) for w, rp in zip(shexp or (), rp_s)), *((shexp_gate,) if has[3] else ()),
+              x_out, h_out, ids_out, w_out, *((s_out,) if has[2] else ())]
     run_cached(key, build, arrays)
-    return FfnIn(x_out, h_out, r_out, s_out)
+    return FfnIn(x_out, h_out, ids_out, w_out, s_out)
 
 
-# --- one sequence's step as one graph per layer ------------------------------------------------
+# --- one sequence's step: every layer, routing included, in as few graphs as memory allows --
 #
-# When a step holds one sequence and every routed expert is local, a layer's only reason to
-# return to Python is the router's top-k (numpy, ``kernels.ops.route``: kept there so that the
-# expert choice stays the one the other paths make, bit for bit). So the step runs as
-# ``n_layer + 1`` graphs, each from one router to the next:
+# When a step holds one sequence and every routed expert is local, nothing needs Python between
+# the embedding and the logits: the router's top-k runs in the graph as llama.cpp's
+# build_moe_ffn builds it (``_route``). A decode step is one graph; a longer chunk runs a few
+# layers per graph, so that each graph's intermediates stay small enough to be kept and reused
+# (``kernels.ggml.GraphCache``); one graph serves every group of layers with the same shapes.
 #
-#     segment 0:       x = embedding rows;                     attention part of layer 0
-#     segment i:       moe part of layer i-1 (its top-k given); attention part of layer i
-#     segment n_layer: moe part of the last layer;             output norm and head
-#
-#     attention part:  h = rms_norm(x) * attn_norm; q, k, v (+biases, Q/K norms, RoPE)
-#                      K and V copied into the sequence's f16 cache at n_past
-#                      attention over the cache (kernels/dense.py's graph); x = x + Wo attn (+bo)
-#                      h = rms_norm(x) * ffn_norm; router probabilities; shared expert (gated)
-#     moe part:        experts via mul_mat_id on the chosen ids, times the router weights,
-#                      summed in top-k order; x = x + (moe + shared)
+#     x = embedding rows
+#     for each layer:
+#         attention part:  h = rms_norm(x) * attn_norm; q, k, v (+biases, Q/K norms, RoPE)
+#                          K and V copied into the sequence's f16 cache at n_past
+#                          attention over the cache (kernels/dense.py's graph); x = x + Wo attn (+bo)
+#                          (last layer: only the rows whose logits are wanted go on)
+#                          h = rms_norm(x) * ffn_norm; router probabilities; shared expert (gated)
+#         routing:         ids = top-k of the probabilities; weights = their probabilities,
+#                          divided by their sum where the model renormalises (``_route``)
+#         moe part:        experts via mul_mat_id on the ids, times the weights, summed in top-k
+#                          order; x = x + (moe + shared)
+#     logits = output(rms_norm(x) * output_norm), of the rows asked for
 #
 # Every op is the one the op-by-op path uses, so the bits are the same (the tests compare).
+
+SORT_DESC = 1  # GGML_SORT_ORDER_DESC
+F16_MIN_NORMAL = 6.103515625e-5  # llama.cpp clamps the top-k weight sum here (kernels.ops.route)
+
+
+def _route(g: Graph, lib, r, k: int, norm: bool, softmax_weight: bool = False):
+    """The router's top-k as llama.cpp's build_moe_ffn builds it, on ``r`` (E, R): the
+    probabilities after the softmax, or the logits for a softmax_weight router. Returns the
+    ids (K, R) I32, a view of the argsort (in descending order, llama.cpp's own sort, so ties
+    fall as in llama.cpp), and the weights (1, K, R): the chosen entries of ``r``, softmaxed
+    over the k for softmax_weight, divided by their sum clamped below where ``norm``."""
+    ctx = g.ctx
+    E, R = r.contents.ne[0], r.contents.ne[1]
+    order = g.scratch(lib.ggml_argsort(ctx, r, SORT_DESC))  # (E, R)
+    ids = g.view(lib.ggml_view_2d(ctx, order, k, R, order.contents.nb[1], 0))  # ggml_argsort_top_k
+    w = g.scratch(lib.ggml_get_rows(ctx, g.view(lib.ggml_reshape_3d(ctx, r, 1, E, R)), ids))  # (1, K, R)
+    if softmax_weight:
+        w = g.scratch(lib.ggml_soft_max(ctx, g.view(lib.ggml_reshape_2d(ctx, w, k, R))))
+    if norm:
+        w = g.view(lib.ggml_reshape_2d(ctx, w, k, R))
+        total = g.scratch(lib.ggml_clamp(ctx, g.scratch(lib.ggml_sum_rows(ctx, w)), F16_MIN_NORMAL, float("inf")))
+        w = g.scratch(lib.ggml_div(ctx, w, total))  # (K, R)
+    return ids, g.view(lib.ggml_reshape_3d(ctx, w, 1, k, R))
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """What fixes a step segment's graph besides the weights' types and shapes."""
+    """What fixes a step's graphs besides the weights' types and shapes."""
 
     rows: int  # R: rows through the dense ops (a one-row step runs as two in deterministic mode)
     n_new: int  # L: the tokens this step stores (L == R, or 1 when R == 2 for one row)
@@ -245,11 +293,13 @@ class StepShape:
     n_expert_used: int
     glu: str  # the routed experts' activation
     shexp_gate: str  # silu_div or sigmoid (kernels.dense.shared_expert_gate)
+    norm_topk: bool  # whether the top-k weights are divided by their sum
 
 
-def _attention_part(g: Graph, lib, x, pos, mask, layer, shape: AttentionShape, step: StepShape, rps: dict):
+def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionShape, step: StepShape, rps: dict):
     """Inputs of one layer's attention part, in binding order, and its ops; returns
-    (x after attention, h, router probabilities, gated shared expert or None)."""
+    (x after attention, h, router probabilities, gated shared expert or None), of the rows
+    ``keep`` (an I32 input, or None for all rows) after the output projection."""
     ctx, eps, R, L = g.ctx, float(shape.eps), step.rows, step.n_new
     H, Hkv, Dh = shape.n_head, shape.n_head_kv, shape.head_dim
     gqa, A = Hkv * Dh, max(R, 2)
@@ -302,12 +352,14 @@ def _attention_part(g: Graph, lib, x, pos, mask, layer, shape: AttentionShape, s
     y = g.scratch(lib.ggml_mul_mat(ctx, wo, attn))
     if bo is not None:
         y = g.scratch(lib.ggml_add(ctx, y, bo))
+    if keep is not None:  # the last layer: only the rows whose logits are wanted go on
+        y, x = (g.scratch(lib.ggml_get_rows(ctx, t, keep)) for t in (y, x))
     x2 = g.scratch(lib.ggml_add(ctx, x, y))
     h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x2, eps)), fn))
     r = g.scratch(lib.ggml_mul_mat(ctx, wr, h))  # (E, R)
     if br is not None:
         r = g.scratch(lib.ggml_add(ctx, r, br))
-    probs = lib.ggml_soft_max(ctx, r)
+    probs = g.scratch(lib.ggml_soft_max(ctx, r))
     shared = None
     if sw is not None:
         gate = g.scratch(lib.ggml_mul_mat(ctx, sw[0], h))
@@ -323,35 +375,39 @@ def _attention_part(g: Graph, lib, x, pos, mask, layer, shape: AttentionShape, s
     return x2, h, probs, shared
 
 
-def _moe_part(g: Graph, lib, x2, h, shared, layer, step: StepShape):
-    """Inputs of one layer's MoE part (its experts' slabs, then ids (K, R) and weights (K, R)
-    from the router's top-k) and its ops; returns x + (moe + shared)."""
-    ctx, R, K = g.ctx, step.n_new, step.n_expert_used  # the experts see the step's real rows only
+def _first(g: Graph, lib, t, n: int):
+    """The first ``n`` rows (columns in ggml's order) of a (D, rows) tensor, as a view."""
+    return g.view(lib.ggml_view_2d(g.ctx, t, t.contents.ne[0], n, t.contents.nb[1], 0))
+
+
+def _experts(g: Graph, lib, h, layer, ids, glu: str):
+    """Inputs of one layer's routed experts (their slabs) and their ops on rows h (D, n) with
+    the routing's ids (K, n): every chosen expert's output, (D, K, n)."""
+    ctx, n = g.ctx, h.contents.ne[1]
     gw, uw, dw = (g.input(w.ggml_type, w.ne) for w in (layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps))
-    it = g.input(T.I32, (K, R))
-    wt = g.input(T.F32, (1, K, R))
-    n_embd = layer.ffn_gate_exps.ne[0]
-    if R < step.rows:  # a one-row step run as two: its first row
-        first = lambda t: g.view(lib.ggml_view_2d(ctx, t, n_embd, R, 4 * n_embd, 0))  # noqa: E731
-        x2, h = first(x2), first(h)
-        shared = None if shared is None else first(shared)
-    xt = g.view(lib.ggml_reshape_3d(ctx, h, n_embd, 1, R))
-    up = g.scratch(lib.ggml_mul_mat_id(ctx, uw, xt, it))  # (n_ff, K, R)
-    gate = g.scratch(lib.ggml_mul_mat_id(ctx, gw, xt, it))
-    if step.glu == "swiglu_oai":
+    xt = g.view(lib.ggml_reshape_3d(ctx, h, h.contents.ne[0], 1, n))
+    up = g.scratch(lib.ggml_mul_mat_id(ctx, uw, xt, ids))  # (n_ff, K, n)
+    gate = g.scratch(lib.ggml_mul_mat_id(ctx, gw, xt, ids))
+    if glu == "swiglu_oai":
         act = g.scratch(lib.ggml_swiglu_oai(ctx, gate, up, ggml.SWIGLU_OAI_ALPHA, ggml.SWIGLU_OAI_LIMIT))
     else:
         act = g.scratch(lib.ggml_swiglu_split(ctx, gate, up))
-    ex = g.scratch(lib.ggml_mul_mat_id(ctx, dw, act, it))  # (n_embd, K, R)
-    ex = g.scratch(lib.ggml_mul(ctx, ex, wt))  # kernels.ops.combine: times the weights ...
+    return g.scratch(lib.ggml_mul_mat_id(ctx, dw, act, ids))  # (D, K, n)
+
+
+def _combine(g: Graph, lib, x2, shared, ex, weights):
+    """x + (moe + shared): the expert outputs ex (D, K, n) times their weights (1, K, n), summed
+    in top-k order (``kernels.ops.combine``, the same float32 ops), on rows x2, shared (D, n)."""
+    ctx, (D, K, n) = g.ctx, tuple(ex.contents.ne[:3])
+    ex = g.scratch(lib.ggml_mul(ctx, ex, weights))
     nb1, nb2 = ex.contents.nb[1], ex.contents.nb[2]
-    slot = lambda j: g.view(lib.ggml_view_2d(ctx, ex, n_embd, R, nb2, j * nb1))  # noqa: E731
+    slot = lambda j: g.view(lib.ggml_view_2d(ctx, ex, D, n, nb2, j * nb1))  # noqa: E731
     moe = slot(0)
-    for j in range(1, K):  # ... then summed in top-k order
+    for j in range(1, K):
         moe = g.scratch(lib.ggml_add(ctx, moe, slot(j)))
     if shared is not None:
         moe = g.scratch(lib.ggml_add(ctx, moe, shared))
-    return lib.ggml_add(ctx, x2, moe)
+    return g.scratch(lib.ggml_add(ctx, x2, moe))
 
 
 def _attention_arrays(layer, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int, rps: dict) -> list:
@@ -385,103 +441,194 @@ def _layer_key(layer) -> tuple:
     return (tuple(_key(getattr(layer, n)) for n in names), tuple(getattr(layer, n) is not None for n in optional))
 
 
+@dataclass(frozen=True)
+class Block:
+    """One layer of a step graph: its weights, attention shape and the sequence's KV cache
+    ``(K (kv_size, gqa), V (gqa, kv_size))`` f16."""
+
+    layer: object  # backbone.model.Layer
+    shape: AttentionShape
+    cache: tuple[np.ndarray, np.ndarray]
+
+
 @dataclass
-class Segment:
-    """What a segment returns: the residual after attention, the FFN input, the router's
-    probabilities and the gated shared expert of its layer (attention part), or the logits."""
+class Routed:
+    """A layer stopped at its routed experts, for another node to compute them: the residual
+    after attention x, the FFN input h and the gated shared expert (n, D), the experts chosen
+    ids (n, K) int32 and their weights (n, K) float32, of the step's real rows."""
 
+    x: np.ndarray
+    h: np.ndarray
+    shared: np.ndarray | None
+    ids: np.ndarray
+    weights: np.ndarray
+
+
+@dataclass
+class StepOut:
+    """What a step graph returns: the residual stream after its last layer (R, D), the logits
+    (m, V) when it ends with the head, or its last layer stopped at its experts; and per layer
+    whose experts it computed the experts chosen (n_i, K)."""
+
+    ids: list[np.ndarray]
     x: np.ndarray | None = None
-    h: np.ndarray | None = None
-    probs: np.ndarray | None = None
-    shared: np.ndarray | None = None
     logits: np.ndarray | None = None
+    routed: Routed | None = None
 
 
-def segment(step: StepShape, *, x: np.ndarray | None = None, prev: Segment | None = None, prev_layer=None,
-            ids: np.ndarray | None = None, weights: np.ndarray | None = None, layer=None,
-            shape: AttentionShape | None = None, cache: tuple[np.ndarray, np.ndarray] | None = None,
-            n_past: int = 0, positions: np.ndarray | None = None, mask: np.ndarray | None = None,
-            head: tuple | None = None) -> Segment:
-    """One graph of a one-sequence step (see above): starting from the embedding rows ``x``
-    (R, D), or from ``prev`` (the previous segment's outputs) with ``prev_layer``'s experts on
-    ``ids`` (R, K) weighted by ``weights`` (R, K); then ``layer``'s attention part (its cache
-    ``(K (kv_size, gqa), V (gqa, kv_size))`` f16, written at ``n_past``), or the ``head``:
-    (output_norm (D,), output QTensor, out_idx (n,) int32 rows to return) -> logits (n, V)."""
+def layers_per_graph(step: StepShape, layer, shape: AttentionShape, budget: int) -> int:
+    """How many layers one step graph may hold with its intermediates (float32 scratch) under
+    ``budget`` bytes: all of a decode step's layers on any model this engine serves, one or a
+    few of a long chunk's."""
+    R, A, K = step.rows, max(step.rows, 2), step.n_expert_used
+    D, F, E = layer.ffn_gate_exps.ne
+    Fs = layer.ffn_gate_shexp.ne[1] if layer.ffn_gate_shexp is not None else 0
+    H, Dh = shape.n_head, shape.head_dim
+    per_row = 16 * D + 4 * E + 6 * H * Dh + 3 * K * F + (K + 2) * D + 3 * Fs
+    per_layer = 4 * (R * per_row + 3 * A * H * step.n_kv)
+    return max(1, budget // per_layer)
+
+
+def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = None,
+               prev: tuple[Routed, np.ndarray] | None = None, n_past: int = 0,
+               positions: np.ndarray | None = None, mask: np.ndarray | None = None,
+               keep: np.ndarray | None = None, n_kept: int = 0, head: tuple | None = None,
+               remote: bool = False) -> StepOut:
+    """Layers ``blocks`` of a one-sequence step as one graph (see above), from rows ``x``
+    (R, D) float32, or from ``prev``: a layer stopped at its experts and their outputs
+    (n, K, D), combined first. ``positions`` (R,) int32, ``mask`` (n_kv, max(R, 2)): each
+    layer's K and V go into its cache at ``n_past``. ``keep`` (m,): the last block's rows that
+    go on after its output projection (the model's last layer: the rows whose logits are
+    wanted), of which the first ``n_kept`` are real (the rest: one row as two). ``remote``: the
+    last block stops at its routed experts (``StepOut.routed``). ``head``: (output_norm (D,),
+    output QTensor, out_idx (m,) int32, eps) adds the output norm and head on rows ``out_idx``
+    of the last layer's output -> logits (m, V)."""
     lib = ggml.load()
-    R = step.rows
+    R, K, n_new = step.rows, step.n_expert_used, step.n_new
+    keep = None if keep is None else np.ascontiguousarray(keep, dtype=np.int32)
+    if keep is not None and not 0 < n_kept <= len(keep):
+        raise ValueError(f"step_graph: rows to keep {keep} need 0 < n_kept ({n_kept}) <= {len(keep)}")
+    if (x is None) == (prev is None) or (remote and (not blocks or head is not None)):
+        raise ValueError("step_graph: give x or prev; remote needs layers and no head")
+    # rows through each block's dense ops and its experts (the last block's may be pruned)
+    dense_rows = [R] * len(blocks)
+    expert_rows = [n_new] * len(blocks)
+    if keep is not None:
+        dense_rows[-1], expert_rows[-1] = len(keep), n_kept
+    local = len(blocks) - (1 if remote else 0)  # blocks whose experts this graph computes
     rps = {}
-    for lay in (layer,) if layer is not None else ():
-        for w in (lay.attn_q, lay.attn_k, lay.attn_v, lay.attn_output, lay.ffn_gate_shexp, lay.ffn_up_shexp,
-                  lay.ffn_down_shexp):
-            if w is not None:
-                rps[id(w)] = repacked(w)
-    has_shared = prev is not None and prev.shared is not None
+    for b in blocks:
+        for w in _dense_weights(b.layer):
+            rps[id(w)] = repacked(w)
+    rp_head = repacked(head[1]) if head is not None else None
     work = 0
-    if prev_layer is not None:
-        D, F, _ = prev_layer.ffn_gate_exps.ne
-        work += 3 * R * step.n_expert_used * D * F
-    if layer is not None:
-        work += R * sum(w.ne[0] * w.ne[1] for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output))
+    for i, b in enumerate(blocks):
+        lay = b.layer
+        D, F, _ = lay.ffn_gate_exps.ne
+        work += 3 * expert_rows[i] * K * D * F if i < local else 0
+        work += R * sum(w.ne[0] * w.ne[1] for w in (lay.attn_q, lay.attn_k, lay.attn_v, lay.attn_output))
     if head is not None:
         work += len(head[2]) * head[1].ne[0] * head[1].ne[1]
-    threads = threads_for(work, step.n_new)
-    D = (layer or prev_layer).ffn_gate_exps.ne[0]
+    threads = threads_for(work, n_new)
+    D = blocks[0].layer.ffn_gate_exps.ne[0] if blocks else prev[0].x.shape[1]
+    n_prev = 0 if prev is None else len(prev[0].ids)
+    has_shared = prev is not None and prev[0].shared is not None
+    # ggml reads exactly these sizes from the pointers it is given: check them here
+    want = {"x": (x, (R, D), np.float32), "positions": (positions, (R,), np.int32),
+            "mask": (mask, (max(R, 2), step.n_kv), np.float32)} if blocks else {}
+    if prev is not None:
+        r = prev[0]
+        want.update({"prev.x": (r.x, (n_prev, D), np.float32), "prev.shared": (r.shared, (n_prev, D), np.float32),
+                     "prev.weights": (r.weights, (n_prev, K), np.float32),
+                     "expert outputs": (prev[1], (n_prev, K, D), np.float32)})
+        want.pop("x", None)
+    for name, (a, shape, dtype) in want.items():
+        if a is not None and (a.shape != shape or a.dtype != dtype):
+            raise ValueError(f"step_graph: {name} is {a.dtype}{a.shape}, expected {np.dtype(dtype)}{shape}")
+    norm = step.norm_topk
 
     def build() -> Graph:
-        g = Graph(lib, n_tensors=160, nodes=256)
+        g = Graph(lib, n_tensors=160 * len(blocks) + 64, nodes=128 * len(blocks) + 64)
         try:
+            ctx = g.ctx
             if prev is None:
                 xt = g.input(T.F32, (D, R))
-            else:
-                x2 = g.input(T.F32, (D, R))
-                h = g.input(T.F32, (D, R))
-                sh = g.input(T.F32, (D, R)) if has_shared else None
-                xt = g.scratch(_moe_part(g, lib, x2, h, sh, prev_layer, step))
-                if step.n_new < R and layer is not None:
-                    xt = g.scratch(lib.ggml_repeat_4d(g.ctx, xt, D, R, 1, 1))
-            if layer is not None:
+            else:  # the previous layer's combine, its experts' outputs given
+                x2, sh = g.input(T.F32, (D, n_prev)), g.input(T.F32, (D, n_prev)) if has_shared else None
+                wt, ex = g.input(T.F32, (1, K, n_prev)), g.input(T.F32, (D, K, n_prev))
+                xt = _combine(g, lib, x2, sh, ex, wt)
+                if n_prev < R and blocks:
+                    xt = g.scratch(lib.ggml_repeat_4d(ctx, xt, D, R, 1, 1))  # one row as two again
+            if blocks:
                 pt = g.input(T.I32, (R,))
                 mt = g.input(T.F32, (step.n_kv, max(R, 2)))
-                x2, h, probs, shared = _attention_part(g, lib, xt, pt, mt, layer, shape, step, rps)
-                for t in (x2, h, probs) + ((shared,) if shared is not None else ()):
-                    g.output(lib.ggml_cont_2d(g.ctx, t, t.contents.ne[0], R) if t is not probs else t)
-            else:
-                n_out = len(head[2])
-                ot = g.input(T.I32, (n_out,))
+                kt = g.input(T.I32, (len(keep),)) if keep is not None else None
+            for i, b in enumerate(blocks):
+                last = i == len(blocks) - 1
+                rows, n = dense_rows[i], expert_rows[i]
+                x2, h, probs, shared = _attention_part(g, lib, xt, pt, mt, kt if last else None, b.layer, b.shape,
+                                                       step, rps)
+                ids, weights = _route(g, lib, probs, K, norm)
+                if n < rows:  # a one-row step run as two: the experts see its first row only
+                    x2, h = _first(g, lib, x2, n), _first(g, lib, h, n)
+                    shared = None if shared is None else _first(g, lib, shared, n)
+                    ids = g.view(lib.ggml_view_2d(ctx, ids, K, n, ids.contents.nb[1], 0))
+                    weights = g.view(lib.ggml_view_3d(ctx, weights, 1, K, n, weights.contents.nb[1],
+                                                      weights.contents.nb[2], 0))
+                if i == local:  # stop at the experts: what the remote call and the next graph need
+                    for t in (x2, h) + ((shared,) if shared is not None else ()) + (ids, weights):
+                        g.output(lib.ggml_cont(ctx, t))
+                    break
+                xt = _combine(g, lib, x2, shared, _experts(g, lib, h, b.layer, ids, step.glu), weights)
+                g.output(lib.ggml_cont(ctx, ids))  # the experts chosen, for the statistics
+                if n < R and not (last and head is not None):
+                    xt = g.scratch(lib.ggml_repeat_4d(ctx, xt, D, R, 1, 1))  # one row as two again
+            if head is not None:
+                ot = g.input(T.I32, (len(head[2]),))
                 nt = g.input(T.F32, (D,))
                 wt = weight_input(g, head[1], rp_head)
-                rows = g.scratch(lib.ggml_get_rows(g.ctx, xt, ot))  # the rows whose logits are wanted
-                out = g.scratch(lib.ggml_mul(g.ctx, g.scratch(lib.ggml_rms_norm(g.ctx, rows, float(shape_eps))), nt))
-                g.output(lib.ggml_mul_mat(g.ctx, wt, out))
+                out = g.scratch(lib.ggml_get_rows(ctx, xt, ot))  # the rows whose logits are wanted
+                out = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, out, float(head[3]))), nt))
+                g.output(lib.ggml_mul_mat(ctx, wt, out))
+            elif not remote:
+                g.output(lib.ggml_cont(ctx, xt))
             return g.finish(threads)
         except BaseException:
             g.free()
             raise
 
-    shape_eps = head[3] if head is not None else 0.0
-    rp_head = repacked(head[1]) if head is not None else None
-    arrays: list = []
-    if prev is None:
-        arrays.append(x)
-    else:
-        arrays += [prev.x, prev.h] + ([prev.shared] if has_shared else [])
-        arrays += [prev_layer.ffn_gate_exps.ptr, prev_layer.ffn_up_exps.ptr, prev_layer.ffn_down_exps.ptr,
-                   np.ascontiguousarray(ids, dtype=np.int32), np.ascontiguousarray(weights, dtype=np.float32)]
-    result = Segment()
-    if layer is not None:
-        arrays += [np.ascontiguousarray(positions, dtype=np.int32), mask]
-        arrays += _attention_arrays(layer, cache[0], cache[1], n_past, rps)
-        E = layer.ffn_gate_inp.ne[1]
-        result = Segment(np.empty((R, D), np.float32), np.empty((R, D), np.float32), np.empty((R, E), np.float32),
-                         np.empty((R, D), np.float32) if layer.ffn_gate_shexp is not None else None)
-        arrays += [result.x, result.h, result.probs] + ([result.shared] if result.shared is not None else [])
-    else:
+    arrays: list = [x] if prev is None else [prev[0].x, *((prev[0].shared,) if has_shared else ()),
+                                             np.ascontiguousarray(prev[0].weights), np.ascontiguousarray(prev[1])]
+    if blocks:
+        arrays += [np.ascontiguousarray(positions, dtype=np.int32), mask] + ([keep] if keep is not None else [])
+    result = StepOut(ids=[np.empty((n, K), np.int32) for n in expert_rows[:local]])
+    for i, b in enumerate(blocks):
+        arrays += _attention_arrays(b.layer, b.cache[0], b.cache[1], n_past, rps)
+        if i == local:
+            n = expert_rows[i]
+            shared = np.empty((n, D), np.float32) if b.layer.ffn_gate_shexp is not None else None
+            result.routed = Routed(np.empty((n, D), np.float32), np.empty((n, D), np.float32), shared,
+                                   np.empty((n, K), np.int32), np.empty((n, K), np.float32))
+            r = result.routed
+            arrays += [r.x, r.h] + ([shared] if shared is not None else []) + [r.ids, r.weights]
+            break
+        arrays += [b.layer.ffn_gate_exps.ptr, b.layer.ffn_up_exps.ptr, b.layer.ffn_down_exps.ptr, result.ids[i]]
+    if head is not None:
         out_idx = np.ascontiguousarray(head[2], dtype=np.int32)
-        result = Segment(logits=np.empty((len(out_idx), head[1].ne[1]), np.float32))
+        result.logits = np.empty((len(out_idx), head[1].ne[1]), np.float32)
         arrays += [out_idx, head[0], weight_data(head[1], rp_head), result.logits]
-    key = ("segment", step, threads, prev is None, has_shared,
-           None if prev_layer is None else _layer_key(prev_layer),
-           None if layer is None else (_layer_key(layer), shape, tuple(v is not None for v in rps.values())),
+    elif not remote:
+        result.x = np.empty((R, D), np.float32)
+        arrays.append(result.x)
+    key = ("step", step, threads, None if keep is None else (len(keep), n_kept), remote,
+           None if prev is None else (n_prev, has_shared),
+           tuple((_layer_key(b.layer), b.shape, tuple(rps[id(w)] is not None for w in _dense_weights(b.layer)))
+                 for b in blocks),
            None if head is None else (len(head[2]), _key(head[1]), float(head[3]), rp_head is not None))
     run_cached(key, build, arrays)
     return result
+
+
+def _dense_weights(layer) -> list:
+    return [w for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output, layer.ffn_gate_shexp,
+                        layer.ffn_up_shexp, layer.ffn_down_shexp) if w is not None]

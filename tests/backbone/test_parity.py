@@ -62,23 +62,23 @@ def test_batch_of_three_sequences_gives_each_its_logits_alone(models, arch, qtyp
 
 @pytest.mark.parametrize("arch,qtype", [("qwen3moe", "q4_k"), ("qwen2moe", "q8_0"), ("mixtral", "f16")])
 def test_fused_graphs_give_the_bits_of_the_op_by_op_path(models, arch, qtype):
-    """One graph per layer (one sequence), two per layer (a batch) and one call per op (the
+    """One graph per step (one sequence), two per layer (a batch) and one call per op (the
     reference path, ``fused`` off) compute the same ops: identical logits."""
     engine = Engine(models(arch, qtype))
-    assert engine.fused and engine.segments
+    assert engine.fused and engine.step_graphs
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, engine.cfg.n_vocab, n) for n in (9, 4)]
     nxt = rng.integers(0, engine.cfg.n_vocab, 3)
 
     def run() -> list[np.ndarray]:
         a, b = engine.new_sequence(), engine.new_sequence()
-        out = engine.forward([(a, prompts[0])])  # one sequence: one graph per layer
+        out = engine.forward([(a, prompts[0])])  # one sequence: one graph per step
         out += engine.forward([(a, nxt[:1])]) + engine.forward([(a, nxt[1:])], all_logits=False)
         out += engine.forward([(b, prompts[1]), (a, nxt[:1])])  # a batch: two graphs per layer
         return out
 
     fused = run()
-    engine.fused = engine.segments = False
+    engine.fused = engine.step_graphs = False
     reference = run()
     for got, want in zip(fused, reference):
         assert np.array_equal(got, want)

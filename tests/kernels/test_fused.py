@@ -82,3 +82,45 @@ def test_repacked_q4_k_weight_multiplies_like_the_plain_one(ggml):
     plain, packed = product(None), product(rp)
     assert not np.array_equal(rp.data[:64], w.data[:64])  # really repacked
     np.testing.assert_allclose(packed, plain, rtol=0, atol=1e-4 * np.abs(plain).max())
+
+
+def _attention_out_inputs(rng, n_rows: int, D: int = 32, E: int = 20, H: int = 2, Dh: int = 16):
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    wo = QTensor("attn_output.weight", T.F32, (H * Dh, D), f32(D, H * Dh).reshape(-1).view(np.uint8))
+    router = QTensor("ffn_gate_inp.weight", T.F32, (D, E), f32(E, D).reshape(-1).view(np.uint8))
+    return f32(n_rows, H * Dh), f32(n_rows, D), dict(eps=1e-6, wo=wo, ffn_norm=1 + f32(D) / 4, router=router)
+
+
+@pytest.mark.parametrize("norm_topk", [True, False])
+@pytest.mark.parametrize("router_softmax", [True, False])
+def test_attention_out_routes_as_ops_route_does(ggml, norm_topk, router_softmax):
+    """The top-k in the graph (llama.cpp's argsort, get_rows, sum_rows, clamp, div) chooses the
+    experts and weights that kernels.ops.route (or route_softmax_weight) gives on the same
+    router output."""
+    from kernels import dense, fused, ops
+    from kernels.ggml import matmul
+
+    attn, x, kw = _attention_out_inputs(np.random.default_rng(4), 7)
+    f = fused.attention_out(attn, x, **kw, router_softmax=router_softmax, n_expert_used=4, norm_topk=norm_topk)
+    logits = matmul(kw["router"], f.h)
+    if router_softmax:
+        ids, weights = ops.route(logits, 4, norm_topk, dense.softmax)
+    else:
+        ids, weights = ops.route_softmax_weight(logits, 4, dense.softmax)
+    assert f.ids.dtype == np.int32 and f.ids.shape == (7, 4)
+    assert np.array_equal(f.ids, ids)
+    assert np.array_equal(f.weights, weights)
+
+
+def test_attention_out_keeps_only_the_rows_asked_for(ggml):
+    from kernels import fused
+
+    attn, x, kw = _attention_out_inputs(np.random.default_rng(5), 9)
+    full = fused.attention_out(attn, x, **kw, n_expert_used=3, norm_topk=True)
+    kept = fused.attention_out(attn, x, **kw, n_expert_used=3, norm_topk=True, keep=np.array([8, 2]))
+    for name in ("x", "h", "ids", "weights"):
+        assert np.array_equal(getattr(kept, name), getattr(full, name)[[8, 2]]), name
+    with pytest.raises(ValueError, match="rows to keep"):
+        fused.attention_out(attn, x, **kw, n_expert_used=3, norm_topk=True, keep=np.array([9]))
+    with pytest.raises(ValueError, match="experts used"):
+        fused.attention_out(attn, x, **kw, n_expert_used=21, norm_topk=True)
