@@ -17,6 +17,11 @@ too, but at most once per ``hold`` period for that expert, and the hold doubles 
 expert goes silent again (up to ``max_hold_s``): a node that heartbeats and never answers cannot
 buy a timeout per heartbeat. Heartbeat claims are clipped to the model's geometry first, so a
 heartbeat claiming a billion experts costs as much as one claiming the real ones.
+
+With ``track_nodes`` it also keeps who takes *bundles* (heartbeats with ``bundles``): per node its
+holdings and when it was last heard, so the dispatch can send all of a layer step's calls for one
+node in one message (:meth:`bundle_holders`). A node unheard for ``node_ttl_s``, or whose bundle
+subject got "no responders" (:meth:`forget_node`), is dropped until its next heartbeat.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ log = structlog.get_logger("kvasir.coverage_view")
 class CoverageView:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, *,
                  n_layer: int | None = None, n_expert: int | None = None,
-                 silence_hold_s: float = 2.0, max_hold_s: float = 60.0):
+                 silence_hold_s: float = 2.0, max_hold_s: float = 60.0, node_ttl_s: float = 10.0,
+                 max_nodes: int = 4096):
         self.ttl_s, self.clock = ttl_s, clock
         self.n_layer, self.n_expert = n_layer, n_expert
         self.silence_hold_s, self.max_hold_s = silence_hold_s, max_hold_s
@@ -44,6 +50,11 @@ class CoverageView:
         self._revived: dict[tuple[int, int], float] = {}  # silent, then revived by a heartbeat -> its hold
         self._answered = False  # any valid reply ever: then unknown experts are worth a wait
         self._sub = None
+        self.track_nodes = False  # keep the bundle-capable nodes' holdings (the dispatch sets it)
+        self.node_ttl_s, self.max_nodes = node_ttl_s, max_nodes
+        self._nodes: dict[str, tuple[dict[int, list[tuple[int, int]]], float]] = {}  # node -> (spans, heard at)
+        self._holders: dict[tuple[int, int], tuple[str, ...]] = {}  # (layer, expert) -> nodes, a cache
+        self._next_sweep = 0.0
 
     # -- the cache (the loop thread) ------------------------------------------------------------
 
@@ -83,10 +94,55 @@ class CoverageView:
     def silent(self) -> int:
         return len(self._silent)
 
+    # -- who takes bundles (the engine's thread reads, the loop thread writes) ----------------------
+
+    def bundle_holders(self, layer: int, expert: int) -> tuple[str, ...]:
+        """The bundle-capable nodes that announced ``(layer, expert)``, in name order."""
+        now = self.clock()
+        if now >= self._next_sweep:
+            self._sweep(now)
+        key = (layer, expert)
+        nodes = self._holders.get(key)
+        if nodes is None:
+            nodes = tuple(sorted(node for node, (spans, _) in self._nodes.items()
+                                 if any(lo <= expert < hi for lo, hi in spans.get(layer, ()))))
+            self._holders[key] = nodes
+        return nodes
+
+    def forget_node(self, node: str) -> None:
+        """The node's bundle subject has no subscriber: send it nothing until it heartbeats again."""
+        if self._nodes.pop(node, None) is not None:
+            self._holders = {}
+
+    @property
+    def bundle_nodes(self) -> int:
+        return len(self._nodes)
+
+    def _sweep(self, now: float) -> None:
+        self._next_sweep = now + min(1.0, self.node_ttl_s / 4)
+        stale = [node for node, (_, heard_at) in self._nodes.items() if now - heard_at > self.node_ttl_s]
+        for node in stale:
+            del self._nodes[node]
+        if stale:
+            self._holders = {}
+
+    def _track(self, heartbeat: codec.Heartbeat, spans: dict[int, list[tuple[int, int]]]) -> None:
+        node = heartbeat.node
+        if not heartbeat.bundles:  # an old worker, or one that stopped taking bundles
+            self.forget_node(node)
+            return
+        known = self._nodes.get(node)
+        if known is None and len(self._nodes) >= self.max_nodes:
+            return
+        self._nodes[node] = (spans, self.clock())
+        if known is None or known[0] != spans:
+            self._holders = {}
+
     def heard(self, heartbeat: codec.Heartbeat) -> None:
-        """A worker announced its holdings: ask again for those we had given up on. The work is
-        bounded by what we had given up on, never by what the heartbeat claims."""
-        if not self._uncovered and not self._silent:
+        """A worker announced its holdings: ask again for those we had given up on, and (with
+        ``track_nodes``) note whether it takes bundles. The work is bounded by the model's
+        geometry and what we had given up on, never by what the heartbeat claims."""
+        if not self._uncovered and not self._silent and not self.track_nodes:
             return
         spans: dict[int, list[tuple[int, int]]] = {}
         for h in heartbeat.holdings:
@@ -95,7 +151,9 @@ class CoverageView:
             hi = h.hi if self.n_expert is None else min(h.hi, self.n_expert)
             if h.lo < hi:
                 spans.setdefault(h.layer, []).append((h.lo, hi))
-        if not spans:
+        if self.track_nodes:
+            self._track(heartbeat, spans)
+        if not spans or (not self._uncovered and not self._silent):
             return
 
         def claimed(key: tuple[int, int]) -> bool:
@@ -119,7 +177,7 @@ class CoverageView:
             await sub.unsubscribe()
 
     async def _on_heartbeat(self, msg) -> None:
-        if not self._uncovered and not self._silent:
+        if not self._uncovered and not self._silent and not self.track_nodes:
             return
         try:
             hb = codec.decode_heartbeat(msg.data, max_bytes=64 * 1024)
