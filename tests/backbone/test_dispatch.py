@@ -617,3 +617,18 @@ def test_a_lying_bundle_node_is_caught_quarantined_and_sent_no_more_bundles(rig,
     assert remote.stats.quarantined == ["liar"] and recorder.wins == []
     remote.run_layer(0, [(1, ROW)])
     assert len(nc.bundles) == 1  # no bundle for a liar; its expert goes per expert
+
+
+def test_balance_mode_hedges_a_call_whose_bundle_node_froze_on_the_experts_subject(rig, bus):
+    from backbone.replicas import ReplicaConfig, Replicas
+
+    remote, nc, local, recorder, _ = rig()
+    remote.replicas = Replicas(ReplicaConfig(mode="balance", hedge_initial_s=0.01, max_hedges=1))
+    heartbeat(bus, nc, "frozen")
+    nc.answer_bundle = lambda node, b: []  # subscribed, never answers
+    nc.answer = times(3, node="member")  # the queue group's other member
+    (out,) = remote.run_layer(0, [(5, ROW)])
+    assert np.array_equal(out, 3 * ROW) and local.calls == []
+    assert len(nc.bundles) == 1 and len(nc.requests) == 1
+    assert nc.requests[0][2].endswith("." + nc.bundles[0][1].ids[0])  # the call's own token
+    assert remote.replicas.hedges == 1 and recorder.wins == [("member", 0, 5, 1)]
