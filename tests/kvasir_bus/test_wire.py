@@ -23,7 +23,6 @@ def one_of_each() -> list[Record]:
         codec.DispatchReply("q2", "w-1", rows, kernel="numpy-aarch64"),
         wire.ErrorReply("q1", "w-1", wire.ERR_NOT_HELD, "not here"),
         codec.Heartbeat(FP, "w-1", [(0, 0, 4)], 10, 0.0, 0, "0.1.0", "numpy", 1.0),
-        codec.Heartbeat(FP, "w-2", [(0, 0, 4)], 10, 0.0, 0, "0.1.0", "numpy", 1.0, bundles=True),
         codec.BundleRequest(FP, 1, "b1", rows, ("q1", "q2"), (2, 3), (1, 2), np.array([1, 0, 1], np.uint32)),
         codec.BundleReply("b1", "w-1", ("q1",), (2,), rows, (("q2", wire.ERR_NOT_HELD, "not here"),),
                           kernel="numpy-aarch64"),
