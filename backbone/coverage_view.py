@@ -21,7 +21,10 @@ heartbeat claiming a billion experts costs as much as one claiming the real ones
 With ``track_nodes`` it also keeps who takes *bundles* (heartbeats with ``bundles``): per node its
 holdings and when it was last heard, so the dispatch can send all of a layer step's calls for one
 node in one message (:meth:`bundle_holders`). A node unheard for ``node_ttl_s``, or whose bundle
-subject got "no responders" (:meth:`forget_node`), is dropped until its next heartbeat.
+subject got "no responders" (:meth:`forget_node`), is dropped until its next heartbeat. A node
+whose bundle went unanswered (:meth:`bundle_unanswered`: frozen, or a bus that refuses the
+backbone the node subjects) gets none for a hold that doubles each time, as silence does, until
+one of its bundles is answered: its experts are asked per expert meanwhile.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class CoverageView:
         self._nodes: dict[str, tuple[dict[int, list[tuple[int, int]]], float]] = {}  # node -> (spans, heard at)
         self._holders: dict[tuple[int, int], tuple[str, ...]] = {}  # (layer, expert) -> nodes, a cache
         self._next_sweep = 0.0
+        self._bundle_hold: dict[str, tuple[float, float]] = {}  # node -> (no bundles until, hold)
 
     # -- the cache (the loop thread) ------------------------------------------------------------
 
@@ -105,13 +109,31 @@ class CoverageView:
         nodes = self._holders.get(key)
         if nodes is None:
             nodes = tuple(sorted(node for node, (spans, _) in self._nodes.items()
-                                 if any(lo <= expert < hi for lo, hi in spans.get(layer, ()))))
+                                 if any(lo <= expert < hi for lo, hi in spans.get(layer, ()))
+                                 and self._bundle_hold.get(node, (0.0,))[0] <= now))
             self._holders[key] = nodes
         return nodes
 
     def forget_node(self, node: str) -> None:
         """The node's bundle subject has no subscriber: send it nothing until it heartbeats again."""
         if self._nodes.pop(node, None) is not None:
+            self._holders = {}
+
+    def bundle_unanswered(self, node: str) -> None:
+        """A bundle sent to ``node`` timed out: no bundles to it for a while (doubling)."""
+        now = self.clock()
+        until, hold = self._bundle_hold.get(node, (0.0, self.silence_hold_s / 2))
+        if until > now:
+            return  # one step's timeout counts once
+        hold = min(self.max_hold_s, 2 * hold)
+        self._bundle_hold[node] = (now + hold, hold)
+        self._holders = {}
+        if len(self._bundle_hold) > self.max_nodes:
+            self._bundle_hold.pop(next(iter(self._bundle_hold)))
+
+    def bundle_answered(self, node: str) -> None:
+        """A bundle of ``node`` was answered: its next timeout holds it back for the shortest hold again."""
+        if self._bundle_hold.pop(node, None) is not None:
             self._holders = {}
 
     @property
@@ -123,7 +145,10 @@ class CoverageView:
         stale = [node for node, (_, heard_at) in self._nodes.items() if now - heard_at > self.node_ttl_s]
         for node in stale:
             del self._nodes[node]
-        if stale:
+        released = [node for node, (until, _) in self._bundle_hold.items() if 0.0 < until <= now]
+        for node in released:  # the hold is kept, doubled by the next timeout; only the ban ends
+            self._bundle_hold[node] = (0.0, self._bundle_hold[node][1])
+        if stale or released:
             self._holders = {}
 
     def _track(self, heartbeat: codec.Heartbeat, spans: dict[int, list[tuple[int, int]]]) -> None:

@@ -581,8 +581,9 @@ class RemoteExperts:
             stats.timeouts += 1
             self.timeout.timed_out()
             self.coverage.mark_silent(step.layer, call.expert)
-            if call.nodes and self.replicas is not None:  # a bundle that let its call time out: slow
-                for node in call.nodes:
+            for node in call.nodes:  # a bundle that let its call time out: none to that node for a while
+                self.coverage.bundle_unanswered(node)
+                if self.replicas is not None:
                     self.replicas.book.observe_node(node, step.timeout_s)
             self.refusals.info(("timeout", step.layer), "dispatch_timeout", layer=step.layer, expert=call.expert,
                                timeout_ms=round(1000 * self.timeout.current(), 1))
@@ -683,6 +684,7 @@ class RemoteExperts:
             reply = codec.decode_bundle_reply(msg.data, n_embd=self.n_embd)
             if reply.node != bundle.node:
                 raise codec.CodecError(f"bundle reply: node {reply.node!r} answers a bundle sent to {bundle.node!r}")
+            self.coverage.bundle_answered(bundle.node)
             if isinstance(reply, codec.ErrorReply):  # the whole bundle refused: each call hears why
                 answers = [(token, codec.ErrorReply(token, reply.node, reply.code, reply.message))
                            for token in bundle.tokens]

@@ -632,3 +632,22 @@ def test_balance_mode_hedges_a_call_whose_bundle_node_froze_on_the_experts_subje
     assert len(nc.bundles) == 1 and len(nc.requests) == 1
     assert nc.requests[0][2].endswith("." + nc.bundles[0][1].ids[0])  # the call's own token
     assert remote.replicas.hedges == 1 and recorder.wins == [("member", 0, 5, 1)]
+
+
+def test_a_node_whose_bundles_go_unanswered_gets_none_for_a_doubling_hold(rig, bus):
+    """Its experts answer on their own subjects (say the bus refuses this backbone the node
+    subjects, under a deployment's credentials from before bundles): one timeout, then per expert."""
+    remote, nc, local, _, clock = rig(DispatchConfig(timeout_s=0.05, audit=NO_AUDIT))
+    heartbeat(bus, nc, "wb")
+    nc.answer_bundle = lambda node, b: []
+    nc.answer = times(3, node="wb")
+    remote.run_layer(0, [(1, ROW)])  # the bundle times out: computed here
+    remote.run_layer(0, [(1, ROW)])  # silent: computed here, probed per expert (answered)
+    bus.run(nc.flush())
+    (out,) = remote.run_layer(0, [(1, ROW)])
+    assert np.array_equal(out, 3 * ROW)  # asked per expert, not in a bundle
+    assert len(nc.bundles) == 1 and remote.stats.layer(0).timeouts == 1
+    clock.now += 2.5  # the first hold (2 s) is over: bundles again; an answered one ends the hold
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 5)]
+    (out,) = remote.run_layer(0, [(1, ROW)])
+    assert np.array_equal(out, 5 * ROW) and len(nc.bundles) == 2
