@@ -29,6 +29,7 @@ one of its bundles is answered: its experts are asked per expert meanwhile.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable
 
@@ -59,6 +60,9 @@ class CoverageView:
         self._holders: dict[tuple[int, int], tuple[str, ...]] = {}  # (layer, expert) -> nodes, a cache
         self._next_sweep = 0.0
         self._bundle_hold: dict[str, tuple[float, float]] = {}  # node -> (no bundles until, hold)
+        # The engine's thread reads the node table, the loop thread writes it: one lock, so a
+        # cached answer is never computed from a table that changed under it.
+        self._lock = threading.Lock()
 
     # -- the cache (the loop thread) ------------------------------------------------------------
 
@@ -108,60 +112,68 @@ class CoverageView:
         key = (layer, expert)
         nodes = self._holders.get(key)
         if nodes is None:
-            nodes = tuple(sorted(node for node, (spans, _) in self._nodes.items()
-                                 if any(lo <= expert < hi for lo, hi in spans.get(layer, ()))
-                                 and self._bundle_hold.get(node, (0.0,))[0] <= now))
-            self._holders[key] = nodes
+            with self._lock:
+                nodes = tuple(sorted(node for node, (spans, _) in self._nodes.items()
+                                     if any(lo <= expert < hi for lo, hi in spans.get(layer, ()))
+                                     and self._bundle_hold.get(node, (0.0,))[0] <= now))
+                self._holders[key] = nodes
         return nodes
 
     def forget_node(self, node: str) -> None:
         """The node's bundle subject has no subscriber: send it nothing until it heartbeats again."""
-        if self._nodes.pop(node, None) is not None:
+        with self._lock:
+            self._nodes.pop(node, None)
             self._holders = {}
 
     def bundle_unanswered(self, node: str) -> None:
         """A bundle sent to ``node`` timed out: no bundles to it for a while (doubling)."""
         now = self.clock()
-        until, hold = self._bundle_hold.get(node, (0.0, self.silence_hold_s / 2))
-        if until > now:
-            return  # one step's timeout counts once
-        hold = min(self.max_hold_s, 2 * hold)
-        self._bundle_hold[node] = (now + hold, hold)
-        self._holders = {}
-        if len(self._bundle_hold) > self.max_nodes:
-            self._bundle_hold.pop(next(iter(self._bundle_hold)))
+        with self._lock:
+            until, hold = self._bundle_hold.get(node, (0.0, self.silence_hold_s / 2))
+            if until > now:
+                return  # one step's timeout counts once
+            hold = min(self.max_hold_s, 2 * hold)
+            self._bundle_hold[node] = (now + hold, hold)
+            self._holders = {}
+            if len(self._bundle_hold) > self.max_nodes:
+                self._bundle_hold.pop(next(iter(self._bundle_hold)))
 
     def bundle_answered(self, node: str) -> None:
         """A bundle of ``node`` was answered: its next timeout holds it back for the shortest hold again."""
-        if self._bundle_hold.pop(node, None) is not None:
-            self._holders = {}
+        if node in self._bundle_hold:
+            with self._lock:
+                self._bundle_hold.pop(node, None)
+                self._holders = {}
 
     @property
     def bundle_nodes(self) -> int:
         return len(self._nodes)
 
     def _sweep(self, now: float) -> None:
-        self._next_sweep = now + min(1.0, self.node_ttl_s / 4)
-        stale = [node for node, (_, heard_at) in self._nodes.items() if now - heard_at > self.node_ttl_s]
-        for node in stale:
-            del self._nodes[node]
-        released = [node for node, (until, _) in self._bundle_hold.items() if 0.0 < until <= now]
-        for node in released:  # the hold is kept, doubled by the next timeout; only the ban ends
-            self._bundle_hold[node] = (0.0, self._bundle_hold[node][1])
-        if stale or released:
-            self._holders = {}
+        with self._lock:
+            self._next_sweep = now + min(1.0, self.node_ttl_s / 4)
+            stale = [node for node, (_, heard_at) in self._nodes.items() if now - heard_at > self.node_ttl_s]
+            for node in stale:
+                del self._nodes[node]
+            released = [node for node, (until, _) in self._bundle_hold.items() if 0.0 < until <= now]
+            for node in released:  # the hold is kept, doubled by the next timeout; only the ban ends
+                self._bundle_hold[node] = (0.0, self._bundle_hold[node][1])
+            if stale or released:
+                self._holders = {}
 
     def _track(self, heartbeat: codec.Heartbeat, spans: dict[int, list[tuple[int, int]]]) -> None:
         node = heartbeat.node
         if not heartbeat.bundles:  # an old worker, or one that stopped taking bundles
-            self.forget_node(node)
+            if node in self._nodes:
+                self.forget_node(node)
             return
-        known = self._nodes.get(node)
-        if known is None and len(self._nodes) >= self.max_nodes:
-            return
-        self._nodes[node] = (spans, self.clock())
-        if known is None or known[0] != spans:
-            self._holders = {}
+        with self._lock:
+            known = self._nodes.get(node)
+            if known is None and len(self._nodes) >= self.max_nodes:
+                return
+            self._nodes[node] = (spans, self.clock())
+            if known is None or known[0] != spans:
+                self._holders = {}
 
     def heard(self, heartbeat: codec.Heartbeat) -> None:
         """A worker announced its holdings: ask again for those we had given up on, and (with

@@ -330,10 +330,14 @@ class Worker:
     async def _answer_bundle(self, msg, bundle: codec.BundleRequest, rows: np.ndarray, held, refused, pool) -> None:
         """Compute the held calls of a valid bundle (inline, or on ``pool`` in one submission) and
         publish the one reply."""
-        if pool is None:
-            done = _bundle_timed(bundle, rows, held)
-        else:
-            done = await asyncio.get_running_loop().run_in_executor(pool, _bundle_timed, bundle, rows, held)
+        try:
+            if pool is None:
+                done = _bundle_timed(bundle, rows, held)
+            else:
+                done = await asyncio.get_running_loop().run_in_executor(pool, _bundle_timed, bundle, rows, held)
+        except Exception as exc:  # the pool is gone (stopping): say so, keep serving
+            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}", bundle.bundle_id))
+            return
         ids, counts, outs = [], [], []
         for i, out, seconds, error in done:
             rid = bundle.ids[i]
