@@ -37,8 +37,8 @@ import structlog
 from kvasir_bus import __version__, codec, micro
 from kvasir_bus.subjects import Subjects, parse_dispatch
 from kvasir_bus.throttle import ThrottledLog
-from kernels.expert import expert_ffn
-from kernels.backend import kernel_label
+from kernels.expert import expert_ffn, moe_ffn
+from kernels.backend import backend_name, kernel_label
 from modelfile.slice_file import SliceInfo
 
 log = structlog.get_logger("kvasir.worker")
@@ -90,6 +90,8 @@ class Worker:
         self._inline = 0  # requests computed on the loop right now (0 or 1)
         self._routes: dict[str, tuple[int, int, tuple]] = {}  # subject -> (layer, expert, weights)
         self._weights: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> weights, for bundles
+        self._slot: dict[tuple[int, int], tuple[codec.Holding, int]] = {}  # -> (its holding, slab index)
+        self._one_graph = backend_name() == "ggml"  # a decode bundle's experts in one mul_mat_id graph
         self._heartbeat: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(max_workers=cfg.compute_threads, thread_name_prefix="expert")
         self._kernel = kernel_label()  # announced in heartbeats and replies: how audits compare
@@ -113,6 +115,8 @@ class Worker:
         for layer, expert in self.slice.experts():
             subject = self.subjects.dispatch(layer, expert)
             weights = self._weights[(layer, expert)] = self.slice.expert_weights(layer, expert)
+            h = next(h for h in self.slice.holdings if h.covers(layer, expert))
+            self._slot[(layer, expert)] = (h, expert - h.lo)
             self._routes[subject] = (layer, expert, weights)
             kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
             self._subs.append(await nc.subscribe(subject, cb=self._on_request, **kw))
@@ -302,6 +306,8 @@ class Worker:
                 held.append((i, weights))
                 gate = weights[0]
                 work += 3 * bundle.counts[i] * gate.ne[0] * gate.ne[1]
+        if self._one_graph and len(held) > 1:
+            held = self._grouped(bundle, held)
         if work < INLINE_WORK:
             self._inline += 1
             try:
@@ -312,6 +318,26 @@ class Worker:
             task = asyncio.create_task(self._answer_bundle(msg, bundle, rows, held, refused, self._pool))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _grouped(self, bundle: codec.BundleRequest, held: list) -> list:
+        """A decode bundle (every call one row, the same row) -> one job per holding: its calls'
+        experts in one ``mul_mat_id`` graph, as llama.cpp and the backbone's own layer step run
+        them; each expert still sees exactly its one row, so every output has the bits of its
+        call alone. Anything else stays one job per call."""
+        if any(bundle.counts[i] != 1 for i, _ in held) or len({int(bundle.index[i]) for i, _ in held}) != 1:
+            return held
+        groups: dict[codec.Holding, list[tuple[int, int]]] = {}
+        for i, _ in held:
+            h, slot = self._slot[(bundle.layer, bundle.experts[i])]
+            groups.setdefault(h, []).append((i, slot))
+        jobs = []
+        for h, calls in groups.items():
+            if len(calls) == 1:
+                i = calls[0][0]
+                jobs.append((i, self._weights[(bundle.layer, bundle.experts[i])]))
+            else:
+                jobs.append((tuple(calls), self.slice.holding_slabs(h)))
+        return jobs
 
     def _validate_bundle(self, msg) -> codec.BundleRequest:
         try:
@@ -425,18 +451,37 @@ def _timed(weights, rows):
 
 
 def _bundle_timed(bundle: codec.BundleRequest, rows: np.ndarray, held) -> list:
-    """Every held call of a bundle: ``(call, output, seconds, error or None)`` in order. Each call
-    sees exactly its rows (gathered from the union), as in its own request: the same bits."""
+    """Every held call of a bundle: ``(call, output, seconds, error or None)``. A job is one call
+    ``(i, weights)``, or several calls of one holding on one row ``(((i, slab), ...), slabs)``
+    (:meth:`Worker._grouped`). Each call sees exactly its rows (gathered from the union), as in
+    its own request: the same bits."""
     done = []
-    for i, weights in held:
+    for job, weights in held:
+        if isinstance(job, tuple):
+            done.extend(_group_timed(bundle, rows, job, weights))
+            continue
         try:
-            out, seconds = _timed(weights, rows[bundle.call_index(i)])
-            if out.shape != (bundle.counts[i], rows.shape[1]):
+            out, seconds = _timed(weights, rows[bundle.call_index(job)])
+            if out.shape != (bundle.counts[job], rows.shape[1]):
                 raise ValueError(f"the kernel returned shape {out.shape}")
-            done.append((i, out, seconds, None))
+            done.append((job, out, seconds, None))
         except Exception as exc:  # this call failed: the others are still answered
-            done.append((i, None, 0.0, f"{type(exc).__name__}: {exc}"))
+            done.append((job, None, 0.0, f"{type(exc).__name__}: {exc}"))
     return done
+
+
+def _group_timed(bundle: codec.BundleRequest, rows: np.ndarray, calls, slabs) -> list:
+    """Calls ``((i, slab index), ...)`` of one holding, each on the bundle's one row, in one graph."""
+    (gate, up, down), biases, glu = slabs
+    x = rows[int(bundle.index[calls[0][0]])][None]  # (1, D)
+    ids = np.array([[slot for _, slot in calls]], dtype=np.int32)  # (1, K)
+    t0 = time.perf_counter()
+    try:
+        out = moe_ffn(gate, up, down, x, ids, biases=biases, glu=glu)  # (1, K, D)
+    except Exception as exc:
+        return [(i, None, 0.0, f"{type(exc).__name__}: {exc}") for i, _ in calls]
+    seconds = (time.perf_counter() - t0) / len(calls)
+    return [(i, out[:, k], seconds, None) for k, (i, _) in enumerate(calls)]
 
 
 class _Refused(Exception):

@@ -57,6 +57,33 @@ def test_a_bundle_gets_one_reply_with_every_held_call_and_not_held_for_the_other
     assert worker.served == 3 + 1 and worker.errors == 1
 
 
+def test_a_decode_bundle_runs_its_experts_in_one_graph_with_the_bits_of_each_call_alone(
+        nats_server, arun, slice_info, model):  # noqa: F811
+    info = slice_info  # layer 0, experts 2-5
+    subj = Subjects(info.fingerprint)
+    rows = np.random.default_rng(2).standard_normal((1, info.n_embd)).astype(np.float32)
+    calls = [("a", 5, [0]), ("b", 2, [0]), ("x", 7, [0]), ("c", 3, [0])]  # a decode step: one row
+
+    async def go():
+        nc = await connect(nats_server.url, "w")
+        worker = Worker(info, WorkerConfig(node="wd", heartbeat_s=60))
+        await worker.start(nc)
+        client = await connect(nats_server.url, "c")
+        msg = await client.request(subj.node("wd"), bundle(info, rows, calls).encode(), timeout=5)
+        await worker.stop()
+        await client.drain()
+        await nc.drain()
+        return codec.decode_bundle_reply(msg.data, n_embd=info.n_embd), worker
+
+    reply, worker = arun(go(), timeout=30)
+    got = dict(reply.results())
+    assert sorted(got) == ["a", "b", "c"] and [e[0] for e in reply.errors] == ["x"]
+    for rid, expert, _ in calls:
+        if rid in got:
+            assert np.array_equal(got[rid], reference(model, 0, expert, rows)), rid
+    assert worker.served == 3
+
+
 def test_bad_bundles_get_an_error_reply_and_the_worker_keeps_serving(nats_server, arun, slice_info, model):  # noqa: F811
     info = slice_info
     subj = Subjects(info.fingerprint)
