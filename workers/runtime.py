@@ -6,7 +6,9 @@ A :class:`Worker` subscribes to exactly the dispatch subjects of the experts it 
 announces its holdings on ``kvasir.<model>.coverage.<node>`` every few seconds. It also takes
 *bundles* on its own node subject ``kvasir.<model>.n.<node>`` (and says so in its heartbeat):
 every call of a layer step that the backbone sends to this node in one request, the rows once,
-answered with one reply that carries per call its output or why not (``not_held``).
+answered with one reply that carries per call its output or why not (``not_held``). A decode
+bundle (one row for every call) runs the experts of each held range in one ``mul_mat_id`` graph
+(:func:`kernels.expert.moe_ffn`, bit for bit each call alone), not one graph per expert.
 
 Every request is validated (model, layer, expert held, dtype, shape, size limits); a bad one
 gets an :class:`~kvasir_bus.codec.ErrorReply` and the worker keeps serving. A small product (a
