@@ -63,7 +63,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import structlog
@@ -172,6 +172,16 @@ class _Call:
         self.liar_timer: asyncio.TimerHandle | None = None
         self.nodes: tuple[str, ...] = ()  # bundled: the nodes whose bundles carry it
         self.routes = 0  # bundles that may still answer it (0: ask on the expert's subject)
+
+
+class _Answer(NamedTuple):
+    """One call's output in a bundle reply: what a :class:`codec.DispatchReply` carries, already
+    checked by the bundle reply's own record (ids, node, kernel, float32 rows)."""
+
+    request_id: str
+    node: str
+    rows: np.ndarray
+    kernel: str
 
 
 class _Bundle:
@@ -619,7 +629,7 @@ class RemoteExperts:
         call.won = _Won(parts, latency)
         self._settle(call, "won")
 
-    def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | None:
+    def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | _Answer | None:
         # Replies come from strangers: one line per node and kind a minute, not one per reply.
         if isinstance(reply, codec.CodecError):
             self.refusals.warning(("invalid", None), "reply_invalid", layer=layer, expert=expert, error=str(reply))
@@ -689,8 +699,7 @@ class RemoteExperts:
                 answers = [(token, codec.ErrorReply(token, reply.node, reply.code, reply.message))
                            for token in bundle.tokens]
             else:
-                answers = [(rid, codec.DispatchReply(rid, reply.node, rows, reply.kernel))
-                           for rid, rows in reply.results()]
+                answers = [(rid, _Answer(rid, reply.node, rows, reply.kernel)) for rid, rows in reply.results()]
                 answers += [(rid, codec.ErrorReply(rid, reply.node, code, message))
                             for rid, code, message in reply.errors]
         except codec.CodecError as exc:
@@ -709,7 +718,7 @@ class RemoteExperts:
         """A reply (or what its decoding raised) for chunk ``k`` of a pending call."""
         layer = call.step.layer
         stats = self.stats.layer(layer)
-        if isinstance(reply, (codec.DispatchReply, codec.ErrorReply)) and self.auditor.is_quarantined(reply.node):
+        if isinstance(reply, (_Answer, codec.DispatchReply, codec.ErrorReply)) and self.auditor.is_quarantined(reply.node):
             stats.ignored += 1  # a liar: wait a little longer for an honest replica
             if call.liar_timer is None:
                 grace = max(self.cfg.timeout_floor_s, 2 * (self.timeout.srtt or 0.0))
@@ -752,7 +761,7 @@ class RemoteExperts:
 
     def _shows_life(self, key: tuple[int, int], reply) -> bool:
         """A valid reply of an honest node, even one too late to use: the expert is not silent."""
-        if isinstance(reply, codec.DispatchReply) and not self.auditor.is_quarantined(reply.node) \
+        if isinstance(reply, (_Answer, codec.DispatchReply)) and not self.auditor.is_quarantined(reply.node) \
                 and codec.all_finite(reply.rows):
             self.coverage.mark_answered(*key)
             return True
