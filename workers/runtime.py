@@ -308,9 +308,12 @@ class Worker:
                 held.append((i, weights))
                 gate = weights[0]
                 work += 3 * bundle.counts[i] * gate.ne[0] * gate.ne[1]
+        limit = INLINE_WORK
         if self._one_graph and len(held) > 1:
             held = self._grouped(bundle, held)
-        if work < INLINE_WORK:
+            if len(held) == 1:  # one graph: the hop to the pool and back would cost what several calls do
+                limit = INLINE_GRAPH_WORK
+        if work < limit:
             self._inline += 1
             try:
                 await self._answer_bundle(msg, bundle, rows, held, refused, None)
@@ -439,6 +442,7 @@ class Worker:
 
 
 INLINE_WORK = 1 << 20  # multiply-adds (~50-100 µs on one core) below which the loop computes inline
+INLINE_GRAPH_WORK = 4 * INLINE_WORK  # the same for a decode bundle in one graph (one graph's overhead, not K)
 
 
 def _small(weights, rows) -> bool:
