@@ -15,6 +15,11 @@ Two ways for the workers holding the same expert to share its subject (``--repli
   the queue group picks a member again (most often another one); the first reply wins, the
   timeout and the local fallback stay behind it.
 
+With bundles (:mod:`backbone.dispatch`), a call for bundle-capable holders goes in every
+holder's bundle in race mode, and in one holder's in balance mode: the one with the fewest calls
+of the step so far, then the lowest smoothed round trip (:meth:`LatencyBook.node_mean`); its
+hedge goes to the expert's subject, where the queue group picks a member.
+
 The worker's side is only its subscription (``queue=``); which mode a worker runs is announced
 in its ``$SRV`` card (``queue_group``). A mismatch costs efficiency, never an answer: hedges
 against racing workers compute twice, a racing backbone in front of a queue group waits for a
