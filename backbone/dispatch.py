@@ -79,6 +79,7 @@ from kvasir_bus.throttle import ThrottledLog
 log = structlog.get_logger("kvasir.dispatch")
 
 _ENVELOPE_BYTES = 1024  # msgpack map, ids and headers around the rows, generously
+_CALL_BYTES = 96  # a call's id, expert and count in a bundle, or its id and count (or error) in the reply
 
 
 @dataclass(frozen=True)
@@ -399,12 +400,18 @@ class RemoteExperts:
         return (min(nodes, key=lambda node: (len(by_node.get(node, ())), book.node_mean(node) or 0.0)),)
 
     def _pack(self, layer: int, node: str, calls: list[_Call], max_rows: int) -> list[_Bundle]:
-        """A node's calls of one step -> its bundles: usually one; more only when the rows (each
-        distinct one once) or the outputs would pass the message size."""
+        """A node's calls of one step -> its bundles: usually one; more only when the request (each
+        distinct row once, a row index per call row, an id per call) or the reply (every call's
+        output) would pass the message size. A single call always fits (it has <= max_rows)."""
+        budget = max_rows * self.n_embd * 4  # what one message may carry besides its envelope
+        row_bytes = self.n_embd * calls[0].rows.itemsize
         bundles, start, union, index, total = [], 0, _Union(), [], 0
         for k, call in enumerate(calls + [None]):
             n = 0 if call is None else len(call.rows)
-            if call is None or (k > start and (len(union.rows) + n > max_rows or total + n > max_rows)):
+            calls_bytes = _CALL_BYTES * (k - start + 1)
+            request = (len(union.rows) + n) * row_bytes + 4 * (total + n) + calls_bytes  # the new rows, at worst
+            reply = (total + n) * self.n_embd * 4 + calls_bytes
+            if call is None or (k > start and max(request, reply) > budget):
                 bundles.append(self._bundle(layer, node, calls[start:k], union, index))
                 start, union, index, total = k, _Union(), [], 0
             if call is not None:

@@ -651,3 +651,24 @@ def test_a_node_whose_bundles_go_unanswered_gets_none_for_a_doubling_hold(rig, b
     nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 5)]
     (out,) = remote.run_layer(0, [(1, ROW)])
     assert np.array_equal(out, 5 * ROW) and len(nc.bundles) == 2
+
+
+def test_bundles_are_split_to_fit_the_servers_max_payload_and_a_big_call_goes_per_expert(rig, bus):
+    remote, nc, local, _, _ = rig()
+    nc.max_payload = 1024 + 8 * D * 4  # 8 rows a message (besides the envelope)
+    heartbeat(bus, nc, "wb")
+    sizes = []
+
+    def answer(node, b):
+        sizes.append(len(b.encode()))
+        return [bundle_reply(node, b, 3)]
+
+    nc.answer_bundle = answer
+    nc.answer = times(3)
+    big = np.arange(9 * D, dtype=np.float32).reshape(9, D)  # more rows than one message holds
+    calls = [(e, ROWS + e) for e in range(6)] + [(7, big)]
+    outs = remote.run_layer(0, calls)
+    assert all(np.array_equal(o, 3 * x) for o, (_, x) in zip(outs, calls))
+    assert len(nc.bundles) > 1 and sum(len(b.ids) for _, b, _ in nc.bundles) == 6
+    assert max(sizes) <= nc.max_payload
+    assert {req.expert for _, req, _ in nc.requests} == {7} and len(nc.requests) == 2  # in two chunks
