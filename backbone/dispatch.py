@@ -185,6 +185,11 @@ class _Answer(NamedTuple):
     kernel: str
 
 
+def _row_bytes(rows: np.ndarray) -> list[bytes]:
+    """Each row's bytes (a decode call's one row without iterating the array)."""
+    return [rows.tobytes()] if len(rows) == 1 else [row.tobytes() for row in rows]
+
+
 class _Bundle:
     """The calls of one layer step sent to one node in one message (:class:`codec.BundleRequest`)."""
 
@@ -271,6 +276,7 @@ class RemoteExperts:
         self.subjects = Subjects(model)
         self.model = model
         self.requests = codec.RequestEncoder(model)  # the model is checked once, not per request
+        self.bundle_requests = codec.BundleEncoder(model)
         self.bundles = cfg.bundles
         self.coverage.track_nodes = self.coverage.track_nodes or cfg.bundles
         self.stats = DispatchStats()
@@ -405,6 +411,12 @@ class RemoteExperts:
         output) would pass the message size. A single call always fits (it has <= max_rows)."""
         budget = max_rows * self.n_embd * 4  # what one message may carry besides its envelope
         row_bytes = self.n_embd * calls[0].rows.itemsize
+        n_rows = sum(len(call.rows) for call in calls)
+        if n_rows * (self.n_embd * 4 + 4) + _CALL_BYTES * len(calls) <= budget:  # fits even if no row repeats
+            union, index = _Union(), []
+            for call in calls:
+                index.extend(map(union.add, _row_bytes(call.rows)))
+            return [self._bundle(layer, node, calls, union, index)]
         bundles, start, union, index, total = [], 0, _Union(), [], 0
         for k, call in enumerate(calls + [None]):
             n = 0 if call is None else len(call.rows)
@@ -415,7 +427,7 @@ class RemoteExperts:
                 bundles.append(self._bundle(layer, node, calls[start:k], union, index))
                 start, union, index, total = k, _Union(), [], 0
             if call is not None:
-                index.extend(union.add(row.tobytes()) for row in call.rows)
+                index.extend(map(union.add, _row_bytes(call.rows)))
                 total += n
         return bundles
 
@@ -423,9 +435,8 @@ class RemoteExperts:
         rows0 = calls[0].rows
         rows = np.frombuffer(b"".join(union.rows), rows0.dtype).reshape(len(union.rows), rows0.shape[1])
         token = f"{next(self._ids):x}"
-        payload = codec.BundleRequest(self.model, layer, token, rows, tuple(call.tokens[0] for call in calls),
-                                      tuple(call.expert for call in calls), tuple(len(call.rows) for call in calls),
-                                      np.array(index, dtype=np.uint32)).encode()
+        payload = self.bundle_requests.encode(layer, token, rows, [call.tokens[0] for call in calls],
+                                              [call.expert for call in calls], [len(call.rows) for call in calls], index)
         return _Bundle(node, layer, token, calls, payload)
 
     def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won) -> np.ndarray:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import itertools
 import re
+import struct
 import sys
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
@@ -599,6 +600,37 @@ class ReplyEncoder:
         if self.kernel:
             body["kernel"] = self.kernel
         return msgpack.packb(body, use_bin_type=True)
+
+
+class BundleEncoder:
+    """``BundleRequest(model, layer, bundle_id, rows, ids, experts, counts, index).encode()``
+    without building the record: the model is checked once here, the rest per bundle with the
+    record's own checks (``index`` a list of ints). The bytes are the record's (tested)."""
+
+    def __init__(self, model: str):
+        self.model = check_model(BundleRequest.what, model)
+
+    def encode(self, layer: int, bundle_id: str, rows: np.ndarray, ids, experts, counts, index: list[int]) -> bytes:
+        r = BundleRequest.what
+        if type(layer) is not int or not 0 <= layer <= MAX_INDEX:
+            layer = check_index(r, "layer", layer)
+        if not is_id(bundle_id):
+            check_id(r, "bundle_id", bundle_id)
+        _rows(r, rows, REQUEST_DTYPES)
+        ids = _id_list(r, "ids", ids, MAX_BUNDLE_CALLS)
+        if not ids:
+            raise fail(r, "ids", "is empty (a bundle has at least one call)")
+        _unique(r, "ids", ids)
+        experts = _int_list(r, "experts", experts, len(ids), 0, MAX_INDEX)
+        counts = _int_list(r, "counts", counts, len(ids), 1, MAX_DIM)
+        n = len(index)
+        if n != sum(counts) or min(index) < 0 or max(index) >= rows.shape[0]:
+            raise fail(r, "index", f"must be {sum(counts)} row indices below {rows.shape[0]}, got {n} "
+                                   f"in {min(index, default=0)}..{max(index, default=0)}")
+        return msgpack.packb({"v": VERSION, "t": BundleRequest.kind, "model": self.model, "layer": layer,
+                              "bundle_id": bundle_id, **_array_fields(rows), "ids": list(ids),
+                              "experts": list(experts), "counts": list(counts),
+                              "index": struct.pack(f"<{n}I", *index)}, use_bin_type=True)
 
 
 Reply = Union[DispatchReply, ErrorReply]

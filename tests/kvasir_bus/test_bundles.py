@@ -173,3 +173,19 @@ def test_heartbeats_say_whether_the_worker_takes_bundles_and_old_ones_do_not():
     assert codec.decode_heartbeat(old.encode()).bundles is False
     with pytest.raises(CodecError, match="bundles"):
         wire.decode(msgpack.packb({**body, "bundles": "yes"}), ("hb",), "heartbeat")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_the_bundle_encoder_writes_the_records_bytes_and_refuses_what_it_refuses(dtype):
+    sent = bundle(rows=union(dtype=dtype))
+    enc = codec.BundleEncoder(MODEL)
+    assert enc.encode(3, "b1", sent.rows, ["q1", "q2"], [5, 9], [1, 2], [1, 0, 1]) == sent.encode()
+    for args, field in [((3, "b1", sent.rows, ["q1", "q1"], [5, 9], [1, 2], [1, 0, 1]), "ids"),
+                        ((3, "b1", sent.rows, [], [], [], []), "ids"),
+                        ((3, "b1", sent.rows, ["q1", "q2"], [5, 9], [1, 1], [1, 0, 1]), "index"),
+                        ((3, "b1", sent.rows, ["q1", "q2"], [5, 9], [1, 2], [1, 0, 2]), "index"),
+                        ((3, "b1", sent.rows, ["q1", "q2"], [5, -9], [1, 2], [1, 0, 1]), "experts"),
+                        ((-3, "b1", sent.rows, ["q1", "q2"], [5, 9], [1, 2], [1, 0, 1]), "layer"),
+                        ((3, "b 1", sent.rows, ["q1", "q2"], [5, 9], [1, 2], [1, 0, 1]), "bundle_id")]:
+        with pytest.raises(CodecError, match=field):
+            enc.encode(*args)
