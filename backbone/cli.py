@@ -91,6 +91,9 @@ def add_replica_flags(p: argparse.ArgumentParser) -> None:
                    "each expert in a NATS queue group (one computes) and an unanswered request is re-sent "
                    "after the p95 of that expert's latency (hedging); give the workers the same "
                    "--replicas (default race)")
+    p.add_argument("--bundles", choices=("on", "off"), default="on",
+                   help="on: every call of a layer step for one worker goes in one message on the worker's "
+                   "node subject (workers that announce bundles); off: one message per expert (default on)")
     p.add_argument("--hot", choices=("auto", "off"), default="off",
                    help="auto: compute an expert here when this node's measured cost beats its measured "
                    "round trip (a slow link costs less than a local compute); off: always ask the workers "

@@ -17,10 +17,19 @@ too, but at most once per ``hold`` period for that expert, and the hold doubles 
 expert goes silent again (up to ``max_hold_s``): a node that heartbeats and never answers cannot
 buy a timeout per heartbeat. Heartbeat claims are clipped to the model's geometry first, so a
 heartbeat claiming a billion experts costs as much as one claiming the real ones.
+
+With ``track_nodes`` it also keeps who takes *bundles* (heartbeats with ``bundles``): per node its
+holdings and when it was last heard, so the dispatch can send all of a layer step's calls for one
+node in one message (:meth:`bundle_holders`). A node unheard for ``node_ttl_s``, or whose bundle
+subject got "no responders" (:meth:`forget_node`), is dropped until its next heartbeat. A node
+whose bundle went unanswered (:meth:`bundle_unanswered`: frozen, or a bus that refuses the
+backbone the node subjects) gets none for a hold that doubles each time, as silence does, until
+one of its bundles is answered: its experts are asked per expert meanwhile.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable
 
@@ -35,7 +44,8 @@ log = structlog.get_logger("kvasir.coverage_view")
 class CoverageView:
     def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic, *,
                  n_layer: int | None = None, n_expert: int | None = None,
-                 silence_hold_s: float = 2.0, max_hold_s: float = 60.0):
+                 silence_hold_s: float = 2.0, max_hold_s: float = 60.0, node_ttl_s: float = 10.0,
+                 max_nodes: int = 4096):
         self.ttl_s, self.clock = ttl_s, clock
         self.n_layer, self.n_expert = n_layer, n_expert
         self.silence_hold_s, self.max_hold_s = silence_hold_s, max_hold_s
@@ -44,6 +54,15 @@ class CoverageView:
         self._revived: dict[tuple[int, int], float] = {}  # silent, then revived by a heartbeat -> its hold
         self._answered = False  # any valid reply ever: then unknown experts are worth a wait
         self._sub = None
+        self.track_nodes = False  # keep the bundle-capable nodes' holdings (the dispatch sets it)
+        self.node_ttl_s, self.max_nodes = node_ttl_s, max_nodes
+        self._nodes: dict[str, tuple[dict[int, list[tuple[int, int]]], float]] = {}  # node -> (spans, heard at)
+        self._holders: dict[tuple[int, int], tuple[str, ...]] = {}  # (layer, expert) -> nodes, a cache
+        self._next_sweep = 0.0
+        self._bundle_hold: dict[str, tuple[float, float]] = {}  # node -> (no bundles until, hold)
+        # The engine's thread reads the node table, the loop thread writes it: one lock, so a
+        # cached answer is never computed from a table that changed under it.
+        self._lock = threading.Lock()
 
     # -- the cache (the loop thread) ------------------------------------------------------------
 
@@ -83,10 +102,84 @@ class CoverageView:
     def silent(self) -> int:
         return len(self._silent)
 
+    # -- who takes bundles (the engine's thread reads, the loop thread writes) ----------------------
+
+    def bundle_holders(self, layer: int, expert: int) -> tuple[str, ...]:
+        """The bundle-capable nodes that announced ``(layer, expert)``, in name order."""
+        now = self.clock()
+        if now >= self._next_sweep:
+            self._sweep(now)
+        key = (layer, expert)
+        nodes = self._holders.get(key)
+        if nodes is None:
+            with self._lock:
+                nodes = tuple(sorted(node for node, (spans, _) in self._nodes.items()
+                                     if any(lo <= expert < hi for lo, hi in spans.get(layer, ()))
+                                     and self._bundle_hold.get(node, (0.0,))[0] <= now))
+                self._holders[key] = nodes
+        return nodes
+
+    def forget_node(self, node: str) -> None:
+        """The node's bundle subject has no subscriber: send it nothing until it heartbeats again."""
+        with self._lock:
+            self._nodes.pop(node, None)
+            self._holders = {}
+
+    def bundle_unanswered(self, node: str) -> None:
+        """A bundle sent to ``node`` timed out: no bundles to it for a while (doubling)."""
+        now = self.clock()
+        with self._lock:
+            until, hold = self._bundle_hold.get(node, (0.0, self.silence_hold_s / 2))
+            if until > now:
+                return  # one step's timeout counts once
+            hold = min(self.max_hold_s, 2 * hold)
+            self._bundle_hold[node] = (now + hold, hold)
+            self._holders = {}
+            if len(self._bundle_hold) > self.max_nodes:
+                self._bundle_hold.pop(next(iter(self._bundle_hold)))
+
+    def bundle_answered(self, node: str) -> None:
+        """A bundle of ``node`` was answered: its next timeout holds it back for the shortest hold again."""
+        if node in self._bundle_hold:
+            with self._lock:
+                self._bundle_hold.pop(node, None)
+                self._holders = {}
+
+    @property
+    def bundle_nodes(self) -> int:
+        return len(self._nodes)
+
+    def _sweep(self, now: float) -> None:
+        with self._lock:
+            self._next_sweep = now + min(1.0, self.node_ttl_s / 4)
+            stale = [node for node, (_, heard_at) in self._nodes.items() if now - heard_at > self.node_ttl_s]
+            for node in stale:
+                del self._nodes[node]
+            released = [node for node, (until, _) in self._bundle_hold.items() if 0.0 < until <= now]
+            for node in released:  # the hold is kept, doubled by the next timeout; only the ban ends
+                self._bundle_hold[node] = (0.0, self._bundle_hold[node][1])
+            if stale or released:
+                self._holders = {}
+
+    def _track(self, heartbeat: codec.Heartbeat, spans: dict[int, list[tuple[int, int]]]) -> None:
+        node = heartbeat.node
+        if not heartbeat.bundles:  # an old worker, or one that stopped taking bundles
+            if node in self._nodes:
+                self.forget_node(node)
+            return
+        with self._lock:
+            known = self._nodes.get(node)
+            if known is None and len(self._nodes) >= self.max_nodes:
+                return
+            self._nodes[node] = (spans, self.clock())
+            if known is None or known[0] != spans:
+                self._holders = {}
+
     def heard(self, heartbeat: codec.Heartbeat) -> None:
-        """A worker announced its holdings: ask again for those we had given up on. The work is
-        bounded by what we had given up on, never by what the heartbeat claims."""
-        if not self._uncovered and not self._silent:
+        """A worker announced its holdings: ask again for those we had given up on, and (with
+        ``track_nodes``) note whether it takes bundles. The work is bounded by the model's
+        geometry and what we had given up on, never by what the heartbeat claims."""
+        if not self._uncovered and not self._silent and not self.track_nodes:
             return
         spans: dict[int, list[tuple[int, int]]] = {}
         for h in heartbeat.holdings:
@@ -95,7 +188,9 @@ class CoverageView:
             hi = h.hi if self.n_expert is None else min(h.hi, self.n_expert)
             if h.lo < hi:
                 spans.setdefault(h.layer, []).append((h.lo, hi))
-        if not spans:
+        if self.track_nodes:
+            self._track(heartbeat, spans)
+        if not spans or (not self._uncovered and not self._silent):
             return
 
         def claimed(key: tuple[int, int]) -> bool:
@@ -119,7 +214,7 @@ class CoverageView:
             await sub.unsubscribe()
 
     async def _on_heartbeat(self, msg) -> None:
-        if not self._uncovered and not self._silent:
+        if not self._uncovered and not self._silent and not self.track_nodes:
             return
         try:
             hb = codec.decode_heartbeat(msg.data, max_bytes=64 * 1024)

@@ -26,6 +26,19 @@ wire rounding is applied by the engine before dispatch), so the output is bit-id
 Replies come back on one wildcard inbox per backbone, matched by request id: that is how a
 late reply can be told from a racing replica's, which ``nc.request`` cannot do.
 
+**Bundles** (``DispatchConfig.bundles``, on by default): a call whose expert a bundle-capable
+node holds (its heartbeat says so; :meth:`CoverageView.bundle_holders`) is not sent on the
+expert's subject but in that node's *bundle*: one :class:`~kvasir_bus.codec.BundleRequest` per
+node and layer step on ``kvasir.<model>.n.<node>``, the step's rows once, answered by one
+:class:`~kvasir_bus.codec.BundleReply`. In race mode a call goes into the bundle of every holder
+(the first valid answer wins); in balance mode into one holder's (the fewest calls of this step,
+then the lowest smoothed round trip), and hedging re-sends it on its expert subject. Each call
+keeps its own token, and each answer in a bundle reply goes through exactly the path of a single
+reply (validated, audited, won, credited, counted); an answer for a token that was not in that
+node's bundle is dropped and counted (``foreign``). A bundle whose node has gone ("no responders")
+sends its unanswered calls on their expert subjects, as calls without a bundle holder always are.
+Calls bigger than one message, and probes of silent experts, go per expert too.
+
 What a remote call costs (``bench/dispatch.py --overhead``) is kept to the bus client's own
 work: the engine's thread decides and encodes a whole layer step (:meth:`RemoteExperts._plan`)
 and hands it to the loop in one hop; :meth:`RemoteExperts._publish_step` publishes every request
@@ -50,7 +63,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import structlog
@@ -66,6 +79,7 @@ from kvasir_bus.throttle import ThrottledLog
 log = structlog.get_logger("kvasir.dispatch")
 
 _ENVELOPE_BYTES = 1024  # msgpack map, ids and headers around the rows, generously
+_CALL_BYTES = 96  # a call's id, expert and count in a bundle, or its id and count (or error) in the reply
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,7 @@ class DispatchConfig:
     initial_timeout_s: float = 0.5  # before any latency has been observed
     uncovered_ttl_s: float = 1.0  # after "no responders", compute locally without asking this long
     audit: AuditConfig = AuditConfig()  # which remote replies are recomputed here
+    bundles: bool = True  # one message per bundle-capable worker per layer step (--bundles on|off)
 
 
 class AdaptiveTimeout:
@@ -145,7 +160,7 @@ class _Call:
     from then on only the loop thread writes it, until it is ``done``."""
 
     __slots__ = ("step", "index", "expert", "rows", "chunks", "tokens", "payloads", "parts", "left",
-                 "won", "done", "liar_timer")
+                 "won", "done", "liar_timer", "nodes", "routes")
 
     def __init__(self, step: _Step, index: int, expert: int, rows: np.ndarray, chunks: list[np.ndarray]):
         self.step, self.index, self.expert, self.rows, self.chunks = step, index, expert, rows, chunks
@@ -156,6 +171,57 @@ class _Call:
         self.won: _Won | None = None
         self.done = False
         self.liar_timer: asyncio.TimerHandle | None = None
+        self.nodes: tuple[str, ...] = ()  # bundled: the nodes whose bundles carry it
+        self.routes = 0  # bundles that may still answer it (0: ask on the expert's subject)
+
+
+class _Answer(NamedTuple):
+    """One call's output in a bundle reply: what a :class:`codec.DispatchReply` carries, already
+    checked by the bundle reply's own record (ids, node, kernel, float32 rows)."""
+
+    request_id: str
+    node: str
+    rows: np.ndarray
+    kernel: str
+
+
+def _row_bytes(rows: np.ndarray) -> list[bytes]:
+    """Each row's bytes (a decode call's one row without iterating the array)."""
+    return [rows.tobytes()] if len(rows) == 1 else [row.tobytes() for row in rows]
+
+
+class _Bundle:
+    """The calls of one layer step sent to one node in one message (:class:`codec.BundleRequest`)."""
+
+    __slots__ = ("node", "layer", "token", "calls", "tokens", "payload")
+
+    def __init__(self, node: str, layer: int, token: str, calls: list[_Call], payload: bytes):
+        self.node, self.layer, self.token, self.calls, self.payload = node, layer, token, calls, payload
+        self.tokens = frozenset(call.tokens[0] for call in calls)  # what a reply to it may answer
+
+
+class _Union:
+    """The distinct rows of a bundle, each once, found by content (every expert of a decode step
+    gets the same row; equal rows give equal outputs, so sending one copy changes no bit)."""
+
+    __slots__ = ("rows", "_seen")
+
+    def __init__(self):
+        self.rows: list[bytes] = []
+        self._seen: dict[bytes, list[int]] = {}
+
+    def add(self, row: bytes) -> int:
+        key = row[::61]  # a sample to find candidates; equality is checked on every byte
+        found = self._seen.get(key)
+        if found is not None:
+            for j in found:
+                if self.rows[j] == row:
+                    return j
+        else:
+            found = self._seen[key] = []
+        found.append(len(self.rows))
+        self.rows.append(row)
+        return len(self.rows) - 1
 
 
 class _Step:
@@ -165,12 +231,13 @@ class _Step:
     through ``fallbacks``: a call's index as soon as it must be computed here, :data:`_SETTLED`
     once every call is settled. One loop hop, one timer and one queue per step, not per call."""
 
-    __slots__ = ("layer", "calls", "probes", "timeout_s", "t0", "left", "timer", "fallbacks")
+    __slots__ = ("layer", "calls", "probes", "bundles", "timeout_s", "t0", "left", "timer", "fallbacks")
 
     def __init__(self, layer: int, timeout_s: float):
         self.layer, self.timeout_s = layer, timeout_s
         self.calls: list[_Call] = []  # waited for
         self.probes: list[_Call] = []  # silent experts: sent, never waited for
+        self.bundles: list[_Bundle] = []  # calls for bundle-capable nodes, one message per node
         self.t0 = 0.0
         self.left = 0  # calls not settled yet
         self.timer: asyncio.TimerHandle | None = None
@@ -209,6 +276,9 @@ class RemoteExperts:
         self.subjects = Subjects(model)
         self.model = model
         self.requests = codec.RequestEncoder(model)  # the model is checked once, not per request
+        self.bundle_requests = codec.BundleEncoder(model)
+        self.bundles = cfg.bundles
+        self.coverage.track_nodes = self.coverage.track_nodes or cfg.bundles
         self.stats = DispatchStats()
         self.timeout = AdaptiveTimeout(cfg)
         self.observe_reply = None  # metrics hook (backbone.metrics): (layer, seconds) of each winning reply
@@ -217,6 +287,8 @@ class RemoteExperts:
         self._pending: dict[str, tuple[_Call, int]] = {}  # token -> (call, chunk)
         self._finished: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # token -> (how, layer, expert)
         self._probes: OrderedDict[str, tuple[int, int]] = OrderedDict()  # token -> (layer, expert)
+        self._bundles: OrderedDict[str, _Bundle] = OrderedDict()  # bundle token -> bundle, recent ones
+        self._node_subjects: dict[str, str] = {}
         self._ids = itertools.count()
         self._inbox: str | None = None
         self._sub = None
@@ -242,7 +314,7 @@ class RemoteExperts:
         """Every selected expert of a layer step with its rows -> their outputs, in order."""
         stats = self.stats.layer(layer)
         step = self._plan(layer, calls, stats)
-        if step.calls or step.probes:
+        if step.calls or step.probes or step.bundles:
             try:
                 self.bus.loop.call_soon_threadsafe(self._send, step)
             except RuntimeError as exc:  # the loop is closed: nobody will answer
@@ -283,10 +355,12 @@ class RemoteExperts:
         return self.local.compute(layer, expert, rows)
 
     def _plan(self, layer: int, calls, stats: LayerStats) -> _Step:
-        """Decide per expert (ask and wait, only probe, or not ask at all) and encode the requests
-        here, so the loop thread only publishes."""
+        """Decide per expert (ask and wait, only probe, or not ask at all), choose who gets it (a
+        node's bundle, or the expert's subject) and encode the messages here, so the loop thread
+        only publishes."""
         step = _Step(layer, self.timeout.current())
         max_rows = self._max_rows()
+        by_node: dict[str, list[_Call]] = {}
         for i, (expert, rows) in enumerate(calls):
             if self.coverage.is_uncovered(layer, expert):
                 stats.local_choice += 1
@@ -295,17 +369,75 @@ class RemoteExperts:
             n = len(rows)
             chunks = [rows] if n <= max_rows else np.array_split(rows, -(-n // max_rows))  # max_payload
             call = _Call(step, i, expert, rows, chunks)
-            for chunk in chunks:
-                token = f"{next(self._ids):x}"
-                call.tokens.append(token)
-                call.payloads.append(self.requests.encode(layer, expert, token, chunk))
+            nodes = self._bundle_nodes(layer, expert, by_node) if self.bundles and not silent and n <= max_rows \
+                else ()
+            if nodes:
+                call.tokens.append(f"{next(self._ids):x}")
+                call.nodes, call.routes = nodes, len(nodes)
+                for node in nodes:
+                    by_node.setdefault(node, []).append(call)
+            else:
+                for chunk in chunks:
+                    token = f"{next(self._ids):x}"
+                    call.tokens.append(token)
+                    call.payloads.append(self.requests.encode(layer, expert, token, chunk))
             if silent:  # a probe: nobody waits for it, a valid reply ends the silence
                 stats.silent += 1
                 step.probes.append(call)
             else:
                 step.calls.append(call)
+        for node, node_calls in by_node.items():
+            step.bundles.extend(self._pack(layer, node, node_calls, max_rows))
+        stats.bundles += len(step.bundles)
+        stats.bundled_calls += sum(1 for call in step.calls if call.nodes)
         step.left = len(step.calls)
         return step
+
+    def _bundle_nodes(self, layer: int, expert: int, by_node: dict[str, list[_Call]]) -> tuple[str, ...]:
+        """Who gets a call in its bundle: every honest bundle-capable holder (race), or one of them
+        (balance: the fewest calls of this step so far, then the lowest smoothed round trip)."""
+        nodes = self.coverage.bundle_holders(layer, expert)
+        if not nodes:
+            return ()
+        nodes = tuple(node for node in nodes if not self.auditor.is_quarantined(node))
+        if len(nodes) < 2 or self.replicas is None or self.replicas.cfg.mode != "balance":
+            return nodes
+        book = self.replicas.book
+        return (min(nodes, key=lambda node: (len(by_node.get(node, ())), book.node_mean(node) or 0.0)),)
+
+    def _pack(self, layer: int, node: str, calls: list[_Call], max_rows: int) -> list[_Bundle]:
+        """A node's calls of one step -> its bundles: usually one; more only when the request (each
+        distinct row once, a row index per call row, an id per call) or the reply (every call's
+        output) would pass the message size. A single call always fits (it has <= max_rows)."""
+        budget = max_rows * self.n_embd * 4  # what one message may carry besides its envelope
+        row_bytes = self.n_embd * calls[0].rows.itemsize
+        n_rows = sum(len(call.rows) for call in calls)
+        if n_rows * (self.n_embd * 4 + 4) + _CALL_BYTES * len(calls) <= budget:  # fits even if no row repeats
+            union, index = _Union(), []
+            for call in calls:
+                index.extend(map(union.add, _row_bytes(call.rows)))
+            return [self._bundle(layer, node, calls, union, index)]
+        bundles, start, union, index, total = [], 0, _Union(), [], 0
+        for k, call in enumerate(calls + [None]):
+            n = 0 if call is None else len(call.rows)
+            calls_bytes = _CALL_BYTES * (k - start + 1)
+            request = (len(union.rows) + n) * row_bytes + 4 * (total + n) + calls_bytes  # the new rows, at worst
+            reply = (total + n) * self.n_embd * 4 + calls_bytes
+            if call is None or (k > start and max(request, reply) > budget):
+                bundles.append(self._bundle(layer, node, calls[start:k], union, index))
+                start, union, index, total = k, _Union(), [], 0
+            if call is not None:
+                index.extend(map(union.add, _row_bytes(call.rows)))
+                total += n
+        return bundles
+
+    def _bundle(self, layer: int, node: str, calls: list[_Call], union: _Union, index: list[int]) -> _Bundle:
+        rows0 = calls[0].rows
+        rows = np.frombuffer(b"".join(union.rows), rows0.dtype).reshape(len(union.rows), rows0.shape[1])
+        token = f"{next(self._ids):x}"
+        payload = self.bundle_requests.encode(layer, token, rows, [call.tokens[0] for call in calls],
+                                              [call.expert for call in calls], [len(call.rows) for call in calls], index)
+        return _Bundle(node, layer, token, calls, payload)
 
     def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won) -> np.ndarray:
         """A won call: audit it if the auditor says so (then the local result is used), credit
@@ -376,13 +508,22 @@ class RemoteExperts:
                 self._probes[token] = (layer, call.expert)
         while len(self._probes) > 4096:
             self._probes.popitem(last=False)
+        for bundle in step.bundles:
+            self._bundles[bundle.token] = bundle
+        while len(self._bundles) > 4096:
+            self._bundles.popitem(last=False)
         stats = self.stats.layer(layer)
         step.t0 = time.perf_counter()
         subject_of = self.subjects.dispatch
         reply_to = self._inbox + "."
         sent = 0
         try:
+            for bundle in step.bundles:
+                await self.nc.publish(self._node_subject(bundle.node), bundle.payload, reply=reply_to + bundle.token)
+                sent += len(bundle.payload)
             for call in (*step.calls, *step.probes):
+                if call.nodes:
+                    continue  # in its nodes' bundles
                 subject = subject_of(layer, call.expert)
                 for token, payload in zip(call.tokens, call.payloads):
                     await self.nc.publish(subject, payload, reply=reply_to + token)
@@ -405,18 +546,39 @@ class RemoteExperts:
                     if delay is not None and delay < step.timeout_s:
                         loop.call_later(delay, self._hedge, call, 1, delay)
 
+    def _node_subject(self, node: str) -> str:
+        subject = self._node_subjects.get(node)
+        if subject is None:
+            subject = self._node_subjects[node] = self.subjects.node(node)
+            if len(self._node_subjects) > 4096:  # nodes come and go; their names are only a cache
+                self._node_subjects.clear()
+        return subject
+
+    def _payloads(self, call: _Call) -> list[bytes]:
+        """A call's requests on its expert's subject (a bundled call gets them when first needed)."""
+        if not call.payloads:
+            layer = call.step.layer
+            call.payloads = [self.requests.encode(layer, call.expert, token, chunk)
+                             for token, chunk in zip(call.tokens, call.chunks)]
+        return call.payloads
+
+    def _send_per_expert(self, call: _Call) -> None:
+        """Ask for a call's unanswered chunks on its expert's subject, under the same tokens."""
+        subject = self.subjects.dispatch(call.step.layer, call.expert)
+        reply_to = self._inbox + "."
+        for k, (token, payload) in enumerate(zip(call.tokens, self._payloads(call))):
+            if call.parts[k] is None:
+                asyncio.get_running_loop().create_task(self.nc.publish(subject, payload, reply=reply_to + token))
+
     def _hedge(self, call: _Call, n: int, delay: float) -> None:
-        """Re-send a call's unanswered chunks (the ``n``-th time) to the same reply tokens: a
-        queue group picks a member again, the first reply wins, the step's timer stays behind."""
+        """Re-send a call's unanswered chunks (the ``n``-th time) to the same reply tokens on the
+        expert's subject: a queue group picks a member again, the first reply wins, the step's
+        timer stays behind."""
         if call.done or self.replicas is None:
             return
         self.replicas.hedges += 1
         self.replicas.hedged_calls += n == 1
-        subject = self.subjects.dispatch(call.step.layer, call.expert)
-        reply_to = self._inbox + "."
-        for k, (token, payload) in enumerate(zip(call.tokens, call.payloads)):
-            if call.parts[k] is None:
-                asyncio.get_running_loop().create_task(self.nc.publish(subject, payload, reply=reply_to + token))
+        self._send_per_expert(call)
         if n < self.replicas.cfg.max_hedges and (n + 1) * delay < call.step.timeout_s:
             asyncio.get_running_loop().call_later(delay, self._hedge, call, n + 1, delay)
 
@@ -447,6 +609,10 @@ class RemoteExperts:
             stats.timeouts += 1
             self.timeout.timed_out()
             self.coverage.mark_silent(step.layer, call.expert)
+            for node in call.nodes:  # a bundle that let its call time out: none to that node for a while
+                self.coverage.bundle_unanswered(node)
+                if self.replicas is not None:
+                    self.replicas.book.observe_node(node, step.timeout_s)
             self.refusals.info(("timeout", step.layer), "dispatch_timeout", layer=step.layer, expert=call.expert,
                                timeout_ms=round(1000 * self.timeout.current(), 1))
             self._settle(call, "timeout")
@@ -464,7 +630,9 @@ class RemoteExperts:
         parts = tuple(call.parts)
         self.coverage.mark_answered(layer, call.expert)
         self.timeout.observe(latency)
-        self.replicas is None or self.replicas.book.observe(layer, call.expert, latency)
+        if self.replicas is not None:
+            self.replicas.book.observe(layer, call.expert, latency)
+            self.replicas.book.observe_node(parts[0].node, latency)
         self.observe_reply is None or self.observe_reply(layer, latency)
         n = len(call.rows)
         stats.remote += 1
@@ -479,7 +647,7 @@ class RemoteExperts:
         call.won = _Won(parts, latency)
         self._settle(call, "won")
 
-    def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | None:
+    def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | _Answer | None:
         # Replies come from strangers: one line per node and kind a minute, not one per reply.
         if isinstance(reply, codec.CodecError):
             self.refusals.warning(("invalid", None), "reply_invalid", layer=layer, expert=expert, error=str(reply))
@@ -511,8 +679,12 @@ class RemoteExperts:
     async def _on_reply(self, msg) -> None:
         token = msg.subject[len(self._inbox) + 1:]
         entry = self._pending.get(token)
-        if entry is None:  # a probe's reply, one after its timeout, or a replica that lost the race
-            self._on_stray_reply(token, msg)
+        if entry is None:
+            bundle = self._bundles.get(token)
+            if bundle is not None:
+                self._on_bundle_reply(bundle, msg)
+            else:  # a probe's reply, one after its timeout, or a replica that lost the race
+                self._on_stray_reply(token, msg)
             return
         call, k = entry
         layer = call.step.layer
@@ -521,10 +693,50 @@ class RemoteExperts:
             self.stats.layer(layer).no_responders += 1
             self._settle(call, "no_responders")
             return
-        stats = self.stats.layer(layer)
+        self.stats.layer(layer).bytes_in += len(msg.data)
+        self._on_answer(call, k, token, self._decode(msg.data))
+
+    def _on_bundle_reply(self, bundle: _Bundle, msg) -> None:
+        """One node's answer to its bundle: each call's part goes the way a single reply goes."""
+        stats = self.stats.layer(bundle.layer)
+        if msg.headers and msg.headers.get("Status") == "503":  # nobody on the node's subject: it is gone
+            self.coverage.forget_node(bundle.node)
+            stats.bundles_unheard += 1
+            for call in bundle.calls:
+                call.routes -= 1
+                if not call.done and call.routes == 0:
+                    self._send_per_expert(call)  # as a call without a bundle holder; its 503 settles it
+            return
         stats.bytes_in += len(msg.data)
-        reply = self._decode(msg.data)
-        if isinstance(reply, (codec.DispatchReply, codec.ErrorReply)) and self.auditor.is_quarantined(reply.node):
+        try:
+            reply = codec.decode_bundle_reply(msg.data, n_embd=self.n_embd)
+            if reply.node != bundle.node:
+                raise codec.CodecError(f"bundle reply: node {reply.node!r} answers a bundle sent to {bundle.node!r}")
+            self.coverage.bundle_answered(bundle.node)
+            if isinstance(reply, codec.ErrorReply):  # the whole bundle refused: each call hears why
+                answers = [(token, codec.ErrorReply(token, reply.node, reply.code, reply.message))
+                           for token in bundle.tokens]
+            else:
+                answers = [(rid, _Answer(rid, reply.node, rows, reply.kernel)) for rid, rows in reply.results()]
+                answers += [(rid, codec.ErrorReply(rid, reply.node, code, message))
+                            for rid, code, message in reply.errors]
+        except codec.CodecError as exc:
+            answers = [(token, exc) for token in bundle.tokens]
+        for token, answer in answers:
+            if token not in bundle.tokens:
+                stats.foreign += 1  # only what was sent to this node can be answered by it
+                continue
+            entry = self._pending.get(token)
+            if entry is None:
+                self._count_stray(token, lambda answer=answer: answer)
+            else:
+                self._on_answer(entry[0], entry[1], token, answer)
+
+    def _on_answer(self, call: _Call, k: int, token: str, reply) -> None:
+        """A reply (or what its decoding raised) for chunk ``k`` of a pending call."""
+        layer = call.step.layer
+        stats = self.stats.layer(layer)
+        if isinstance(reply, (_Answer, codec.DispatchReply, codec.ErrorReply)) and self.auditor.is_quarantined(reply.node):
             stats.ignored += 1  # a liar: wait a little longer for an honest replica
             if call.liar_timer is None:
                 grace = max(self.cfg.timeout_floor_s, 2 * (self.timeout.srtt or 0.0))
@@ -548,22 +760,26 @@ class RemoteExperts:
         if probe is not None:
             if msg.headers and msg.headers.get("Status") == "503":
                 self.coverage.mark_uncovered(*probe)
-            elif self._shows_life(probe, msg):
+            elif self._shows_life(probe, self._decode(msg.data)):
                 self.stats.layer(probe[0]).probes_answered += 1
             return
+        self._count_stray(token, lambda: self._decode(msg.data))
+
+    def _count_stray(self, token: str, decode) -> None:
+        """A reply for a call already settled: late (its expert still shows life) or a duplicate.
+        ``decode()`` gives the reply, only when it is needed."""
         how, layer, expert = self._finished.get(token, ("unknown", -1, -1))
         if layer >= 0:
             stats = self.stats.layer(layer)
             if how == "timeout":
                 stats.late += 1
-                self._shows_life((layer, expert), msg)  # slow is not silent
+                self._shows_life((layer, expert), decode())  # slow is not silent
             elif how == "won":
                 stats.duplicates += 1
 
-    def _shows_life(self, key: tuple[int, int], msg) -> bool:
+    def _shows_life(self, key: tuple[int, int], reply) -> bool:
         """A valid reply of an honest node, even one too late to use: the expert is not silent."""
-        reply = self._decode(msg.data)
-        if isinstance(reply, codec.DispatchReply) and not self.auditor.is_quarantined(reply.node) \
+        if isinstance(reply, (_Answer, codec.DispatchReply)) and not self.auditor.is_quarantined(reply.node) \
                 and codec.all_finite(reply.rows):
             self.coverage.mark_answered(*key)
             return True

@@ -31,6 +31,10 @@ class LayerStats:
     ignored: int = 0  # replies of quarantined nodes (dropped; a replica may still win)
     audits: int = 0  # remote replies recomputed here and compared (the local result was used)
     audit_failures: int = 0
+    bundles: int = 0  # bundle messages sent (one per bundle-capable node and step, usually)
+    bundled_calls: int = 0  # calls sent in them (a call in several holders' bundles counts once)
+    bundles_unheard: int = 0  # "no responders" on a node's bundle subject: its calls went per expert
+    foreign: int = 0  # answers in a bundle reply for calls not sent in that bundle (dropped)
 
     @property
     def local(self) -> int:

@@ -15,6 +15,11 @@ Two ways for the workers holding the same expert to share its subject (``--repli
   the queue group picks a member again (most often another one); the first reply wins, the
   timeout and the local fallback stay behind it.
 
+With bundles (:mod:`backbone.dispatch`), a call for bundle-capable holders goes in every
+holder's bundle in race mode, and in one holder's in balance mode: the one with the fewest calls
+of the step so far, then the lowest smoothed round trip (:meth:`LatencyBook.node_mean`); its
+hedge goes to the expert's subject, where the queue group picks a member.
+
 The worker's side is only its subscription (``queue=``); which mode a worker runs is announced
 in its ``$SRV`` card (``queue_group``). A mismatch costs efficiency, never an answer: hedges
 against racing workers compute twice, a racing backbone in front of a queue group waits for a
@@ -32,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvasir_bus.errors import UsageError
+from kvasir_bus.subjects import BALANCE_QUEUE  # noqa: F401 (the group balance-mode workers share)
 
 REPLICA_MODES = ("race", "balance")
-BALANCE_QUEUE = "kvasir-balance"  # the queue group of balance-mode workers (workers.cli says the same)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class LatencyBook:
         self._recent: dict[tuple[int, int], deque] = {}
         self._mean: dict[tuple[int, int], float] = {}
         self._layer_mean: dict[int, float] = {}
+        self._node_mean: dict[str, float] = {}
         self._lock = threading.Lock()
 
     def observe(self, layer: int, expert: int, seconds: float) -> None:
@@ -78,6 +84,17 @@ class LatencyBook:
             self._mean[key] = seconds if m is None else 0.875 * m + 0.125 * seconds
             lm = self._layer_mean.get(layer)
             self._layer_mean[layer] = seconds if lm is None else 0.875 * lm + 0.125 * seconds
+
+    def observe_node(self, node: str, seconds: float) -> None:
+        """A round trip of a call that ``node`` answered (or the timeout it let pass)."""
+        with self._lock:
+            m = self._node_mean.get(node)
+            self._node_mean[node] = seconds if m is None else 0.875 * m + 0.125 * seconds
+
+    def node_mean(self, node: str) -> float | None:
+        """The node's smoothed round trip (None: no call on record)."""
+        with self._lock:
+            return self._node_mean.get(node)
 
     def quantiles(self, layer: int, expert: int, qs: tuple[float, ...]) -> list[float] | None:
         """Percentiles ``qs`` of the expert's recent round trips (None: none on record)."""

@@ -4,13 +4,15 @@ For the `small` model and a `122b-layer` model (the real per-expert shapes of th
 hidden 3072, expert FFN 1024, Q4_K; fewer experts per layer by default so that the file builds
 in seconds), in one run: decode tokens/s of the same engine with all experts local and with all
 experts computed by worker processes on an embedded nats-server, their ratio, the dispatch
-round trips per token (requests, and the serial waits: one per MoE layer), and the bytes on the
-wire per token per layer. Monolithic and sharded decodes alternate on one warm swarm, so both
-see the same load; the best round of each counts. Both must produce the same tokens; the JSON
-says whether they did.
+round trips per token (requests, and the serial waits: one per MoE layer), the messages the
+backbone sends per token, and the bytes on the wire per token per layer. Monolithic and sharded
+decodes alternate on one warm swarm, so both see the same load; the best round of each counts.
+Sharded runs with bundles (one message per worker per layer step, the default) and, with
+``--bundles both`` (the default here), also without (one message per expert), on the same
+swarm in the same rounds. All must produce the same tokens; the JSON says whether they did.
 
-    python bench/dispatch.py [--workers 2] [--decode 32] [--rounds-ratio 3] [--experts-122b 16]
-    python bench/dispatch.py --overhead [--overhead-decode 200] [--rounds 10]
+    python bench/dispatch.py [--workers 2] [--decode 32] [--rounds-ratio 3] [--experts-122b 16] [--bundles both]
+    python bench/dispatch.py --overhead [--overhead-decode 200] [--rounds 10] [--bundles both]
 
 ``--overhead`` measures only what a remote call costs besides its kernel: a ``tiny`` model
 (hidden 64, 2 layers, top-2, expert FFN 32: a trivial expert, microseconds of compute) decoded
@@ -54,6 +56,9 @@ from kvasir_bus.fingerprint import model_fingerprint  # noqa: E402
 from kvasir_bus.server import EmbeddedNats  # noqa: E402
 
 
+_COUNTED = ("calls", "remote", "local", "bytes_out", "bytes_in", "bundles", "bundled_calls")
+
+
 def decode(engine: Engine, prompt: np.ndarray, n: int, remote=None) -> tuple[list[int], float, dict | None]:
     seq = engine.new_sequence()
     (logits,) = engine.forward([(seq, prompt)], all_logits=False)
@@ -67,20 +72,30 @@ def decode(engine: Engine, prompt: np.ndarray, n: int, remote=None) -> tuple[lis
     delta = None
     if remote:
         after = remote.stats.to_dict()["totals"]
-        delta = {k: after[k] - before[k] for k in ("calls", "remote", "local", "bytes_out", "bytes_in")}
+        delta = {k: after[k] - before[k] for k in _COUNTED}
     return tokens, n / dt, delta
 
 
-def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: int = 3) -> dict:
+def _messages(d: dict) -> int:
+    """Messages the backbone sent: one per bundle, one per call outside a bundle."""
+    return d["bundles"] + d["calls"] - d["local"] - d["bundled_calls"]
+
+
+def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: int = 3,
+                bundles: str = "both") -> dict:
     """Monolithic and sharded decode of the same prompt, alternated ``rounds`` times on one
     warm swarm (the engine is handed its local experts and the remote ones in turn), so both
-    see the same load on a shared machine; the best round of each counts, the median beside."""
+    see the same load on a shared machine; the best round of each counts, the median beside.
+    ``bundles``: "on", "off", or "both" (sharded with bundles, then without, each round)."""
+    modes = {"on": (True,), "off": (False,), "both": (True, False)}[bundles]
     engine = Engine(path)
     cfg = engine.cfg
     prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, n_prompt)
     decode(engine, prompt, 2)  # warm the graph caches
     fp = model_fingerprint(engine.reader)
-    mono, sharded, same = [], [], True
+    mono, same = [], True
+    sharded = {mode: [] for mode in modes}
+    counted = {mode: None for mode in modes}
     with EmbeddedNats() as server, tempfile.TemporaryDirectory() as logdir:
         procs = []
         try:
@@ -93,23 +108,26 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
                                   market=False, serve_manifest=False)
             with BackboneService(engine, role) as backbone:
                 remote = backbone.dispatch
+                wait_for_bundle_nodes(remote, len(procs) if True in modes else 0)
                 decode(engine, prompt, 2, remote)  # warm the workers' caches and the connection
-                d = None
                 for _ in range(rounds):
                     engine.use_experts(None)
                     mono_tokens, mono_tps, _ = decode(engine, prompt, n_decode)
-                    engine.use_experts(remote)
-                    sh_tokens, sh_tps, dr = decode(engine, prompt, n_decode, remote)
                     mono.append(mono_tps)
-                    sharded.append(sh_tps)
-                    same = same and sh_tokens == mono_tokens
-                    d = dr if d is None else {k: d[k] + dr[k] for k in d}
+                    engine.use_experts(remote)
+                    for mode in modes:
+                        remote.bundles = mode
+                        sh_tokens, sh_tps, dr = decode(engine, prompt, n_decode, remote)
+                        sharded[mode].append(sh_tps)
+                        same = same and sh_tokens == mono_tokens
+                        d = counted[mode]
+                        counted[mode] = dr if d is None else {k: d[k] + dr[k] for k in d}
                 audit = role.dispatch.audit
         finally:
             for p in procs:
                 p.stop()
     n_all = n_decode * rounds
-    return {
+    out = {
         "model": path.name,
         "arch": cfg.arch, "layers": cfg.n_layer, "experts": cfg.n_expert, "experts_used": cfg.n_expert_used,
         "hidden": cfg.n_embd, "expert_ffn": cfg.n_ff_exp,
@@ -117,15 +135,33 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
         "decode_tokens": n_decode, "rounds": rounds,
         "audit_rate": audit.rate, "audit_probation": audit.probation,
         "monolithic_tok_s": round(max(mono), 2),
-        "sharded_tok_s": round(max(sharded), 2),
-        "ratio_sharded_over_monolithic": round(max(sharded) / max(mono), 3),
-        "ratio_median_of_rounds": round(float(np.median([s / m for s, m in zip(sharded, mono)])), 3),
         "same_tokens": same,
-        "requests_per_token": round(d["calls"] / n_all, 2),
         "serial_round_trips_per_token": cfg.n_layer,  # one wait per MoE layer per step
-        "remote_fraction": round(d["remote"] / d["calls"], 3) if d["calls"] else None,
-        "wire_bytes_per_token_per_layer": round((d["bytes_out"] + d["bytes_in"]) / n_all / cfg.n_layer),
     }
+    for mode in modes:
+        tag, d, sh = ("" if mode else "no_bundles_"), counted[mode], sharded[mode]
+        out.update({
+            f"sharded_{tag}tok_s": round(max(sh), 2),
+            f"ratio_sharded_{tag}over_monolithic": round(max(sh) / max(mono), 3),
+            f"ratio_{tag}median_of_rounds": round(float(np.median([s / m for s, m in zip(sh, mono)])), 3),
+            f"{tag}requests_per_token": round(d["calls"] / n_all, 2),
+            f"{tag}messages_out_per_token": round(_messages(d) / n_all, 2),
+            f"{tag}remote_fraction": round(d["remote"] / d["calls"], 3) if d["calls"] else None,
+            f"{tag}wire_bytes_per_token_per_layer": round((d["bytes_out"] + d["bytes_in"]) / n_all / cfg.n_layer),
+        })
+    return out
+
+
+def wait_for_bundle_nodes(remote, n: int, timeout_s: float = 60.0) -> None:
+    """Until the backbone has heard ``n`` workers announce bundles (their next heartbeat)."""
+    async def heard() -> None:
+        deadline = time.monotonic() + timeout_s
+        while remote.coverage.bundle_nodes < n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {remote.coverage.bundle_nodes} of {n} workers announced bundles")
+            await asyncio.sleep(0.02)
+
+    remote.bus.run(heard())
 
 
 def _proc_cpu_s(pid: int) -> float:
@@ -271,7 +307,7 @@ def bench_floor(steps: int = 2000, per_step: int = 2, size: int = 300) -> dict:
             "calls_per_s": round(calls / wall)}
 
 
-def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dict:
+def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int, bundles: str = "both") -> dict:
     """Per-call CPU besides the kernel, on both sides. Every figure is the least over ``rounds``
     equal rounds (CPU time still grows when other processes share the cores; the quietest round
     is the closest to the cost itself), the median beside it."""
@@ -299,12 +335,18 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dic
             asyncio.run(wait_for_nodes(server.url, fp, {proc.node}, procs=[proc], timeout=600))
             # Audits off first: the overhead of the bus alone; then the default audits, whose local
             # recomputes (every reply of a node's probation, then one in ten) count on the backbone.
-            for name, audit in (("audits_off", AuditConfig(rate=0.0)), ("audits_default", AuditConfig())):
+            # With "both", the bus alone once more without bundles: one message per call, as before them.
+            off, default, first = AuditConfig(rate=0.0), AuditConfig(), bundles != "off"
+            plan = [("audits_off", off, first), ("audits_default", default, first)]
+            if bundles == "both":
+                plan.append(("audits_off_no_bundles", off, False))
+            for name, audit, mode in plan:
                 role = BackboneConfig(model_path=str(path), nats_url=server.url,
-                                      dispatch=DispatchConfig(timeout_s=5.0, audit=audit),
+                                      dispatch=DispatchConfig(timeout_s=5.0, audit=audit, bundles=mode),
                                       market=False, serve_manifest=False)
                 with BackboneService(engine, role) as backbone:
                     remote = backbone.dispatch
+                    wait_for_bundle_nodes(remote, 1 if mode else 0)
                     decode(engine, prompt, 32, remote)  # warm the worker and the connection
                     k0 = _worker_kernel_s(server.url)
                     sh_tokens, sh_tps, d, sh_cpu, loop_cpu, w_cpu = _decode_rounds(engine, prompt, n_decode,
@@ -315,7 +357,8 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int) -> dic
                 backbone_us = [1e6 * (s - m) / calls for s, m in zip(sorted(sh_cpu), sorted(mono_cpu))]
                 worker_us = sorted(1e6 * w / calls for w in w_cpu)
                 runs[name] = {
-                    "audit_rate": audit.rate, "audits": audits,
+                    "bundles": mode, "audit_rate": audit.rate, "audits": audits,
+                    "messages_out_per_remote_call": round(_messages(d) / d["remote"], 3),
                     "remote_calls": d["remote"], "same_tokens": sh_tokens == mono_tokens,
                     "sharded_tok_s": round(sh_tps, 1),
                     "backbone_cpu_us_per_remote_call": round(backbone_us[0], 1),
@@ -358,6 +401,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="--overhead: sequences of --overhead-decode tokens each")
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call overhead, with a trivial expert (tiny model, one worker)")
+    ap.add_argument("--bundles", choices=("on", "off", "both"), default="both",
+                    help="sharded with bundles (one message per worker per layer step), without (one per "
+                    "expert), or both in the same run (default both)")
     ap.add_argument("--echo", metavar="URL", help=argparse.SUPPRESS)  # the floor's responder process
     args = ap.parse_args()
     if args.echo:
@@ -375,7 +421,7 @@ def main() -> None:
         print(json.dumps({"bench": "dispatch-overhead", "transport": "loopback NATS (embedded nats-server)",
                           "kernel_mode": os.environ.get("KVASIR_KERNEL_MODE", "fast"),
                           "result": bench_overhead(tiny, args.overhead_decode, args.prompt_tokens,
-                                                                  args.rounds)}, indent=2))
+                                                   args.rounds, args.bundles)}, indent=2))
         return
     small = models / "small-qwen3moe-q4_k.gguf"
     if not small.exists():
@@ -384,8 +430,8 @@ def main() -> None:
     if not big.exists():
         synth_model(big, arch="qwen2moe", preset="122b-layer", qtype="q4_k", seed=0, experts=args.experts_122b)
     out = {"bench": "dispatch", "transport": "loopback NATS (embedded nats-server)", "results": [
-        bench_model(small, args.workers, args.decode, args.prompt_tokens, args.rounds_ratio),
-        bench_model(big, args.workers, args.decode, args.prompt_tokens, args.rounds_ratio),
+        bench_model(small, args.workers, args.decode, args.prompt_tokens, args.rounds_ratio, args.bundles),
+        bench_model(big, args.workers, args.decode, args.prompt_tokens, args.rounds_ratio, args.bundles),
     ]}
     print(json.dumps(out, indent=2))
 

@@ -21,6 +21,9 @@ them); :func:`all_finite` is the check.
 from __future__ import annotations
 
 import functools
+import itertools
+import re
+import struct
 import sys
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Union
@@ -33,7 +36,7 @@ from kvasir_bus.wire import (  # noqa: F401 (the names callers know codec by)
     DEFAULT_MAX_BYTES, ERR_BAD_REQUEST, ERR_INTERNAL, ERR_NOT_HELD, ERR_OVERLOADED,
     ERR_WRONG_MODEL, MAX_ERROR_MESSAGE, MAX_HOLDINGS, NO_LIMITS, VERSION, CodecError,
     ErrorReply, Holding, Limits, PayloadTooLargeError, Record, UnsupportedVersionError,
-    check_float, check_holdings, check_id, check_index, check_int, check_label, check_model,
+    check_bool, check_float, check_holdings, check_id, check_index, check_int, check_label, check_model,
     check_node, decode, encode, fail, headers_for, holding_list, is_id, need, record)
 
 #: Wire dtypes (little-endian) by name; decoded arrays come back in native byte order.
@@ -97,14 +100,14 @@ def _limits(max_rows: int | None, n_embd: int | None) -> Limits:
 HEARTBEAT_MAX_BYTES = 1024 * 1024
 
 
-def _rows(record: str, value: Any, allowed: tuple[str, ...]) -> np.ndarray:
+def _rows(record: str, value: Any, allowed: tuple[str, ...], min_rows: int = 1) -> np.ndarray:
     if not isinstance(value, np.ndarray):
         raise fail(record, "rows", f"must be a numpy array, got {type(value).__name__}")
     if dtype_name(value.dtype) not in allowed:
         raise fail(record, "rows", f"has dtype {value.dtype}; allowed: {', '.join(allowed)}")
-    if value.ndim != 2 or value.shape[0] < 1 or value.shape[1] < 1:
-        raise fail(record, "rows", f"must be 2-D (rows, n_embd) with both >= 1, got shape "
-                                   f"{value.shape}")
+    if value.ndim != 2 or value.shape[0] < min_rows or value.shape[1] < 1:
+        raise fail(record, "rows", f"must be 2-D (rows, n_embd) with rows >= {min_rows} and "
+                                   f"n_embd >= 1, got shape {value.shape}")
     return value
 
 
@@ -118,10 +121,11 @@ def _array_fields(rows: np.ndarray) -> dict[str, Any]:
     wire = np.ascontiguousarray(rows, dtype=DTYPES[name])
     # A memoryview packs as msgpack bin without another copy of the rows.
     return {"dtype": name, "shape": list(rows.shape),
-            "data": memoryview(wire).cast("B")}
+            "data": memoryview(wire).cast("B") if wire.size else b""}
 
 
-def _decode_rows(body: dict, record: str, allowed: tuple[str, ...], limits: Limits) -> np.ndarray:
+def _decode_rows(body: dict, record: str, allowed: tuple[str, ...], limits: Limits,
+                 min_rows: int = 1) -> np.ndarray:
     dtype = need(body, record, "dtype")
     if dtype not in allowed:
         raise fail(record, "dtype", f"is {dtype!r}; allowed: {', '.join(allowed)}")
@@ -129,8 +133,8 @@ def _decode_rows(body: dict, record: str, allowed: tuple[str, ...], limits: Limi
     if not isinstance(shape, list) or len(shape) != 2:
         raise fail(record, "shape", f"must be [rows, n_embd], got {shape!r}")
     n, width = shape
-    if type(n) is not int or not 1 <= n <= MAX_DIM:
-        n = check_int(record, "shape", n, 1, MAX_DIM)
+    if type(n) is not int or not min_rows <= n <= MAX_DIM:
+        n = check_int(record, "shape", n, min_rows, MAX_DIM)
     if type(width) is not int or not 1 <= width <= MAX_DIM:
         width = check_int(record, "shape", width, 1, MAX_DIM)
     if limits.max_rows is not None and n > limits.max_rows:
@@ -257,7 +261,10 @@ class Heartbeat(Record):
     ``holdings``: the experts it serves, as half-open :class:`Holding` ranges; ``budget_bytes``:
     memory it offers; ``load``: requests in flight; ``served``: requests answered since start;
     ``version``: software version; ``kernel``: which expert kernel it runs; ``sent_at``: Unix
-    time of sending (seconds). Lists and numpy numbers are normalised on construction.
+    time of sending (seconds); ``bundles``: it also answers :class:`BundleRequest` on its node
+    subject ``kvasir.<model>.n.<node>`` (absent on the wire, False, from workers older than
+    bundles: they are served one request per expert). Lists and numpy numbers are normalised on
+    construction.
     """
 
     kind: ClassVar[str] = "hb"
@@ -272,6 +279,7 @@ class Heartbeat(Record):
     version: str
     kernel: str
     sent_at: float
+    bundles: bool = False
 
     def __post_init__(self) -> None:
         r = self.what
@@ -285,16 +293,21 @@ class Heartbeat(Record):
         s("version", check_label(r, "version", self.version))
         s("kernel", check_label(r, "kernel", self.kernel))
         s("sent_at", check_float(r, "sent_at", self.sent_at))
+        s("bundles", check_bool(r, "bundles", self.bundles))
 
     def body(self) -> dict[str, Any]:
-        return {"model": self.model, "node": self.node,
+        body = {"model": self.model, "node": self.node,
                 "holdings": holding_list(self.holdings), "budget_bytes": self.budget_bytes,
                 "load": self.load, "served": self.served, "version": self.version,
                 "kernel": self.kernel, "sent_at": self.sent_at}
+        if self.bundles:  # only then: a heartbeat without bundles is byte for byte the old one
+            body["bundles"] = True
+        return body
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> Heartbeat:
-        return cls(**{f.name: need(body, cls.what, f.name) for f in fields(cls)})
+        return cls(**{f.name: need(body, cls.what, f.name) for f in fields(cls) if f.name != "bundles"},
+                   bundles=body.get("bundles", False))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Node": self.node}
@@ -302,6 +315,245 @@ class Heartbeat(Record):
     @classmethod
     def decode(cls, data: bytes, *, max_bytes: int = HEARTBEAT_MAX_BYTES) -> Heartbeat:
         return decode_heartbeat(data, max_bytes=max_bytes)
+
+
+# -- bundles: every call of a layer step for one worker in one message -------------------------
+
+#: Calls in one bundle at most; a worker also refuses more calls than the layer has experts.
+MAX_BUNDLE_CALLS = 4096
+#: Row indices of a bundle request travel as little-endian uint32.
+INDEX_DTYPE = np.dtype("<u4")
+
+
+# Every id of a list in one regex call (a bundle carries one per call): the ids joined by a
+# character no id may hold must match this; anything else takes the per-item check and its error.
+_IDS_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}(?:,[A-Za-z0-9_.:-]{1,64})*")
+
+
+def _id_list(record: str, field: str, value: Any, limit: int) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise fail(record, field, f"must be a list, got {type(value).__name__}")
+    if len(value) > limit:
+        raise fail(record, field, f"has {len(value)} items (max {limit})")
+    try:
+        fast = not value or _IDS_RE.fullmatch(",".join(value)) is not None
+    except TypeError:  # not all strings
+        fast = False
+    if not fast:
+        for item in value:
+            if not is_id(item):
+                check_id(record, field, item)
+    return tuple(value)
+
+
+def _int_list(record: str, field: str, value: Any, n: int, lo: int, hi: int) -> tuple[int, ...]:
+    """A list of exactly ``n`` integers in ``lo..hi``."""
+    if not isinstance(value, (list, tuple)):
+        raise fail(record, field, f"must be a list, got {type(value).__name__}")
+    if len(value) != n:
+        raise fail(record, field, f"has {len(value)} items, expected {n} (one per call)")
+    if n and set(map(type, value)) == {int} and lo <= min(value) and max(value) <= hi:
+        return tuple(value)  # plain ints in range: the common case, checked in C
+    for item in value:
+        if type(item) is not int or not lo <= item <= hi:
+            check_int(record, field, item, lo, hi)
+    return tuple(int(v) for v in value)
+
+
+def _unique(record: str, field: str, ids: tuple[str, ...]) -> None:
+    if len(set(ids)) != len(ids):
+        raise fail(record, field, "names a request id twice")
+
+
+def _offsets(counts: tuple[int, ...]) -> tuple[int, ...]:
+    """``(0, c0, c0 + c1, ...)``: call ``i`` is ``[offsets[i], offsets[i + 1])``."""
+    return (0, *itertools.accumulate(counts))
+
+
+_NATIVE_INDEX = INDEX_DTYPE.newbyteorder("=")
+
+
+def _index_array(record: str, value: Any, n: int, n_rows: int) -> np.ndarray:
+    """Exactly ``n`` uint32 row indices, each below ``n_rows``."""
+    if not isinstance(value, np.ndarray) or value.ndim != 1 or value.dtype != _NATIVE_INDEX:
+        raise fail(record, "index", f"must be a 1-D uint32 array, got {getattr(value, 'dtype', type(value).__name__)}")
+    if len(value) != n:
+        raise fail(record, "index", f"has {len(value)} entries, but the counts add up to {n}")
+    top = (max(value.tolist()) if n <= 64 else int(value.max())) if n else -1  # a few: no numpy reduction
+    if top >= n_rows:
+        raise fail(record, "index", f"points at row {top}, but the bundle has {n_rows} rows")
+    return value
+
+
+@record
+@dataclass(frozen=True, eq=False)
+class BundleRequest(Record):
+    """Every call of one layer step that the backbone sends to one worker, in one message, on the
+    worker's node subject ``kvasir.<model>.n.<node>``.
+
+    ``rows`` (R, n_embd) float32 or float16: the union of the calls' rows, each distinct row once
+    (in decode every top-k expert gets the token's one row, so a bundle is about one request's
+    size). Call ``i``: ``ids[i]`` its request id (the reply names it), ``experts[i]``, and
+    ``counts[i]`` rows: the next ``counts[i]`` entries of ``index`` (uint32, each < R), in order,
+    so its input is ``rows[index[o_i:o_i + counts[i]]]`` with ``o_i = counts[0] + ... +
+    counts[i - 1]``. ``bundle_id`` names the bundle (an error reply about the whole of it)."""
+
+    kind: ClassVar[str] = "xb"
+    what: ClassVar[str] = "bundle request"
+
+    model: str
+    layer: int
+    bundle_id: str
+    rows: np.ndarray
+    ids: tuple[str, ...]
+    experts: tuple[int, ...]
+    counts: tuple[int, ...]
+    index: np.ndarray
+
+    def __post_init__(self) -> None:
+        r = self.what
+        s = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        _token(_check_model, r, "model", self.model)
+        s("layer", _index(r, "layer", self.layer))
+        if not is_id(self.bundle_id):
+            check_id(r, "bundle_id", self.bundle_id)
+        _rows(r, self.rows, REQUEST_DTYPES)
+        ids = _id_list(r, "ids", self.ids, MAX_BUNDLE_CALLS)
+        if not ids:
+            raise fail(r, "ids", "is empty (a bundle has at least one call)")
+        _unique(r, "ids", ids)
+        s("ids", ids)
+        s("experts", _int_list(r, "experts", self.experts, len(ids), 0, MAX_INDEX))
+        s("counts", _int_list(r, "counts", self.counts, len(ids), 1, MAX_DIM))
+        s("offsets", _offsets(self.counts))  # call i is index[offsets[i]:offsets[i + 1]]
+        _index_array(r, self.index, self.offsets[-1], self.rows.shape[0])
+
+    def call_index(self, i: int) -> np.ndarray:
+        """Call ``i``'s row indices into :attr:`rows`."""
+        o = self.offsets
+        return self.index[o[i]:o[i + 1]]
+
+    def body(self) -> dict[str, Any]:
+        return {"model": self.model, "layer": self.layer, "bundle_id": self.bundle_id,
+                **_array_fields(self.rows), "ids": list(self.ids), "experts": list(self.experts),
+                "counts": list(self.counts), "index": _index_bytes(self.index)}
+
+    @classmethod
+    def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> BundleRequest:
+        r = cls.what
+        rows = _decode_rows(body, r, REQUEST_DTYPES, limits)
+        ids = _id_list(r, "ids", need(body, r, "ids"), MAX_BUNDLE_CALLS)
+        counts = _int_list(r, "counts", need(body, r, "counts"), len(ids), 1, MAX_DIM)
+        total = sum(counts)
+        if limits.max_rows is not None and total > limits.max_rows:
+            raise PayloadTooLargeError(f"{r}: field 'counts' adds up to {total} rows, over the limit of "
+                                       f"{limits.max_rows}", field="counts")
+        data = need(body, r, "index")
+        if not isinstance(data, bytes) or len(data) != total * INDEX_DTYPE.itemsize:
+            got = f"{len(data)} bytes" if isinstance(data, bytes) else type(data).__name__
+            raise fail(r, "index", f"must be {total} uint32 ({total * INDEX_DTYPE.itemsize} bytes of msgpack "
+                                   f"bin), got {got}")
+        index = np.frombuffer(data, INDEX_DTYPE)
+        if not _LITTLE_ENDIAN:
+            index = index.astype(INDEX_DTYPE.newbyteorder("="))
+        return cls(need(body, r, "model"), need(body, r, "layer"), need(body, r, "bundle_id"), rows, ids,
+                   need(body, r, "experts"), counts, index)
+
+    def headers(self) -> dict[str, str]:
+        return {"Kvasir-Layer": str(self.layer), "Kvasir-Calls": str(len(self.ids)),
+                "Kvasir-Rows": str(self.rows.shape[0]), "Kvasir-Dtype": dtype_name(self.rows.dtype),
+                "Kvasir-Request": self.bundle_id}
+
+
+def _index_bytes(index: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(index, dtype=INDEX_DTYPE)).cast("B")
+
+
+@record
+@dataclass(frozen=True, eq=False)
+class BundleReply(Record):
+    """A worker's one answer to a :class:`BundleRequest`: per call either its output or an error.
+
+    ``ids[i]`` answered with ``counts[i]`` rows: the next ``counts[i]`` rows of ``rows`` (float32,
+    (sum(counts), n_embd); no rows at all when no call was answered); ``errors``: ``(request_id,
+    code, message)`` of each call it did not compute (``not_held``, ...). ``kernel`` as in
+    :class:`DispatchReply`."""
+
+    kind: ClassVar[str] = "rb"
+    what: ClassVar[str] = "bundle reply"
+
+    bundle_id: str
+    node: str
+    ids: tuple[str, ...]
+    counts: tuple[int, ...]
+    rows: np.ndarray
+    errors: tuple[tuple[str, str, str], ...] = ()
+    kernel: str = ""
+
+    def __post_init__(self) -> None:
+        r = self.what
+        s = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        if not is_id(self.bundle_id):
+            check_id(r, "bundle_id", self.bundle_id)
+        _token(check_node, r, "node", self.node)
+        ids = _id_list(r, "ids", self.ids, MAX_BUNDLE_CALLS)
+        s("ids", ids)
+        s("counts", _int_list(r, "counts", self.counts, len(ids), 1, MAX_DIM))
+        s("offsets", _offsets(self.counts))  # call i is rows[offsets[i]:offsets[i + 1]]
+        _rows(r, self.rows, REPLY_DTYPES, min_rows=0)
+        if self.rows.shape[0] != self.offsets[-1]:
+            raise fail(r, "shape", f"has {self.rows.shape[0]} rows, but the counts add up to {self.offsets[-1]}")
+        s("errors", _errors(r, self.errors, MAX_BUNDLE_CALLS - len(ids)))
+        _unique(r, "ids", ids + tuple(e[0] for e in self.errors))
+        if self.kernel:
+            _token(check_label, r, "kernel", self.kernel)
+
+    def results(self):
+        """``(request_id, rows)`` of every answered call, in order (views, no copies)."""
+        o, rows = self.offsets, self.rows
+        return [(rid, rows[o[i]:o[i + 1]]) for i, rid in enumerate(self.ids)]
+
+    def body(self) -> dict[str, Any]:
+        body = {"bundle_id": self.bundle_id, "node": self.node, "ids": list(self.ids),
+                "counts": list(self.counts), **_array_fields(self.rows),
+                "errors": [list(e) for e in self.errors]}
+        if self.kernel:
+            body["kernel"] = self.kernel
+        return body
+
+    @classmethod
+    def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> BundleReply:
+        r = cls.what
+        rows = _decode_rows(body, r, REPLY_DTYPES, limits, min_rows=0)
+        return cls(need(body, r, "bundle_id"), need(body, r, "node"), need(body, r, "ids"),
+                   need(body, r, "counts"), rows, body.get("errors", ()), body.get("kernel", ""))
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Kvasir-Node": self.node, "Kvasir-Request": self.bundle_id,
+                   "Kvasir-Calls": str(len(self.ids)), "Kvasir-Errors": str(len(self.errors))}
+        if self.kernel:
+            headers["Kvasir-Kernel"] = self.kernel
+        return headers
+
+
+def _errors(record: str, value: Any, limit: int) -> tuple[tuple[str, str, str], ...]:
+    """``[[request_id, code, message], ...]`` as an :class:`ErrorReply` would carry them."""
+    if not isinstance(value, (list, tuple)):
+        raise fail(record, "errors", f"must be a list, got {type(value).__name__}")
+    if len(value) > limit:
+        raise fail(record, "errors", f"has {len(value)} items (max {limit} with the answered calls)")
+    out = []
+    for i, item in enumerate(value):
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise fail(record, f"errors[{i}]", f"must be [request_id, code, message], got {item!r:.80}")
+        try:
+            e = ErrorReply(request_id=item[0], node="x", code=item[1], message=item[2])
+        except CodecError as exc:
+            raise CodecError(f"{record}: field 'errors[{i}]': {exc}", field=f"errors[{i}]") from None
+        if not e.request_id:
+            raise fail(record, f"errors[{i}]", "has no request id")
+        out.append((e.request_id, e.code, e.message))
+    return tuple(out)
 
 
 # -- the hot path: one request and one reply per remote expert call ----------------------------
@@ -350,8 +602,39 @@ class ReplyEncoder:
         return msgpack.packb(body, use_bin_type=True)
 
 
+class BundleEncoder:
+    """``BundleRequest(model, layer, bundle_id, rows, ids, experts, counts, index).encode()``
+    without building the record: the model is checked once here, the rest per bundle with the
+    record's own checks (``index`` a list of ints). The bytes are the record's (tested)."""
+
+    def __init__(self, model: str):
+        self.model = check_model(BundleRequest.what, model)
+
+    def encode(self, layer: int, bundle_id: str, rows: np.ndarray, ids, experts, counts, index: list[int]) -> bytes:
+        r = BundleRequest.what
+        if type(layer) is not int or not 0 <= layer <= MAX_INDEX:
+            layer = check_index(r, "layer", layer)
+        if not is_id(bundle_id):
+            check_id(r, "bundle_id", bundle_id)
+        _rows(r, rows, REQUEST_DTYPES)
+        ids = _id_list(r, "ids", ids, MAX_BUNDLE_CALLS)
+        if not ids:
+            raise fail(r, "ids", "is empty (a bundle has at least one call)")
+        _unique(r, "ids", ids)
+        experts = _int_list(r, "experts", experts, len(ids), 0, MAX_INDEX)
+        counts = _int_list(r, "counts", counts, len(ids), 1, MAX_DIM)
+        n = len(index)
+        if n != sum(counts) or min(index) < 0 or max(index) >= rows.shape[0]:
+            raise fail(r, "index", f"must be {sum(counts)} row indices below {rows.shape[0]}, got {n} "
+                                   f"in {min(index, default=0)}..{max(index, default=0)}")
+        return msgpack.packb({"v": VERSION, "t": BundleRequest.kind, "model": self.model, "layer": layer,
+                              "bundle_id": bundle_id, **_array_fields(rows), "ids": list(ids),
+                              "experts": list(experts), "counts": list(counts),
+                              "index": struct.pack(f"<{n}I", *index)}, use_bin_type=True)
+
+
 Reply = Union[DispatchReply, ErrorReply]
-Message = Union[DispatchRequest, DispatchReply, ErrorReply, Heartbeat]
+Message = Union[DispatchRequest, DispatchReply, ErrorReply, Heartbeat, BundleRequest, BundleReply]
 
 
 # -- decoding -------------------------------------------------------------------------------
@@ -372,3 +655,16 @@ def decode_reply(data: bytes, *, max_rows: int | None = None,
 def decode_heartbeat(data: bytes, *, max_bytes: int = HEARTBEAT_MAX_BYTES) -> Heartbeat:
     """Bytes -> :class:`Heartbeat`."""
     return decode(data, ("hb",), Heartbeat.what, max_bytes=max_bytes)
+
+
+def decode_bundle(data: bytes, *, max_rows: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                  n_embd: int | None = None) -> BundleRequest:
+    """Bytes -> :class:`BundleRequest`; ``max_rows`` bounds both the union's rows and the calls'
+    rows together, ``n_embd`` (if given) must match the rows' width."""
+    return decode(data, ("xb",), BundleRequest.what, max_bytes=max_bytes, limits=_limits(max_rows, n_embd))
+
+
+def decode_bundle_reply(data: bytes, *, max_rows: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
+                        n_embd: int | None = None) -> BundleReply | ErrorReply:
+    """Bytes -> :class:`BundleReply`, or the :class:`ErrorReply` that refused the whole bundle."""
+    return decode(data, ("rb", "e"), "bundle reply", max_bytes=max_bytes, limits=_limits(max_rows, n_embd))

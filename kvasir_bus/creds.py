@@ -19,10 +19,12 @@ Anonymous connections are refused: the config has accounts and no ``no_auth_user
 
 Rights (:func:`permissions`) follow the message flow of :mod:`kvasir_bus.subjects`:
 
-- worker W: subscribe to dispatch subjects and its own inbox; publish heartbeats only as
-  ``kvasir.*.coverage.W``, requests to the market (volunteer) and for the manifest; answer the
-  requests it receives (``allow_responses``), nothing else;
-- backbone: the only publisher of dispatch, routing and ledger; answers manifest requests;
+- worker W: subscribe to dispatch subjects, its own bundle subject ``kvasir.*.n.W`` (no other
+  node's) and its own inbox; publish heartbeats only as ``kvasir.*.coverage.W``, requests to the
+  market (volunteer) and for the manifest; answer the requests it receives
+  (``allow_responses``), nothing else;
+- backbone: the only publisher of dispatch (per expert, and bundles to ``kvasir.*.n.*``),
+  routing and ledger; answers manifest requests;
   serves ``kvasir.*.generate`` in the backbones' queue group only, hears its cancels, and
   streams tokens to the clients' inboxes (each client's, named in the config);
 - client C: publishes generate requests and cancels (``kvasir.*.generate``,
@@ -118,10 +120,11 @@ def permissions(role: str, name: str, public_key: str, client_keys: tuple[str, .
     if role == "worker":
         return {"publish": {"allow": [f"{_P}.*.coverage.{subjects.check_node(name)}",
                                       f"{_P}.*.market.volunteer", f"{_P}.*.manifest"]},
-                "subscribe": {"allow": [_DISPATCH, inbox, *service_subjects(role)]},
+                "subscribe": {"allow": [_DISPATCH, f"{_P}.*.n.{subjects.check_node(name)}", inbox,
+                                        *service_subjects(role)]},
                 "allow_responses": {"max": 1, "expires": RESPONSE_EXPIRY}}
     if role == "backbone":
-        return {"publish": {"allow": [_DISPATCH, f"{_P}.*.routing", f"{_P}.*.ledger", f"{_P}.*.quarantine",
+        return {"publish": {"allow": [_DISPATCH, subjects.ALL_NODES, f"{_P}.*.routing", f"{_P}.*.ledger", f"{_P}.*.quarantine",
                                       f"{_P}.*.market.status", *_JS_BACKBONE,
                                       *(f"{inbox_prefix_for(k)}.>" for k in client_keys)]},
                 "subscribe": {"allow": [f"{_P}.*.manifest", f"{_P}.*.coverage.*", inbox,

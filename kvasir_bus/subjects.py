@@ -6,6 +6,7 @@ constants here), so a typo cannot put a worker on a subject the backbone never p
 Layout (``<model>`` is the model fingerprint, see :mod:`kvasir_bus.fingerprint`)::
 
     kvasir.<model>.x.<layer>.<expert>    expert dispatch, request/reply
+    kvasir.<model>.n.<node>              one worker's bundles: a layer step's calls in one request
     kvasir.<model>.coverage.<node>       worker heartbeat
     kvasir.<model>.demand                market's demand map
     kvasir.<model>.market.volunteer      request/reply: budget in, assignment out
@@ -44,6 +45,13 @@ ALL_LEDGER = f"{PREFIX}.*.ledger"
 ALL_VOLUNTEER = f"{PREFIX}.*.market.volunteer"
 ALL_STATUS = f"{PREFIX}.*.market.status"
 ALL_QUARANTINE = f"{PREFIX}.*.quarantine"
+#: Every worker's bundle subject of every model (what a backbone may publish to).
+ALL_NODES = f"{PREFIX}.*.n.*"
+
+#: The queue group of balance-mode replicas, one name on every expert subject (a queue group is
+#: scoped to its subject, so one name serves them all); workers subscribe in it, and the
+#: backbone's hedging assumes it (:mod:`backbone.replicas`).
+BALANCE_QUEUE = "kvasir-balance"
 
 #: Request/reply: the market's view of every model it knows (a MarketOverview).
 MARKET_OVERVIEW = f"{PREFIX}._market.status"
@@ -122,6 +130,11 @@ class Subjects:
     def dispatch_all(self) -> str:
         """``kvasir.<model>.x.*.*``: every expert of every layer."""
         return f"{self.root}.x.*.*"
+
+    def node(self, node: str) -> str:
+        """``kvasir.<model>.n.<node>``: one worker's bundle subject (every call of a layer step
+        that the backbone sends to that worker, in one request)."""
+        return f"{self.root}.n.{check_node(node)}"
 
     # -- coverage and market --------------------------------------------------------------
     def coverage(self, node: str) -> str:

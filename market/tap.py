@@ -67,6 +67,15 @@ def _summary(msg: Any) -> str:
     if isinstance(msg, codec.DispatchReply):
         return (f"reply node={msg.node} rows={msg.rows.shape[0]} "
                 f"{_DTYPE.get(msg.rows.dtype.name, msg.rows.dtype.name)} id={msg.request_id}")
+    if isinstance(msg, codec.BundleRequest):
+        calls = " ".join(f"{e}x{n}" for e, n in zip(msg.experts[:8], msg.counts[:8]))
+        more = f" +{len(msg.ids) - 8}" if len(msg.ids) > 8 else ""
+        return (f"bundle L{msg.layer} calls={len(msg.ids)} [{calls}{more}] rows={msg.rows.shape[0]} "
+                f"{_DTYPE.get(msg.rows.dtype.name, msg.rows.dtype.name)} id={msg.bundle_id}")
+    if isinstance(msg, codec.BundleReply):
+        codes = sorted({code for _, code, _ in msg.errors})
+        errors = f" errors={len(msg.errors)}({','.join(codes[:4])})" if msg.errors else ""
+        return f"bundle-reply node={msg.node} answered={len(msg.ids)} rows={msg.rows.shape[0]}{errors} id={msg.bundle_id}"
     if isinstance(msg, codec.ErrorReply):
         rid = f" id={msg.request_id}" if msg.request_id else ""
         return f"error node={msg.node} code={msg.code}{rid} \"{_short(msg.message)}\""

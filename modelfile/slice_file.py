@@ -177,6 +177,12 @@ class SliceInfo:
                                glu if kind == "gate" else "swiglu"))
         return out[0], out[1], out[2]
 
+    def holding_slabs(self, h: Holding) -> tuple[tuple[QTensor, QTensor, QTensor], tuple, str]:
+        """The 3-D gate, up and down tensors of one holding (expert ``h.lo + i`` is slab ``i``),
+        their bias arrays (or None) and the activation, as :func:`kernels.expert.moe_ffn` takes
+        them: every held expert of a layer step in one graph. KeyError if ``h`` is not held."""
+        return self._weights[h], self._biases.get(h, (None, None, None)), EXPERT_GLU.get(self.arch, "swiglu")
+
     def slab(self, layer: int, expert: int, kind: str) -> bytes:
         """The bytes of one held expert's slab as the source stores it: ``kind`` is gate, up or
         down (its weights) or ``{kind}_bias`` (its F32 bias row). KeyError if not held."""

@@ -20,10 +20,8 @@ import sys
 from kvasir_bus.connect import add_connection_flags
 from kvasir_bus.threads import add_kernel_flags
 from kvasir_bus.errors import KvasirError, UsageError
+from kvasir_bus.subjects import BALANCE_QUEUE
 
-# The queue group of balance-mode replicas, one name on every expert subject (a queue group is
-# scoped to its subject); backbone.replicas.BALANCE_QUEUE is the same (tests/serve/test_replicas.py).
-BALANCE_QUEUE = "kvasir-balance"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -112,6 +110,10 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
                    "so that it hedges (default race)")
     p.add_argument("--queue-group", metavar="NAME", default=None,
                    help="load-balance in this queue group instead of racing (overrides --replicas)")
+    p.add_argument("--bundles", choices=("on", "off"), default="on",
+                   help="on: also take a backbone's bundles (a layer step's calls for this node in one "
+                   "message) on this node's subject, and say so in the heartbeat; off: only per-expert "
+                   "requests, as workers before bundles (default on)")
     p.add_argument("--max-rows", type=int, default=16384, metavar="N", help="largest request in rows")
     p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="B",
                    help="largest request in bytes (default 8 MiB, the max_payload of deploy/nats.conf)")
@@ -174,7 +176,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     apply_kernel_flags(args)  # before the slice is read: ggml loads once, in this mode
     cfg = WorkerConfig(node=node, heartbeat_s=args.heartbeat, max_rows=args.max_rows,
                        max_bytes=args.max_request_bytes, queue_group=args.queue_group or (BALANCE_QUEUE if args.replicas == "balance" else None),
-                       metrics=args.metrics)
+                       metrics=args.metrics, bundles=args.bundles == "on")
     if volunteering:
         import os
 

@@ -3,7 +3,12 @@
 A :class:`Worker` subscribes to exactly the dispatch subjects of the experts it holds
 (``kvasir.<model>.x.<layer>.<expert>``), answers each request with the expert function
 (:func:`kernels.expert.expert_ffn`, the code the backbone runs for its own fallback), and
-announces its holdings on ``kvasir.<model>.coverage.<node>`` every few seconds.
+announces its holdings on ``kvasir.<model>.coverage.<node>`` every few seconds. It also takes
+*bundles* on its own node subject ``kvasir.<model>.n.<node>`` (and says so in its heartbeat):
+every call of a layer step that the backbone sends to this node in one request, the rows once,
+answered with one reply that carries per call its output or why not (``not_held``). A decode
+bundle (one row for every call) runs the experts of each held range in one ``mul_mat_id`` graph
+(:func:`kernels.expert.moe_ffn`, bit for bit each call alone), not one graph per expert.
 
 Every request is validated (model, layer, expert held, dtype, shape, size limits); a bad one
 gets an :class:`~kvasir_bus.codec.ErrorReply` and the worker keeps serving. A small product (a
@@ -34,8 +39,8 @@ import structlog
 from kvasir_bus import __version__, codec, micro
 from kvasir_bus.subjects import Subjects, parse_dispatch
 from kvasir_bus.throttle import ThrottledLog
-from kernels.expert import expert_ffn
-from kernels.backend import kernel_label
+from kernels.expert import expert_ffn, moe_ffn
+from kernels.backend import backend_name, kernel_label
 from modelfile.slice_file import SliceInfo
 
 log = structlog.get_logger("kvasir.worker")
@@ -59,6 +64,7 @@ class WorkerConfig:
     metrics: str | None = None  # [HOST:]PORT to serve Prometheus /metrics on (workers.metrics)
     max_in_flight: int = 256  # requests decoded or computing at once; more are refused (overloaded)
     log_interval_s: float = 60.0  # one refusal line per sender and kind this often
+    bundles: bool = True  # take bundles on kvasir.<model>.n.<node> (and announce it)
 
 
 class State(enum.Enum):
@@ -85,6 +91,9 @@ class Worker:
         self._tasks: set[asyncio.Task] = set()  # requests on the compute pool
         self._inline = 0  # requests computed on the loop right now (0 or 1)
         self._routes: dict[str, tuple[int, int, tuple]] = {}  # subject -> (layer, expert, weights)
+        self._weights: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> weights, for bundles
+        self._slot: dict[tuple[int, int], tuple[codec.Holding, int]] = {}  # -> (its holding, slab index)
+        self._one_graph = backend_name() == "ggml"  # a decode bundle's experts in one mul_mat_id graph
         self._heartbeat: asyncio.Task | None = None
         self._pool = ThreadPoolExecutor(max_workers=cfg.compute_threads, thread_name_prefix="expert")
         self._kernel = kernel_label()  # announced in heartbeats and replies: how audits compare
@@ -107,9 +116,14 @@ class Worker:
             await self._start_metrics()
         for layer, expert in self.slice.experts():
             subject = self.subjects.dispatch(layer, expert)
-            self._routes[subject] = (layer, expert, self.slice.expert_weights(layer, expert))
+            weights = self._weights[(layer, expert)] = self.slice.expert_weights(layer, expert)
+            h = next(h for h in self.slice.holdings if h.covers(layer, expert))
+            self._slot[(layer, expert)] = (h, expert - h.lo)
+            self._routes[subject] = (layer, expert, weights)
             kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
             self._subs.append(await nc.subscribe(subject, cb=self._on_request, **kw))
+        if self.cfg.bundles:  # this node's own subject: never a queue group, only we hold it
+            self._subs.append(await nc.subscribe(self.subjects.node(self.cfg.node), cb=self._on_bundle))
         await nc.flush()  # subscriptions are live on the server before we say so
         self.state = State.RUNNING
         self._service = await micro.start_service(nc, self.card(), [self._served()])
@@ -182,7 +196,7 @@ class Worker:
         return codec.Heartbeat(model=self.slice.fingerprint, node=self.cfg.node, holdings=self.slice.holdings,
                                budget_bytes=self.cfg.budget_bytes or self.slice.nbytes,
                                load=float(self.in_flight), served=self.served, version=__version__,
-                               kernel=self._kernel, sent_at=time.time())
+                               kernel=self._kernel, sent_at=time.time(), bundles=self.cfg.bundles)
 
     async def _publish_heartbeat(self) -> None:
         hb = self.heartbeat()
@@ -260,6 +274,130 @@ class Worker:
             self.on_compute(req.layer, seconds)
         await self._send(msg.reply, payload, None, req.request_id)
 
+    # -- bundles ------------------------------------------------------------------------------
+
+    async def _on_bundle(self, msg) -> None:
+        """Every call of a layer step that the backbone sends to this node, in one message.
+
+        Validated like a request (model, sizes, the layer's expert count); each call this node
+        holds is computed, each it does not is answered ``not_held``, all in one reply. Small
+        work is done on the loop, as for a request; more goes to the pool in one submission."""
+        if not msg.reply:
+            self.errors += 1
+            self.refusals.warning(("no_reply", msg.subject), "request_without_reply_subject", subject=msg.subject)
+            return
+        if len(self._tasks) >= self.cfg.max_in_flight:
+            await self._refuse(msg, _Refused(codec.ERR_OVERLOADED, f"{len(self._tasks)} requests in flight"))
+            return
+        try:
+            bundle = self._validate_bundle(msg)
+            rows = bundle.rows if bundle.rows.dtype == np.float32 else bundle.rows.astype(np.float32)
+        except _Refused as exc:
+            await self._refuse(msg, exc)
+            return
+        except Exception as exc:  # a bug in a check: say so, keep serving
+            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
+            return
+        held, refused, work = [], [], 0
+        for i, expert in enumerate(bundle.experts):
+            weights = self._weights.get((bundle.layer, expert))
+            if weights is None:
+                refused.append((bundle.ids[i], codec.ERR_NOT_HELD,
+                                f"layer {bundle.layer} expert {expert} is not held here"))
+            else:
+                held.append((i, weights))
+                gate = weights[0]
+                work += 3 * bundle.counts[i] * gate.ne[0] * gate.ne[1]
+        limit = INLINE_WORK
+        if self._one_graph and len(held) > 1:
+            held = self._grouped(bundle, held)
+            if len(held) == 1:  # one graph: the hop to the pool and back would cost what several calls do
+                limit = INLINE_GRAPH_WORK
+        if work < limit:
+            self._inline += 1
+            try:
+                await self._answer_bundle(msg, bundle, rows, held, refused, None)
+            finally:
+                self._inline -= 1
+        else:
+            task = asyncio.create_task(self._answer_bundle(msg, bundle, rows, held, refused, self._pool))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _grouped(self, bundle: codec.BundleRequest, held: list) -> list:
+        """A decode bundle (every call one row, the same row) -> one job per holding: its calls'
+        experts in one ``mul_mat_id`` graph, as llama.cpp and the backbone's own layer step run
+        them; each expert still sees exactly its one row, so every output has the bits of its
+        call alone. Anything else stays one job per call."""
+        if any(bundle.counts[i] != 1 for i, _ in held) or len({int(bundle.index[i]) for i, _ in held}) != 1:
+            return held
+        groups: dict[codec.Holding, list[tuple[int, int]]] = {}
+        for i, _ in held:
+            h, slot = self._slot[(bundle.layer, bundle.experts[i])]
+            groups.setdefault(h, []).append((i, slot))
+        jobs = []
+        for h, calls in groups.items():
+            if len(calls) == 1:
+                i = calls[0][0]
+                jobs.append((i, self._weights[(bundle.layer, bundle.experts[i])]))
+            else:
+                jobs.append((tuple(calls), self.slice.holding_slabs(h)))
+        return jobs
+
+    def _validate_bundle(self, msg) -> codec.BundleRequest:
+        try:
+            bundle = codec.decode_bundle(msg.data, max_rows=self.cfg.max_rows, max_bytes=self.cfg.max_bytes,
+                                         n_embd=self.slice.n_embd)
+        except codec.CodecError as exc:
+            raise _Refused(codec.ERR_BAD_REQUEST, str(exc)) from None
+        if bundle.model != self.slice.fingerprint:
+            raise _Refused(codec.ERR_WRONG_MODEL, f"model {bundle.model} is not {self.slice.fingerprint}",
+                           bundle.bundle_id)
+        if len(bundle.ids) > self.slice.n_expert:
+            raise _Refused(codec.ERR_BAD_REQUEST, f"{len(bundle.ids)} calls, but a layer has "
+                           f"{self.slice.n_expert} experts", bundle.bundle_id)
+        return bundle
+
+    async def _answer_bundle(self, msg, bundle: codec.BundleRequest, rows: np.ndarray, held, refused, pool) -> None:
+        """Compute the held calls of a valid bundle (inline, or on ``pool`` in one submission) and
+        publish the one reply."""
+        try:
+            if pool is None:
+                done = _bundle_timed(bundle, rows, held)
+            else:
+                done = await asyncio.get_running_loop().run_in_executor(pool, _bundle_timed, bundle, rows, held)
+        except Exception as exc:  # the pool is gone (stopping): say so, keep serving
+            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}", bundle.bundle_id))
+            return
+        ids, counts, outs = [], [], []
+        for i, out, seconds, error in done:
+            rid = bundle.ids[i]
+            if error is not None:
+                refused.append((rid, codec.ERR_INTERNAL, error[:codec.MAX_ERROR_MESSAGE]))
+                self.log.error("request_failed", subject=msg.subject, request_id=rid, error=error)
+                continue
+            ids.append(rid)
+            counts.append(len(out))
+            outs.append(out)
+            self.compute_s += seconds
+            if self.on_compute is not None:
+                self.on_compute(bundle.layer, seconds)
+        self.served += len(ids)
+        self.errors += len(refused)
+        if refused:
+            self.refusals.warning(("bundle_refused", _sender(msg.reply)), "bundle_calls_refused",
+                                  layer=bundle.layer, refused=len(refused), code=refused[0][1], error=refused[0][2])
+        out = np.concatenate(outs) if len(outs) > 1 else outs[0] if outs else \
+            np.zeros((0, self.slice.n_embd), np.float32)
+        self.rows += len(out)
+        try:
+            payload = codec.BundleReply(bundle.bundle_id, self.cfg.node, tuple(ids), tuple(counts), out,
+                                        tuple(refused), self._kernel).encode()
+        except codec.CodecError as exc:  # a kernel returned a wrong shape: say so, keep serving
+            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, str(exc), bundle.bundle_id))
+            return
+        await self._send(msg.reply, payload, None, bundle.bundle_id)
+
     async def _refuse(self, msg, exc: _Refused) -> None:
         self.errors += 1
         request_id = exc.request_id or (msg.headers or {}).get("Kvasir-Request", "")
@@ -304,6 +442,7 @@ class Worker:
 
 
 INLINE_WORK = 1 << 20  # multiply-adds (~50-100 µs on one core) below which the loop computes inline
+INLINE_GRAPH_WORK = 4 * INLINE_WORK  # the same for a decode bundle in one graph (one graph's overhead, not K)
 
 
 def _small(weights, rows) -> bool:
@@ -315,6 +454,40 @@ def _timed(weights, rows):
     t0 = time.perf_counter()
     out = expert_ffn(*weights, rows, routed=True)
     return out, time.perf_counter() - t0
+
+
+def _bundle_timed(bundle: codec.BundleRequest, rows: np.ndarray, held) -> list:
+    """Every held call of a bundle: ``(call, output, seconds, error or None)``. A job is one call
+    ``(i, weights)``, or several calls of one holding on one row ``(((i, slab), ...), slabs)``
+    (:meth:`Worker._grouped`). Each call sees exactly its rows (gathered from the union), as in
+    its own request: the same bits."""
+    done = []
+    for job, weights in held:
+        if isinstance(job, tuple):
+            done.extend(_group_timed(bundle, rows, job, weights))
+            continue
+        try:
+            out, seconds = _timed(weights, rows[bundle.call_index(job)])
+            if out.shape != (bundle.counts[job], rows.shape[1]):
+                raise ValueError(f"the kernel returned shape {out.shape}")
+            done.append((job, out, seconds, None))
+        except Exception as exc:  # this call failed: the others are still answered
+            done.append((job, None, 0.0, f"{type(exc).__name__}: {exc}"))
+    return done
+
+
+def _group_timed(bundle: codec.BundleRequest, rows: np.ndarray, calls, slabs) -> list:
+    """Calls ``((i, slab index), ...)`` of one holding, each on the bundle's one row, in one graph."""
+    (gate, up, down), biases, glu = slabs
+    x = rows[int(bundle.index[calls[0][0]])][None]  # (1, D)
+    ids = np.array([[slot for _, slot in calls]], dtype=np.int32)  # (1, K)
+    t0 = time.perf_counter()
+    try:
+        out = moe_ffn(gate, up, down, x, ids, biases=biases, glu=glu)  # (1, K, D)
+    except Exception as exc:
+        return [(i, None, 0.0, f"{type(exc).__name__}: {exc}") for i, _ in calls]
+    seconds = (time.perf_counter() - t0) / len(calls)
+    return [(i, out[:, k], seconds, None) for k, (i, _) in enumerate(calls)]
 
 
 class _Refused(Exception):

@@ -24,6 +24,7 @@ def assert_sharded_with_a_killed_worker_equals_monolithic(model, url: str, tmp_p
     from kvasir_bus.fingerprint import model_fingerprint
     from launch.swarm import spawn_worker, wait_for_nodes
     from modelfile.slicer import parse_span, plan_slice, write_slice
+    from tests.polling import until
 
     engine = Engine(model)
     prompt = np.random.default_rng(7).integers(0, engine.cfg.n_vocab, n_prompt).tolist()
@@ -46,6 +47,8 @@ def assert_sharded_with_a_killed_worker_equals_monolithic(model, url: str, tmp_p
                              serve_manifest=False)
         with BackboneService(sharded_engine, cfg) as backbone:
             remote = backbone.dispatch
+            # Both announce bundles (the default): every layer step goes to each in one message.
+            remote.bus.run(until(lambda: remote.coverage.bundle_nodes == 2, "both workers' bundle heartbeats"))
 
             def on_token(_):
                 if not killed and remote.stats.totals().remote > 20:
@@ -64,5 +67,5 @@ def assert_sharded_with_a_killed_worker_equals_monolithic(model, url: str, tmp_p
     assert killed, "the worker was never killed"
     assert gen.tokens == mono.tokens
     assert np.array_equal(gen.logits_array(), mono.logits_array())
-    assert totals.remote > 0 and totals.local > 0
+    assert totals.remote > 0 and totals.local > 0 and totals.bundles > 0
     assert per_node["steady"]["calls"] > 0

@@ -58,6 +58,8 @@ class FakeNats:
         self.subs: list[FakeSub] = []
         self.requests: list[tuple[str, codec.DispatchRequest, str]] = []  # (subject, request, reply to)
         self.answer = lambda subject, req: []  # -> [(data, headers)] delivered at once
+        self.bundles: list[tuple[str, codec.BundleRequest, str]] = []  # (node, bundle, reply to)
+        self.answer_bundle = lambda node, bundle: [NO_RESPONDERS]  # nobody on a node's subject
 
     def new_inbox(self) -> str:
         return "_INBOX.fake"
@@ -71,6 +73,13 @@ class FakeNats:
         pass
 
     async def publish(self, subject: str, payload: bytes, reply: str = "", headers=None) -> None:
+        if ".n." in subject:  # a bundle for one node
+            bundle = codec.decode_bundle(payload)
+            node = subject.rsplit(".", 1)[1]
+            self.bundles.append((node, bundle, reply))
+            for data, hdrs in self.answer_bundle(node, bundle):
+                await self.deliver(reply, data, hdrs)
+            return
         if ".x." not in subject:  # an event (a quarantine): straight to the subscribers
             await self.deliver(subject, payload, headers)
             return
@@ -442,3 +451,224 @@ def test_balance_mode_re_sends_an_unanswered_call_and_stops_once_it_is_answered(
     remote.run_layer(0, [(6, ROWS)])
     bus.run(asyncio.sleep(0.05))
     assert remote.replicas.to_dict()["hedges"] == 1
+
+
+# -- bundles: one message per bundle-capable node and layer step --------------------------------
+
+def heartbeat(bus, nc, node: str, *holdings, bundles: bool = True) -> None:
+    hb = codec.Heartbeat(model=MODEL, node=node, holdings=holdings or (Holding(0, 0, 8),), budget_bytes=0,
+                         load=0.0, served=0, version="0.1.0", kernel="fake", sent_at=0.0, bundles=bundles)
+    bus.run(nc.deliver(Subjects(MODEL).coverage(node), hb.encode()))
+
+
+def bundle_reply(node: str, bundle: codec.BundleRequest, k: float = 3.0, *, skip=(), extra=()) -> tuple[bytes, None]:
+    """``node`` answers every call of ``bundle`` with k x its rows (but those in ``skip``: not
+    held), and ``extra`` (request id, rows) answers besides."""
+    ids, counts, outs, errors = [], [], [], []
+    for i, rid in enumerate(bundle.ids):
+        if bundle.experts[i] in skip:
+            errors.append((rid, codec.ERR_NOT_HELD, "not here"))
+            continue
+        rows = k * bundle.rows[bundle.call_index(i)].astype(np.float32)
+        ids.append(rid), counts.append(len(rows)), outs.append(rows)
+    for rid, rows in extra:
+        ids.append(rid), counts.append(len(rows)), outs.append(rows)
+    out = np.concatenate(outs) if outs else np.zeros((0, D), np.float32)
+    return codec.BundleReply(bundle.bundle_id, node, tuple(ids), tuple(counts), out, tuple(errors)).encode(), None
+
+
+ROW = ROWS[:1]
+
+
+def test_a_layer_step_for_a_bundle_node_is_one_message_with_each_row_once(rig, bus):
+    remote, nc, local, recorder, _ = rig()
+    heartbeat(bus, nc, "wb")
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 3)]
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW.copy()), (5, ROWS)])  # a decode row twice, and two rows
+    assert [np.array_equal(o, 3 * x) for o, x in zip(outs, (ROW, ROW, ROWS))] == [True] * 3
+    assert nc.requests == [] and local.calls == []
+    ((node, sent, _),) = nc.bundles
+    assert node == "wb" and sent.experts == (1, 2, 5) and sent.counts == (1, 1, 2)
+    assert sent.rows.shape == (2, D)  # ROW is also ROWS[0]: every distinct row once
+    assert [sent.call_index(i).tolist() for i in range(3)] == [[0], [0], [0, 1]]
+    s = remote.stats.layer(0)
+    assert (s.bundles, s.bundled_calls, s.remote, s.foreign) == (1, 3, 3, 0)
+    assert dict(remote.stats.nodes) == {"wb": 3}
+    assert recorder.wins == [("wb", 0, 1, 1), ("wb", 0, 2, 1), ("wb", 0, 5, 2)]
+
+
+def test_an_old_worker_without_bundles_is_asked_per_expert(rig, bus):
+    remote, nc, local, _, _ = rig()
+    heartbeat(bus, nc, "old", bundles=False)
+    nc.answer = times(3, node="old")
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW)])
+    assert all(np.array_equal(o, 3 * ROW) for o in outs)
+    assert nc.bundles == [] and len(nc.requests) == 2
+    heartbeat(bus, nc, "new")  # a bundle node: its experts go in its bundle, the rest stays per expert
+    heartbeat(bus, nc, "old", bundles=False)
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 3)]
+    remote.run_layer(0, [(1, ROW), (2, ROW)])
+    assert len(nc.bundles) == 1 and len(nc.requests) == 2
+
+
+def test_calls_a_bundle_node_does_not_hold_fall_back_here_and_the_rest_is_used(rig, bus):
+    remote, nc, local, _, _ = rig()
+    heartbeat(bus, nc, "wb")
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 3, skip=(2,))]
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW), (3, ROW)])
+    assert [float(o[0, 0] / ROW[0, 0]) for o in outs] == [3.0, 2.0, 3.0]
+    assert local.calls == [(0, 2)]
+    s = remote.stats.layer(0)
+    assert (s.remote, s.invalid) == (2, 1)
+
+
+def test_a_bundle_reply_answers_only_the_calls_sent_to_that_node(rig, bus):
+    """Node a holds expert 1, node b expert 2: a's reply also 'answers' b's call with other
+    numbers; that answer is dropped and counted, b's own answer wins."""
+    remote, nc, local, recorder, _ = rig()
+    heartbeat(bus, nc, "a", Holding(0, 1, 2))
+    heartbeat(bus, nc, "b", Holding(0, 2, 3))
+    tokens = {}
+
+    def answer(node, b):
+        tokens[node] = b.ids
+        if node == "a":
+            return [bundle_reply("a", b, 3, extra=[(rid, 9 * ROW) for rid in tokens.get("b", ())])]
+        return [bundle_reply("b", b, 5)]
+
+    nc.answer_bundle = answer
+    outs = remote.run_layer(0, [(2, ROW), (1, ROW)])  # b's bundle goes out first
+    assert np.array_equal(outs[0], 5 * ROW) and np.array_equal(outs[1], 3 * ROW)
+    s = remote.stats.layer(0)
+    assert (s.foreign, s.remote, s.duplicates) == (1, 2, 0)
+    assert sorted(recorder.wins) == [("a", 0, 1, 1), ("b", 0, 2, 1)]
+
+
+def test_a_bundle_reply_from_another_node_is_refused(rig, bus):
+    remote, nc, local, _, _ = rig()
+    heartbeat(bus, nc, "wb")
+    nc.answer_bundle = lambda node, b: [bundle_reply("someone-else", b, 3)]
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW)])
+    assert all(np.array_equal(o, 2 * ROW) for o in outs)
+    assert remote.stats.layer(0).invalid == 2 and dict(remote.stats.nodes) == {}
+
+
+def test_racing_bundle_nodes_the_first_answer_wins_per_call(rig, bus):
+    remote, nc, local, recorder, _ = rig()
+    heartbeat(bus, nc, "a")
+    heartbeat(bus, nc, "b")
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 3 if node == "a" else 5)]
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW)])
+    assert all(np.array_equal(o, 3 * ROW) for o in outs)
+    bus.run(nc.flush())  # b's bundle may go out once a's answer has settled the step
+    assert sorted(node for node, _, _ in nc.bundles) == ["a", "b"]
+    s = remote.stats.layer(0)
+    assert (s.bundles, s.bundled_calls, s.remote, s.duplicates) == (2, 2, 2, 2)
+    assert dict(remote.stats.nodes) == {"a": 2}
+
+
+def test_balance_mode_gives_each_call_to_one_bundle_node(rig, bus):
+    from backbone.replicas import ReplicaConfig, Replicas
+
+    remote, nc, local, _, _ = rig()
+    remote.replicas = Replicas(ReplicaConfig(mode="balance", max_hedges=0))
+    heartbeat(bus, nc, "a")
+    heartbeat(bus, nc, "b")
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 3)]
+    outs = remote.run_layer(0, [(e, ROW) for e in range(4)])
+    assert all(np.array_equal(o, 3 * ROW) for o in outs)
+    assert sorted((node, len(b.ids)) for node, b, _ in nc.bundles) == [("a", 2), ("b", 2)]
+    assert remote.stats.layer(0).duplicates == 0
+    assert remote.replicas.book.node_mean("a") is not None
+
+
+def test_a_gone_bundle_node_costs_no_timeout_its_calls_go_per_expert(rig, bus):
+    remote, nc, local, _, _ = rig()
+    heartbeat(bus, nc, "gone")
+    nc.answer = times(3, node="other")  # nobody on gone's subject; another worker on the experts'
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW)])
+    assert all(np.array_equal(o, 3 * ROW) for o in outs)
+    assert len(nc.bundles) == 1 and len(nc.requests) == 2
+    s = remote.stats.layer(0)
+    assert (s.bundles_unheard, s.remote, s.timeouts) == (1, 2, 0)
+    remote.run_layer(0, [(1, ROW)])  # forgotten until it heartbeats again
+    assert len(nc.bundles) == 1 and len(nc.requests) == 3
+
+
+def test_a_silent_bundle_node_costs_one_timeout_then_its_experts_are_only_probed(rig, bus):
+    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=0.05, audit=NO_AUDIT))
+    heartbeat(bus, nc, "frozen")
+    nc.answer_bundle = lambda node, b: []  # subscribed, never answers
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW)])
+    assert all(np.array_equal(o, 2 * ROW) for o in outs)
+    assert remote.stats.layer(0).timeouts == 2
+    remote.run_layer(0, [(1, ROW), (2, ROW)])  # computed here at once, probed on the experts' subjects
+    bus.run(nc.flush())  # the probes were published before this ran: nobody waited for them
+    s = remote.stats.layer(0)
+    assert (s.timeouts, s.silent) == (2, 2) and len(nc.bundles) == 1 and len(nc.requests) == 2
+
+
+def test_a_lying_bundle_node_is_caught_quarantined_and_sent_no_more_bundles(rig, bus):
+    remote, nc, local, recorder, _ = rig(DispatchConfig(timeout_s=5.0, audit=AuditConfig(rate=1.0)))
+    heartbeat(bus, nc, "liar")
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 7)]
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW)])
+    assert all(np.array_equal(o, 2 * ROW) for o in outs)  # audited: the local result is used
+    assert remote.stats.quarantined == ["liar"] and recorder.wins == []
+    remote.run_layer(0, [(1, ROW)])
+    assert len(nc.bundles) == 1  # no bundle for a liar; its expert goes per expert
+
+
+def test_balance_mode_hedges_a_call_whose_bundle_node_froze_on_the_experts_subject(rig, bus):
+    from backbone.replicas import ReplicaConfig, Replicas
+
+    remote, nc, local, recorder, _ = rig()
+    remote.replicas = Replicas(ReplicaConfig(mode="balance", hedge_initial_s=0.01, max_hedges=1))
+    heartbeat(bus, nc, "frozen")
+    nc.answer_bundle = lambda node, b: []  # subscribed, never answers
+    nc.answer = times(3, node="member")  # the queue group's other member
+    (out,) = remote.run_layer(0, [(5, ROW)])
+    assert np.array_equal(out, 3 * ROW) and local.calls == []
+    assert len(nc.bundles) == 1 and len(nc.requests) == 1
+    assert nc.requests[0][2].endswith("." + nc.bundles[0][1].ids[0])  # the call's own token
+    assert remote.replicas.hedges == 1 and recorder.wins == [("member", 0, 5, 1)]
+
+
+def test_a_node_whose_bundles_go_unanswered_gets_none_for_a_doubling_hold(rig, bus):
+    """Its experts answer on their own subjects (say the bus refuses this backbone the node
+    subjects, under a deployment's credentials from before bundles): one timeout, then per expert."""
+    remote, nc, local, _, clock = rig(DispatchConfig(timeout_s=0.05, audit=NO_AUDIT))
+    heartbeat(bus, nc, "wb")
+    nc.answer_bundle = lambda node, b: []
+    nc.answer = times(3, node="wb")
+    remote.run_layer(0, [(1, ROW)])  # the bundle times out: computed here
+    remote.run_layer(0, [(1, ROW)])  # silent: computed here, probed per expert (answered)
+    bus.run(nc.flush())
+    (out,) = remote.run_layer(0, [(1, ROW)])
+    assert np.array_equal(out, 3 * ROW)  # asked per expert, not in a bundle
+    assert len(nc.bundles) == 1 and remote.stats.layer(0).timeouts == 1
+    clock.now += 2.5  # the first hold (2 s) is over: bundles again; an answered one ends the hold
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 5)]
+    (out,) = remote.run_layer(0, [(1, ROW)])
+    assert np.array_equal(out, 5 * ROW) and len(nc.bundles) == 2
+
+
+def test_bundles_are_split_to_fit_the_servers_max_payload_and_a_big_call_goes_per_expert(rig, bus):
+    remote, nc, local, _, _ = rig()
+    nc.max_payload = 1024 + 8 * D * 4  # 8 rows a message (besides the envelope)
+    heartbeat(bus, nc, "wb")
+    sizes = []
+
+    def answer(node, b):
+        sizes.append(len(b.encode()))
+        return [bundle_reply(node, b, 3)]
+
+    nc.answer_bundle = answer
+    nc.answer = times(3)
+    big = np.arange(9 * D, dtype=np.float32).reshape(9, D)  # more rows than one message holds
+    calls = [(e, ROWS + e) for e in range(6)] + [(7, big)]
+    outs = remote.run_layer(0, calls)
+    assert all(np.array_equal(o, 3 * x) for o, (_, x) in zip(outs, calls))
+    assert len(nc.bundles) > 1 and sum(len(b.ids) for _, b, _ in nc.bundles) == 6
+    assert max(sizes) <= nc.max_payload
+    assert {req.expert for _, req, _ in nc.requests} == {7} and len(nc.requests) == 2  # in two chunks

@@ -191,3 +191,30 @@ def test_every_role_answers_srv_for_itself_and_the_observer_may_ask(deployment, 
             await c.nc.close()
 
     arun(go(), timeout=30)
+
+
+def test_a_worker_hears_bundles_on_its_own_node_subject_only_and_only_the_backbone_sends_them(
+        deployment, secure_server, arun):
+    async def go():
+        backbone = await Client.open(secure_server.url, deployment / "backbone.creds")
+        w1 = await Client.open(secure_server.url, deployment / "w1.creds")
+        w2 = await Client.open(secure_server.url, deployment / "w2.creds")
+
+        async def answer(msg):
+            await w1.nc.publish(msg.reply, msg.data[::-1])
+
+        await w1.nc.subscribe(M.node("w1"), cb=answer)
+        await w1.nc.flush()
+        reply = await backbone.nc.request(M.node("w1"), b"abc", timeout=2)
+        assert reply.data == b"cba"  # the backbone sends, the worker answers through allow_responses
+        await w1.nc.subscribe(M.node("w2"))  # another node's bundles
+        await w1.refused(M.node("w2"))
+        await w1.nc.subscribe("kvasir.*.n.*")
+        await w1.refused("kvasir.*.n.*")
+        await w2.nc.publish(M.node("w1"), b"x")  # a worker sends no bundles
+        await w2.refused(M.node("w1"))
+        assert not backbone.errors
+        for c in (backbone, w1, w2):
+            await c.nc.close()
+
+    arun(go())

@@ -126,7 +126,8 @@ def test_a_frozen_member_in_balance_mode_is_hedged_and_the_stream_continues(nats
         alone = generate(Engine(path), PROMPT, N, Sampler(SamplerConfig()), stop_on_eos=False)
         engine = Engine(path)
         cfg = BackboneConfig(model_path=engine.path, nats_url=nats_server.url, market=False, serve_manifest=False,
-                             dispatch=DispatchConfig(timeout_s=2.0), replicas=ReplicaConfig(mode="balance"))
+                             dispatch=DispatchConfig(timeout_s=2.0, bundles=False),  # the queue group's hedging
+                             replicas=ReplicaConfig(mode="balance"))
         frozen_at = {}
 
         def freeze(_token):
