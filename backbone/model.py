@@ -319,6 +319,7 @@ class Engine:
         self.fused = self.ggml_attention and not cfg.traits.attn_q_gate and cfg.traits.rope_style != "imrope"
         self.one_row_as_two = self.fused and ggml_deterministic()
         self._shapes: tuple[ModelConfig, list[fused.AttentionShape]] | None = None
+        self._step_plans: dict = {}  # fused.step_graph's memo: what its calls on these layers share
         # One graph per step for one sequence where nothing needs Python between the layers:
         # no delta-net layers, no attention sinks or windows, no expert biases, the
         # softmax-then-top-k router, rows sent to the experts unrounded.
@@ -484,7 +485,7 @@ class Engine:
         for first in range(0, c.n_layer, per_graph):
             part = blocks[first:first + per_graph]
             last = first + len(part) == c.n_layer
-            out = fused.step_graph(step, part, x=x, **at, head=head if last else None,
+            out = fused.step_graph(step, part, x=x, **at, head=head if last else None, memo=self._step_plans,
                                    keep=self._dense_rows(keep) if last else None, n_kept=n_out)
             for il, chosen in enumerate(out.ids, first):  # the local experts' statistics
                 self.local_experts.calls[il] += len(set(chosen.ravel().tolist()))  # (np.unique: 10x slower)
@@ -504,12 +505,13 @@ class Engine:
         for il, blk in enumerate(blocks):
             last = il == n_layer - 1
             out = fused.step_graph(step, [blk], x=x if prev is None else None, prev=prev, **at, remote=True,
+                                   memo=self._step_plans,
                                    keep=self._dense_rows(keep) if last else None, n_kept=n_kept)
             r = out.routed
             prev = (r, self._expert_outputs(il, r.h, r.ids))
             if last and keep is not None:  # the kept rows only, from here on
                 step = replace(step, rows=len(self._dense_rows(keep)), n_new=len(keep))
-        return fused.step_graph(step, [], prev=prev, head=head).logits
+        return fused.step_graph(step, [], prev=prev, head=head, memo=self._step_plans).logits
 
     def _dense_rows(self, keep: np.ndarray | None) -> np.ndarray | None:
         """The rows the dense ops of the last layer keep: ``keep``, one row as two in
