@@ -38,6 +38,7 @@ that the three paths give identical logits).
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, replace
 
@@ -57,6 +58,11 @@ WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
 # A one-sequence step's graph holds as many layers as keep its intermediates under this many
 # bytes (a decode step: all of them), so that the graph cache keeps it for the next step.
 STEP_GRAPH_BYTES = 8 << 20
+
+
+@functools.lru_cache(maxsize=None)
+def _kq_scale(head_dim: int) -> float:
+    return float(dense.kq_scale(head_dim))  # asked every step: numpy scalars cost microseconds
 
 
 @dataclass(frozen=True)
@@ -319,6 +325,7 @@ class Engine:
         self.fused = self.ggml_attention and not cfg.traits.attn_q_gate and cfg.traits.rope_style != "imrope"
         self.one_row_as_two = self.fused and ggml_deterministic()
         self._shapes: tuple[ModelConfig, list[fused.AttentionShape]] | None = None
+        self._step_plans: dict = {}  # fused.step_graph's memo: what its calls on these layers share
         # One graph per step for one sequence where nothing needs Python between the layers:
         # no delta-net layers, no attention sinks or windows, no expert biases, the
         # softmax-then-top-k router, rows sent to the experts unrounded.
@@ -465,17 +472,19 @@ class Engine:
         caches = [seq.reserve(il, end) for il in range(c.n_layer)]
         kv_size = caches[0][0].shape[0]
         n_kv = dense.n_kv_for(end, kv_size)
-        step = fused.StepShape(R, T, kv_size, n_kv, float(dense.kq_scale(c.head_dim)), c.n_expert_used,
+        step = fused.StepShape(R, T, kv_size, n_kv, _kq_scale(c.head_dim), c.n_expert_used,
                                w.expert_glu, c.traits.shexp_gate, c.traits.norm_topk)
         blocks = [fused.Block(w.layers[il], self._attention_shape(il), caches[il]) for il in range(c.n_layer)]
         per_graph = fused.layers_per_graph(step, w.layers[0], blocks[0].shape, STEP_GRAPH_BYTES)
-        at = dict(n_past=seq.n_past, positions=np.repeat(seq.n_past + np.arange(T), R // T).astype(np.int32),
-                  mask=dense.causal_mask(seq.n_past, T, n_kv, max(R, 2)))
-        x = ggml_get_rows(w.token_embd, np.repeat(ids, R // T))  # (R, D)
+        positions = np.arange(seq.n_past, end, dtype=np.int32)
+        if R != T:  # one row as two
+            positions, ids = np.repeat(positions, 2), np.repeat(ids, 2)
+        at = dict(n_past=seq.n_past, positions=positions, mask=dense.causal_mask(seq.n_past, T, n_kv, max(R, 2)))
+        x = ggml_get_rows(w.token_embd, ids)  # (R, D)
         n_out = T if keep is None else len(keep)  # the rows whose logits are wanted
-        head_rows = np.arange(n_out) if keep is None else np.zeros(n_out, dtype=np.int32)
+        head_rows = np.arange(n_out, dtype=np.int32) if keep is None else np.zeros(n_out, dtype=np.int32)
         if n_out == 1 and self.one_row_as_two:  # the head's one row as two, as matmul does
-            head_rows = np.repeat(head_rows, 2)
+            head_rows = np.zeros(2, dtype=np.int32)
         head = (w.output_norm, w.output, head_rows, c.rms_eps)
         if self.experts is not self.local_experts:  # one graph per layer, the experts remote
             logits = self._step_graphs_remote(step, blocks, x, at, keep, head)
@@ -484,7 +493,7 @@ class Engine:
         for first in range(0, c.n_layer, per_graph):
             part = blocks[first:first + per_graph]
             last = first + len(part) == c.n_layer
-            out = fused.step_graph(step, part, x=x, **at, head=head if last else None,
+            out = fused.step_graph(step, part, x=x, **at, head=head if last else None, memo=self._step_plans,
                                    keep=self._dense_rows(keep) if last else None, n_kept=n_out)
             for il, chosen in enumerate(out.ids, first):  # the local experts' statistics
                 self.local_experts.calls[il] += len(set(chosen.ravel().tolist()))  # (np.unique: 10x slower)
@@ -504,12 +513,13 @@ class Engine:
         for il, blk in enumerate(blocks):
             last = il == n_layer - 1
             out = fused.step_graph(step, [blk], x=x if prev is None else None, prev=prev, **at, remote=True,
+                                   memo=self._step_plans,
                                    keep=self._dense_rows(keep) if last else None, n_kept=n_kept)
             r = out.routed
             prev = (r, self._expert_outputs(il, r.h, r.ids))
             if last and keep is not None:  # the kept rows only, from here on
                 step = replace(step, rows=len(self._dense_rows(keep)), n_new=len(keep))
-        return fused.step_graph(step, [], prev=prev, head=head).logits
+        return fused.step_graph(step, [], prev=prev, head=head, memo=self._step_plans).logits
 
     def _dense_rows(self, keep: np.ndarray | None) -> np.ndarray | None:
         """The rows the dense ops of the last layer keep: ``keep``, one row as two in

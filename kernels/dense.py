@@ -93,13 +93,16 @@ def causal_mask(q_pos0: int, L: int, n_kv: int, rows: int | None = None, window:
     key = (q_pos0, L, rows, n_kv, window)
     m = _masks.get(key)
     if m is None:
-        last = q_pos0 + np.minimum(np.arange(rows), L - 1)
-        cells = np.arange(n_kv)[None, :]
-        visible = cells <= last[:, None]
-        if window > 0:
-            visible &= last[:, None] - cells < window
-        m = np.where(visible, np.float32(0), np.float32(-np.inf))
-        m = m.astype(np.float32)
+        if L == 1 and window == 0:  # a decode step (a new key every step): no index arrays
+            m = np.full((rows, n_kv), -np.inf, dtype=np.float32)
+            m[:, :q_pos0 + 1] = 0
+        else:
+            last = q_pos0 + np.minimum(np.arange(rows), L - 1)
+            cells = np.arange(n_kv)[None, :]
+            visible = cells <= last[:, None]
+            if window > 0:
+                visible &= last[:, None] - cells < window
+            m = np.where(visible, np.float32(0), np.float32(-np.inf)).astype(np.float32)
         m.flags.writeable = False
         _masks[key] = m
         while len(_masks) > 64:

@@ -36,7 +36,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from kernels import ggml
-from kernels.ggml import Graph, repacked, run_cached, threads_for, weight_data, weight_input
+from kernels.ggml import Graph, address, repacked, run_cached, threads_for, weight_data, weight_input
 from kernels.tensors import QTensor
 
 NODES = 64  # graph size: attention_out with a shared expert and its gate has about 25 nodes
@@ -410,26 +410,31 @@ def _combine(g: Graph, lib, x2, shared, ex, weights):
     return g.scratch(lib.ggml_add(ctx, x2, moe))
 
 
-def _attention_arrays(layer, k_cache: np.ndarray, v_cache: np.ndarray, n_past: int, rps: dict) -> list:
-    """The data of :func:`_attention_part`'s inputs, in its order."""
-    gqa = k_cache.shape[1]
-    out = [layer.attn_norm, *(weight_data(w, rps.get(id(w))) for w in (layer.attn_q, layer.attn_k, layer.attn_v))]
-    out += [b for b in (layer.attn_q_bias, layer.attn_k_bias, layer.attn_v_bias) if b is not None]
-    out += [n for n in (layer.attn_q_norm, layer.attn_k_norm) if n is not None]
-    kp, vp = k_cache.__array_interface__["data"][0], v_cache.__array_interface__["data"][0]
-    out += [k_cache, v_cache, kp + 2 * gqa * n_past, vp + 2 * n_past]
-    out.append(weight_data(layer.attn_output, rps.get(id(layer.attn_output))))
+def _attention_arrays(layer, rps: dict) -> tuple[list, list]:
+    """The data of :func:`_attention_part`'s inputs, in its order, but for the cache's four
+    (bound per call, between the two lists): those before the cache, and those after it."""
+    pre = [layer.attn_norm, *(weight_data(w, rps.get(id(w))) for w in (layer.attn_q, layer.attn_k, layer.attn_v))]
+    pre += [b for b in (layer.attn_q_bias, layer.attn_k_bias, layer.attn_v_bias) if b is not None]
+    pre += [n for n in (layer.attn_q_norm, layer.attn_k_norm) if n is not None]
+    post = [weight_data(layer.attn_output, rps.get(id(layer.attn_output)))]
     if layer.attn_output_bias is not None:
-        out.append(layer.attn_output_bias)
-    out += [layer.ffn_norm, layer.ffn_gate_inp.ptr]
+        post.append(layer.attn_output_bias)
+    post += [layer.ffn_norm, layer.ffn_gate_inp.ptr]
     if layer.ffn_gate_inp_bias is not None:
-        out.append(layer.ffn_gate_inp_bias)
+        post.append(layer.ffn_gate_inp_bias)
     if layer.ffn_gate_shexp is not None:
-        out += [weight_data(w, rps.get(id(w))) for w in (layer.ffn_gate_shexp, layer.ffn_up_shexp,
-                                                         layer.ffn_down_shexp)]
+        post += [weight_data(w, rps.get(id(w))) for w in (layer.ffn_gate_shexp, layer.ffn_up_shexp,
+                                                          layer.ffn_down_shexp)]
     if layer.ffn_gate_inp_shexp is not None:
-        out.append(layer.ffn_gate_inp_shexp)
-    return out
+        post.append(layer.ffn_gate_inp_shexp)
+    return pre, post
+
+
+def _cache_arrays(k_cache: np.ndarray, v_cache: np.ndarray, n_past: int) -> list:
+    """The cache's four inputs of :func:`_attention_part`: K, V, and where this step's keys and
+    values go (cell n_past of K (kv_size, gqa), column n_past of V (gqa, kv_size), f16)."""
+    kp, vp = address(k_cache), address(v_cache)
+    return [kp, vp, kp + 2 * k_cache.shape[1] * n_past, vp + 2 * n_past]
 
 
 def _layer_key(layer) -> tuple:
@@ -489,11 +494,64 @@ def layers_per_graph(step: StepShape, layer, shape: AttentionShape, budget: int)
     return max(1, budget // per_layer)
 
 
+@dataclass
+class _StepPlan:
+    """What every call of one step graph on the same layers shares (``step_graph``'s ``memo``):
+    the graph's cache key and thread count, the repacked weights, and the data of the inputs
+    that do not change from step to step (weights, norms), per block before and after its
+    cache. Working these out walks every weight of every layer: a tenth of a decode step."""
+
+    key: tuple
+    threads: int
+    rps: dict  # id(weight) -> Repacked | None
+    rp_head: object  # Repacked | None
+    pre: list  # per block: the inputs bound before its cache (_attention_arrays)
+    post: list  # per block: those after it, up to its router and shared expert
+    exps: list  # per block: its routed experts' slabs
+    head: list  # the output norm and head weight
+    owners: tuple  # the objects the memo key names by identity, kept alive with the plan
+
+
+MEMO_ENTRIES = 64  # step plans a memo keeps (one per layer group, cache size and row count)
+
+
+def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[int], n_new: int, head,
+          key_tail: tuple) -> _StepPlan:
+    rps = {}
+    for b in blocks:
+        for w in _dense_weights(b.layer):
+            rps[id(w)] = repacked(w)
+    rp_head = repacked(head[1]) if head is not None else None
+    work = 0
+    for i, b in enumerate(blocks):
+        lay = b.layer
+        D, F, _ = lay.ffn_gate_exps.ne
+        work += 3 * expert_rows[i] * step.n_expert_used * D * F if i < local else 0
+        work += step.rows * sum(w.ne[0] * w.ne[1] for w in (lay.attn_q, lay.attn_k, lay.attn_v, lay.attn_output))
+    if head is not None:
+        work += len(head[2]) * head[1].ne[0] * head[1].ne[1]
+    threads = threads_for(work, n_new)
+    key = ("step", step, threads, *key_tail,
+           tuple((_layer_key(b.layer), b.shape, tuple(rps[id(w)] is not None for w in _dense_weights(b.layer)))
+                 for b in blocks),
+           None if head is None else (len(head[2]), _key(head[1]), float(head[3]), rp_head is not None))
+    # addresses, read once: the arrays are the layers' (alive as long as the plan: ``owners``)
+    pre, post = [], []
+    for b in blocks:
+        before, after = _attention_arrays(b.layer, rps)
+        pre.append([address(a) for a in before])
+        post.append([address(a) for a in after])
+    exps = [[b.layer.ffn_gate_exps.ptr, b.layer.ffn_up_exps.ptr, b.layer.ffn_down_exps.ptr] for b in blocks]
+    tail = [address(head[0]), weight_data(head[1], rp_head)] if head is not None else []
+    owners = tuple(b.layer for b in blocks) + tuple(b.shape for b in blocks) + (head[:2] if head is not None else ())
+    return _StepPlan(key, threads, rps, rp_head, pre, post, exps, tail, owners)
+
+
 def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = None,
                prev: tuple[Routed, np.ndarray] | None = None, n_past: int = 0,
                positions: np.ndarray | None = None, mask: np.ndarray | None = None,
                keep: np.ndarray | None = None, n_kept: int = 0, head: tuple | None = None,
-               remote: bool = False) -> StepOut:
+               remote: bool = False, memo: dict | None = None) -> StepOut:
     """Layers ``blocks`` of a one-sequence step as one graph (see above), from rows ``x``
     (R, D) float32, or from ``prev``: a layer stopped at its experts and their outputs
     (n, K, D), combined first. ``positions`` (R,) int32, ``mask`` (n_kv, max(R, 2)): each
@@ -502,7 +560,10 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     wanted), of which the first ``n_kept`` are real (the rest: one row as two). ``remote``: the
     last block stops at its routed experts (``StepOut.routed``). ``head``: (output_norm (D,),
     output QTensor, out_idx (m,) int32, eps) adds the output norm and head on rows ``out_idx``
-    of the last layer's output -> logits (m, V)."""
+    of the last layer's output -> logits (m, V). ``memo``: a dict the caller keeps across
+    steps, where what the calls on the same layers share is remembered (``_StepPlan``), keyed
+    by the identity of the layers, their shapes and the head's weights: they must not change
+    while the caller uses it."""
     lib = ggml.load()
     R, K, n_new = step.rows, step.n_expert_used, step.n_new
     keep = None if keep is None else np.ascontiguousarray(keep, dtype=np.int32)
@@ -516,23 +577,23 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     if keep is not None:
         dense_rows[-1], expert_rows[-1] = len(keep), n_kept
     local = len(blocks) - (1 if remote else 0)  # blocks whose experts this graph computes
-    rps = {}
-    for b in blocks:
-        for w in _dense_weights(b.layer):
-            rps[id(w)] = repacked(w)
-    rp_head = repacked(head[1]) if head is not None else None
-    work = 0
-    for i, b in enumerate(blocks):
-        lay = b.layer
-        D, F, _ = lay.ffn_gate_exps.ne
-        work += 3 * expert_rows[i] * K * D * F if i < local else 0
-        work += R * sum(w.ne[0] * w.ne[1] for w in (lay.attn_q, lay.attn_k, lay.attn_v, lay.attn_output))
-    if head is not None:
-        work += len(head[2]) * head[1].ne[0] * head[1].ne[1]
-    threads = threads_for(work, n_new)
     D = blocks[0].layer.ffn_gate_exps.ne[0] if blocks else prev[0].x.shape[1]
     n_prev = 0 if prev is None else len(prev[0].ids)
     has_shared = prev is not None and prev[0].shared is not None
+    key_tail = (None if keep is None else (len(keep), n_kept), remote,
+                None if prev is None else (n_prev, has_shared))
+    plan = None
+    if memo is not None:
+        mkey = (step, key_tail, tuple(id(b.layer) for b in blocks), tuple(id(b.shape) for b in blocks),
+                None if head is None else (id(head[0]), id(head[1]), len(head[2]), head[3]))
+        plan = memo.get(mkey)
+    if plan is None:
+        plan = _plan(step, blocks, local, expert_rows, n_new, head, key_tail)
+        if memo is not None:
+            while len(memo) >= MEMO_ENTRIES:
+                del memo[next(iter(memo))]
+            memo[mkey] = plan
+    rps, rp_head, threads = plan.rps, plan.rp_head, plan.threads
     # ggml reads exactly these sizes from the pointers it is given: check them here
     want = {"x": (x, (R, D), np.float32), "positions": (positions, (R,), np.int32),
             "mask": (mask, (max(R, 2), step.n_kv), np.float32)} if blocks else {}
@@ -545,6 +606,9 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     for name, (a, shape, dtype) in want.items():
         if a is not None and (a.shape != shape or a.dtype != dtype):
             raise ValueError(f"step_graph: {name} is {a.dtype}{a.shape}, expected {np.dtype(dtype)}{shape}")
+    for b in blocks:  # the caches are bound by address: their shapes are the graph's
+        if b.cache[0].shape[0] != step.kv_size or b.cache[1].shape[1] != step.kv_size:
+            raise ValueError(f"step_graph: a cache of {b.cache[0].shape[0]} cells, the step's has {step.kv_size}")
     norm = step.norm_topk
 
     def build() -> Graph:
@@ -603,7 +667,9 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
         arrays += [np.ascontiguousarray(positions, dtype=np.int32), mask] + ([keep] if keep is not None else [])
     result = StepOut(ids=[np.empty((n, K), np.int32) for n in expert_rows[:local]])
     for i, b in enumerate(blocks):
-        arrays += _attention_arrays(b.layer, b.cache[0], b.cache[1], n_past, rps)
+        arrays += plan.pre[i]
+        arrays += _cache_arrays(b.cache[0], b.cache[1], n_past)
+        arrays += plan.post[i]
         if i == local:
             n = expert_rows[i]
             shared = np.empty((n, D), np.float32) if b.layer.ffn_gate_shexp is not None else None
@@ -612,20 +678,16 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
             r = result.routed
             arrays += [r.x, r.h] + ([shared] if shared is not None else []) + [r.ids, r.weights]
             break
-        arrays += [b.layer.ffn_gate_exps.ptr, b.layer.ffn_up_exps.ptr, b.layer.ffn_down_exps.ptr, result.ids[i]]
+        arrays += plan.exps[i]
+        arrays.append(result.ids[i])
     if head is not None:
         out_idx = np.ascontiguousarray(head[2], dtype=np.int32)
         result.logits = np.empty((len(out_idx), head[1].ne[1]), np.float32)
-        arrays += [out_idx, head[0], weight_data(head[1], rp_head), result.logits]
+        arrays += [out_idx, *plan.head, result.logits]
     elif not remote:
         result.x = np.empty((R, D), np.float32)
         arrays.append(result.x)
-    key = ("step", step, threads, None if keep is None else (len(keep), n_kept), remote,
-           None if prev is None else (n_prev, has_shared),
-           tuple((_layer_key(b.layer), b.shape, tuple(rps[id(w)] is not None for w in _dense_weights(b.layer)))
-                 for b in blocks),
-           None if head is None else (len(head[2]), _key(head[1]), float(head[3]), rp_head is not None))
-    run_cached(key, build, arrays)
+    run_cached(plan.key, build, arrays)
     return result
 
 

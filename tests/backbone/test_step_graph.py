@@ -108,3 +108,20 @@ def test_step_graph_refuses_arrays_of_the_wrong_size(models, monkeypatch):
                          head=seen[-1][1]["head"])
     with pytest.raises(ValueError, match="x is"):
         real(step, blocks, **{**kw, "x": kw["x"][:1]})
+
+
+def test_a_remembered_step_plan_gives_the_bits_of_a_fresh_one_and_is_reused(models, monkeypatch):
+    engine = Engine(models("qwen3moe", "q4_k"))
+    made = []
+    real = fused._plan
+    monkeypatch.setattr(fused, "_plan", lambda *a, **kw: made.append(1) or real(*a, **kw))
+    remembered = _run(engine)
+    n_made = len(made)
+    assert n_made == 3  # 9 rows, 5 rows keeping the last, 1 row: three step shapes
+    _run(engine)  # the same shapes again, new sequences: nothing worked out anew
+    assert len(made) == n_made
+    real_step = fused.step_graph
+    monkeypatch.setattr(fused, "step_graph", lambda *a, memo=None, **kw: real_step(*a, **kw))
+    fresh = _run(engine)  # no memo: every call works its plan out
+    assert all(np.array_equal(a, b) for a, b in zip(remembered[0], fresh[0]))
+    assert remembered[1:] == fresh[1:]
