@@ -183,6 +183,7 @@ class _Answer(NamedTuple):
     node: str
     rows: np.ndarray
     kernel: str
+    finite: bool = False  # the whole reply's rows were checked at once and hold no NaN or Inf
 
 
 def _row_bytes(rows: np.ndarray) -> list[bytes]:
@@ -673,7 +674,7 @@ class RemoteExperts:
             problem = f"request id {reply.request_id!r} does not match {token!r}"
         elif reply.rows.shape != chunk.shape:
             problem = f"shape {reply.rows.shape}, expected {chunk.shape}"
-        elif not codec.all_finite(reply.rows):
+        elif not (isinstance(reply, _Answer) and reply.finite) and not codec.all_finite(reply.rows):
             problem = "NaN or Inf in the rows"
         if problem:
             self.refusals.warning(("invalid", reply.node), "reply_invalid", layer=layer, expert=expert,
@@ -729,7 +730,8 @@ class RemoteExperts:
                 answers = [(token, codec.ErrorReply(token, reply.node, reply.code, reply.message))
                            for token in bundle.tokens]
             else:
-                answers = [(rid, _Answer(rid, reply.node, rows, reply.kernel)) for rid, rows in reply.results()]
+                finite = codec.all_finite(reply.rows)  # one check for every call; if not, each call's own
+                answers = [(rid, _Answer(rid, reply.node, rows, reply.kernel, finite)) for rid, rows in reply.results()]
                 answers += [(rid, codec.ErrorReply(rid, reply.node, code, message))
                             for rid, code, message in reply.errors]
         except codec.CodecError as exc:

@@ -697,3 +697,19 @@ def test_audited_bundle_calls_are_recomputed_while_the_reply_is_on_the_way_and_a
     assert local.calls == [(0, 1), (0, 2)]  # each computed once, ahead, and that result used
     assert remote.stats.quarantined == ["liar"] and recorder.wins == []  # nor paid
     assert remote.stats.layer(0).timeouts == 0
+
+
+def test_a_nan_in_one_call_of_a_bundle_reply_refuses_that_call_only(rig, bus):
+    remote, nc, local, recorder, _ = rig()
+    heartbeat(bus, nc, "wb")
+
+    def answer(node, b):
+        out = 3 * b.rows[b.index].astype(np.float32)  # every call one row, in order
+        out[1, 0] = np.nan
+        return [(codec.BundleReply(b.bundle_id, node, b.ids, b.counts, out).encode(), None)]
+
+    nc.answer_bundle = answer
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW), (3, ROW)])
+    assert [o.tolist() for o in outs] == [(3 * ROW).tolist(), (2 * ROW).tolist(), (3 * ROW).tolist()]
+    assert local.calls == [(0, 2)] and remote.stats.layer(0).invalid == 1
+    assert recorder.wins == [("wb", 0, 1, 1), ("wb", 0, 3, 1)]
