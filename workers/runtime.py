@@ -14,7 +14,10 @@ Every request is validated (model, layer, expert held, dtype, shape, size limits
 gets an :class:`~kvasir_bus.codec.ErrorReply` and the worker keeps serving. A small product (a
 decode row of a small expert) is computed and answered on the event loop: a hop to a thread and
 back would cost more than the product. A big one runs on a thread pool while the loop decodes
-the next request; many can be in flight at once. ``stop()`` drains: no new requests, in-flight
+the next request; many can be in flight at once. A decode bundle (one row per call) that finds
+the pool idle is computed on the loop up to a few ms of work (nothing to overlap; the hop is two
+thread wake-ups), its big experts each in its own graph (``mul_mat_id`` on one row is slower
+there). ``stop()`` drains: no new requests, in-flight
 ones finish and are answered, then the connection closes.
 
 What a request costs besides its kernel is measured by ``bench/dispatch.py --overhead``; the
