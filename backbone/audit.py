@@ -157,6 +157,20 @@ class Auditor:
     def quarantined(self) -> frozenset[str]:
         return frozenset(self._quarantined)
 
+    def would_audit(self, node: str, layer: int) -> bool:
+        """What the next :meth:`should_audit` of ``node`` on ``layer`` will answer, counting no
+        reply (a window it would start or restart is drawn now instead of then: the same draw). The
+        dispatcher recomputes such a call while its reply is still on the way; the verdict is
+        still :meth:`should_audit`'s, taken when the reply is used."""
+        if self.cfg.rate <= 0.0:
+            return False
+        window = self._windows.get((node, layer))
+        if window is None:
+            window = self._windows[(node, layer)] = _Window(pick=self._rng.randrange(self.cfg.window))
+        if window.seen == self.cfg.window:
+            window.seen, window.pick = 0, self._rng.randrange(self.cfg.window)
+        return window.seen == window.pick or self._replies.get(node, 0) < self.cfg.probation or self.cfg.rate >= 1.0
+
     def should_audit(self, node: str, layer: int) -> bool:
         """Called once per remote reply that would be used; True: recompute it locally."""
         if self.cfg.rate <= 0.0:

@@ -183,6 +183,7 @@ class _Answer(NamedTuple):
     node: str
     rows: np.ndarray
     kernel: str
+    finite: bool = False  # the whole reply's rows were checked at once and hold no NaN or Inf
 
 
 def _row_bytes(rows: np.ndarray) -> list[bytes]:
@@ -326,6 +327,7 @@ class RemoteExperts:
         for i, (expert, rows) in enumerate(calls):  # the fallback replica works while the bus does
             if i not in remote:
                 outs[i] = self._compute_here(layer, expert, rows, stats)
+        references = self._audit_ahead(layer, step.calls) if step.calls else {}
         if step.calls:
             deadline = step.timeout_s + _STEP_GRACE_S
             while True:
@@ -340,8 +342,8 @@ class RemoteExperts:
             for call in step.calls:
                 if outs[call.index] is None:
                     won = call.won
-                    outs[call.index] = self._accept(layer, call.expert, call.rows, won) if won is not None \
-                        else self._compute_here(layer, call.expert, call.rows, stats)
+                    outs[call.index] = self._accept(layer, call.expert, call.rows, won, references.get(call.index)) \
+                        if won is not None else self._compute_here(layer, call.expert, call.rows, stats)
         if self.recorder is not None:
             for call in step.calls:
                 self.recorder.record_call(layer, call.expert, len(call.rows), remote=call.won is not None)
@@ -349,6 +351,16 @@ class RemoteExperts:
                 if i not in remote:
                     self.recorder.record_call(layer, expert, len(rows), remote=False)
         return outs
+
+    def _audit_ahead(self, layer: int, calls: list[_Call]) -> dict[int, np.ndarray]:
+        """The local result of every call whose reply will be audited, computed while the replies
+        are on the way (this thread would only wait): an audit then costs the step a comparison,
+        not a recompute. Known only for a call in exactly one node's bundle (the node that will
+        answer it); the verdict stays :meth:`Auditor.should_audit`'s when the reply is used, so a
+        guess made stale by a concurrent step only costs a recompute or an unused one."""
+        with self._audit_lock:
+            ahead = [call for call in calls if len(call.nodes) == 1 and self.auditor.would_audit(call.nodes[0], layer)]
+        return {call.index: self.local.compute(layer, call.expert, call.rows) for call in ahead}
 
     def _compute_here(self, layer: int, expert: int, rows: np.ndarray, stats: LayerStats) -> np.ndarray:
         stats.rows_local += len(rows)
@@ -439,15 +451,16 @@ class RemoteExperts:
                                               [call.expert for call in calls], [len(call.rows) for call in calls], index)
         return _Bundle(node, layer, token, calls, payload)
 
-    def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won) -> np.ndarray:
-        """A won call: audit it if the auditor says so (then the local result is used), credit
-        the nodes whose parts were not caught lying."""
+    def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won,
+                reference: np.ndarray | None = None) -> np.ndarray:
+        """A won call: audit it if the auditor says so (then the local result is used: ``reference``
+        when it was computed ahead), credit the nodes whose parts were not caught lying."""
         with self._audit_lock:
             audited = [self.auditor.should_audit(part.node, layer) for part in won.parts]
         out = won.out
         honest = list(won.parts)
         if any(audited):
-            out = self.local.compute(layer, expert, rows)
+            out = reference if reference is not None else self.local.compute(layer, expert, rows)
             honest = [part for part in won.parts if self._audit(layer, expert, rows, out, part)]
         if self.recorder is not None:
             for part in honest:
@@ -661,7 +674,7 @@ class RemoteExperts:
             problem = f"request id {reply.request_id!r} does not match {token!r}"
         elif reply.rows.shape != chunk.shape:
             problem = f"shape {reply.rows.shape}, expected {chunk.shape}"
-        elif not codec.all_finite(reply.rows):
+        elif not (isinstance(reply, _Answer) and reply.finite) and not codec.all_finite(reply.rows):
             problem = "NaN or Inf in the rows"
         if problem:
             self.refusals.warning(("invalid", reply.node), "reply_invalid", layer=layer, expert=expert,
@@ -717,7 +730,8 @@ class RemoteExperts:
                 answers = [(token, codec.ErrorReply(token, reply.node, reply.code, reply.message))
                            for token in bundle.tokens]
             else:
-                answers = [(rid, _Answer(rid, reply.node, rows, reply.kernel)) for rid, rows in reply.results()]
+                finite = codec.all_finite(reply.rows)  # one check for every call; if not, each call's own
+                answers = [(rid, _Answer(rid, reply.node, rows, reply.kernel, finite)) for rid, rows in reply.results()]
                 answers += [(rid, codec.ErrorReply(rid, reply.node, code, message))
                             for rid, code, message in reply.errors]
         except codec.CodecError as exc:

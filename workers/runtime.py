@@ -14,7 +14,10 @@ Every request is validated (model, layer, expert held, dtype, shape, size limits
 gets an :class:`~kvasir_bus.codec.ErrorReply` and the worker keeps serving. A small product (a
 decode row of a small expert) is computed and answered on the event loop: a hop to a thread and
 back would cost more than the product. A big one runs on a thread pool while the loop decodes
-the next request; many can be in flight at once. ``stop()`` drains: no new requests, in-flight
+the next request; many can be in flight at once. A decode bundle (one row per call) that finds
+the pool idle is computed on the loop up to a few ms of work (nothing to overlap; the hop is two
+thread wake-ups), its big experts each in its own graph (``mul_mat_id`` on one row is slower
+there). ``stop()`` drains: no new requests, in-flight
 ones finish and are answered, then the connection closes.
 
 What a request costs besides its kernel is measured by ``bench/dispatch.py --overhead``; the
@@ -313,6 +316,8 @@ class Worker:
             held = self._grouped(bundle, held)
             if len(held) == 1:  # one graph: the hop to the pool and back would cost what several calls do
                 limit = INLINE_GRAPH_WORK
+        if not self._tasks and len(set(bundle.counts)) == 1 and bundle.counts[0] == 1:
+            limit = INLINE_DECODE_WORK  # a decode step and an idle pool: nothing to overlap, the hop is pure wait
         if work < limit:
             self._inline += 1
             try:
@@ -331,6 +336,9 @@ class Worker:
         call alone. Anything else stays one job per call."""
         if any(bundle.counts[i] != 1 for i, _ in held) or len({int(bundle.index[i]) for i, _ in held}) != 1:
             return held
+        gate = held[0][1][0]
+        if 3 * gate.ne[0] * gate.ne[1] >= INLINE_WORK:  # a big expert: its own matvecs beat mul_mat_id's
+            return held                                     # (122b shapes, q4_k: 4 calls 1.8 ms vs 3.0 ms)
         groups: dict[codec.Holding, list[tuple[int, int]]] = {}
         for i, _ in held:
             h, slot = self._slot[(bundle.layer, bundle.experts[i])]
@@ -443,6 +451,10 @@ class Worker:
 
 INLINE_WORK = 1 << 20  # multiply-adds (~50-100 µs on one core) below which the loop computes inline
 INLINE_GRAPH_WORK = 4 * INLINE_WORK  # the same for a decode bundle in one graph (one graph's overhead, not K)
+# A decode bundle (one row per call) while the pool is idle: the loop would only wait for the pool,
+# and the hop there and back is two thread wake-ups (~1 ms on a loaded 2-core machine, measured
+# with bench/dispatch.py's 122b-layer model), so up to a few ms of work run right here.
+INLINE_DECODE_WORK = 64 * INLINE_WORK
 
 
 def _small(weights, rows) -> bool:

@@ -9,6 +9,7 @@ output came from a "worker" or from the fallback shows in the numbers.
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 import pytest
@@ -672,3 +673,43 @@ def test_bundles_are_split_to_fit_the_servers_max_payload_and_a_big_call_goes_pe
     assert len(nc.bundles) > 1 and sum(len(b.ids) for _, b, _ in nc.bundles) == 6
     assert max(sizes) <= nc.max_payload
     assert {req.expert for _, req, _ in nc.requests} == {7} and len(nc.requests) == 2  # in two chunks
+
+
+def test_audited_bundle_calls_are_recomputed_while_the_reply_is_on_the_way_and_a_lie_is_still_caught(rig, bus):
+    remote, nc, local, recorder, _ = rig(DispatchConfig(timeout_s=5.0, audit=AuditConfig(rate=1.0)))
+    heartbeat(bus, nc, "liar")
+    computed = threading.Event()
+    compute = local.compute
+
+    def counted(*args, **kw):
+        out = compute(*args, **kw)
+        if len(local.calls) == 2:
+            computed.set()
+        return out
+
+    def answer(node, b):
+        assert computed.wait(5)  # the reply leaves only once the engine has both references
+        return [bundle_reply(node, b, 7)]
+
+    local.compute, nc.answer_bundle = counted, answer
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW)])
+    assert all(np.array_equal(o, 2 * ROW) for o in outs)  # the lie is never used
+    assert local.calls == [(0, 1), (0, 2)]  # each computed once, ahead, and that result used
+    assert remote.stats.quarantined == ["liar"] and recorder.wins == []  # nor paid
+    assert remote.stats.layer(0).timeouts == 0
+
+
+def test_a_nan_in_one_call_of_a_bundle_reply_refuses_that_call_only(rig, bus):
+    remote, nc, local, recorder, _ = rig()
+    heartbeat(bus, nc, "wb")
+
+    def answer(node, b):
+        out = 3 * b.rows[b.index].astype(np.float32)  # every call one row, in order
+        out[1, 0] = np.nan
+        return [(codec.BundleReply(b.bundle_id, node, b.ids, b.counts, out).encode(), None)]
+
+    nc.answer_bundle = answer
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW), (3, ROW)])
+    assert [o.tolist() for o in outs] == [(3 * ROW).tolist(), (2 * ROW).tolist(), (3 * ROW).tolist()]
+    assert local.calls == [(0, 2)] and remote.stats.layer(0).invalid == 1
+    assert recorder.wins == [("wb", 0, 1, 1), ("wb", 0, 3, 1)]

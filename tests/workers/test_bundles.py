@@ -11,6 +11,7 @@ import pytest
 from kvasir_bus import codec
 from kvasir_bus.connect import connect
 from kvasir_bus.subjects import Subjects
+from workers import runtime
 from workers.runtime import Worker, WorkerConfig
 from tests.workers.test_worker import model, reference, request, slice_info  # noqa: F401 (fixtures)
 
@@ -82,6 +83,41 @@ def test_a_decode_bundle_runs_its_experts_in_one_graph_with_the_bits_of_each_cal
         if rid in got:
             assert np.array_equal(got[rid], reference(model, 0, expert, rows)), rid
     assert worker.served == 3
+
+
+def test_a_decode_bundle_of_big_experts_runs_each_call_alone_on_the_loop_with_the_same_bits(
+        nats_server, arun, slice_info, model, monkeypatch):  # noqa: F811
+    info = slice_info  # layer 0, experts 2-5
+    subj = Subjects(info.fingerprint)
+    rows = np.random.default_rng(2).standard_normal((1, info.n_embd)).astype(np.float32)
+    calls = [("a", 5, [0]), ("b", 2, [0]), ("c", 3, [0])]
+    monkeypatch.setattr(runtime, "INLINE_WORK", 1)  # every expert is big: its own matvecs, past the usual inline bound
+
+    def no_graph(*args, **kw):
+        raise AssertionError("a big expert's decode call went into a mul_mat_id graph")
+
+    monkeypatch.setattr(runtime, "moe_ffn", no_graph)
+
+    async def go():
+        nc = await connect(nats_server.url, "w")
+        worker = Worker(info, WorkerConfig(node="wd", heartbeat_s=60))
+        pooled = []
+        submit = worker._pool.submit
+        worker._pool.submit = lambda *a, **kw: pooled.append(a) or submit(*a, **kw)
+        await worker.start(nc)
+        client = await connect(nats_server.url, "c")
+        msg = await client.request(subj.node("wd"), bundle(info, rows, calls).encode(), timeout=5)
+        await worker.stop()
+        await client.drain()
+        await nc.drain()
+        return codec.decode_bundle_reply(msg.data, n_embd=info.n_embd), pooled
+
+    reply, pooled = arun(go(), timeout=30)
+    got = dict(reply.results())
+    assert sorted(got) == ["a", "b", "c"] and reply.errors == ()
+    for rid, expert, _ in calls:
+        assert np.array_equal(got[rid], reference(model, 0, expert, rows)), rid
+    assert pooled == []  # a decode step with the pool idle: computed on the loop, no hop
 
 
 def test_bad_bundles_get_an_error_reply_and_the_worker_keeps_serving(nats_server, arun, slice_info, model):  # noqa: F811

@@ -1,0 +1,18 @@
+"""``Auditor.would_audit`` foretells ``should_audit`` exactly (the dispatcher computes audits ahead on it)."""
+
+from backbone.audit import AuditConfig, Auditor
+
+
+def test_would_audit_foretells_the_next_verdict_of_each_node_and_layer_and_counts_nothing():
+    auditor = Auditor(AuditConfig(rate=0.25, probation=3, seed=7))
+    plain = Auditor(AuditConfig(rate=0.25, probation=3, seed=7))
+    verdicts = []
+    for i in range(200):
+        node, layer = f"n{i % 3}", i % 2
+        asked = [auditor.would_audit(node, layer) for _ in range(i % 3)]  # asked 0, 1 or 2 times
+        verdict = auditor.should_audit(node, layer)
+        assert all(a == verdict for a in asked), i
+        verdicts.append(verdict)
+    assert sum(verdicts) >= 200 // 4  # still about one in four, and the probation on top
+    assert Auditor(AuditConfig(rate=0.0)).would_audit("n", 0) is False
+    assert plain.would_audit("n", 0) is True  # on probation
