@@ -235,15 +235,11 @@ class Worker:
                                     message=f"{len(self._tasks)} requests in flight")
             await self._send(msg.reply, busy.encode(), busy)
             return
-        try:
-            req, weights = self._validate(msg)
-            rows = req.rows if req.rows.dtype == np.float32 else req.rows.astype(np.float32)
-        except _Refused as exc:
-            await self._refuse(msg, exc)
+        checked = await self._admit(msg, self._validate)
+        if checked is None:
             return
-        except Exception as exc:  # a bug in a check: say so, keep serving
-            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
-            return
+        req, weights = checked
+        rows = _float32(req.rows)
         if _small(weights, rows):  # a hop to the pool and back costs more than the product
             self._inline += 1
             try:
@@ -254,6 +250,17 @@ class Worker:
             task = asyncio.create_task(self._answer(msg, req, weights, rows, self._pool))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    async def _admit(self, msg, validate):
+        """What ``validate(msg)`` returns, or None once the request is refused (the sender is told
+        why: an invalid request, or ``internal`` for a bug in a check; the worker keeps serving)."""
+        try:
+            return validate(msg)
+        except _Refused as exc:
+            await self._refuse(msg, exc)
+        except Exception as exc:  # a bug in a check: say so, keep serving
+            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
+        return None
 
     async def _answer(self, msg, req: codec.DispatchRequest, weights, rows: np.ndarray, pool) -> None:
         """Compute a valid request (inline, or on ``pool``) and publish the reply."""
@@ -292,15 +299,10 @@ class Worker:
         if len(self._tasks) >= self.cfg.max_in_flight:
             await self._refuse(msg, _Refused(codec.ERR_OVERLOADED, f"{len(self._tasks)} requests in flight"))
             return
-        try:
-            bundle = self._validate_bundle(msg)
-            rows = bundle.rows if bundle.rows.dtype == np.float32 else bundle.rows.astype(np.float32)
-        except _Refused as exc:
-            await self._refuse(msg, exc)
+        bundle = await self._admit(msg, self._validate_bundle)
+        if bundle is None:
             return
-        except Exception as exc:  # a bug in a check: say so, keep serving
-            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
-            return
+        rows = _float32(bundle.rows)
         held, refused, work = [], [], 0
         for i, expert in enumerate(bundle.experts):
             weights = self._weights.get((bundle.layer, expert))
@@ -455,6 +457,10 @@ INLINE_GRAPH_WORK = 4 * INLINE_WORK  # the same for a decode bundle in one graph
 # and the hop there and back is two thread wake-ups (~1 ms on a loaded 2-core machine, measured
 # with bench/dispatch.py's 122b-layer model), so up to a few ms of work run right here.
 INLINE_DECODE_WORK = 64 * INLINE_WORK
+
+
+def _float32(rows: np.ndarray) -> np.ndarray:
+    return rows if rows.dtype == np.float32 else rows.astype(np.float32)
 
 
 def _small(weights, rows) -> bool:
