@@ -25,6 +25,19 @@ def bundle(info, rows, calls, bid="b1", layer=0):
                                np.array([i for c in calls for i in c[2]], np.uint32))
 
 
+async def ask_one_bundle(url: str, worker: Worker, info, rows, calls):
+    """Start ``worker``, send it one bundle on its node subject, stop it: the decoded reply."""
+    nc = await connect(url, "w")
+    await worker.start(nc)
+    client = await connect(url, "c")
+    msg = await client.request(Subjects(info.fingerprint).node(worker.cfg.node), bundle(info, rows, calls).encode(),
+                               timeout=5)
+    await worker.stop()
+    await client.drain()
+    await nc.drain()
+    return codec.decode_bundle_reply(msg.data, n_embd=info.n_embd)
+
+
 def test_a_bundle_gets_one_reply_with_every_held_call_and_not_held_for_the_others(
         nats_server, arun, slice_info, model):  # noqa: F811
     info = slice_info  # layer 0, experts 2-5
@@ -61,22 +74,11 @@ def test_a_bundle_gets_one_reply_with_every_held_call_and_not_held_for_the_other
 def test_a_decode_bundle_runs_its_experts_in_one_graph_with_the_bits_of_each_call_alone(
         nats_server, arun, slice_info, model):  # noqa: F811
     info = slice_info  # layer 0, experts 2-5
-    subj = Subjects(info.fingerprint)
     rows = np.random.default_rng(2).standard_normal((1, info.n_embd)).astype(np.float32)
     calls = [("a", 5, [0]), ("b", 2, [0]), ("x", 7, [0]), ("c", 3, [0])]  # a decode step: one row
 
-    async def go():
-        nc = await connect(nats_server.url, "w")
-        worker = Worker(info, WorkerConfig(node="wd", heartbeat_s=60))
-        await worker.start(nc)
-        client = await connect(nats_server.url, "c")
-        msg = await client.request(subj.node("wd"), bundle(info, rows, calls).encode(), timeout=5)
-        await worker.stop()
-        await client.drain()
-        await nc.drain()
-        return codec.decode_bundle_reply(msg.data, n_embd=info.n_embd), worker
-
-    reply, worker = arun(go(), timeout=30)
+    worker = Worker(info, WorkerConfig(node="wd", heartbeat_s=60))
+    reply = arun(ask_one_bundle(nats_server.url, worker, info, rows, calls), timeout=30)
     got = dict(reply.results())
     assert sorted(got) == ["a", "b", "c"] and [e[0] for e in reply.errors] == ["x"]
     for rid, expert, _ in calls:
@@ -88,7 +90,6 @@ def test_a_decode_bundle_runs_its_experts_in_one_graph_with_the_bits_of_each_cal
 def test_a_decode_bundle_of_big_experts_runs_each_call_alone_on_the_loop_with_the_same_bits(
         nats_server, arun, slice_info, model, monkeypatch):  # noqa: F811
     info = slice_info  # layer 0, experts 2-5
-    subj = Subjects(info.fingerprint)
     rows = np.random.default_rng(2).standard_normal((1, info.n_embd)).astype(np.float32)
     calls = [("a", 5, [0]), ("b", 2, [0]), ("c", 3, [0])]
     monkeypatch.setattr(runtime, "INLINE_WORK", 1)  # every expert is big: its own matvecs, past the usual inline bound
@@ -98,21 +99,11 @@ def test_a_decode_bundle_of_big_experts_runs_each_call_alone_on_the_loop_with_th
 
     monkeypatch.setattr(runtime, "moe_ffn", no_graph)
 
-    async def go():
-        nc = await connect(nats_server.url, "w")
-        worker = Worker(info, WorkerConfig(node="wd", heartbeat_s=60))
-        pooled = []
-        submit = worker._pool.submit
-        worker._pool.submit = lambda *a, **kw: pooled.append(a) or submit(*a, **kw)
-        await worker.start(nc)
-        client = await connect(nats_server.url, "c")
-        msg = await client.request(subj.node("wd"), bundle(info, rows, calls).encode(), timeout=5)
-        await worker.stop()
-        await client.drain()
-        await nc.drain()
-        return codec.decode_bundle_reply(msg.data, n_embd=info.n_embd), pooled
-
-    reply, pooled = arun(go(), timeout=30)
+    worker = Worker(info, WorkerConfig(node="wd", heartbeat_s=60))
+    pooled = []
+    submit = worker._pool.submit
+    worker._pool.submit = lambda *a, **kw: pooled.append(a) or submit(*a, **kw)
+    reply = arun(ask_one_bundle(nats_server.url, worker, info, rows, calls), timeout=30)
     got = dict(reply.results())
     assert sorted(got) == ["a", "b", "c"] and reply.errors == ()
     for rid, expert, _ in calls:
