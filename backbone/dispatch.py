@@ -133,9 +133,9 @@ class Local(Protocol):
     def weight_type(self, layer: int) -> int: ...
 
 
-@dataclass(frozen=True)
-class _Part:
-    """One chunk of a won call: which rows, what came back, who computed it with what."""
+class _Part(NamedTuple):
+    """One chunk of a won call: which rows, what came back, who computed it with what.
+    (A named tuple, not a frozen dataclass: one is built per reply chunk on the loop thread.)"""
 
     rows: slice
     out: np.ndarray
@@ -143,8 +143,7 @@ class _Part:
     kernel: str
 
 
-@dataclass(frozen=True)
-class _Won:
+class _Won(NamedTuple):
     parts: tuple[_Part, ...]
     latency_s: float = 0.0  # request to last reply chunk
 
@@ -339,6 +338,7 @@ class RemoteExperts:
                 if i == _SETTLED:
                     break
                 outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
+            self._book_wins(layer, step.calls)
             for call in step.calls:
                 if outs[call.index] is None:
                     won = call.won
@@ -601,9 +601,10 @@ class RemoteExperts:
         if call.liar_timer is not None:
             call.liar_timer.cancel()
         step = call.step
-        for token in call.tokens:
-            if self._pending.pop(token, None) is not None or how == "won":
-                self._finished[token] = (how, step.layer, call.expert)
+        if how != "won":  # a won call's tokens went to _finished as their answers came
+            for token in call.tokens:
+                if self._pending.pop(token, None) is not None:
+                    self._finished[token] = (how, step.layer, call.expert)
         while len(self._finished) > 65536:
             self._finished.popitem(last=False)
         if call.won is None:
@@ -637,28 +638,41 @@ class RemoteExperts:
             self._settle(call, "ignored")
 
     def _win(self, call: _Call) -> None:
-        step, layer = call.step, call.step.layer
-        latency = time.perf_counter() - step.t0
-        stats = self.stats.layer(layer)
-        parts = tuple(call.parts)
-        self.coverage.mark_answered(layer, call.expert)
-        self.timeout.observe(latency)
-        if self.replicas is not None:
-            self.replicas.book.observe(layer, call.expert, latency)
-            self.replicas.book.observe_node(parts[0].node, latency)
-        self.observe_reply is None or self.observe_reply(layer, latency)
-        n = len(call.rows)
-        stats.remote += 1
-        stats.rows_remote += n
-        stats.latency_sum_s += latency
-        if latency > stats.latency_max_s:
-            stats.latency_max_s = latency
-        node = parts[0].node
-        self.stats.nodes[node] += 1
-        self.stats.node_rows[node] += n
-        self.stats.node_latency_s[node] += latency
-        call.won = _Won(parts, latency)
+        """Every chunk of the call came back valid: it is won. Only what the engine needs is done
+        here; the books (latency, coverage, counters, metrics) are kept by :meth:`_book_wins` on
+        the engine's thread, once per step, after it has woken up."""
+        call.won = _Won(tuple(call.parts), time.perf_counter() - call.step.t0)
         self._settle(call, "won")
+
+    def _book_wins(self, layer: int, calls: list[_Call]) -> None:
+        """The bookkeeping of a step's won calls, in one pass under one lock (two micro-batches may
+        book at once): the adaptive timeout, the expert's coverage and latency record, the
+        counters per layer and per node, the metrics hook."""
+        won = [call for call in calls if call.won is not None]
+        if not won:
+            return
+        stats = self.stats.layer(layer)
+        nodes, node_rows, node_latency = self.stats.nodes, self.stats.node_rows, self.stats.node_latency_s
+        observe, mark_answered, timeout = self.observe_reply, self.coverage.mark_answered, self.timeout
+        with self._audit_lock:
+            for call in won:
+                latency = call.won.latency_s
+                node = call.won.parts[0].node
+                n = len(call.rows)
+                mark_answered(layer, call.expert)
+                timeout.observe(latency)
+                stats.rows_remote += n
+                stats.latency_sum_s += latency
+                if latency > stats.latency_max_s:
+                    stats.latency_max_s = latency
+                nodes[node] += 1
+                node_rows[node] += n
+                node_latency[node] += latency
+                observe is None or observe(layer, latency)
+            stats.remote += len(won)
+        if self.replicas is not None:
+            self.replicas.book.observe_wins(layer, [(call.expert, call.won.parts[0].node, call.won.latency_s)
+                                                    for call in won])
 
     def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | _Answer | None:
         # Replies come from strangers: one line per node and kind a minute, not one per reply.
@@ -731,7 +745,12 @@ class RemoteExperts:
                            for token in bundle.tokens]
             else:
                 finite = codec.all_finite(reply.rows)  # one check for every call; if not, each call's own
-                answers = [(rid, _Answer(rid, reply.node, rows, reply.kernel, finite)) for rid, rows in reply.results()]
+                if finite and not self.auditor.is_quarantined(reply.node):
+                    self._take_bundle(bundle, reply, stats)
+                    answers = []
+                else:
+                    answers = [(rid, _Answer(rid, reply.node, rows, reply.kernel, finite))
+                               for rid, rows in reply.results()]
                 answers += [(rid, codec.ErrorReply(rid, reply.node, code, message))
                             for rid, code, message in reply.errors]
         except codec.CodecError as exc:
@@ -745,6 +764,30 @@ class RemoteExperts:
                 self._count_stray(token, lambda answer=answer: answer)
             else:
                 self._on_answer(entry[0], entry[1], token, answer)
+
+    def _take_bundle(self, bundle: _Bundle, reply: codec.BundleReply, stats: LayerStats) -> None:
+        """The outputs of a valid bundle reply from an honest node, every row finite: what
+        :meth:`_on_answer` does for each, without an intermediate record per call. A call whose
+        rows have the wrong shape takes :meth:`_on_answer`'s path, which refuses it."""
+        node, kernel, tokens, pending, finished = reply.node, reply.kernel, bundle.tokens, self._pending, self._finished
+        for rid, rows in reply.results():
+            if rid not in tokens:
+                stats.foreign += 1  # only what was sent to this node can be answered by it
+                continue
+            entry = pending.get(rid)
+            if entry is None:
+                self._count_stray(rid, lambda rid=rid, rows=rows: _Answer(rid, node, rows, kernel, True))
+                continue
+            call, k = entry
+            if k or rows.shape != call.chunks[0].shape:  # a bundled call is one chunk
+                self._on_answer(call, k, rid, _Answer(rid, node, rows, kernel, True))
+                continue
+            del pending[rid]
+            finished[rid] = ("won", bundle.layer, call.expert)
+            call.parts[0] = _Part(slice(0, len(rows)), rows, node, kernel)
+            call.left -= 1
+            if call.left == 0:
+                self._win(call)
 
     def _on_answer(self, call: _Call, k: int, token: str, reply) -> None:
         """A reply (or what its decoding raised) for chunk ``k`` of a pending call."""

@@ -85,6 +85,25 @@ class LatencyBook:
             lm = self._layer_mean.get(layer)
             self._layer_mean[layer] = seconds if lm is None else 0.875 * lm + 0.125 * seconds
 
+    def observe_wins(self, layer: int, wins: list[tuple[int, str, float]]) -> None:
+        """A layer step's won calls, ``(expert, node, seconds)`` each: :meth:`observe` and
+        :meth:`observe_node` for every one, under one lock."""
+        recent, means, node_means = self._recent, self._mean, self._node_mean
+        with self._lock:
+            lm = self._layer_mean.get(layer)
+            for expert, node, seconds in wins:
+                key = (layer, expert)
+                window = recent.get(key)
+                if window is None:
+                    window = recent[key] = deque(maxlen=self.window)
+                window.append(seconds)
+                m = means.get(key)
+                means[key] = seconds if m is None else 0.875 * m + 0.125 * seconds
+                lm = seconds if lm is None else 0.875 * lm + 0.125 * seconds
+                m = node_means.get(node)
+                node_means[node] = seconds if m is None else 0.875 * m + 0.125 * seconds
+            self._layer_mean[layer] = lm
+
     def observe_node(self, node: str, seconds: float) -> None:
         """A round trip of a call that ``node`` answered (or the timeout it let pass)."""
         with self._lock:

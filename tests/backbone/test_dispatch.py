@@ -713,3 +713,56 @@ def test_a_nan_in_one_call_of_a_bundle_reply_refuses_that_call_only(rig, bus):
     assert [o.tolist() for o in outs] == [(3 * ROW).tolist(), (2 * ROW).tolist(), (3 * ROW).tolist()]
     assert local.calls == [(0, 2)] and remote.stats.layer(0).invalid == 1
     assert recorder.wins == [("wb", 0, 1, 1), ("wb", 0, 3, 1)]
+
+
+def test_a_wrong_row_count_for_one_call_of_a_bundle_reply_refuses_that_call_only(rig, bus):
+    remote, nc, local, recorder, _ = rig()
+    heartbeat(bus, nc, "wb")
+
+    def answer(node, b):  # call 2 gets two rows: a valid bundle reply, a wrong answer for that call
+        out = 3 * b.rows[np.array([0, 0, 0, 0])].astype(np.float32)
+        return [(codec.BundleReply(b.bundle_id, node, b.ids, (1, 2, 1), out).encode(), None)]
+
+    nc.answer_bundle = answer
+    outs = remote.run_layer(0, [(1, ROW), (2, ROW), (3, ROW)])
+    assert [o.tolist() for o in outs] == [(3 * ROW).tolist(), (2 * ROW).tolist(), (3 * ROW).tolist()]
+    assert local.calls == [(0, 2)] and remote.stats.layer(0).invalid == 1
+    assert recorder.wins == [("wb", 0, 1, 1), ("wb", 0, 3, 1)]
+
+
+def test_the_books_of_a_steps_wins_are_kept_before_the_step_returns(rig, bus):
+    """The loop thread only settles; the engine's thread books every win of the step before
+    run_layer returns: counters, per-node sums, the adaptive timeout, latency and the metrics hook."""
+    from backbone.replicas import Replicas
+
+    remote, nc, local, _, _ = rig()
+    remote.replicas = Replicas()
+    seen = []
+    remote.observe_reply = lambda layer, s: seen.append((layer, s))
+    heartbeat(bus, nc, "wb")
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 3)]
+    remote.run_layer(0, [(1, ROW), (5, ROWS)])
+    s = remote.stats.layer(0)
+    assert (s.remote, s.rows_remote, s.rows_local) == (2, 3, 0)
+    assert s.latency_sum_s > 0 and s.latency_max_s <= s.latency_sum_s
+    assert (dict(remote.stats.nodes), dict(remote.stats.node_rows)) == ({"wb": 2}, {"wb": 3})
+    assert remote.stats.node_latency_s["wb"] == pytest.approx(s.latency_sum_s)
+    assert [layer for layer, _ in seen] == [0, 0] and sum(x for _, x in seen) == pytest.approx(s.latency_sum_s)
+    assert remote.timeout.srtt is not None
+    assert remote.replicas.book.mean(0, 1) is not None and remote.replicas.book.mean(0, 5) is not None
+    assert remote.replicas.book.node_mean("wb") is not None
+
+
+def test_a_latency_book_takes_a_steps_wins_as_it_takes_them_one_by_one():
+    from backbone.replicas import LatencyBook
+
+    wins = [(1, "a", 0.010), (2, "b", 0.020), (1, "b", 0.040), (3, "a", 0.005)]
+    one, batch = LatencyBook(4), LatencyBook(4)
+    for expert, node, seconds in wins:
+        one.observe(7, expert, seconds)
+        one.observe_node(node, seconds)
+    batch.observe_wins(7, wins)
+    for expert in (1, 2, 3, 9):
+        assert batch.mean(7, expert) == one.mean(7, expert)
+        assert batch.quantiles(7, expert, (50.0,)) == one.quantiles(7, expert, (50.0,))
+    assert (batch.node_mean("a"), batch.node_mean("b")) == (one.node_mean("a"), one.node_mean("b"))
