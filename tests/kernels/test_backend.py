@@ -49,16 +49,6 @@ def _ggml_tensor(w: np.ndarray, t: T, name: str = "w") -> QTensor:
     return QTensor(name, t, (w.shape[1], w.shape[0]), ggml.quantize(w, t))
 
 
-@pytest.fixture(scope="module")
-def ggml():
-    pytest.importorskip("llama_cpp", reason="ggml backend needs llama-cpp-python (pip install '.[backbone]')")
-    from kernels import ggml
-
-    if not ggml.available():
-        pytest.skip("llama_cpp is installed but its ggml libraries do not load")
-    return ggml
-
-
 # --- activation quantizers on hand-computable blocks ------------------------------------------
 
 def test_q8_0_block_with_amax_127_rounds_half_to_even():

@@ -56,16 +56,6 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.float64) - b).max() / np.abs(b).max())
 
 
-@pytest.fixture(scope="module")
-def ggml():
-    pytest.importorskip("llama_cpp", reason="ggml backend needs llama-cpp-python (pip install '.[backbone]')")
-    from kernels import ggml
-
-    if not ggml.available():
-        pytest.skip("llama_cpp is installed but its ggml libraries do not load")
-    return ggml
-
-
 BACKENDS = ["numpy", "ggml"]
 
 

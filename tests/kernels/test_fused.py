@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 
 from kernels.expert import expert_ffn, moe_ffn
 from kernels.tensors import QTensor
-from tests.kernels.test_expert import N_EMBD, _expert, ggml  # noqa: F401  (fixture)
+from tests.kernels.test_expert import N_EMBD, _expert
 
 
 def _slabs(qtype: T, n_expert: int) -> tuple[list[QTensor], list[tuple[QTensor, QTensor, QTensor]]]:

@@ -20,16 +20,6 @@ import kernels  # noqa: F401  (thread settings before numpy work)
 from kernels.tensors import QTensor
 
 
-@pytest.fixture(scope="module")
-def ggml():
-    pytest.importorskip("llama_cpp", reason="ggml backend needs llama-cpp-python (pip install '.[backbone]')")
-    from kernels import ggml
-
-    if not ggml.available():
-        pytest.skip("llama_cpp is installed but its ggml libraries do not load")
-    return ggml
-
-
 def _weight(ggml, name: str, out: int, inp: int, seed: int, qtype=T.Q8_0) -> QTensor:
     w = (np.random.default_rng(seed).standard_normal((out, inp)) / math.sqrt(inp)).astype(np.float32)
     return QTensor(name, qtype, (inp, out), ggml.quantize(w, qtype))
