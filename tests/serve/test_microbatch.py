@@ -12,7 +12,7 @@ from backbone.model import Engine
 from backbone.sampling import Sampler, SamplerConfig
 from backbone.scheduler import GenRequest, Scheduler, SchedulerConfig
 from kvasir_bus.errors import UsageError
-from tests.serve.test_scheduler import Collector
+from tests.serve.test_scheduler import run_all
 
 
 class MeetingExperts:
@@ -50,12 +50,7 @@ def test_two_micro_batches_run_at_once_and_each_sequence_gets_its_tokens_alone(e
     try:
         cfg = SchedulerConfig(max_active=8, step_tokens=16, deterministic=True, micro_batches=2)
         with Scheduler(engine, cfg) as sched:
-            outs = [Collector() for _ in reqs]
-            for r, out in zip(reqs, outs):
-                sched.submit(r, out)
-            for out in outs:
-                out.wait()
-            stats = sched.snapshot()
+            outs, stats = run_all(sched, reqs)
     finally:
         engine.use_experts(None)
     assert meeting.seen == {"kvasir-scheduler-0", "kvasir-scheduler-1"}
@@ -104,12 +99,7 @@ def test_two_micro_batches_over_the_swarm_keep_every_token(nats_server, models, 
         with BackboneService(engine, cfg) as service:
             with Scheduler(engine, SchedulerConfig(max_active=6, step_tokens=32, deterministic=True,
                                                    micro_batches=2)) as sched:
-                outs = [Collector() for _ in reqs]
-                for r, o in zip(reqs, outs):
-                    sched.submit(r, o)
-                for o in outs:
-                    o.wait()
-                stats = sched.snapshot()
+                outs, stats = run_all(sched, reqs)
             remote = service.stats.totals().remote
     finally:
         for w in workers:

@@ -34,6 +34,16 @@ class Collector:
         return self
 
 
+def run_all(sched, reqs) -> tuple[list[Collector], dict]:
+    """Submit every request at once, wait for all of them: their collectors and the scheduler's stats."""
+    outs = [Collector() for _ in reqs]
+    for r, out in zip(reqs, outs):
+        sched.submit(r, out)
+    for out in outs:
+        out.wait()
+    return outs, sched.snapshot()
+
+
 @pytest.fixture(scope="module")
 def engine(models):
     return Engine(models("qwen2moe", "q8_0"))
@@ -49,12 +59,7 @@ def test_batched_sequences_get_exactly_the_tokens_they_get_alone(engine):
                        stop_on_eos=False) for i, p in enumerate(prompts(12))]
     # A small budget: prompts are read in chunks of a few tokens beside the others' decode steps.
     with Scheduler(engine, SchedulerConfig(max_active=8, step_tokens=12, deterministic=True)) as sched:
-        outs = [Collector() for _ in reqs]
-        for r, out in zip(reqs, outs):
-            sched.submit(r, out)
-        for out in outs:
-            out.wait()
-        stats = sched.snapshot()
+        outs, stats = run_all(sched, reqs)
     assert stats["max_step_sequences"] > 1 and stats["max_step_tokens"] <= 12
     assert stats["completed"] == 12 and stats["active"] == 0 and stats["kv_reserved_bytes"] == 0
     for r, out in zip(reqs, outs):
