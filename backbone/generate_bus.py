@@ -33,7 +33,7 @@ from typing import AsyncIterator
 import structlog
 
 from backbone.sampling import SamplerConfig
-from backbone.scheduler import GenRequest, Overloaded, Scheduler
+from backbone.scheduler import GenRequest, LoopEvents, Overloaded, Scheduler
 from backbone.tokenizer import StreamDecoder
 from kvasir_bus import generate_codec as gc
 from kvasir_bus.errors import KvasirError, UsageError
@@ -165,9 +165,8 @@ class GenerateBus:
                 raise UsageError(f"prompt token ids must be in 0..{n_vocab - 1}")
             request = GenRequest(tuple(prompt), req.max_tokens,
                                  SamplerConfig(req.temperature, req.top_p, req.seed), req.stop_on_eos)
-            loop = asyncio.get_running_loop()
-            events: asyncio.Queue = asyncio.Queue()
-            job = self.scheduler.submit(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+            events = LoopEvents()
+            job = self.scheduler.submit(request, events.push)
         except Overloaded as exc:
             await self._refuse(inbox, rid, gc.ERR_OVERLOADED, f"the backbone is busy ({exc}); retry later")
             return
@@ -178,7 +177,7 @@ class GenerateBus:
         decoder, index, finished = StreamDecoder(self.tokenizer), 0, False
         try:
             while True:
-                kind, value = await events.get()
+                kind, value = await events.next()
                 if kind == "token":
                     text = "" if (req.stop_on_eos and value == self.eos_id) else decoder.push(value)
                     await self._send(inbox, gc.GenerateToken(rid, index, value, text[:gc.MAX_PIECE_CHARS]), feedback)

@@ -32,6 +32,7 @@ The engine runs on threads of its own; ``on_event`` callbacks are called on thos
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -89,6 +90,26 @@ class GenRequest:
 
 # Events passed to on_event: ("token", id), ("done", "stop" | "length"), ("error", message).
 Event = tuple[str, object]
+
+
+class LoopEvents:
+    """A job's events handed from the engine thread to an asyncio loop: ``push`` is the job's
+    ``on_event``; ``await next()`` takes them in order. When the engine outruns the reader the
+    queue is never empty, and a plain ``get()`` would then never suspend: one fast stream would
+    hold the loop (every other client, ``/health``) until its whole answer was sent. ``next``
+    lets the loop run once before taking an event that was already waiting."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def push(self, event: Event) -> None:
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+
+    async def next(self) -> Event:
+        if not self._queue.empty():
+            await asyncio.sleep(0)
+        return await self._queue.get()
 
 
 @dataclass(eq=False)

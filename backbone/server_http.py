@@ -39,7 +39,7 @@ from aiohttp import web
 from backbone.metrics import DispatchCollector, backbone_registry
 from backbone.chat import parse_messages, template_for
 from backbone.sampling import SamplerConfig
-from backbone.scheduler import GenRequest, Overloaded, Scheduler, SchedulerConfig
+from backbone.scheduler import GenRequest, LoopEvents, Overloaded, Scheduler, SchedulerConfig
 from backbone.tokenizer import StreamDecoder
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.metrics import metrics_handler
@@ -330,11 +330,9 @@ class HttpServer:
     async def _generate(self, p: Params, counts: dict) -> AsyncIterator[tuple[str, str | None]]:
         """Yields (text piece, None) while generating, then ("", finish_reason). The job is
         submitted before the first yield, so a refusal is still a plain error reply."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        events = LoopEvents()
         try:
-            job = self.scheduler.submit(GenRequest(p.prompt, p.max_tokens, p.sampler, p.stop_on_eos),
-                                        lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+            job = self.scheduler.submit(GenRequest(p.prompt, p.max_tokens, p.sampler, p.stop_on_eos), events.push)
         except Overloaded as exc:
             retry = self.cfg.scheduler.retry_after_s
             raise ApiError(429, f"the server is busy ({exc}); retry in {retry} s", type="rate_limit_error",
@@ -346,7 +344,7 @@ class HttpServer:
         finished = False
         try:
             while True:
-                kind, value = await events.get()
+                kind, value = await events.next()
                 if kind == "token":
                     counts["completion_tokens"] += 1
                     if p.stop_on_eos and value == eos:

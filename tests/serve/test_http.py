@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -162,13 +163,38 @@ def test_each_bad_request_gets_its_4xx_and_the_server_keeps_serving(server):
     assert ok.usage.completion_tokens >= 1
 
 
+class Gate:
+    """Wraps ``engine.forward``: a step runs only when the test has allowed it, so how far a
+    stream gets depends on the test, never on how fast this machine runs the model."""
+
+    def __init__(self, engine):
+        self._forward, self._cond, self._allowed = engine.forward, threading.Condition(), 0
+        engine.forward = self
+
+    def __call__(self, *args, **kwargs):
+        with self._cond:
+            self._cond.wait_for(lambda: self._allowed > 0)
+            self._allowed -= 1
+        return self._forward(*args, **kwargs)
+
+    def allow(self, steps: int) -> None:
+        with self._cond:
+            self._allowed += steps
+            self._cond.notify_all()
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_slot_and_a_full_queue_says_retry(models):
     path = models("mixtral", "q8_0", ctx=4096)
-    with start(path, max_active=1, max_queue=1, step_tokens=16) as s:
+    engine = Engine(path)
+    gate = Gate(engine)
+    cfg = ServerConfig(port=0, model_name="tiny", scheduler=SchedulerConfig(max_active=1, max_queue=1,
+                                                                            step_tokens=16))
+    with ServerThread(engine, Tokenizer(path), cfg) as s:
         c = client(s)
+        gate.allow(1)  # the prompt fits one step, which samples the first token
         stream = c.completions.create(model="tiny", prompt="Hello", max_tokens=4000, temperature=0, stream=True,
                                       extra_body={"ignore_eos": True})
-        next(iter(stream))  # generating now, holding the only slot
+        next(iter(stream))  # generating now, holding the only slot (its next step waits at the gate)
         waiting = ThreadPoolExecutor(1).submit(lambda: c.completions.create(
             model="tiny", prompt="Hi", max_tokens=2, temperature=0))
         # One running, one waiting: the queue (bound 1) is full.
@@ -177,6 +203,10 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot_and_a_full_queue_sa
         status, headers, reply = post(s, "/v1/completions", b'{"prompt": "x", "max_tokens": 2}')
         assert status == 429 and int(headers["Retry-After"]) >= 1 and reply["error"]["code"] == "server_overloaded"
         stream.close()  # the client goes away mid-stream
+        while health(s)["cancelled"] < 1:  # one step at a time until the server has dropped it
+            assert not waiting.done()
+            gate.allow(1)
+        gate.allow(10**6)
         assert waiting.result(timeout=60).usage.completion_tokens == 2
         h = health(s)
     assert h["cancelled"] == 1 and h["completed"] == 1 and h["active"] == 0 and h["rejected"] == 1

@@ -133,3 +133,37 @@ def test_stop_text_holds_back_partial_matches_and_cuts_at_the_first_stop():
     s = StopText(("END",))
     assert s.push("aEN") == ("a", False) and s.flush() == "EN"
     assert StopText(()).push("E") == ("E", False)
+
+
+def test_a_stream_the_engine_outruns_still_lets_the_loop_serve_others():
+    """Events already waiting (the engine ran ahead of the reader) are taken one loop turn at
+    a time: a bystander on the same loop runs before the stream has drained them all."""
+    import asyncio
+
+    from backbone.scheduler import LoopEvents
+
+    async def main():
+        events = LoopEvents()
+        for i in range(100):
+            events.push(("token", i))
+        await asyncio.sleep(0)  # the pushes land: the queue holds all 100
+        taken = []
+
+        async def reader():
+            while len(taken) < 100:
+                taken.append((await events.next())[1])
+
+        seen_by_bystander = []
+
+        async def bystander():
+            seen_by_bystander.append(len(taken))
+
+        r = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)  # the reader starts first, with 100 events waiting
+        await bystander()
+        await r
+        return taken, seen_by_bystander
+
+    taken, seen = asyncio.run(main())
+    assert taken == list(range(100))
+    assert seen[0] < 100
