@@ -51,7 +51,14 @@ def wss_server(tls_files, tmp_path):
 
 
 async def _echo_all(url: str, options: ConnectOptions) -> list[int]:
-    """Round-trip every size through a responder on a second connection; return failures."""
+    """Round-trip every size through a responder on a second connection; return failures.
+
+    A request that finds no responder while the responder's connection is coming back from a
+    drop (seen twice in CI runs on a loaded 2-core machine; not reproduced alone) is asked again once
+    that connection is up: this test is about the bytes that arrive, which are still compared
+    for every size. A "no responders" without a reconnect fails the test."""
+    import nats.errors
+
     server_side = await connect(url, "echo", options=options)
     client = await connect(url, "asker", options=options)
 
@@ -63,7 +70,13 @@ async def _echo_all(url: str, options: ConnectOptions) -> list[int]:
     bad = []
     for n in SIZES:
         payload = os.urandom(n)
-        reply = await client.request("kvasir.test.echo", payload, timeout=20)
+        try:
+            reply = await client.request("kvasir.test.echo", payload, timeout=20)
+        except nats.errors.NoRespondersError:
+            dropped = server_side.stats["reconnects"] or not server_side.is_connected
+            assert dropped, f"no responder for {n} bytes, and the responder's connection never dropped"
+            await server_side.flush(timeout=20)  # it is back, with its subscription
+            reply = await client.request("kvasir.test.echo", payload, timeout=20)
         if reply.data != payload:
             bad.append(n)
     await client.close()
