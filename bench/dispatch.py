@@ -23,7 +23,9 @@ Backbone CPU per remote call = (process CPU of the sharded decode - that of the 
 trivial kernel's own time (the least of many timings, in this process) beside it; the kernel
 time the worker itself counted (``$SRV.STATS``, in place: cold caches, other experts between
 calls) is a second estimate. Beside them, the floor: what nats.py itself costs per call in the same
-run (a requester and an echo responder with no work at all, :func:`bench_floor`). Each figure is the least over
+run (a requester and an echo responder with no work at all, :func:`bench_floor`), and the same loop on
+blocking sockets speaking the NATS protocol directly (``bench/raw_floor.py``: the socket and the
+loopback TCP stack, which any client pays). Each figure is the least over
 the rounds, the median beside it: CPU time grows too when other processes share the cores, and
 the quietest round is the closest to the cost itself. Measured twice: with audits off (the bus
 alone) and with the default audits (their local recomputes count on the backbone). The codec's
@@ -54,6 +56,7 @@ from launch.swarm import spawn_worker, split_experts, wait_for_nodes  # noqa: E4
 from synth.model import synth_model  # noqa: E402
 from kvasir_bus.fingerprint import model_fingerprint  # noqa: E402
 from kvasir_bus.server import EmbeddedNats  # noqa: E402
+from raw_floor import bench_raw_floor  # noqa: E402  (bench/ is on the path when run as a script)
 
 
 _COUNTED = ("calls", "remote", "local", "bytes_out", "bytes_in", "bundles", "bundled_calls")
@@ -383,6 +386,7 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int, bundle
         **runs,
         "codec": codec_costs(cfg.n_embd),
         "nats_py_floor": bench_floor(),
+        "raw_socket_floor": bench_raw_floor(steps=2000),
     }
 
 
