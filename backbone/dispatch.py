@@ -195,9 +195,10 @@ class _Bundle:
 
     __slots__ = ("node", "layer", "token", "calls", "tokens", "payload")
 
-    def __init__(self, node: str, layer: int, token: str, calls: list[_Call], payload: bytes):
+    def __init__(self, node: str, layer: int, token: str, calls: list[_Call], payload: bytes,
+                 tokens: frozenset[str]):
         self.node, self.layer, self.token, self.calls, self.payload = node, layer, token, calls, payload
-        self.tokens = frozenset(call.tokens[0] for call in calls)  # what a reply to it may answer
+        self.tokens = tokens  # the calls' tokens: what a reply to it may answer
 
 
 class _Union:
@@ -222,6 +223,10 @@ class _Union:
         found.append(len(self.rows))
         self.rows.append(row)
         return len(self.rows) - 1
+
+    def array(self, like: np.ndarray) -> np.ndarray:
+        """The distinct rows as one (R, n_embd) array of ``like``'s dtype."""
+        return np.frombuffer(b"".join(self.rows), like.dtype).reshape(len(self.rows), like.shape[1])
 
 
 class _Step:
@@ -373,36 +378,43 @@ class RemoteExperts:
         step = _Step(layer, self.timeout.current())
         max_rows = self._max_rows()
         by_node: dict[str, list[_Call]] = {}
+        coverage, ids, bundles = self.coverage, self._ids, self.bundles
+        waited, probes = step.calls, step.probes
+        bundled = 0
         for i, (expert, rows) in enumerate(calls):
-            if self.coverage.is_uncovered(layer, expert):
+            if coverage.is_uncovered(layer, expert):
                 stats.local_choice += 1
                 continue
-            silent = self.coverage.is_silent(layer, expert)
+            silent = coverage.is_silent(layer, expert)
             n = len(rows)
             chunks = [rows] if n <= max_rows else np.array_split(rows, -(-n // max_rows))  # max_payload
             call = _Call(step, i, expert, rows, chunks)
-            nodes = self._bundle_nodes(layer, expert, by_node) if self.bundles and not silent and n <= max_rows \
-                else ()
+            nodes = self._bundle_nodes(layer, expert, by_node) if bundles and not silent and n <= max_rows else ()
             if nodes:
-                call.tokens.append(f"{next(self._ids):x}")
+                call.tokens.append(f"{next(ids):x}")
                 call.nodes, call.routes = nodes, len(nodes)
                 for node in nodes:
-                    by_node.setdefault(node, []).append(call)
+                    node_calls = by_node.get(node)
+                    if node_calls is None:
+                        by_node[node] = [call]
+                    else:
+                        node_calls.append(call)
             else:
                 for chunk in chunks:
-                    token = f"{next(self._ids):x}"
+                    token = f"{next(ids):x}"
                     call.tokens.append(token)
                     call.payloads.append(self.requests.encode(layer, expert, token, chunk))
             if silent:  # a probe: nobody waits for it, a valid reply ends the silence
                 stats.silent += 1
-                step.probes.append(call)
+                probes.append(call)
             else:
-                step.calls.append(call)
+                bundled += bool(nodes)
+                waited.append(call)
         for node, node_calls in by_node.items():
             step.bundles.extend(self._pack(layer, node, node_calls, max_rows))
         stats.bundles += len(step.bundles)
-        stats.bundled_calls += sum(1 for call in step.calls if call.nodes)
-        step.left = len(step.calls)
+        stats.bundled_calls += bundled
+        step.left = len(waited)
         return step
 
     def _bundle_nodes(self, layer: int, expert: int, by_node: dict[str, list[_Call]]) -> tuple[str, ...]:
@@ -411,7 +423,7 @@ class RemoteExperts:
         nodes = self.coverage.bundle_holders(layer, expert)
         if not nodes:
             return ()
-        nodes = tuple(node for node in nodes if not self.auditor.is_quarantined(node))
+        nodes = self.auditor.honest(nodes)
         if len(nodes) < 2 or self.replicas is None or self.replicas.cfg.mode != "balance":
             return nodes
         book = self.replicas.book
@@ -422,13 +434,19 @@ class RemoteExperts:
         distinct row once, a row index per call row, an id per call) or the reply (every call's
         output) would pass the message size. A single call always fits (it has <= max_rows)."""
         budget = max_rows * self.n_embd * 4  # what one message may carry besides its envelope
-        row_bytes = self.n_embd * calls[0].rows.itemsize
+        first = calls[0].rows
+        if len(first) == 1 and all(call.rows is first for call in calls):
+            # Decode: the engine hands every expert of the step the token's one row (the same
+            # array), so the union is that row; it fits, as the engine's rows fit one message.
+            if len(calls) * (self.n_embd * 4 + 4 + _CALL_BYTES) <= budget:
+                return [self._bundle(layer, node, calls, first, [0] * len(calls))]
+        row_bytes = self.n_embd * first.itemsize
         n_rows = sum(len(call.rows) for call in calls)
         if n_rows * (self.n_embd * 4 + 4) + _CALL_BYTES * len(calls) <= budget:  # fits even if no row repeats
             union, index = _Union(), []
             for call in calls:
                 index.extend(map(union.add, _row_bytes(call.rows)))
-            return [self._bundle(layer, node, calls, union, index)]
+            return [self._bundle(layer, node, calls, union.array(first), index)]
         bundles, start, union, index, total = [], 0, _Union(), [], 0
         for k, call in enumerate(calls + [None]):
             n = 0 if call is None else len(call.rows)
@@ -436,20 +454,20 @@ class RemoteExperts:
             request = (len(union.rows) + n) * row_bytes + 4 * (total + n) + calls_bytes  # the new rows, at worst
             reply = (total + n) * self.n_embd * 4 + calls_bytes
             if call is None or (k > start and max(request, reply) > budget):
-                bundles.append(self._bundle(layer, node, calls[start:k], union, index))
+                bundles.append(self._bundle(layer, node, calls[start:k], union.array(first), index))
                 start, union, index, total = k, _Union(), [], 0
             if call is not None:
                 index.extend(map(union.add, _row_bytes(call.rows)))
                 total += n
         return bundles
 
-    def _bundle(self, layer: int, node: str, calls: list[_Call], union: _Union, index: list[int]) -> _Bundle:
-        rows0 = calls[0].rows
-        rows = np.frombuffer(b"".join(union.rows), rows0.dtype).reshape(len(union.rows), rows0.shape[1])
+    def _bundle(self, layer: int, node: str, calls: list[_Call], rows: np.ndarray, index: list[int]) -> _Bundle:
+        """One bundle: ``rows`` each distinct row once, ``index`` each call's rows in them."""
         token = f"{next(self._ids):x}"
-        payload = self.bundle_requests.encode(layer, token, rows, [call.tokens[0] for call in calls],
-                                              [call.expert for call in calls], [len(call.rows) for call in calls], index)
-        return _Bundle(node, layer, token, calls, payload)
+        tokens = [call.tokens[0] for call in calls]
+        payload = self.bundle_requests.encode(layer, token, rows, tokens, [call.expert for call in calls],
+                                              [len(call.rows) for call in calls], index)
+        return _Bundle(node, layer, token, calls, payload, frozenset(tokens))
 
     def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won,
                 reference: np.ndarray | None = None) -> np.ndarray:
