@@ -63,6 +63,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from collections.abc import Coroutine
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -236,7 +237,7 @@ class _Step:
     through ``fallbacks``: a call's index as soon as it must be computed here, :data:`_SETTLED`
     once every call is settled. One loop hop, one timer and one queue per step, not per call."""
 
-    __slots__ = ("layer", "calls", "probes", "bundles", "timeout_s", "t0", "left", "timer", "fallbacks")
+    __slots__ = ("layer", "calls", "probes", "bundles", "timeout_s", "t0", "left", "fallbacks")
 
     def __init__(self, layer: int, timeout_s: float):
         self.layer, self.timeout_s = layer, timeout_s
@@ -245,12 +246,49 @@ class _Step:
         self.bundles: list[_Bundle] = []  # calls for bundle-capable nodes, one message per node
         self.t0 = 0.0
         self.left = 0  # calls not settled yet
-        self.timer: asyncio.TimerHandle | None = None
         self.fallbacks: queue.SimpleQueue = queue.SimpleQueue()
 
 
 _SETTLED = -1  # on a step's queue: every call is settled
 _STEP_GRACE_S = 5.0  # the engine gives up on a step this long after its timeout (a dead loop thread)
+
+
+def _start_now(coro: Coroutine) -> None:
+    """Run ``coro`` in the calling callback up to its first real wait, and let a task carry it on
+    from there (Python 3.12's eager tasks): a step's publishes, which wait only when the client's
+    outbound buffer is full, then cost no task and no extra turn of the loop."""
+    try:
+        waiting_on = coro.send(None)
+    except StopIteration:
+        return
+    asyncio.get_running_loop().create_task(_carry_on(coro, waiting_on))
+
+
+async def _carry_on(coro: Coroutine, waiting_on) -> None:
+    await _Resume(coro, waiting_on)
+
+
+class _Resume:
+    """Awaiting it goes on with a coroutine that was started by hand and now waits on
+    ``waiting_on`` (what it yielded): the awaiting task waits for that, then resumes the coroutine
+    (throws into it what the task was thrown, a cancellation), until it returns."""
+
+    def __init__(self, coro: Coroutine, waiting_on):
+        self.coro, self.waiting_on = coro, waiting_on
+
+    def __await__(self):
+        waiting_on = self.waiting_on
+        while True:
+            try:
+                yield waiting_on
+            except BaseException as exc:  # noqa: B036 (handed on to the coroutine, which decides)
+                resume, arg = self.coro.throw, exc
+            else:
+                resume, arg = self.coro.send, None
+            try:
+                waiting_on = resume(arg)
+            except StopIteration as done:
+                return done.value
 
 
 class Recorder(Protocol):
@@ -294,6 +332,11 @@ class RemoteExperts:
         self._probes: OrderedDict[str, tuple[int, int]] = OrderedDict()  # token -> (layer, expert)
         self._bundles: OrderedDict[str, _Bundle] = OrderedDict()  # bundle token -> bundle, recent ones
         self._node_subjects: dict[str, str] = {}
+        # Steps waited for, with their deadlines (loop time), and one timer for the earliest: a
+        # step that settles in time (nearly all) costs a dict entry, not a timer armed and cancelled.
+        self._waiting: dict[_Step, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._ids = itertools.count()
         self._inbox: str | None = None
         self._sub = None
@@ -309,6 +352,9 @@ class RemoteExperts:
 
     async def close(self) -> None:
         await self.coverage.stop()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()
@@ -522,7 +568,7 @@ class RemoteExperts:
     # -- the bus side (the loop thread) --------------------------------------------------------
 
     def _send(self, step: _Step) -> None:
-        asyncio.get_running_loop().create_task(self._publish_step(step))
+        _start_now(self._publish_step(step))
 
     async def _publish_step(self, step: _Step) -> None:
         """Publish every request of a layer step, then arm the step's one timer.
@@ -570,12 +616,33 @@ class RemoteExperts:
             stats.bytes_out += sent
         if step.left:
             loop = asyncio.get_running_loop()
-            step.timer = loop.call_later(step.timeout_s, self._expire, step)
+            self._wait_for(step, loop)
             if self.replicas is not None:  # balance mode: ask again after the expert's usual wait
                 for call in step.calls:
                     delay = self.replicas.hedge_delay(layer, call.expert)
                     if delay is not None and delay < step.timeout_s:
                         loop.call_later(delay, self._hedge, call, 1, delay)
+
+    def _wait_for(self, step: _Step, loop: asyncio.AbstractEventLoop) -> None:
+        """Expire ``step`` at its deadline unless it settles first: the shared timer is re-armed
+        only when this deadline comes before the one it is set for."""
+        deadline = loop.time() + step.timeout_s
+        self._waiting[step] = deadline
+        if self._timer is None or deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_at = loop.call_at(deadline, self._on_timer), deadline
+
+    def _on_timer(self) -> None:
+        """Expire every waiting step whose deadline has come; set the timer for the next one."""
+        due, self._timer = self._timer_at, None
+        for step, deadline in list(self._waiting.items()):
+            if deadline <= due:
+                del self._waiting[step]
+                self._expire(step)
+        if self._waiting:
+            deadline = min(self._waiting.values())
+            self._timer, self._timer_at = asyncio.get_running_loop().call_at(deadline, self._on_timer), deadline
 
     def _node_subject(self, node: str) -> str:
         subject = self._node_subjects.get(node)
@@ -629,8 +696,7 @@ class RemoteExperts:
             step.fallbacks.put(call.index)
         step.left -= 1
         if step.left == 0:
-            if step.timer is not None:
-                step.timer.cancel()
+            self._waiting.pop(step, None)
             step.fallbacks.put(_SETTLED)
 
     def _expire(self, step: _Step) -> None:
