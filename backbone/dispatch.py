@@ -42,8 +42,9 @@ Calls bigger than one message, and probes of silent experts, go per expert too.
 What a remote call costs (``bench/dispatch.py --overhead``) is kept to the bus client's own
 work: the engine's thread decides and encodes a whole layer step (:meth:`RemoteExperts._plan`)
 and hands it to the loop in one hop; :meth:`RemoteExperts._publish_step` publishes every request
-of the step before the client's flusher runs (one socket write) and arms one timer for the
-step; each reply is one dict lookup, one decode and a few counters on the loop thread, and the
+of the step before the client's flusher runs (one socket write), in the callback that received
+the step (no task), and hands the step to the one timer shared by every waiting step (none armed
+per step); each reply is one dict lookup, one decode and a few counters on the loop thread, and the
 engine's thread wakes once per step (or once per fallback, to compute it at once). No task,
 future or queue per call. A replica policy (a queue group, hedged requests) belongs in
 ``_publish_step``.
@@ -235,7 +236,8 @@ class _Step:
 
     The loop thread settles each call (won, or to be computed here) and tells the engine thread
     through ``fallbacks``: a call's index as soon as it must be computed here, :data:`_SETTLED`
-    once every call is settled. One loop hop, one timer and one queue per step, not per call."""
+    once every call is settled. One loop hop and one queue per step, not per call; one timer for
+    all steps (:meth:`RemoteExperts._wait_for`)."""
 
     __slots__ = ("layer", "calls", "probes", "bundles", "timeout_s", "t0", "left", "fallbacks")
 
@@ -571,7 +573,7 @@ class RemoteExperts:
         _start_now(self._publish_step(step))
 
     async def _publish_step(self, step: _Step) -> None:
-        """Publish every request of a layer step, then arm the step's one timer.
+        """Publish every request of a layer step, then put the step under the shared timer.
 
         The requests are all written before the first flush can run: nats.py's flusher writes
         everything pending in one ``writelines``, so a step costs one socket write (one flush), not
