@@ -157,6 +157,12 @@ class Auditor:
     def quarantined(self) -> frozenset[str]:
         return frozenset(self._quarantined)
 
+    def honest(self, nodes: tuple[str, ...]) -> tuple[str, ...]:
+        """``nodes`` less the quarantined ones, in order (``nodes`` itself while none is)."""
+        if not self._quarantined:
+            return nodes
+        return tuple(node for node in nodes if node not in self._quarantined)
+
     def would_audit(self, node: str, layer: int) -> bool:
         """What the next :meth:`should_audit` of ``node`` on ``layer`` will answer, counting no
         reply (a window it would start or restart is drawn now instead of then: the same draw). The

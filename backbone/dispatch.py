@@ -42,8 +42,9 @@ Calls bigger than one message, and probes of silent experts, go per expert too.
 What a remote call costs (``bench/dispatch.py --overhead``) is kept to the bus client's own
 work: the engine's thread decides and encodes a whole layer step (:meth:`RemoteExperts._plan`)
 and hands it to the loop in one hop; :meth:`RemoteExperts._publish_step` publishes every request
-of the step before the client's flusher runs (one socket write) and arms one timer for the
-step; each reply is one dict lookup, one decode and a few counters on the loop thread, and the
+of the step before the client's flusher runs (one socket write), in the callback that received
+the step (no task), and hands the step to the one timer shared by every waiting step (none armed
+per step); each reply is one dict lookup, one decode and a few counters on the loop thread, and the
 engine's thread wakes once per step (or once per fallback, to compute it at once). No task,
 future or queue per call. A replica policy (a queue group, hedged requests) belongs in
 ``_publish_step``.
@@ -63,6 +64,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from collections.abc import Coroutine
 from typing import NamedTuple, Protocol
 
 import numpy as np
@@ -195,9 +197,10 @@ class _Bundle:
 
     __slots__ = ("node", "layer", "token", "calls", "tokens", "payload")
 
-    def __init__(self, node: str, layer: int, token: str, calls: list[_Call], payload: bytes):
+    def __init__(self, node: str, layer: int, token: str, calls: list[_Call], payload: bytes,
+                 tokens: frozenset[str]):
         self.node, self.layer, self.token, self.calls, self.payload = node, layer, token, calls, payload
-        self.tokens = frozenset(call.tokens[0] for call in calls)  # what a reply to it may answer
+        self.tokens = tokens  # the calls' tokens: what a reply to it may answer
 
 
 class _Union:
@@ -223,15 +226,20 @@ class _Union:
         self.rows.append(row)
         return len(self.rows) - 1
 
+    def array(self, like: np.ndarray) -> np.ndarray:
+        """The distinct rows as one (R, n_embd) array of ``like``'s dtype."""
+        return np.frombuffer(b"".join(self.rows), like.dtype).reshape(len(self.rows), like.shape[1])
+
 
 class _Step:
     """Every remote call of one layer step: sent as one batch (one flush), waited for as one.
 
     The loop thread settles each call (won, or to be computed here) and tells the engine thread
     through ``fallbacks``: a call's index as soon as it must be computed here, :data:`_SETTLED`
-    once every call is settled. One loop hop, one timer and one queue per step, not per call."""
+    once every call is settled. One loop hop and one queue per step, not per call; one timer for
+    all steps (:meth:`RemoteExperts._wait_for`)."""
 
-    __slots__ = ("layer", "calls", "probes", "bundles", "timeout_s", "t0", "left", "timer", "fallbacks")
+    __slots__ = ("layer", "calls", "probes", "bundles", "timeout_s", "t0", "left", "fallbacks")
 
     def __init__(self, layer: int, timeout_s: float):
         self.layer, self.timeout_s = layer, timeout_s
@@ -240,12 +248,49 @@ class _Step:
         self.bundles: list[_Bundle] = []  # calls for bundle-capable nodes, one message per node
         self.t0 = 0.0
         self.left = 0  # calls not settled yet
-        self.timer: asyncio.TimerHandle | None = None
         self.fallbacks: queue.SimpleQueue = queue.SimpleQueue()
 
 
 _SETTLED = -1  # on a step's queue: every call is settled
 _STEP_GRACE_S = 5.0  # the engine gives up on a step this long after its timeout (a dead loop thread)
+
+
+def _start_now(coro: Coroutine) -> None:
+    """Run ``coro`` in the calling callback up to its first real wait, and let a task carry it on
+    from there (Python 3.12's eager tasks): a step's publishes, which wait only when the client's
+    outbound buffer is full, then cost no task and no extra turn of the loop."""
+    try:
+        waiting_on = coro.send(None)
+    except StopIteration:
+        return
+    asyncio.get_running_loop().create_task(_carry_on(coro, waiting_on))
+
+
+async def _carry_on(coro: Coroutine, waiting_on) -> None:
+    await _Resume(coro, waiting_on)
+
+
+class _Resume:
+    """Awaiting it goes on with a coroutine that was started by hand and now waits on
+    ``waiting_on`` (what it yielded): the awaiting task waits for that, then resumes the coroutine
+    (throws into it what the task was thrown, a cancellation), until it returns."""
+
+    def __init__(self, coro: Coroutine, waiting_on):
+        self.coro, self.waiting_on = coro, waiting_on
+
+    def __await__(self):
+        waiting_on = self.waiting_on
+        while True:
+            try:
+                yield waiting_on
+            except BaseException as exc:  # noqa: B036 (handed on to the coroutine, which decides)
+                resume, arg = self.coro.throw, exc
+            else:
+                resume, arg = self.coro.send, None
+            try:
+                waiting_on = resume(arg)
+            except StopIteration as done:
+                return done.value
 
 
 class Recorder(Protocol):
@@ -289,6 +334,11 @@ class RemoteExperts:
         self._probes: OrderedDict[str, tuple[int, int]] = OrderedDict()  # token -> (layer, expert)
         self._bundles: OrderedDict[str, _Bundle] = OrderedDict()  # bundle token -> bundle, recent ones
         self._node_subjects: dict[str, str] = {}
+        # Steps waited for, with their deadlines (loop time), and one timer for the earliest: a
+        # step that settles in time (nearly all) costs a dict entry, not a timer armed and cancelled.
+        self._waiting: dict[_Step, float] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self._ids = itertools.count()
         self._inbox: str | None = None
         self._sub = None
@@ -304,6 +354,9 @@ class RemoteExperts:
 
     async def close(self) -> None:
         await self.coverage.stop()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()
@@ -373,36 +426,43 @@ class RemoteExperts:
         step = _Step(layer, self.timeout.current())
         max_rows = self._max_rows()
         by_node: dict[str, list[_Call]] = {}
+        coverage, ids, bundles = self.coverage, self._ids, self.bundles
+        waited, probes = step.calls, step.probes
+        bundled = 0
         for i, (expert, rows) in enumerate(calls):
-            if self.coverage.is_uncovered(layer, expert):
+            if coverage.is_uncovered(layer, expert):
                 stats.local_choice += 1
                 continue
-            silent = self.coverage.is_silent(layer, expert)
+            silent = coverage.is_silent(layer, expert)
             n = len(rows)
             chunks = [rows] if n <= max_rows else np.array_split(rows, -(-n // max_rows))  # max_payload
             call = _Call(step, i, expert, rows, chunks)
-            nodes = self._bundle_nodes(layer, expert, by_node) if self.bundles and not silent and n <= max_rows \
-                else ()
+            nodes = self._bundle_nodes(layer, expert, by_node) if bundles and not silent and n <= max_rows else ()
             if nodes:
-                call.tokens.append(f"{next(self._ids):x}")
+                call.tokens.append(f"{next(ids):x}")
                 call.nodes, call.routes = nodes, len(nodes)
                 for node in nodes:
-                    by_node.setdefault(node, []).append(call)
+                    node_calls = by_node.get(node)
+                    if node_calls is None:
+                        by_node[node] = [call]
+                    else:
+                        node_calls.append(call)
             else:
                 for chunk in chunks:
-                    token = f"{next(self._ids):x}"
+                    token = f"{next(ids):x}"
                     call.tokens.append(token)
                     call.payloads.append(self.requests.encode(layer, expert, token, chunk))
             if silent:  # a probe: nobody waits for it, a valid reply ends the silence
                 stats.silent += 1
-                step.probes.append(call)
+                probes.append(call)
             else:
-                step.calls.append(call)
+                bundled += bool(nodes)
+                waited.append(call)
         for node, node_calls in by_node.items():
             step.bundles.extend(self._pack(layer, node, node_calls, max_rows))
         stats.bundles += len(step.bundles)
-        stats.bundled_calls += sum(1 for call in step.calls if call.nodes)
-        step.left = len(step.calls)
+        stats.bundled_calls += bundled
+        step.left = len(waited)
         return step
 
     def _bundle_nodes(self, layer: int, expert: int, by_node: dict[str, list[_Call]]) -> tuple[str, ...]:
@@ -411,7 +471,7 @@ class RemoteExperts:
         nodes = self.coverage.bundle_holders(layer, expert)
         if not nodes:
             return ()
-        nodes = tuple(node for node in nodes if not self.auditor.is_quarantined(node))
+        nodes = self.auditor.honest(nodes)
         if len(nodes) < 2 or self.replicas is None or self.replicas.cfg.mode != "balance":
             return nodes
         book = self.replicas.book
@@ -422,13 +482,19 @@ class RemoteExperts:
         distinct row once, a row index per call row, an id per call) or the reply (every call's
         output) would pass the message size. A single call always fits (it has <= max_rows)."""
         budget = max_rows * self.n_embd * 4  # what one message may carry besides its envelope
-        row_bytes = self.n_embd * calls[0].rows.itemsize
+        first = calls[0].rows
+        if len(first) == 1 and all(call.rows is first for call in calls):
+            # Decode: the engine hands every expert of the step the token's one row (the same
+            # array), so the union is that row; it fits, as the engine's rows fit one message.
+            if len(calls) * (self.n_embd * 4 + 4 + _CALL_BYTES) <= budget:
+                return [self._bundle(layer, node, calls, first, [0] * len(calls))]
+        row_bytes = self.n_embd * first.itemsize
         n_rows = sum(len(call.rows) for call in calls)
         if n_rows * (self.n_embd * 4 + 4) + _CALL_BYTES * len(calls) <= budget:  # fits even if no row repeats
             union, index = _Union(), []
             for call in calls:
                 index.extend(map(union.add, _row_bytes(call.rows)))
-            return [self._bundle(layer, node, calls, union, index)]
+            return [self._bundle(layer, node, calls, union.array(first), index)]
         bundles, start, union, index, total = [], 0, _Union(), [], 0
         for k, call in enumerate(calls + [None]):
             n = 0 if call is None else len(call.rows)
@@ -436,20 +502,20 @@ class RemoteExperts:
             request = (len(union.rows) + n) * row_bytes + 4 * (total + n) + calls_bytes  # the new rows, at worst
             reply = (total + n) * self.n_embd * 4 + calls_bytes
             if call is None or (k > start and max(request, reply) > budget):
-                bundles.append(self._bundle(layer, node, calls[start:k], union, index))
+                bundles.append(self._bundle(layer, node, calls[start:k], union.array(first), index))
                 start, union, index, total = k, _Union(), [], 0
             if call is not None:
                 index.extend(map(union.add, _row_bytes(call.rows)))
                 total += n
         return bundles
 
-    def _bundle(self, layer: int, node: str, calls: list[_Call], union: _Union, index: list[int]) -> _Bundle:
-        rows0 = calls[0].rows
-        rows = np.frombuffer(b"".join(union.rows), rows0.dtype).reshape(len(union.rows), rows0.shape[1])
+    def _bundle(self, layer: int, node: str, calls: list[_Call], rows: np.ndarray, index: list[int]) -> _Bundle:
+        """One bundle: ``rows`` each distinct row once, ``index`` each call's rows in them."""
         token = f"{next(self._ids):x}"
-        payload = self.bundle_requests.encode(layer, token, rows, [call.tokens[0] for call in calls],
-                                              [call.expert for call in calls], [len(call.rows) for call in calls], index)
-        return _Bundle(node, layer, token, calls, payload)
+        tokens = [call.tokens[0] for call in calls]
+        payload = self.bundle_requests.encode(layer, token, rows, tokens, [call.expert for call in calls],
+                                              [len(call.rows) for call in calls], index)
+        return _Bundle(node, layer, token, calls, payload, frozenset(tokens))
 
     def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won,
                 reference: np.ndarray | None = None) -> np.ndarray:
@@ -504,10 +570,10 @@ class RemoteExperts:
     # -- the bus side (the loop thread) --------------------------------------------------------
 
     def _send(self, step: _Step) -> None:
-        asyncio.get_running_loop().create_task(self._publish_step(step))
+        _start_now(self._publish_step(step))
 
     async def _publish_step(self, step: _Step) -> None:
-        """Publish every request of a layer step, then arm the step's one timer.
+        """Publish every request of a layer step, then put the step under the shared timer.
 
         The requests are all written before the first flush can run: nats.py's flusher writes
         everything pending in one ``writelines``, so a step costs one socket write (one flush), not
@@ -552,12 +618,33 @@ class RemoteExperts:
             stats.bytes_out += sent
         if step.left:
             loop = asyncio.get_running_loop()
-            step.timer = loop.call_later(step.timeout_s, self._expire, step)
+            self._wait_for(step, loop)
             if self.replicas is not None:  # balance mode: ask again after the expert's usual wait
                 for call in step.calls:
                     delay = self.replicas.hedge_delay(layer, call.expert)
                     if delay is not None and delay < step.timeout_s:
                         loop.call_later(delay, self._hedge, call, 1, delay)
+
+    def _wait_for(self, step: _Step, loop: asyncio.AbstractEventLoop) -> None:
+        """Expire ``step`` at its deadline unless it settles first: the shared timer is re-armed
+        only when this deadline comes before the one it is set for."""
+        deadline = loop.time() + step.timeout_s
+        self._waiting[step] = deadline
+        if self._timer is None or deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_at = loop.call_at(deadline, self._on_timer), deadline
+
+    def _on_timer(self) -> None:
+        """Expire every waiting step whose deadline has come; set the timer for the next one."""
+        due, self._timer = self._timer_at, None
+        for step, deadline in list(self._waiting.items()):
+            if deadline <= due:
+                del self._waiting[step]
+                self._expire(step)
+        if self._waiting:
+            deadline = min(self._waiting.values())
+            self._timer, self._timer_at = asyncio.get_running_loop().call_at(deadline, self._on_timer), deadline
 
     def _node_subject(self, node: str) -> str:
         subject = self._node_subjects.get(node)
@@ -611,8 +698,7 @@ class RemoteExperts:
             step.fallbacks.put(call.index)
         step.left -= 1
         if step.left == 0:
-            if step.timer is not None:
-                step.timer.cancel()
+            self._waiting.pop(step, None)
             step.fallbacks.put(_SETTLED)
 
     def _expire(self, step: _Step) -> None:

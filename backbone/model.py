@@ -608,6 +608,15 @@ class Engine:
     def _expert_outputs(self, il: int, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Every chosen expert of layer ``il`` on its rows, through ``self.experts`` (each
         expert asked once, with every row that chose it): rows (T, D), ids (T, K) -> (T, K, D)."""
+        chosen = ids[0].tolist() if len(ids) == 1 else ()
+        if chosen and len(set(chosen)) == len(chosen):  # decode: each expert gets the one row (one array)
+            row = np.ascontiguousarray(rows)
+            order = sorted(range(len(chosen)), key=chosen.__getitem__)  # as np.unique orders them
+            outs = self.experts.run_layer(il, [(chosen[k], row) for k in order])
+            expert_out = np.empty((1, len(chosen), rows.shape[1]), dtype=np.float32)  # (1, K, D)
+            for k, out in zip(order, outs):
+                expert_out[0, k] = out[0]
+            return expert_out
         groups = [(int(e), np.nonzero(ids == e)) for e in np.unique(ids)]  # (row idx, slot idx) per expert
         outs = self.experts.run_layer(il, [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups])
         expert_out = np.empty((*ids.shape, rows.shape[1]), dtype=np.float32)  # (T, K, D)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 import struct
 import sys
@@ -112,8 +113,12 @@ def _rows(record: str, value: Any, allowed: tuple[str, ...], min_rows: int = 1) 
 
 
 def all_finite(arr: np.ndarray) -> bool:
-    """True if ``arr`` holds no NaN or infinity (the codec itself lets them through)."""
-    return bool(np.isfinite(arr).all())
+    """True if ``arr`` holds no NaN or infinity (the codec itself lets them through).
+
+    A finite sum proves it in one reduction, without a boolean array (NaN and infinity reach the
+    sum: inf - inf is NaN); a sum that is not finite (one of them, or finite values whose sum
+    overflows) is settled element by element."""
+    return math.isfinite(np.add.reduce(arr, axis=None)) or bool(np.isfinite(arr).all())
 
 
 def _array_fields(rows: np.ndarray) -> dict[str, Any]:
@@ -667,4 +672,59 @@ def decode_bundle(data: bytes, *, max_rows: int | None = None, max_bytes: int = 
 def decode_bundle_reply(data: bytes, *, max_rows: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES,
                         n_embd: int | None = None) -> BundleReply | ErrorReply:
     """Bytes -> :class:`BundleReply`, or the :class:`ErrorReply` that refused the whole bundle."""
+    if type(data) is bytes and len(data) <= max_bytes:
+        reply = _bundle_reply_fast(data, max_rows, n_embd)
+        if reply is not None:
+            return reply
     return decode(data, ("rb", "e"), "bundle reply", max_bytes=max_bytes, limits=_limits(max_rows, n_embd))
+
+
+_FAST_REPLY_KEYS = frozenset(("v", "t", "bundle_id", "node", "ids", "counts", "dtype", "shape", "data", "errors",
+                              "kernel"))
+
+
+def _bundle_reply_fast(data: bytes, max_rows: int | None, n_embd: int | None) -> BundleReply | None:
+    """The common bundle reply (every call answered, float32 rows, known node and kernel) checked
+    in a few C calls: each test here is one the record's full decoding makes, or a stricter one;
+    None for anything else (unreadable, an error, an odd field), which :func:`decode` then
+    refuses with its named error or reads the slow way. A reply is decoded on the backbone's bus
+    thread once per worker and layer step."""
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except (ValueError, TypeError, msgpack.UnpackException):
+        return None
+    if type(body) is not dict or type(body.get("v")) is not int or body["v"] not in BundleReply.versions \
+            or body.get("t") != "rb" or body.get("errors", []) != [] or not _FAST_REPLY_KEYS.issuperset(body):
+        return None
+    bundle_id, node, ids, counts, kernel = (body.get("bundle_id"), body.get("node"), body.get("ids"),
+                                            body.get("counts"), body.get("kernel", ""))
+    shape, rows_data = body.get("shape"), body.get("data")
+    if type(bundle_id) is not str or type(node) is not str or type(kernel) is not str \
+            or type(ids) is not list or type(counts) is not list or type(shape) is not list \
+            or type(rows_data) is not bytes or body.get("dtype") != "float32":
+        return None
+    n = len(ids)
+    if not 0 < n <= MAX_BUNDLE_CALLS or len(counts) != n or len(shape) != 2 or not is_id(bundle_id) \
+            or not _valid(check_node, node) or (kernel and not _valid(check_label, kernel)):
+        return None
+    try:
+        if _IDS_RE.fullmatch(",".join(ids)) is None:
+            return None
+    except TypeError:  # an id that is no string
+        return None
+    if set(map(type, counts)) != {int} or min(counts) < 1 or max(counts) > MAX_DIM or len(set(ids)) != n:
+        return None
+    offsets = _offsets(counts)
+    total, (rows_n, width) = offsets[-1], shape
+    if rows_n != total or type(rows_n) is not int or type(width) is not int or not 1 <= width <= MAX_DIM \
+            or total > MAX_DIM or (max_rows is not None and total > max_rows) \
+            or (n_embd is not None and width != n_embd) or len(rows_data) != 4 * total * width:
+        return None
+    rows = np.ndarray((total, width), DTYPES["float32"], rows_data)  # a read-only view on the payload
+    if not _LITTLE_ENDIAN:
+        rows = rows.astype(DTYPES["float32"].newbyteorder("="))
+    reply = object.__new__(BundleReply)  # every check of __post_init__ is made above
+    for name, value in (("bundle_id", bundle_id), ("node", node), ("ids", tuple(ids)), ("counts", tuple(counts)),
+                        ("offsets", offsets), ("rows", rows), ("errors", ()), ("kernel", kernel)):
+        object.__setattr__(reply, name, value)
+    return reply

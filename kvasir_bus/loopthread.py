@@ -9,13 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from typing import Any, Coroutine
 
 
+def new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop where it is installed (the ``backbone`` extra) and not turned off with
+    ``KVASIR_UVLOOP=0``: its scheduling, timers, socket transports and cross-thread wake-up are C,
+    which takes about a third off the bus thread's CPU per remote expert call
+    (``bench/dispatch.py --overhead``); asyncio's own loop otherwise."""
+    if os.environ.get("KVASIR_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
 class LoopThread:
     def __init__(self, name: str = "kvasir-bus"):
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
 

@@ -766,3 +766,51 @@ def test_a_latency_book_takes_a_steps_wins_as_it_takes_them_one_by_one():
         assert batch.mean(7, expert) == one.mean(7, expert)
         assert batch.quantiles(7, expert, (50.0,)) == one.quantiles(7, expert, (50.0,))
     assert (batch.node_mean("a"), batch.node_mean("b")) == (one.node_mean("a"), one.node_mean("b"))
+
+
+def test_a_step_left_unanswered_after_an_answered_one_still_expires_on_the_shared_timer(rig):
+    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=0.05, audit=NO_AUDIT))
+    nc.answer = times(3)
+    assert np.array_equal(remote.run_layer(0, [(1, ROWS)])[0], 3 * ROWS)  # the timer is set for this step
+    nc.answer = lambda subject, req: []  # nobody answers the next one: its deadline comes later
+    assert np.array_equal(remote.run_layer(0, [(2, ROWS)])[0], 2 * ROWS)
+    assert remote.stats.layer(0).timeouts == 1 and local.calls == [(0, 2)]
+    assert remote._waiting == {}  # nothing left waiting
+
+
+def test_start_now_runs_a_coroutine_to_its_first_wait_at_once_and_a_task_carries_it_on():
+    from backbone.dispatch import _start_now
+
+    async def main() -> list[str]:
+        log: list[str] = []
+
+        async def no_wait() -> None:
+            log.append("no-wait")
+
+        async def waits() -> None:
+            log.append("a")
+            await asyncio.sleep(0)
+            fut = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().call_soon(fut.set_result, "b")
+            log.append(await fut)
+
+        async def cancelled() -> None:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                log.append("cancelled")
+                raise
+
+        _start_now(no_wait())
+        _start_now(waits())
+        assert log == ["no-wait", "a"]  # before the loop turned
+        _start_now(cancelled())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+            task.cancel()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return log
+
+    assert asyncio.run(main()) == ["no-wait", "a", "b", "cancelled"]
