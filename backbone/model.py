@@ -24,7 +24,8 @@ How it runs on ggml (the same ops, so the same bits, whichever way):
   top-k included (a long chunk: a few layers per graph; ``_step_graphs``,
   ``kernels.fused.step_graph``);
 - one sequence, remote experts: the same ops split at the experts, one graph per layer from
-  the previous layer's combine (the remote outputs an input) to this layer's router
+  the previous layer's combine (the remote outputs an input) to this layer's router; the
+  shared expert, which needs no routed expert, runs while their replies travel
   (``_step_graphs_remote``);
 - a batch: two graphs per attention layer around the per-sequence attention
   (``_attention_fused``; the second ends with the router's top-k, the same ops), the experts
@@ -39,7 +40,9 @@ that the three paths give identical logits).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -516,9 +519,13 @@ class Engine:
                                    memo=self._step_plans,
                                    keep=self._dense_rows(keep) if last else None, n_kept=n_kept)
             r = out.routed
-            prev = (r, self._expert_outputs(il, r.h, r.ids))
             if last and keep is not None:  # the kept rows only, from here on
                 step = replace(step, rows=len(self._dense_rows(keep)), n_new=len(keep))
+            shared = None
+            if blk.layer.ffn_gate_shexp is not None:  # needs no routed expert: runs while they are away
+                def shared(r=r, s=step, layer=blk.layer):
+                    r.shared = fused.shared_expert(s, layer, r.h, s.rows, memo=self._step_plans)
+            prev = (r, self._expert_outputs(il, r.h, r.ids, while_waiting=shared))
         return fused.step_graph(step, [], prev=prev, head=head, memo=self._step_plans).logits
 
     def _dense_rows(self, keep: np.ndarray | None) -> np.ndarray | None:
@@ -605,11 +612,20 @@ class Engine:
         moe = ops.combine(self._expert_outputs(il, rows, ids), weights)
         return moe + shared if shared is not None else self._shared(blk, h, moe)
 
-    def _expert_outputs(self, il: int, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    def _expert_outputs(self, il: int, rows: np.ndarray, ids: np.ndarray,
+                        while_waiting: Callable[[], None] | None = None) -> np.ndarray:
         """Every chosen expert of layer ``il`` on its rows, through ``self.experts`` (each
-        expert asked once, with every row that chose it): rows (T, D), ids (T, K) -> (T, K, D)."""
+        expert asked once, with every row that chose it): rows (T, D), ids (T, K) -> (T, K, D).
+        ``while_waiting``: work that needs none of them, done once they are asked for (before,
+        with a backend that cannot overlap it: the same result, later)."""
         groups = [(int(e), np.nonzero(ids == e)) for e in np.unique(ids)]  # (row idx, slot idx) per expert
-        outs = self.experts.run_layer(il, [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups])
+        calls = [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups]
+        if while_waiting is not None and _overlaps(type(self.experts)):
+            outs = self.experts.run_layer(il, calls, while_waiting=while_waiting)
+        else:
+            if while_waiting is not None:
+                while_waiting()
+            outs = self.experts.run_layer(il, calls)
         expert_out = np.empty((*ids.shape, rows.shape[1]), dtype=np.float32)  # (T, K, D)
         for (e, (r, slot)), out in zip(groups, outs):
             expert_out[r, slot] = out
@@ -628,6 +644,13 @@ class Engine:
                 shared = shared * gate
             moe = moe + shared
         return moe
+
+
+@functools.lru_cache(maxsize=None)
+def _overlaps(backend: type) -> bool:
+    """Whether an expert backend's ``run_layer`` takes ``while_waiting`` (work of the caller's
+    to do once the experts are asked for: :meth:`backbone.dispatch.RemoteExperts.run_layer`)."""
+    return "while_waiting" in inspect.signature(backend.run_layer).parameters
 
 
 def _f32_tensor(name: str, array: np.ndarray) -> QTensor:
