@@ -521,12 +521,15 @@ class Engine:
             r = out.routed
             if last and keep is not None:  # the kept rows only, from here on
                 step = replace(step, rows=len(self._dense_rows(keep)), n_new=len(keep))
-            shared = None
-            if blk.layer.ffn_gate_shexp is not None:  # needs no routed expert: runs while they are away
-                def shared(r=r, s=step, layer=blk.layer):
-                    r.shared = fused.shared_expert(s, layer, r.h, s.rows, memo=self._step_plans)
+            shared = functools.partial(self._shared_remote, step, blk.layer, r) \
+                if blk.layer.ffn_gate_shexp is not None else None
             prev = (r, self._expert_outputs(il, r.h, r.ids, while_waiting=shared))
         return fused.step_graph(step, [], prev=prev, head=head, memo=self._step_plans).logits
+
+    def _shared_remote(self, step: fused.StepShape, layer: Layer, r: fused.Routed) -> None:
+        """The shared expert of a layer stopped at its remote experts, into ``r.shared``: it
+        needs none of them, so it runs while their replies travel."""
+        r.shared = fused.shared_expert(step, layer, r.h, step.rows, memo=self._step_plans)
 
     def _dense_rows(self, keep: np.ndarray | None) -> np.ndarray | None:
         """The rows the dense ops of the last layer keep: ``keep``, one row as two in
