@@ -621,8 +621,16 @@ class Engine:
         expert asked once, with every row that chose it): rows (T, D), ids (T, K) -> (T, K, D).
         ``while_waiting``: work that needs none of them, done once they are asked for (before,
         with a backend that cannot overlap it: the same result, later)."""
-        groups = [(int(e), np.nonzero(ids == e)) for e in np.unique(ids)]  # (row idx, slot idx) per expert
-        calls = [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups]
+        chosen = ids[0].tolist() if len(ids) == 1 else None
+        if chosen is not None and len(set(chosen)) == len(chosen):  # a decode row: K experts, each on it
+            slots = sorted(range(len(chosen)), key=chosen.__getitem__)  # in expert order, as below
+            row = rows.copy()
+            calls = [(chosen[k], row) for k in slots]
+            places = [(0, k) for k in slots]
+        else:
+            groups = [(int(e), np.nonzero(ids == e)) for e in np.unique(ids)]  # (row idx, slot idx) per expert
+            calls = [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups]
+            places = [where for _, where in groups]
         if while_waiting is not None and _overlaps(type(self.experts)):
             outs = self.experts.run_layer(il, calls, while_waiting=while_waiting)
         else:
@@ -630,7 +638,7 @@ class Engine:
                 while_waiting()
             outs = self.experts.run_layer(il, calls)
         expert_out = np.empty((*ids.shape, rows.shape[1]), dtype=np.float32)  # (T, K, D)
-        for (e, (r, slot)), out in zip(groups, outs):
+        for (r, slot), out in zip(places, outs):
             expert_out[r, slot] = out
         return expert_out
 
