@@ -202,18 +202,8 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
             ids, weights = _route(g, lib, g.scratch(r), K, norm_topk and router_softmax, not router_softmax)
             g.output(lib.ggml_cont(ctx, ids))
             g.output(lib.ggml_cont(ctx, weights))
-            if sw is not None:  # kernels.ggml.expert_ffn(routed=False), then the gate
-                gate = g.scratch(lib.ggml_mul_mat(ctx, sw[0], h))
-                up = g.scratch(lib.ggml_mul_mat(ctx, sw[1], h))
-                s = lib.ggml_mul_mat(ctx, sw[2], g.scratch(lib.ggml_swiglu_split(ctx, gate, up)))
-                if sgt is not None:  # kernels.dense.shared_expert_gate
-                    gl = g.scratch(lib.ggml_mul_mat(ctx, sgt, h))  # (1, T)
-                    if shexp_gate_kind == "sigmoid":
-                        gl = g.scratch(lib.ggml_sigmoid(ctx, gl))
-                    else:
-                        gl = g.scratch(lib.ggml_div(ctx, g.scratch(lib.ggml_silu(ctx, gl)), gl))
-                    s = lib.ggml_mul(ctx, g.scratch(s), gl)
-                g.output(s)
+            if sw is not None:
+                g.output(lib.ggml_cont(ctx, _shared_expert(g, lib, h, sw, sgt, shexp_gate_kind)))
             return g.finish(threads)
         except BaseException:
             g.free()
@@ -722,24 +712,28 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     return result
 
 
-def shared_expert(step: StepShape, layer, h: np.ndarray, rows: int, memo: dict | None = None) -> np.ndarray:
+def shared_expert(layer, h: np.ndarray, rows: int, gate_kind: str, *, tokens: int = 0,
+                  memo: dict | None = None) -> np.ndarray:
     """A layer's gated shared expert on its FFN input ``h`` (n, D) float32, in a graph of its
-    own (``_shared_expert``, the ops the step graph runs): the part of a remote layer that
-    needs no routed expert, computed while their replies travel. ``rows``: the rows the step's
-    dense ops ran on (n, or 2 for a one-row step run as two: the row twice, so that the same
-    kernels run and give the same bits as the all-local step graph) -> (n, D) float32.
+    own (``_shared_expert``: the ops the step graph and ``attention_out`` run): the part of a
+    layer with remote experts that needs none of them, computed while their replies travel.
+    ``rows``: the rows the step's dense ops ran on (n, or 2 for one row run as two: the row
+    twice, so that the same kernels run and give the same bits as in the dense graph) -> (n, D)
+    float32. ``gate_kind``: silu_div or sigmoid; ``tokens``: the step's token rows (threads).
     ``memo``: as :func:`step_graph`'s (the layer must not change while the caller uses it)."""
     h = np.ascontiguousarray(h, dtype=np.float32)
     n, D = h.shape
     if layer.ffn_gate_shexp is None or layer.ffn_gate_shexp.ne[0] != D or not (rows == n or (n == 1 and rows > 1)):
         raise ValueError(f"shared_expert: rows {h.shape} as {rows} do not fit the layer's shared expert")
-    mkey = ("shexp", step, id(layer), n, rows)
+    if gate_kind not in ("silu_div", "sigmoid"):
+        raise ValueError(f"unknown shared-expert gate {gate_kind!r}")
+    mkey = ("shexp", id(layer), n, rows, gate_kind, tokens)
     plan = None if memo is None else memo.get(mkey)
     if plan is None:
         weights = (layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp)
         rps = {id(w): repacked(w) for w in weights}
-        threads = threads_for(3 * rows * D * layer.ffn_gate_shexp.ne[1], step.n_new)
-        key = ("shexp", rows, n, threads, step.shexp_gate, tuple(_key(w) for w in weights),
+        threads = threads_for(3 * rows * D * layer.ffn_gate_shexp.ne[1], tokens)
+        key = ("shexp", rows, n, threads, gate_kind, tuple(_key(w) for w in weights),
                tuple(rps[id(w)] is not None for w in weights), layer.ffn_gate_inp_shexp is not None)
         plan = (key, threads, rps, _shared_arrays(layer, rps), layer)  # layer: alive as long as the plan
         if memo is not None:
@@ -756,7 +750,7 @@ def shared_expert(step: StepShape, layer, h: np.ndarray, rows: int, memo: dict |
             sw, sg = _shared_inputs(g, layer, rps)
             if rows > n:  # one row as two, as the dense ops ran it
                 ht = g.scratch(lib.ggml_repeat_4d(g.ctx, ht, D, rows, 1, 1))
-            shared = _shared_expert(g, lib, ht, sw, sg, step.shexp_gate)
+            shared = _shared_expert(g, lib, ht, sw, sg, gate_kind)
             g.output(lib.ggml_cont(g.ctx, _first(g, lib, shared, n) if rows > n else shared))
             return g.finish(threads)
         except BaseException:

@@ -61,8 +61,8 @@ def test_shared_expert_runs_while_the_experts_are_away_with_the_bits_of_the_loca
     ran = []
     real = fused.shared_expert
     monkeypatch.setattr(fused, "shared_expert",
-                        lambda step, layer, h, rows, **kw: ran.append((len(backend.events), len(h), rows))
-                        or real(step, layer, h, rows, **kw))
+                        lambda layer, h, rows, *a, **kw: ran.append((len(backend.events), len(h), rows))
+                        or real(layer, h, rows, *a, **kw))
     got, want = _run(sharded), _run(local)
     assert len(got) == len(want) == 4
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
@@ -77,28 +77,66 @@ def test_shared_expert_runs_while_the_experts_are_away_with_the_bits_of_the_loca
     assert not has_shared or len(ran) == 4 * n_layer
 
 
-def test_overlap_gives_the_local_bits_in_the_fast_mode_too():
-    """The test above in the fast mode (repacked weights, tiled kernels that switch with the row
-    count): the shared expert's own graph runs the rows the step graph would."""
-    env = dict(os.environ, KVASIR_KERNEL_MODE="fast", PYTHONPATH=str(ROOT))
+def _batches(engine: Engine) -> list[np.ndarray]:
+    """Steps that take the batch path: two sequences at once (prefill, then a decode row each,
+    keeping the last rows), and one sequence's decode row with the step graph off."""
+    rng = np.random.default_rng(3)
+    V = engine.cfg.n_vocab
+    a, b = engine.new_sequence(), engine.new_sequence()
+    out = engine.forward([(a, rng.integers(0, V, 9)), (b, rng.integers(0, V, 5))])
+    out += engine.forward([(a, rng.integers(0, V, 1)), (b, rng.integers(0, V, 1))], all_logits=False)
+    engine.step_graphs = False
+    out += engine.forward([(a, rng.integers(0, V, 1))], all_logits=False)
+    out += engine.forward([(b, rng.integers(0, V, 3))])
+    engine.step_graphs = True
+    return out
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen2moe", "q4_k"), ("qwen2moe", "q8_0")])
+def test_shared_expert_runs_while_the_experts_are_away_in_a_batch_step_too(models, arch, qtype, monkeypatch):
+    local = Engine(models(arch, qtype))
+    sharded = Engine(models(arch, qtype))
+    backend = Overlapping(sharded)
+    sharded.use_experts(backend)
+    ran = []
+    real = fused.shared_expert
+    monkeypatch.setattr(fused, "shared_expert",
+                        lambda layer, h, rows, *a, **kw: ran.append((len(backend.events), len(h), rows))
+                        or real(layer, h, rows, *a, **kw))
+    got, want = _batches(sharded), _batches(local)
+    assert len(got) == len(want) == 6
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    n_layer = sharded.cfg.n_layer
+    assert backend.events == [e for il in range(n_layer) for e in (("asked", il), ("worked", il))] * 4
+    assert [at % 2 for at, _, _ in ran] == [1] * len(ran)
+    two = 2 if sharded.one_row_as_two else 1
+    assert [(n, rows) for _, n, rows in ran[2 * n_layer:3 * n_layer]] == [(1, two)] * n_layer  # the decode row
+
+
+@pytest.mark.parametrize("repack", ["0", "1"])
+def test_overlap_gives_the_local_bits_in_the_fast_mode_too(repack):
+    """The tests above in the fast mode (tiled kernels, and repacked weights, whose kernels
+    switch with the row count): the shared expert's own graph runs the rows the dense graph would."""
+    env = dict(os.environ, KVASIR_KERNEL_MODE="fast", KVASIR_REPACK=repack, PYTHONPATH=str(ROOT))
     env.pop("GGML_CPU_TILED_MM", None)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                           "-k", "shared_expert_runs_while"],
                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:]
-    assert "3 passed" in out.stdout
+    assert "5 passed" in out.stdout
 
 
 def test_shared_expert_refuses_rows_that_do_not_fit(models):
     engine = Engine(models("qwen2moe", "q8_0"))
     layer, D = engine.weights.layers[0], engine.cfg.n_embd
-    step = fused.StepShape(2, 2, 256, 256, 1.0, engine.cfg.n_expert_used, "swiglu", "silu_div", False)
     with pytest.raises(ValueError, match="shared_expert"):
-        fused.shared_expert(step, layer, np.zeros((2, D + 1), np.float32), 2)
+        fused.shared_expert(layer, np.zeros((2, D + 1), np.float32), 2, "silu_div")
     with pytest.raises(ValueError, match="shared_expert"):
-        fused.shared_expert(step, layer, np.zeros((2, D), np.float32), 3)
-    one = fused.shared_expert(step, layer, np.ones((1, D), np.float32), 2)
-    assert np.array_equal(one, fused.shared_expert(step, layer, np.ones((2, D), np.float32), 2)[:1])
+        fused.shared_expert(layer, np.zeros((2, D), np.float32), 3, "silu_div")
+    with pytest.raises(ValueError, match="gate"):
+        fused.shared_expert(layer, np.zeros((2, D), np.float32), 2, "tanh")
+    one = fused.shared_expert(layer, np.ones((1, D), np.float32), 2, "silu_div")
+    assert np.array_equal(one, fused.shared_expert(layer, np.ones((2, D), np.float32), 2, "silu_div")[:1])
 
 
 def test_run_layer_does_the_callers_work_once_the_requests_are_out(rig):
