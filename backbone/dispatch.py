@@ -63,6 +63,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from collections.abc import Coroutine
 from typing import NamedTuple, Protocol
@@ -363,8 +364,11 @@ class RemoteExperts:
 
     # -- the synchronous side (the engine's thread) --------------------------------------------
 
-    def run_layer(self, layer: int, calls: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
-        """Every selected expert of a layer step with its rows -> their outputs, in order."""
+    def run_layer(self, layer: int, calls: list[tuple[int, np.ndarray]],
+                  while_waiting: Callable[[], None] | None = None) -> list[np.ndarray]:
+        """Every selected expert of a layer step with its rows -> their outputs, in order.
+        ``while_waiting``: the caller's work that needs no expert output (the shared expert),
+        run here once the requests are out."""
         stats = self.stats.layer(layer)
         step = self._plan(layer, calls, stats)
         if step.calls or step.probes or step.bundles:
@@ -374,6 +378,8 @@ class RemoteExperts:
                 log.warning("dispatch_send_failed", layer=layer, error=str(exc))
                 stats.bus_errors += len(step.calls)
                 step.calls = []
+        if while_waiting is not None:
+            while_waiting()
         outs: list[np.ndarray | None] = [None] * len(calls)
         remote = {call.index for call in step.calls}
         for i, (expert, rows) in enumerate(calls):  # the fallback replica works while the bus does

@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -161,12 +162,17 @@ class HotExperts:
 
     # -- the layer step ---------------------------------------------------------------------------
 
-    def run_layer(self, layer: int, calls: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+    def run_layer(self, layer: int, calls: list[tuple[int, np.ndarray]],
+                  while_waiting: Callable[[], None] | None = None) -> list[np.ndarray]:
+        """As :meth:`RemoteExperts.run_layer`; ``while_waiting`` runs once the remote part is
+        handed on, before the hot experts are computed here."""
         here = self.plan(layer, calls)
         if not here:
-            return self.remote.run_layer(layer, calls)
+            return self.remote.run_layer(layer, calls, while_waiting=while_waiting)
         away = [i for i in range(len(calls)) if i not in here]
         pending = self._pool.submit(self.remote.run_layer, layer, [calls[i] for i in away]) if away else None
+        if while_waiting is not None:
+            while_waiting()
         outs: list[np.ndarray | None] = [None] * len(calls)
         for i in sorted(here):  # while the others' requests are in flight
             expert, rows = calls[i]

@@ -24,11 +24,13 @@ How it runs on ggml (the same ops, so the same bits, whichever way):
   top-k included (a long chunk: a few layers per graph; ``_step_graphs``,
   ``kernels.fused.step_graph``);
 - one sequence, remote experts: the same ops split at the experts, one graph per layer from
-  the previous layer's combine (the remote outputs an input) to this layer's router
+  the previous layer's combine (the remote outputs an input) to this layer's router; the
+  shared expert, which needs no routed expert, runs while their replies travel
   (``_step_graphs_remote``);
 - a batch: two graphs per attention layer around the per-sequence attention
   (``_attention_fused``; the second ends with the router's top-k, the same ops), the experts
-  as one ``mul_mat_id`` graph or remote calls;
+  as one ``mul_mat_id`` graph or remote calls (the shared expert then in a graph of its own,
+  while they are away: ``_shared_fused``);
 - delta-net and gated-query attention layers (qwen35moe, qwen3next): one call per op, below.
 
 ``forward`` below is the order of operations of every architecture, op by op; the graph
@@ -39,7 +41,9 @@ that the three paths give identical logits).
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -388,8 +392,12 @@ class Engine:
         for il, blk in enumerate(w.layers):
             rows = keep if il == c.n_layer - 1 else None  # the rows that go on after the mixer
             if self.fused and blk.attn_q is not None:  # the same math in two ggml graphs
-                f = self._attention_fused(il, blk, x, positions, batch, starts, keep=rows)
-                x = f.x + self._moe(il, blk, f.h, routed=(f.ids, f.weights), shared=f.shared)
+                remote = self.experts is not self.local_experts
+                f = self._attention_fused(il, blk, x, positions, batch, starts, keep=rows, with_shared=not remote)
+                shared = f.shared
+                if remote and blk.ffn_gate_shexp is not None:  # needs no routed expert: runs while they are away
+                    shared = functools.partial(self._shared_fused, blk, f.h)
+                x = f.x + self._moe(il, blk, f.h, routed=(f.ids, f.weights), shared=shared)
                 continue
             h = ops.rms_norm(x, blk.attn_norm, c.rms_eps)
             if blk.ssm_out is not None:
@@ -516,10 +524,18 @@ class Engine:
                                    memo=self._step_plans,
                                    keep=self._dense_rows(keep) if last else None, n_kept=n_kept)
             r = out.routed
-            prev = (r, self._expert_outputs(il, r.h, r.ids))
             if last and keep is not None:  # the kept rows only, from here on
                 step = replace(step, rows=len(self._dense_rows(keep)), n_new=len(keep))
+            shared = functools.partial(self._shared_remote, step, blk.layer, r) \
+                if blk.layer.ffn_gate_shexp is not None else None
+            prev = (r, self._expert_outputs(il, r.h, r.ids, while_waiting=shared))
         return fused.step_graph(step, [], prev=prev, head=head, memo=self._step_plans).logits
+
+    def _shared_remote(self, step: fused.StepShape, layer: Layer, r: fused.Routed) -> None:
+        """The shared expert of a layer stopped at its remote experts, into ``r.shared``: it
+        needs none of them, so it runs while their replies travel."""
+        r.shared = fused.shared_expert(layer, r.h, step.rows, step.shexp_gate, tokens=step.n_new,
+                                       memo=self._step_plans)
 
     def _dense_rows(self, keep: np.ndarray | None) -> np.ndarray | None:
         """The rows the dense ops of the last layer keep: ``keep``, one row as two in
@@ -529,12 +545,13 @@ class Engine:
         return np.repeat(keep, 2)
 
     def _attention_fused(self, il: int, blk: Layer, x: np.ndarray, positions: np.ndarray, batch,
-                         starts, keep: np.ndarray | None = None) -> fused.FfnIn:
+                         starts, keep: np.ndarray | None = None, with_shared: bool = True) -> fused.FfnIn:
         """An attention layer up to the routed experts, as ``_attention`` then the FFN norm,
         router and shared expert of ``_moe`` compute it, in two ggml graphs around the KV cache
         (``kernels/fused.py``); after the output projection only the rows ``keep`` go on.
         Deterministic mode runs a one-row step as two rows, as every dense product does there
-        (``kernels.ggml.matmul``)."""
+        (``kernels.ggml.matmul``). ``with_shared`` false: without the shared expert (``FfnIn.
+        shared`` None; :meth:`_shared_fused` computes it while remote experts are away)."""
         c = self.cfg
         T = x.shape[0]
         pad = T == 1 and self.one_row_as_two
@@ -552,7 +569,8 @@ class Engine:
         if pad:
             out[1] = out[0]
         rows = self._dense_rows(keep)
-        shexp = (blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp) if blk.ffn_gate_shexp is not None else None
+        shexp = (blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp) \
+            if blk.ffn_gate_shexp is not None and with_shared else None
         f = fused.attention_out(out, xs, eps=c.rms_eps, wo=blk.attn_output, bo=blk.attn_output_bias,
                                 ffn_norm=blk.ffn_norm, router=blk.ffn_gate_inp, router_bias=blk.ffn_gate_inp_bias,
                                 router_softmax=c.traits.router != "softmax_weight", n_expert_used=c.n_expert_used,
@@ -561,6 +579,12 @@ class Engine:
         if pad or (rows is not None and len(rows) > len(keep)):  # the first of two equal rows
             f = fused.FfnIn(f.x[:1], f.h[:1], f.ids[:1], f.weights[:1], None if f.shared is None else f.shared[:1])
         return f
+
+    def _shared_fused(self, blk: Layer, h: np.ndarray) -> np.ndarray:
+        """The gated shared expert of the FFN input ``h`` (n, D) as ``_attention_fused``'s graph
+        computes it, on the rows it runs (a one-row step as two in deterministic mode)."""
+        rows = 2 if len(h) == 1 and self.one_row_as_two else len(h)
+        return fused.shared_expert(blk, h, rows, self.cfg.traits.shexp_gate, tokens=len(h), memo=self._step_plans)
 
     def _delta_net(self, il: int, blk: Layer, h: np.ndarray, batch, starts) -> np.ndarray:
         """A gated delta-net layer: the projections on all rows at once, then each sequence's
@@ -581,9 +605,10 @@ class Engine:
         return matmul(blk.ssm_out, out)
 
     def _moe(self, il: int, blk: Layer, h: np.ndarray, *, routed: tuple[np.ndarray, np.ndarray] | None = None,
-             shared: np.ndarray | None = None) -> np.ndarray:
+             shared: np.ndarray | Callable[[], np.ndarray] | None = None) -> np.ndarray:
         """The MoE FFN of rows ``h``. ``routed``/``shared``: the router's choice (ids, weights)
-        (T, K) and the gated shared expert, when the fused graph has computed them already."""
+        (T, K) and the gated shared expert, when the fused graph has computed them already;
+        ``shared`` a function: what computes it, run while the routed experts are away."""
         c = self.cfg
         if routed is not None:
             ids, weights = routed
@@ -602,25 +627,38 @@ class Engine:
             expert_out = self.local_experts.run_ids(il, rows, ids)  # (T, K, D)
             moe = ops.combine(expert_out, weights)
             return moe + shared if shared is not None else self._shared(blk, h, moe)
+        if callable(shared):
+            done = []
+            moe = ops.combine(self._expert_outputs(il, rows, ids, while_waiting=lambda: done.append(shared())),
+                              weights)
+            return moe + done[0]
         moe = ops.combine(self._expert_outputs(il, rows, ids), weights)
         return moe + shared if shared is not None else self._shared(blk, h, moe)
 
-    def _expert_outputs(self, il: int, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    def _expert_outputs(self, il: int, rows: np.ndarray, ids: np.ndarray,
+                        while_waiting: Callable[[], None] | None = None) -> np.ndarray:
         """Every chosen expert of layer ``il`` on its rows, through ``self.experts`` (each
-        expert asked once, with every row that chose it): rows (T, D), ids (T, K) -> (T, K, D)."""
-        chosen = ids[0].tolist() if len(ids) == 1 else ()
-        if chosen and len(set(chosen)) == len(chosen):  # decode: each expert gets the one row (one array)
-            row = np.ascontiguousarray(rows)
-            order = sorted(range(len(chosen)), key=chosen.__getitem__)  # as np.unique orders them
-            outs = self.experts.run_layer(il, [(chosen[k], row) for k in order])
-            expert_out = np.empty((1, len(chosen), rows.shape[1]), dtype=np.float32)  # (1, K, D)
-            for k, out in zip(order, outs):
-                expert_out[0, k] = out[0]
-            return expert_out
-        groups = [(int(e), np.nonzero(ids == e)) for e in np.unique(ids)]  # (row idx, slot idx) per expert
-        outs = self.experts.run_layer(il, [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups])
+        expert asked once, with every row that chose it): rows (T, D), ids (T, K) -> (T, K, D).
+        ``while_waiting``: work that needs none of them, done once they are asked for (before,
+        with a backend that cannot overlap it: the same result, later)."""
+        chosen = ids[0].tolist() if len(ids) == 1 else None
+        if chosen is not None and len(set(chosen)) == len(chosen):  # a decode row: K experts, each on it
+            slots = sorted(range(len(chosen)), key=chosen.__getitem__)  # in expert order, as below
+            row = rows.copy()
+            calls = [(chosen[k], row) for k in slots]
+            places = [(0, k) for k in slots]
+        else:
+            groups = [(int(e), np.nonzero(ids == e)) for e in np.unique(ids)]  # (row idx, slot idx) per expert
+            calls = [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups]
+            places = [where for _, where in groups]
+        if while_waiting is not None and _overlaps(type(self.experts)):
+            outs = self.experts.run_layer(il, calls, while_waiting=while_waiting)
+        else:
+            if while_waiting is not None:
+                while_waiting()
+            outs = self.experts.run_layer(il, calls)
         expert_out = np.empty((*ids.shape, rows.shape[1]), dtype=np.float32)  # (T, K, D)
-        for (e, (r, slot)), out in zip(groups, outs):
+        for (r, slot), out in zip(places, outs):
             expert_out[r, slot] = out
         return expert_out
 
@@ -637,6 +675,13 @@ class Engine:
                 shared = shared * gate
             moe = moe + shared
         return moe
+
+
+@functools.lru_cache(maxsize=None)
+def _overlaps(backend: type) -> bool:
+    """Whether an expert backend's ``run_layer`` takes ``while_waiting`` (work of the caller's
+    to do once the experts are asked for: :meth:`backbone.dispatch.RemoteExperts.run_layer`)."""
+    return "while_waiting" in inspect.signature(backend.run_layer).parameters
 
 
 def _f32_tensor(name: str, array: np.ndarray) -> QTensor:

@@ -202,18 +202,8 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
             ids, weights = _route(g, lib, g.scratch(r), K, norm_topk and router_softmax, not router_softmax)
             g.output(lib.ggml_cont(ctx, ids))
             g.output(lib.ggml_cont(ctx, weights))
-            if sw is not None:  # kernels.ggml.expert_ffn(routed=False), then the gate
-                gate = g.scratch(lib.ggml_mul_mat(ctx, sw[0], h))
-                up = g.scratch(lib.ggml_mul_mat(ctx, sw[1], h))
-                s = lib.ggml_mul_mat(ctx, sw[2], g.scratch(lib.ggml_swiglu_split(ctx, gate, up)))
-                if sgt is not None:  # kernels.dense.shared_expert_gate
-                    gl = g.scratch(lib.ggml_mul_mat(ctx, sgt, h))  # (1, T)
-                    if shexp_gate_kind == "sigmoid":
-                        gl = g.scratch(lib.ggml_sigmoid(ctx, gl))
-                    else:
-                        gl = g.scratch(lib.ggml_div(ctx, g.scratch(lib.ggml_silu(ctx, gl)), gl))
-                    s = lib.ggml_mul(ctx, g.scratch(s), gl)
-                g.output(s)
+            if sw is not None:
+                g.output(lib.ggml_cont(ctx, _shared_expert(g, lib, h, sw, sgt, shexp_gate_kind)))
             return g.finish(threads)
         except BaseException:
             g.free()
@@ -254,6 +244,11 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
 #         moe part:        experts via mul_mat_id on the ids, times the weights, summed in top-k
 #                          order; x = x + (moe + shared)
 #     logits = output(rms_norm(x) * output_norm), of the rows asked for
+#
+# With remote experts (``remote=True``) a graph ends at a layer's routing; the engine publishes
+# the rows, runs the shared expert as a graph of its own (``shared_expert``) while the replies
+# travel, and the next graph starts with that layer's moe part from the replies and the
+# shared expert (``prev``), then goes on with the next layer's attention part.
 #
 # Every op is the one the op-by-op path uses, so the bits are the same (the tests compare).
 
@@ -296,10 +291,12 @@ class StepShape:
     norm_topk: bool  # whether the top-k weights are divided by their sum
 
 
-def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionShape, step: StepShape, rps: dict):
+def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionShape, step: StepShape, rps: dict,
+                    with_shared: bool = True):
     """Inputs of one layer's attention part, in binding order, and its ops; returns
     (x after attention, h, router probabilities, gated shared expert or None), of the rows
-    ``keep`` (an I32 input, or None for all rows) after the output projection."""
+    ``keep`` (an I32 input, or None for all rows) after the output projection.
+    ``with_shared`` false: without the shared expert (a remote layer's: :func:`shared_expert`)."""
     ctx, eps, R, L = g.ctx, float(shape.eps), step.rows, step.n_new
     H, Hkv, Dh = shape.n_head, shape.n_head_kv, shape.head_dim
     gqa, A = Hkv * Dh, max(R, 2)
@@ -321,10 +318,7 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     fn = g.input(T.F32, (x_ne0,))
     wr = weight_input(g, layer.ffn_gate_inp, None)
     br = g.input(T.F32, (layer.ffn_gate_inp.ne[1],)) if layer.ffn_gate_inp_bias is not None else None
-    shexp = (layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp) \
-        if layer.ffn_gate_shexp is not None else None
-    sw = [weight_input(g, w, rps.get(id(w))) for w in shexp] if shexp else None
-    sg = g.input(T.F32, (x_ne0, 1)) if layer.ffn_gate_inp_shexp is not None else None
+    sw, sg = _shared_inputs(g, layer, rps) if with_shared else (None, None)
 
     h, q, k, v = _qkv_heads(g, lib, x, an, ws, bs, qn, kn, shape, R)
     q = g.scratch(lib.ggml_rope_ext(ctx, q, pos, None, *shape.rope))  # (Dh, H, R)
@@ -360,19 +354,36 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     if br is not None:
         r = g.scratch(lib.ggml_add(ctx, r, br))
     probs = g.scratch(lib.ggml_soft_max(ctx, r))
-    shared = None
-    if sw is not None:
-        gate = g.scratch(lib.ggml_mul_mat(ctx, sw[0], h))
-        up = g.scratch(lib.ggml_mul_mat(ctx, sw[1], h))
-        shared = g.scratch(lib.ggml_mul_mat(ctx, sw[2], g.scratch(lib.ggml_swiglu_split(ctx, gate, up))))
-        if sg is not None:
-            gl = g.scratch(lib.ggml_mul_mat(ctx, sg, h))  # (1, R)
-            if step.shexp_gate == "sigmoid":
-                gl = g.scratch(lib.ggml_sigmoid(ctx, gl))
-            else:
-                gl = g.scratch(lib.ggml_div(ctx, g.scratch(lib.ggml_silu(ctx, gl)), gl))
-            shared = g.scratch(lib.ggml_mul(ctx, shared, gl))
+    shared = _shared_expert(g, lib, h, sw, sg, step.shexp_gate) if sw is not None else None
     return x2, h, probs, shared
+
+
+def _shared_inputs(g: Graph, layer, rps: dict):
+    """Inputs of a layer's shared expert, in binding order: its gate/up/down weights and its
+    gate vector (None where the layer has no shared expert, or no gate)."""
+    if layer.ffn_gate_shexp is None:
+        return None, None
+    sw = [weight_input(g, w, rps.get(id(w))) for w in (layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp)]
+    sg = g.input(T.F32, (layer.ffn_gate_shexp.ne[0], 1)) if layer.ffn_gate_inp_shexp is not None else None
+    return sw, sg
+
+
+def _shared_expert(g: Graph, lib, h, sw, sg, gate_kind: str):
+    """The shared expert's ops on rows h (D, R): down(silu(gate h) * up h) (``kernels.ggml.
+    expert_ffn(routed=False)``), times its gate where the model has one (``kernels.dense.
+    shared_expert_gate``): (D, R)."""
+    ctx = g.ctx
+    gate = g.scratch(lib.ggml_mul_mat(ctx, sw[0], h))
+    up = g.scratch(lib.ggml_mul_mat(ctx, sw[1], h))
+    shared = g.scratch(lib.ggml_mul_mat(ctx, sw[2], g.scratch(lib.ggml_swiglu_split(ctx, gate, up))))
+    if sg is not None:
+        gl = g.scratch(lib.ggml_mul_mat(ctx, sg, h))  # (1, R)
+        if gate_kind == "sigmoid":
+            gl = g.scratch(lib.ggml_sigmoid(ctx, gl))
+        else:
+            gl = g.scratch(lib.ggml_div(ctx, g.scratch(lib.ggml_silu(ctx, gl)), gl))
+        shared = g.scratch(lib.ggml_mul(ctx, shared, gl))
+    return shared
 
 
 def _first(g: Graph, lib, t, n: int):
@@ -410,7 +421,7 @@ def _combine(g: Graph, lib, x2, shared, ex, weights):
     return g.scratch(lib.ggml_add(ctx, x2, moe))
 
 
-def _attention_arrays(layer, rps: dict) -> tuple[list, list]:
+def _attention_arrays(layer, rps: dict, with_shared: bool = True) -> tuple[list, list]:
     """The data of :func:`_attention_part`'s inputs, in its order, but for the cache's four
     (bound per call, between the two lists): those before the cache, and those after it."""
     pre = [layer.attn_norm, *(weight_data(w, rps.get(id(w))) for w in (layer.attn_q, layer.attn_k, layer.attn_v))]
@@ -422,12 +433,19 @@ def _attention_arrays(layer, rps: dict) -> tuple[list, list]:
     post += [layer.ffn_norm, layer.ffn_gate_inp.ptr]
     if layer.ffn_gate_inp_bias is not None:
         post.append(layer.ffn_gate_inp_bias)
-    if layer.ffn_gate_shexp is not None:
-        post += [weight_data(w, rps.get(id(w))) for w in (layer.ffn_gate_shexp, layer.ffn_up_shexp,
-                                                          layer.ffn_down_shexp)]
-    if layer.ffn_gate_inp_shexp is not None:
-        post.append(layer.ffn_gate_inp_shexp)
+    if with_shared:
+        post += _shared_arrays(layer, rps)
     return pre, post
+
+
+def _shared_arrays(layer, rps: dict) -> list:
+    """The data of :func:`_shared_inputs`, in its order."""
+    if layer.ffn_gate_shexp is None:
+        return []
+    out = [weight_data(w, rps.get(id(w))) for w in (layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp)]
+    if layer.ffn_gate_inp_shexp is not None:
+        out.append(layer.ffn_gate_inp_shexp)
+    return out
 
 
 def _cache_arrays(k_cache: np.ndarray, v_cache: np.ndarray, n_past: int) -> list:
@@ -459,8 +477,10 @@ class Block:
 @dataclass
 class Routed:
     """A layer stopped at its routed experts, for another node to compute them: the residual
-    after attention x, the FFN input h and the gated shared expert (n, D), the experts chosen
-    ids (n, K) int32 and their weights (n, K) float32, of the step's real rows."""
+    after attention x and the FFN input h (n, D), the experts chosen ids (n, K) int32 and
+    their weights (n, K) float32, of the step's real rows; and the gated shared expert (n, D),
+    which the step graph leaves to the caller (None until set: :func:`shared_expert`, run
+    while the experts' replies travel), where the layer has one."""
 
     x: np.ndarray
     h: np.ndarray
@@ -537,8 +557,8 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
            None if head is None else (len(head[2]), _key(head[1]), float(head[3]), rp_head is not None))
     # addresses, read once: the arrays are the layers' (alive as long as the plan: ``owners``)
     pre, post = [], []
-    for b in blocks:
-        before, after = _attention_arrays(b.layer, rps)
+    for i, b in enumerate(blocks):
+        before, after = _attention_arrays(b.layer, rps, with_shared=i < local)
         pre.append([address(a) for a in before])
         post.append([address(a) for a in after])
     exps = [[b.layer.ffn_gate_exps.ptr, b.layer.ffn_up_exps.ptr, b.layer.ffn_down_exps.ptr] for b in blocks]
@@ -558,7 +578,9 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     layer's K and V go into its cache at ``n_past``. ``keep`` (m,): the last block's rows that
     go on after its output projection (the model's last layer: the rows whose logits are
     wanted), of which the first ``n_kept`` are real (the rest: one row as two). ``remote``: the
-    last block stops at its routed experts (``StepOut.routed``). ``head``: (output_norm (D,),
+    last block stops at its routed experts (``StepOut.routed``), before its shared expert
+    (the caller runs :func:`shared_expert` on ``routed.h`` while the experts are away, and
+    sets ``routed.shared`` before passing it on as ``prev``). ``head``: (output_norm (D,),
     output QTensor, out_idx (m,) int32, eps) adds the output norm and head on rows ``out_idx``
     of the last layer's output -> logits (m, V). ``memo``: a dict the caller keeps across
     steps, where what the calls on the same layers share is remembered (``_StepPlan``), keyed
@@ -631,7 +653,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                 last = i == len(blocks) - 1
                 rows, n = dense_rows[i], expert_rows[i]
                 x2, h, probs, shared = _attention_part(g, lib, xt, pt, mt, kt if last else None, b.layer, b.shape,
-                                                       step, rps)
+                                                       step, rps, with_shared=i < local)
                 ids, weights = _route(g, lib, probs, K, norm)
                 if n < rows:  # a one-row step run as two: the experts see its first row only
                     x2, h = _first(g, lib, x2, n), _first(g, lib, h, n)
@@ -640,7 +662,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                     weights = g.view(lib.ggml_view_3d(ctx, weights, 1, K, n, weights.contents.nb[1],
                                                       weights.contents.nb[2], 0))
                 if i == local:  # stop at the experts: what the remote call and the next graph need
-                    for t in (x2, h) + ((shared,) if shared is not None else ()) + (ids, weights):
+                    for t in (x2, h, ids, weights):
                         g.output(lib.ggml_cont(ctx, t))
                     break
                 xt = _combine(g, lib, x2, shared, _experts(g, lib, h, b.layer, ids, step.glu), weights)
@@ -672,11 +694,10 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
         arrays += plan.post[i]
         if i == local:
             n = expert_rows[i]
-            shared = np.empty((n, D), np.float32) if b.layer.ffn_gate_shexp is not None else None
-            result.routed = Routed(np.empty((n, D), np.float32), np.empty((n, D), np.float32), shared,
+            result.routed = Routed(np.empty((n, D), np.float32), np.empty((n, D), np.float32), None,
                                    np.empty((n, K), np.int32), np.empty((n, K), np.float32))
             r = result.routed
-            arrays += [r.x, r.h] + ([shared] if shared is not None else []) + [r.ids, r.weights]
+            arrays += [r.x, r.h, r.ids, r.weights]
             break
         arrays += plan.exps[i]
         arrays.append(result.ids[i])
@@ -689,6 +710,56 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
         arrays.append(result.x)
     run_cached(plan.key, build, arrays)
     return result
+
+
+def shared_expert(layer, h: np.ndarray, rows: int, gate_kind: str, *, tokens: int = 0,
+                  memo: dict | None = None) -> np.ndarray:
+    """A layer's gated shared expert on its FFN input ``h`` (n, D) float32, in a graph of its
+    own (``_shared_expert``: the ops the step graph and ``attention_out`` run): the part of a
+    layer with remote experts that needs none of them, computed while their replies travel.
+    ``rows``: the rows the step's dense ops ran on (n, or 2 for one row run as two: the row
+    twice, so that the same kernels run and give the same bits as in the dense graph) -> (n, D)
+    float32. ``gate_kind``: silu_div or sigmoid; ``tokens``: the step's token rows (threads).
+    ``memo``: as :func:`step_graph`'s (the layer must not change while the caller uses it)."""
+    h = np.ascontiguousarray(h, dtype=np.float32)
+    n, D = h.shape
+    if layer.ffn_gate_shexp is None or layer.ffn_gate_shexp.ne[0] != D or not (rows == n or (n == 1 and rows > 1)):
+        raise ValueError(f"shared_expert: rows {h.shape} as {rows} do not fit the layer's shared expert")
+    if gate_kind not in ("silu_div", "sigmoid"):
+        raise ValueError(f"unknown shared-expert gate {gate_kind!r}")
+    mkey = ("shexp", id(layer), n, rows, gate_kind, tokens)
+    plan = None if memo is None else memo.get(mkey)
+    if plan is None:
+        weights = (layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp)
+        rps = {id(w): repacked(w) for w in weights}
+        threads = threads_for(3 * rows * D * layer.ffn_gate_shexp.ne[1], tokens)
+        key = ("shexp", rows, n, threads, gate_kind, tuple(_key(w) for w in weights),
+               tuple(rps[id(w)] is not None for w in weights), layer.ffn_gate_inp_shexp is not None)
+        plan = (key, threads, rps, _shared_arrays(layer, rps), layer)  # layer: alive as long as the plan
+        if memo is not None:
+            while len(memo) >= MEMO_ENTRIES:
+                del memo[next(iter(memo))]
+            memo[mkey] = plan
+    key, threads, rps, weight_arrays, _ = plan
+    lib = ggml.load()
+
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=32, nodes=NODES)
+        try:
+            ht = g.input(T.F32, (D, n))
+            sw, sg = _shared_inputs(g, layer, rps)
+            if rows > n:  # one row as two, as the dense ops ran it
+                ht = g.scratch(lib.ggml_repeat_4d(g.ctx, ht, D, rows, 1, 1))
+            shared = _shared_expert(g, lib, ht, sw, sg, gate_kind)
+            g.output(lib.ggml_cont(g.ctx, _first(g, lib, shared, n) if rows > n else shared))
+            return g.finish(threads)
+        except BaseException:
+            g.free()
+            raise
+
+    out = np.empty((n, D), np.float32)
+    run_cached(key, build, [h, *weight_arrays, out])
+    return out
 
 
 def _dense_weights(layer) -> list:

@@ -742,12 +742,37 @@ def _quiet_log(level, text, user_data) -> None:
         sys.stderr.write(text.decode(errors="replace"))
 
 
+_anchor: tuple | None = None  # (ctx, buffer): a small repack buffer that lives as long as the process
+
+
+def _repack_anchor(lib: Lib) -> int:
+    """A buffer of the repack type that is never freed. A cached graph outlives the weights it
+    was built with (the cache is keyed by shapes, and the next engine's weights bind to it), and
+    ggml reads only the buffer's type from a weight input, to pick the repacked kernel: pointed
+    at a dead weight's buffer, it read freed memory and picked the plain kernel for repacked
+    bytes (wrong numbers, once a second engine of the same shapes ran in the process)."""
+    global _anchor
+    with _repack_lock:
+        if _anchor is None:
+            ctx = lib.ggml_init(InitParams(lib.tensor_overhead * 2 + 1024, None, True))
+            if not ctx:
+                raise MemoryError("ggml_init failed")
+            lib.ggml_new_tensor_1d(ctx, int(T.F32), 64)
+            buffer = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx, lib.repack_buft)
+            if not buffer:
+                lib.ggml_free(ctx)
+                raise MemoryError("could not allocate a repack buffer")
+            _anchor = (ctx, buffer)
+    return _anchor[1]
+
+
 def weight_input(g: Graph, w: QTensor, rp: Repacked | None):
     """A weight input of ``g``: bound per call to ``w.data``, or to ``rp.data`` when repacked
-    (then the tensor carries the repack buffer and traits, the same for every weight of its type)."""
+    (then the tensor carries a buffer of the repack type, :func:`_repack_anchor`, and the weight's
+    repack traits: static in ggml, the same for every weight of its type and shape class)."""
     t = g.input(w.ggml_type, w.ne)
     if rp is not None:
-        t.contents.buffer, t.contents.extra = rp.buffer, rp.extra
+        t.contents.buffer, t.contents.extra = _repack_anchor(g.lib), rp.extra
     return t
 
 

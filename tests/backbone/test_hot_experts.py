@@ -9,7 +9,7 @@ import pytest
 
 from backbone.dispatch import DispatchConfig
 from backbone.generate import generate
-from backbone.hot_experts import HotConfig, LocalCost, plan_split
+from backbone.hot_experts import HotConfig, HotExperts, LocalCost, plan_split
 from backbone.model import Engine
 from backbone.sampling import Sampler, SamplerConfig
 from backbone.service import BackboneConfig, BackboneService
@@ -106,3 +106,41 @@ def test_auto_computes_here_behind_a_slow_link_and_the_output_is_bit_identical(n
     assert hot["hot_calls"] > 2 * auto_totals.remote
     assert auto_totals.local_choice == hot["hot_calls"] and auto_totals.rows_local == hot["hot_rows"]
     assert worker.served == off_totals.remote + auto_totals.remote
+
+
+class _Remote:
+    """A RemoteExperts stand-in: records the order of events; every expert returns its rows."""
+
+    def __init__(self, events):
+        from backbone.dispatch import DispatchStats
+
+        self.events, self.local, self.recorder, self.stats = events, self, None, DispatchStats()
+
+    def run_layer(self, layer, calls, while_waiting=None):
+        self.events.append(("asked", [e for e, _ in calls]))
+        if while_waiting is not None:
+            while_waiting()
+        return [rows for _, rows in calls]
+
+    def compute(self, layer, expert, rows):
+        self.events.append(("here", expert))
+        return rows
+
+
+def test_the_callers_work_runs_while_the_remote_part_is_away_with_or_without_hot_experts():
+    from backbone.model import _overlaps
+    from backbone.replicas import LatencyBook
+
+    events = []
+    hot = HotExperts(_Remote(events), LatencyBook(), HotConfig(mode="off"))
+    assert _overlaps(HotExperts)
+    row = np.ones((1, 4), np.float32)
+    hot.run_layer(0, [(1, row), (2, row)], while_waiting=lambda: events.append(("shared",)))
+    assert events == [("asked", [1, 2]), ("shared",)]  # off: all remote, the hook goes with them
+    hot.close()
+    events.clear()
+    hot = HotExperts(_Remote(events), LatencyBook(), HotConfig(mode="auto"))  # calibrating: one expert here
+    hot.run_layer(0, [(1, row), (2, np.ones((2, 4), np.float32))], while_waiting=lambda: events.append(("shared",)))
+    assert sorted(events, key=str) == sorted([("asked", [2]), ("shared",), ("here", 1)], key=str)
+    assert events.index(("shared",)) < events.index(("here", 1))  # before the hot expert's compute
+    hot.close()
