@@ -394,6 +394,7 @@ class Worker:
         t0 = time.perf_counter()
         try:
             out = moe_ffn(gate, up, down, x, slots, biases=biases, glu=glu)[0]  # (K, D)
+            seconds = time.perf_counter() - t0
             if out.shape != (k, x.shape[1]):
                 raise ValueError(f"the kernel returned shape {out.shape}")
             payload = self._bundle_replies.encode(bundle.bundle_id, bundle.ids, bundle.counts, out)
@@ -403,7 +404,6 @@ class Worker:
             await self._answer_bundle(msg, bundle, bundle.rows, [], [(rid, codec.ERR_INTERNAL, error[:codec.MAX_ERROR_MESSAGE])
                                                                    for rid in bundle.ids], None)
             return
-        seconds = time.perf_counter() - t0
         self.served += k
         self.rows += k
         self.compute_s += seconds
