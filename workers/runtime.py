@@ -42,6 +42,8 @@ import structlog
 from kvasir_bus import __version__, codec, micro
 from kvasir_bus.subjects import Subjects, parse_dispatch
 from kvasir_bus.throttle import ThrottledLog
+from workers import lane
+from workers.lane import InlineDelivery
 from kernels.expert import expert_ffn, moe_ffn
 from kernels.backend import backend_name, kernel_label
 from modelfile.slice_file import SliceInfo
@@ -68,6 +70,7 @@ class WorkerConfig:
     max_in_flight: int = 256  # requests decoded or computing at once; more are refused (overloaded)
     log_interval_s: float = 60.0  # one refusal line per sender and kind this often
     bundles: bool = True  # take bundles on kvasir.<model>.n.<node> (and announce it)
+    inline_delivery: bool = True  # handle requests where nats.py parses them (workers.lane), if it can
 
 
 class State(enum.Enum):
@@ -102,6 +105,7 @@ class Worker:
         self._holding_plan: dict[codec.Holding, tuple[tuple, int, bool]] = {}
         self._one_graph = backend_name() == "ggml"  # a decode bundle's experts in one mul_mat_id graph
         self._heartbeat: asyncio.Task | None = None
+        self._lane: InlineDelivery | None = None  # requests and bundles straight from the reader
         self._pool = ThreadPoolExecutor(max_workers=cfg.compute_threads, thread_name_prefix="expert")
         self._kernel = kernel_label()  # announced in heartbeats and replies: how audits compare
         self._replies = codec.ReplyEncoder(cfg.node, self._kernel)  # node and kernel checked once
@@ -126,18 +130,32 @@ class Worker:
         if self.cfg.metrics is not None:  # first: a port in use fails before we subscribe
             await self._start_metrics()
         self._index_holdings()
+        if self.cfg.inline_delivery and lane.supported(nc):
+            self._lane = InlineDelivery(nc, self._handler_failed)
         kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
         for subject in self._routes:
-            self._subs.append(await nc.subscribe(subject, cb=self._on_request, **kw))
+            await self._subscribe(subject, self._on_request, **kw)
         if self.cfg.bundles:  # this node's own subject: never a queue group, only we hold it
-            self._subs.append(await nc.subscribe(self.subjects.node(self.cfg.node), cb=self._on_bundle))
+            await self._subscribe(self.subjects.node(self.cfg.node), self._on_bundle)
         await nc.flush()  # subscriptions are live on the server before we say so
         self.state = State.RUNNING
         self._service = await micro.start_service(nc, self.card(), [self._served()])
         await self._publish_heartbeat()
         self._heartbeat = asyncio.create_task(self._heartbeat_loop())
         self.log.info("worker_started", experts=self.slice.n_held, holdings=len(self.slice.holdings),
-                      kernel=self._kernel, subjects=len(self._subs))
+                      kernel=self._kernel, subjects=len(self._subs), inline=self._lane is not None)
+
+    async def _subscribe(self, subject: str, handler, **kw) -> None:
+        sub = await self._nc.subscribe(subject, cb=handler, **kw)  # the ordinary path, for what the lane passes on
+        self._subs.append(sub)
+        if self._lane is not None:
+            self._lane.add(sub, handler)
+
+    def _handler_failed(self, exc: BaseException) -> None:
+        """A handler let an exception through (a bug: each refuses bad input itself); the lane
+        dropped that message and goes on."""
+        self.errors += 1
+        self.log.error("handler_failed", error=f"{type(exc).__name__}: {exc}"[:codec.MAX_ERROR_MESSAGE])
 
     def _index_holdings(self) -> None:
         """What each request and bundle looks up, built once: per subject the expected (layer,
@@ -158,6 +176,8 @@ class Worker:
             return
         was_running = self.state is State.RUNNING
         self.state = State.DRAINING
+        if self._lane is not None:
+            self._lane.close()
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
