@@ -417,7 +417,7 @@ class Worker:
             seconds = time.perf_counter() - t0
             if out.shape != (k, x.shape[1]):
                 raise ValueError(f"the kernel returned shape {out.shape}")
-            payload = self._bundle_replies.encode(bundle.bundle_id, bundle.ids, bundle.counts, out)
+            payload = self._bundle_replies.encode_answers(bundle, out)
         except Exception as exc:  # the kernel failed: every call says why, as on the general path
             error = f"{type(exc).__name__}: {exc}"
             self.log.error("request_failed", subject=msg.subject, request_id=bundle.bundle_id, error=error)

@@ -139,3 +139,15 @@ def test_the_bundle_reply_encoder_refuses_what_the_record_refuses():
                         (("b1", ("a",), (2,), out, (("b", "Not A Code", "x"),)), "errors")]:
         with pytest.raises(CodecError, match=field):
             enc.encode(*args)
+
+
+def test_answering_every_call_of_a_bundle_writes_the_records_bytes_and_checks_the_rows():
+    request = BundleDecoder(MODEL, 8).decode(bundle_bytes())  # calls a, b, c with 1, 2, 1 rows
+    enc, out = BundleReplyEncoder("w0", "ggml-x86_64"), rows(4)
+    assert enc.encode_answers(request, out) == BundleReply("b1", "w0", ("a", "b", "c"), (1, 2, 1), out,
+                                                           kernel="ggml-x86_64").encode()
+    for bad, field in [(rows(3), "counts add up"), (out.astype(np.float16), "rows"), (out.ravel(), "rows")]:
+        with pytest.raises(CodecError, match=field):
+            enc.encode_answers(request, bad)
+    with pytest.raises(CodecError, match="BundleRequest"):
+        enc.encode_answers("b1", out)
