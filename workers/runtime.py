@@ -21,9 +21,11 @@ there). ``stop()`` drains: no new requests, in-flight
 ones finish and are answered, then the connection closes.
 
 What a request costs besides its kernel is measured by ``bench/dispatch.py --overhead``; the
-hot path keeps to: one subject lookup for the expected (layer, expert, weights), one decode
-(a view on the received bytes, no copy), one encode with node and kernel checked once, no task,
-no log line, no NATS header.
+hot path keeps to: the handler called where nats.py parses the message (:mod:`workers.lane`: no
+queue, no task wake-up), one decode by a decoder built for this slice's model, width and limits
+(a view on the received bytes, no copy; every check the record makes), one subject lookup for
+the expected (layer, expert, weights) or, for a decode step's bundle, one table lookup per call
+and one graph, one encode with node and kernel checked once, no task, no log line, no NATS header.
 """
 
 from __future__ import annotations
@@ -378,14 +380,20 @@ class Worker:
             task.add_done_callback(self._tasks.discard)
 
     def _decode_step(self, bundle: codec.BundleRequest):
-        """``(row, slab ids (1, K), slabs)`` when ``bundle`` is what a decode step sends: two or
-        more calls on the same one row, every expert held, small, in one holding, and little
-        enough work to compute on the loop (the pool is idle: nothing to overlap). Else None, and
-        :meth:`_on_bundle`'s general path decides (the same jobs, :meth:`_grouped`, one reply)."""
+        """``(row, slab ids (1, K), slabs)`` when ``bundle`` is what a decode step sends: calls on
+        the same one row, every expert held, small, in one holding, and little enough work to
+        compute on the loop (the pool is idle: nothing to overlap); ``(row, None, weights)`` for
+        one such call. Else None, and :meth:`_on_bundle`'s general path decides (the same jobs,
+        :meth:`_grouped`, one reply)."""
         counts, index = bundle.counts, bundle.index
         k = len(counts)
-        if k < 2 or max(counts) != 1:
+        if max(counts) != 1:
             return None
+        if k == 1:  # one call: its own expert function, as the general path runs it
+            weights = self._weights.get((bundle.layer, bundle.experts[0]))
+            if weights is None or 3 * weights[0].ne[0] * weights[0].ne[1] >= INLINE_DECODE_WORK:
+                return None
+            return int(index[0]), None, weights
         first = index.tolist()
         row = first[0]
         if first.count(row) != k:
@@ -405,15 +413,20 @@ class Worker:
             return None
         return row, np.array([slots], dtype=np.int32), slabs
 
-    async def _answer_step(self, msg, bundle: codec.BundleRequest, row: int, slots: np.ndarray, slabs) -> None:
+    async def _answer_step(self, msg, bundle: codec.BundleRequest, row: int, slots: np.ndarray | None,
+                           weights) -> None:
         """A decode step's bundle (:meth:`_decode_step`): its calls' experts in one ``mul_mat_id``
-        graph on the one row, each call's output the bits of its call alone, in the bundle's order."""
-        (gate, up, down), biases, glu = slabs
+        graph on the one row (``weights``: the holding's slabs), each call's output the bits of its
+        call alone, in the bundle's order; or its one call's expert (``slots`` None)."""
         x = _float32(bundle.rows[row:row + 1])  # (1, D)
-        k = slots.shape[1]
+        k = len(bundle.ids)
         t0 = time.perf_counter()
         try:
-            out = moe_ffn(gate, up, down, x, slots, biases=biases, glu=glu)[0]  # (K, D)
+            if slots is None:
+                out = expert_ffn(*weights, x, routed=True)  # (1, D)
+            else:
+                (gate, up, down), biases, glu = weights
+                out = moe_ffn(gate, up, down, x, slots, biases=biases, glu=glu)[0]  # (K, D)
             seconds = time.perf_counter() - t0
             if out.shape != (k, x.shape[1]):
                 raise ValueError(f"the kernel returned shape {out.shape}")

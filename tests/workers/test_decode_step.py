@@ -90,3 +90,19 @@ def test_inline_and_queued_delivery_give_the_same_replies(nats_server, arun, sli
     assert np.array_equal(codec.decode_reply(headed.data).rows, reference(model, 0, 4, rows))
     error = codec.decode_reply(bad.data)
     assert isinstance(error, codec.ErrorReply) and error.code == codec.ERR_BAD_REQUEST
+
+
+def test_a_decode_step_of_one_call_is_its_expert_alone_with_its_bits(
+        nats_server, arun, slice_info, model, monkeypatch):  # noqa: F811
+    info = slice_info
+    rows = np.random.default_rng(6).standard_normal((2, info.n_embd)).astype(np.float32)
+    general = []
+    grouped = Worker._grouped
+    monkeypatch.setattr(Worker, "_grouped", lambda *a: general.append(a) or grouped(*a))
+    monkeypatch.setattr(runtime, "moe_ffn", None)  # one call: no graph of several experts
+
+    worker = Worker(info, WorkerConfig(node="ws", heartbeat_s=60))
+    reply = arun(ask_one_bundle(nats_server.url, worker, info, rows, [("a", 4, [1])]), timeout=30)
+    assert reply.ids == ("a",) and reply.errors == () and general == []
+    assert np.array_equal(dict(reply.results())["a"], reference(model, 0, 4, rows[1:]))
+    assert (worker.served, worker.rows) == (1, 1)
