@@ -274,10 +274,11 @@ class Worker:
                                     message=f"{len(self._tasks)} requests in flight")
             await self._send(msg.reply, busy.encode(), busy)
             return
-        checked = await self._admit(msg, self._validate)
-        if checked is None:
+        try:
+            req, weights = self._validate(msg)
+        except Exception as exc:  # refused: the sender is told why, the worker keeps serving
+            await self._refuse(msg, _refusal(exc))
             return
-        req, weights = checked
         rows = _float32(req.rows)
         if _small(weights, rows):  # a hop to the pool and back costs more than the product
             self._inline += 1
@@ -289,17 +290,6 @@ class Worker:
             task = asyncio.create_task(self._answer(msg, req, weights, rows, self._pool))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-
-    async def _admit(self, msg, validate):
-        """What ``validate(msg)`` returns, or None once the request is refused (the sender is told
-        why: an invalid request, or ``internal`` for a bug in a check; the worker keeps serving)."""
-        try:
-            return validate(msg)
-        except _Refused as exc:
-            await self._refuse(msg, exc)
-        except Exception as exc:  # a bug in a check: say so, keep serving
-            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
-        return None
 
     async def _answer(self, msg, req: codec.DispatchRequest, weights, rows: np.ndarray, pool) -> None:
         """Compute a valid request (inline, or on ``pool``) and publish the reply."""
@@ -338,8 +328,10 @@ class Worker:
         if len(self._tasks) >= self.cfg.max_in_flight:
             await self._refuse(msg, _Refused(codec.ERR_OVERLOADED, f"{len(self._tasks)} requests in flight"))
             return
-        bundle = await self._admit(msg, self._validate_bundle)
-        if bundle is None:
+        try:
+            bundle = self._validate_bundle(msg)
+        except Exception as exc:
+            await self._refuse(msg, _refusal(exc))
             return
         if not self._tasks and self._one_graph:
             step = self._decode_step(bundle)
@@ -623,6 +615,12 @@ class _Refused(Exception):
     def __init__(self, code: str, message: str, request_id: str = ""):
         super().__init__(message)
         self.code, self.request_id = code, request_id
+
+
+def _refusal(exc: Exception) -> _Refused:
+    """Why a request is refused: what a check said (an invalid request), or ``internal`` for a
+    bug in a check."""
+    return exc if isinstance(exc, _Refused) else _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 def _sender(reply: str | None) -> str:
