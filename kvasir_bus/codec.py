@@ -54,6 +54,7 @@ _NAME_OF = {np.dtype("float32"): "float32", np.dtype("float16"): "float16",
 
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
+_F32 = np.dtype("float32")
 
 
 def dtype_name(dtype: np.dtype) -> str:
@@ -340,8 +341,9 @@ def _id_list(record: str, field: str, value: Any, limit: int) -> tuple[str, ...]
         raise fail(record, field, f"must be a list, got {type(value).__name__}")
     if len(value) > limit:
         raise fail(record, field, f"has {len(value)} items (max {limit})")
-    try:
-        fast = not value or _IDS_RE.fullmatch(",".join(value)) is not None
+    try:  # as many commas as separators: no id may hold one itself
+        joined = ",".join(value)
+        fast = not value or (_IDS_RE.fullmatch(joined) is not None and joined.count(",") == len(value) - 1)
     except TypeError:  # not all strings
         fast = False
     if not fast:
@@ -636,6 +638,176 @@ class BundleEncoder:
                               "bundle_id": bundle_id, **_array_fields(rows), "ids": list(ids),
                               "experts": list(experts), "counts": list(counts),
                               "index": struct.pack(f"<{n}I", *index)}, use_bin_type=True)
+
+
+# -- the worker's hot path: decode a request or bundle, encode the bundle's reply ---------------
+# The decoders check everything the records check, with the expected model, width and limits
+# fixed once; a payload they do not accept at once (anything odd, wrong or of another model)
+# is handed to the full decoder, which accepts it or raises its named error. So they accept
+# exactly what the full decoder accepts, and give the same records (tested).
+
+def _built(cls: type[Record], fields: dict[str, Any]) -> Record:
+    """A record from fields its decoder has already checked as ``__post_init__`` would."""
+    rec = object.__new__(cls)
+    rec.__dict__.update(fields)
+    return rec
+
+
+def _fast_rows(body: dict, n_embd: int, max_rows: int) -> np.ndarray | None:
+    """:func:`_decode_rows` (request dtypes, at least one row) when every check passes, else None."""
+    dtype = body.get("dtype")
+    wire = DTYPES.get(dtype) if type(dtype) is str else None
+    shape = body.get("shape")
+    data = body.get("data")
+    if wire is None or type(shape) is not list or len(shape) != 2 or type(data) is not bytes:
+        return None
+    n, width = shape
+    if type(n) is not int or not 1 <= n <= max_rows or width != n_embd or type(width) is not int \
+            or len(data) != n * width * wire.itemsize:
+        return None
+    rows = np.ndarray((n, width), wire, data)  # a read-only view on the payload, no copy
+    return rows if _LITTLE_ENDIAN else None
+
+
+class _Decoder:
+    def __init__(self, model: str, n_embd: int, max_rows: int | None, max_bytes: int, cls: type[Record]):
+        self.model = check_model("decoder", model)
+        if type(n_embd) is not int or not 1 <= n_embd <= MAX_DIM:
+            raise ValueError(f"n_embd must be 1..{MAX_DIM}, got {n_embd!r}")
+        self.n_embd, self.max_rows, self.max_bytes = n_embd, max_rows, max_bytes
+        self._rows_limit = MAX_DIM if max_rows is None else min(max_rows, MAX_DIM)
+        self._versions, self._kind = frozenset(cls.versions), cls.kind
+
+    def _body(self, data: Any) -> dict | None:
+        """The msgpack map of a payload of this kind, version and model, or None."""
+        if type(data) is not bytes or len(data) > self.max_bytes:
+            return None
+        try:
+            body = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        except Exception:
+            return None
+        if type(body) is not dict:
+            return None
+        v = body.get("v")
+        if type(v) is not int or v not in self._versions or body.get("t") != self._kind \
+                or body.get("model") != self.model:
+            return None
+        return body
+
+
+class RequestDecoder(_Decoder):
+    """``decode_request(data, max_rows=, max_bytes=, n_embd=)`` for one model: the same record, or
+    the same error; a request for another model decodes as :func:`decode_request` does (the
+    caller names the mismatch)."""
+
+    def __init__(self, model: str, n_embd: int, max_rows: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES):
+        super().__init__(model, n_embd, max_rows, max_bytes, DispatchRequest)
+
+    def decode(self, data: bytes) -> DispatchRequest:
+        body = self._body(data)
+        if body is not None:
+            rows = _fast_rows(body, self.n_embd, self._rows_limit)
+            layer, expert, rid = body.get("layer"), body.get("expert"), body.get("request_id")
+            if rows is not None and type(layer) is int and 0 <= layer <= MAX_INDEX and type(expert) is int \
+                    and 0 <= expert <= MAX_INDEX and type(rid) is str and is_id(rid):
+                return _built(DispatchRequest, {"model": self.model, "layer": layer, "expert": expert,
+                                                "rows": rows, "request_id": rid})
+        return decode_request(data, max_rows=self.max_rows, max_bytes=self.max_bytes, n_embd=self.n_embd)
+
+
+class BundleDecoder(_Decoder):
+    """``decode_bundle(data, max_rows=, max_bytes=, n_embd=)`` for one model: the same record, or
+    the same error."""
+
+    def __init__(self, model: str, n_embd: int, max_rows: int | None = None, max_bytes: int = DEFAULT_MAX_BYTES):
+        super().__init__(model, n_embd, max_rows, max_bytes, BundleRequest)
+
+    def decode(self, data: bytes) -> BundleRequest:
+        body = self._body(data)
+        bundle = None if body is None else self._fast(body)
+        if bundle is not None:
+            return bundle
+        return decode_bundle(data, max_rows=self.max_rows, max_bytes=self.max_bytes, n_embd=self.n_embd)
+
+    def _fast(self, body: dict) -> BundleRequest | None:
+        rows = _fast_rows(body, self.n_embd, self._rows_limit)
+        layer, bid = body.get("layer"), body.get("bundle_id")
+        ids, experts, counts, data = body.get("ids"), body.get("experts"), body.get("counts"), body.get("index")
+        if rows is None or type(layer) is not int or not 0 <= layer <= MAX_INDEX or type(bid) is not str \
+                or not is_id(bid) or type(ids) is not list or type(experts) is not list or type(counts) is not list:
+            return None
+        n = len(ids)
+        if not 1 <= n <= MAX_BUNDLE_CALLS or len(experts) != n or len(counts) != n or type(data) is not bytes:
+            return None
+        try:  # a non-string id fails the join; an id holding a comma adds one
+            joined = ",".join(ids)
+            if _IDS_RE.fullmatch(joined) is None or joined.count(",") != n - 1 or len(set(ids)) != n:
+                return None
+        except TypeError:
+            return None
+        if set(map(type, experts)) != {int} or min(experts) < 0 or max(experts) > MAX_INDEX \
+                or set(map(type, counts)) != {int} or min(counts) < 1 or max(counts) > MAX_DIM:
+            return None
+        offsets = _offsets(counts)
+        total = offsets[-1]
+        if total > self._rows_limit or len(data) != total * INDEX_DTYPE.itemsize:
+            return None
+        index = np.frombuffer(data, INDEX_DTYPE)
+        top = max(index.tolist()) if total <= 64 else int(index.max())
+        if top >= len(rows):
+            return None
+        return _built(BundleRequest, {"model": self.model, "layer": layer, "bundle_id": bid, "rows": rows,
+                                      "ids": tuple(ids), "experts": tuple(experts), "counts": tuple(counts),
+                                      "index": index, "offsets": offsets})
+
+
+class BundleReplyEncoder:
+    """``BundleReply(bundle_id, node, ids, counts, rows, errors, kernel).encode()`` for one node
+    and kernel, checked once here; the rest with the record's own checks (cheap ones first).
+    The same bytes as the record's (tested)."""
+
+    def __init__(self, node: str, kernel: str = ""):
+        check_node(BundleReply.what, "node", node)
+        if kernel:
+            check_label(BundleReply.what, "kernel", kernel)
+        self.node, self.kernel = node, kernel
+
+    def encode(self, bundle_id: str, ids: tuple[str, ...], counts: tuple[int, ...], rows: np.ndarray,
+               errors: tuple[tuple[str, str, str], ...] = ()) -> bytes:
+        r = BundleReply.what
+        if not is_id(bundle_id):
+            check_id(r, "bundle_id", bundle_id)
+        ids = _id_list(r, "ids", ids, MAX_BUNDLE_CALLS)
+        counts = _int_list(r, "counts", counts, len(ids), 1, MAX_DIM)
+        _rows(r, rows, REPLY_DTYPES, min_rows=0)
+        total = sum(counts)
+        if rows.shape[0] != total:
+            raise fail(r, "shape", f"has {rows.shape[0]} rows, but the counts add up to {total}")
+        if errors:
+            errors = _errors(r, errors, MAX_BUNDLE_CALLS - len(ids))
+            _unique(r, "ids", ids + tuple(e[0] for e in errors))
+        elif len(set(ids)) != len(ids):
+            raise fail(r, "ids", "names a request id twice")
+        body = {"v": VERSION, "t": BundleReply.kind, "bundle_id": bundle_id, "node": self.node, "ids": list(ids),
+                "counts": list(counts), **_array_fields(rows), "errors": [list(e) for e in errors]}
+        if self.kernel:
+            body["kernel"] = self.kernel
+        return msgpack.packb(body, use_bin_type=True)
+
+    def encode_answers(self, bundle: BundleRequest, rows: np.ndarray) -> bytes:
+        """The reply that answers every call of ``bundle`` with ``rows`` (float32, the calls' rows
+        in its order): ``encode(bundle.bundle_id, bundle.ids, bundle.counts, rows)``, whose id,
+        ids and counts the request's record has checked already; the rows are checked here."""
+        if type(bundle) is not BundleRequest:
+            raise CodecError(f"{BundleReply.what}: answers a BundleRequest, got {type(bundle).__name__}")
+        if not (rows.__class__ is np.ndarray and rows.dtype == _F32 and rows.ndim == 2
+                and rows.shape[0] == bundle.offsets[-1] and rows.shape[1] >= 1):
+            return self.encode(bundle.bundle_id, bundle.ids, bundle.counts, rows)  # its checks name the fault
+        body = {"v": VERSION, "t": BundleReply.kind, "bundle_id": bundle.bundle_id, "node": self.node,
+                "ids": list(bundle.ids), "counts": list(bundle.counts), **_array_fields(rows), "errors": []}
+        if self.kernel:
+            body["kernel"] = self.kernel
+        return msgpack.packb(body, use_bin_type=True)
 
 
 Reply = Union[DispatchReply, ErrorReply]

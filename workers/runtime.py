@@ -21,9 +21,11 @@ there). ``stop()`` drains: no new requests, in-flight
 ones finish and are answered, then the connection closes.
 
 What a request costs besides its kernel is measured by ``bench/dispatch.py --overhead``; the
-hot path keeps to: one subject lookup for the expected (layer, expert, weights), one decode
-(a view on the received bytes, no copy), one encode with node and kernel checked once, no task,
-no log line, no NATS header.
+hot path keeps to: the handler called where nats.py parses the message (:mod:`workers.lane`: no
+queue, no task wake-up), one decode by a decoder built for this slice's model, width and limits
+(a view on the received bytes, no copy; every check the record makes), one subject lookup for
+the expected (layer, expert, weights) or, for a decode step's bundle, one table lookup per call
+and one graph, one encode with node and kernel checked once, no task, no log line, no NATS header.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import structlog
 from kvasir_bus import __version__, codec, micro
 from kvasir_bus.subjects import Subjects, parse_dispatch
 from kvasir_bus.throttle import ThrottledLog
+from workers import lane
+from workers.lane import InlineDelivery
 from kernels.expert import expert_ffn, moe_ffn
 from kernels.backend import backend_name, kernel_label
 from modelfile.slice_file import SliceInfo
@@ -68,6 +72,7 @@ class WorkerConfig:
     max_in_flight: int = 256  # requests decoded or computing at once; more are refused (overloaded)
     log_interval_s: float = 60.0  # one refusal line per sender and kind this often
     bundles: bool = True  # take bundles on kvasir.<model>.n.<node> (and announce it)
+    inline_delivery: bool = True  # handle requests where nats.py parses them (workers.lane), if it can
 
 
 class State(enum.Enum):
@@ -96,11 +101,20 @@ class Worker:
         self._routes: dict[str, tuple[int, int, tuple]] = {}  # subject -> (layer, expert, weights)
         self._weights: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> weights, for bundles
         self._slot: dict[tuple[int, int], tuple[codec.Holding, int]] = {}  # -> (its holding, slab index)
+        # layer -> expert -> (its holding, slab index); holding -> (slabs, work per row and call,
+        # small): what a decode bundle needs, found with two lookups per call (_decode_step)
+        self._held: dict[int, dict[int, tuple[codec.Holding, int]]] = {}
+        self._holding_plan: dict[codec.Holding, tuple[tuple, int, bool]] = {}
         self._one_graph = backend_name() == "ggml"  # a decode bundle's experts in one mul_mat_id graph
         self._heartbeat: asyncio.Task | None = None
+        self._lane: InlineDelivery | None = None  # requests and bundles straight from the reader
         self._pool = ThreadPoolExecutor(max_workers=cfg.compute_threads, thread_name_prefix="expert")
         self._kernel = kernel_label()  # announced in heartbeats and replies: how audits compare
         self._replies = codec.ReplyEncoder(cfg.node, self._kernel)  # node and kernel checked once
+        self._bundle_replies = codec.BundleReplyEncoder(cfg.node, self._kernel)
+        # model, width and limits fixed once; anything else takes the full decoder and its error
+        self._requests = codec.RequestDecoder(slice_info.fingerprint, slice_info.n_embd, cfg.max_rows, cfg.max_bytes)
+        self._bundles = codec.BundleDecoder(slice_info.fingerprint, slice_info.n_embd, cfg.max_rows, cfg.max_bytes)
         self.log = log.bind(node=cfg.node, model=slice_info.fingerprint)
         # Bad requests come from strangers: one line per sender and kind a minute, not one each.
         self.refusals = ThrottledLog(self.log, cfg.log_interval_s)
@@ -117,23 +131,46 @@ class Worker:
         self._nc = nc
         if self.cfg.metrics is not None:  # first: a port in use fails before we subscribe
             await self._start_metrics()
-        for layer, expert in self.slice.experts():
-            subject = self.subjects.dispatch(layer, expert)
-            weights = self._weights[(layer, expert)] = self.slice.expert_weights(layer, expert)
-            h = next(h for h in self.slice.holdings if h.covers(layer, expert))
-            self._slot[(layer, expert)] = (h, expert - h.lo)
-            self._routes[subject] = (layer, expert, weights)
-            kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
-            self._subs.append(await nc.subscribe(subject, cb=self._on_request, **kw))
+        self._index_holdings()
+        if self.cfg.inline_delivery and lane.supported(nc):
+            self._lane = InlineDelivery(nc, self._handler_failed)
+        kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
+        for subject in self._routes:
+            await self._subscribe(subject, self._on_request, **kw)
         if self.cfg.bundles:  # this node's own subject: never a queue group, only we hold it
-            self._subs.append(await nc.subscribe(self.subjects.node(self.cfg.node), cb=self._on_bundle))
+            await self._subscribe(self.subjects.node(self.cfg.node), self._on_bundle)
         await nc.flush()  # subscriptions are live on the server before we say so
         self.state = State.RUNNING
         self._service = await micro.start_service(nc, self.card(), [self._served()])
         await self._publish_heartbeat()
         self._heartbeat = asyncio.create_task(self._heartbeat_loop())
         self.log.info("worker_started", experts=self.slice.n_held, holdings=len(self.slice.holdings),
-                      kernel=self._kernel, subjects=len(self._subs))
+                      kernel=self._kernel, subjects=len(self._subs), inline=self._lane is not None)
+
+    async def _subscribe(self, subject: str, handler, **kw) -> None:
+        sub = await self._nc.subscribe(subject, cb=handler, **kw)  # the ordinary path, for what the lane passes on
+        self._subs.append(sub)
+        if self._lane is not None:
+            self._lane.add(sub, handler)
+
+    def _handler_failed(self, exc: BaseException) -> None:
+        """A handler let an exception through (a bug: each refuses bad input itself); the lane
+        dropped that message and goes on."""
+        self.errors += 1
+        self.log.error("handler_failed", error=f"{type(exc).__name__}: {exc}"[:codec.MAX_ERROR_MESSAGE])
+
+    def _index_holdings(self) -> None:
+        """What each request and bundle looks up, built once: per subject the expected (layer,
+        expert, weights), per (layer, expert) its weights and slab, per holding its slabs and work."""
+        for layer, expert in self.slice.experts():
+            weights = self._weights[(layer, expert)] = self.slice.expert_weights(layer, expert)
+            h = next(h for h in self.slice.holdings if h.covers(layer, expert))
+            self._slot[(layer, expert)] = self._held.setdefault(layer, {})[expert] = (h, expert - h.lo)
+            if h not in self._holding_plan:
+                gate = weights[0]
+                work = 3 * gate.ne[0] * gate.ne[1]
+                self._holding_plan[h] = (self.slice.holding_slabs(h), work, work < INLINE_WORK)
+            self._routes[self.subjects.dispatch(layer, expert)] = (layer, expert, weights)
 
     async def stop(self) -> None:
         """Drain: stop taking requests, finish and answer the ones in flight, stop heartbeats."""
@@ -141,6 +178,8 @@ class Worker:
             return
         was_running = self.state is State.RUNNING
         self.state = State.DRAINING
+        if self._lane is not None:
+            self._lane.close()
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -235,10 +274,11 @@ class Worker:
                                     message=f"{len(self._tasks)} requests in flight")
             await self._send(msg.reply, busy.encode(), busy)
             return
-        checked = await self._admit(msg, self._validate)
-        if checked is None:
+        try:
+            req, weights = self._validate(msg)
+        except Exception as exc:  # refused: the sender is told why, the worker keeps serving
+            await self._refuse(msg, _refusal(exc))
             return
-        req, weights = checked
         rows = _float32(req.rows)
         if _small(weights, rows):  # a hop to the pool and back costs more than the product
             self._inline += 1
@@ -250,17 +290,6 @@ class Worker:
             task = asyncio.create_task(self._answer(msg, req, weights, rows, self._pool))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-
-    async def _admit(self, msg, validate):
-        """What ``validate(msg)`` returns, or None once the request is refused (the sender is told
-        why: an invalid request, or ``internal`` for a bug in a check; the worker keeps serving)."""
-        try:
-            return validate(msg)
-        except _Refused as exc:
-            await self._refuse(msg, exc)
-        except Exception as exc:  # a bug in a check: say so, keep serving
-            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}"))
-        return None
 
     async def _answer(self, msg, req: codec.DispatchRequest, weights, rows: np.ndarray, pool) -> None:
         """Compute a valid request (inline, or on ``pool``) and publish the reply."""
@@ -299,9 +328,20 @@ class Worker:
         if len(self._tasks) >= self.cfg.max_in_flight:
             await self._refuse(msg, _Refused(codec.ERR_OVERLOADED, f"{len(self._tasks)} requests in flight"))
             return
-        bundle = await self._admit(msg, self._validate_bundle)
-        if bundle is None:
+        try:
+            bundle = self._validate_bundle(msg)
+        except Exception as exc:
+            await self._refuse(msg, _refusal(exc))
             return
+        if not self._tasks and self._one_graph:
+            step = self._decode_step(bundle)
+            if step is not None:  # the hot path: one graph on the loop, one reply
+                self._inline += 1
+                try:
+                    await self._answer_step(msg, bundle, *step)
+                finally:
+                    self._inline -= 1
+                return
         rows = _float32(bundle.rows)
         held, refused, work = [], [], 0
         for i, expert in enumerate(bundle.experts):
@@ -331,6 +371,72 @@ class Worker:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _decode_step(self, bundle: codec.BundleRequest):
+        """``(row, slab ids (1, K), slabs)`` when ``bundle`` is what a decode step sends: calls on
+        the same one row, every expert held, small, in one holding, and little enough work to
+        compute on the loop (the pool is idle: nothing to overlap); ``(row, None, weights)`` for
+        one such call. Else None, and :meth:`_on_bundle`'s general path decides (the same jobs,
+        :meth:`_grouped`, one reply)."""
+        counts, index = bundle.counts, bundle.index
+        k = len(counts)
+        if max(counts) != 1:
+            return None
+        if k == 1:  # one call: its own expert function, as the general path runs it
+            weights = self._weights.get((bundle.layer, bundle.experts[0]))
+            if weights is None or 3 * weights[0].ne[0] * weights[0].ne[1] >= INLINE_DECODE_WORK:
+                return None
+            return int(index[0]), None, weights
+        first = index.tolist()
+        row = first[0]
+        if first.count(row) != k:
+            return None
+        table = self._held.get(bundle.layer)
+        if table is None:
+            return None
+        holding, slots = None, []
+        for expert in bundle.experts:
+            entry = table.get(expert)
+            if entry is None or (holding is not None and entry[0] is not holding):
+                return None
+            holding = entry[0]
+            slots.append(entry[1])
+        slabs, work, small = self._holding_plan[holding]
+        if not small or k * work >= INLINE_DECODE_WORK:
+            return None
+        return row, np.array([slots], dtype=np.int32), slabs
+
+    async def _answer_step(self, msg, bundle: codec.BundleRequest, row: int, slots: np.ndarray | None,
+                           weights) -> None:
+        """A decode step's bundle (:meth:`_decode_step`): its calls' experts in one ``mul_mat_id``
+        graph on the one row (``weights``: the holding's slabs), each call's output the bits of its
+        call alone, in the bundle's order; or its one call's expert (``slots`` None)."""
+        x = _float32(bundle.rows[row:row + 1])  # (1, D)
+        k = len(bundle.ids)
+        t0 = time.perf_counter()
+        try:
+            if slots is None:
+                out = expert_ffn(*weights, x, routed=True)  # (1, D)
+            else:
+                (gate, up, down), biases, glu = weights
+                out = moe_ffn(gate, up, down, x, slots, biases=biases, glu=glu)[0]  # (K, D)
+            seconds = time.perf_counter() - t0
+            if out.shape != (k, x.shape[1]):
+                raise ValueError(f"the kernel returned shape {out.shape}")
+            payload = self._bundle_replies.encode_answers(bundle, out)
+        except Exception as exc:  # the kernel failed: every call says why, as on the general path
+            error = f"{type(exc).__name__}: {exc}"
+            self.log.error("request_failed", subject=msg.subject, request_id=bundle.bundle_id, error=error)
+            await self._answer_bundle(msg, bundle, bundle.rows, [], [(rid, codec.ERR_INTERNAL, error[:codec.MAX_ERROR_MESSAGE])
+                                                                   for rid in bundle.ids], None)
+            return
+        self.served += k
+        self.rows += k
+        self.compute_s += seconds
+        if self.on_compute is not None:
+            for _ in range(k):
+                self.on_compute(bundle.layer, seconds / k)
+        await self._send(msg.reply, payload, None, bundle.bundle_id)
+
     def _grouped(self, bundle: codec.BundleRequest, held: list) -> list:
         """A decode bundle (every call one row, the same row) -> one job per holding: its calls'
         experts in one ``mul_mat_id`` graph, as llama.cpp and the backbone's own layer step run
@@ -356,8 +462,7 @@ class Worker:
 
     def _validate_bundle(self, msg) -> codec.BundleRequest:
         try:
-            bundle = codec.decode_bundle(msg.data, max_rows=self.cfg.max_rows, max_bytes=self.cfg.max_bytes,
-                                         n_embd=self.slice.n_embd)
+            bundle = self._bundles.decode(msg.data)
         except codec.CodecError as exc:
             raise _Refused(codec.ERR_BAD_REQUEST, str(exc)) from None
         if bundle.model != self.slice.fingerprint:
@@ -401,8 +506,7 @@ class Worker:
             np.zeros((0, self.slice.n_embd), np.float32)
         self.rows += len(out)
         try:
-            payload = codec.BundleReply(bundle.bundle_id, self.cfg.node, tuple(ids), tuple(counts), out,
-                                        tuple(refused), self._kernel).encode()
+            payload = self._bundle_replies.encode(bundle.bundle_id, tuple(ids), tuple(counts), out, tuple(refused))
         except codec.CodecError as exc:  # a kernel returned a wrong shape: say so, keep serving
             await self._refuse(msg, _Refused(codec.ERR_INTERNAL, str(exc), bundle.bundle_id))
             return
@@ -431,8 +535,7 @@ class Worker:
         the slice: its model, a held (layer, expert), the subject's (layer, expert), the rows'
         width and count. The expectations per subject are built once (:meth:`start`)."""
         try:
-            req = codec.decode_request(msg.data, max_rows=self.cfg.max_rows, max_bytes=self.cfg.max_bytes,
-                                       n_embd=self.slice.n_embd)
+            req = self._requests.decode(msg.data)
         except codec.CodecError as exc:
             raise _Refused(codec.ERR_BAD_REQUEST, str(exc)) from None
         if req.model != self.slice.fingerprint:
@@ -512,6 +615,12 @@ class _Refused(Exception):
     def __init__(self, code: str, message: str, request_id: str = ""):
         super().__init__(message)
         self.code, self.request_id = code, request_id
+
+
+def _refusal(exc: Exception) -> _Refused:
+    """Why a request is refused: what a check said (an invalid request), or ``internal`` for a
+    bug in a check."""
+    return exc if isinstance(exc, _Refused) else _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 def _sender(reply: str | None) -> str:
