@@ -336,17 +336,23 @@ INDEX_DTYPE = np.dtype("<u4")
 _IDS_RE = re.compile(r"[A-Za-z0-9_.:-]{1,64}(?:,[A-Za-z0-9_.:-]{1,64})*")
 
 
+def _plain_ids(ids: list | tuple) -> bool:
+    """Whether every item is a valid id (a string of the id characters, so no comma): one regex
+    over the joined list, with as many commas as separators. False may still be valid (the
+    empty list): the caller then checks item by item."""
+    try:
+        joined = ",".join(ids)
+    except TypeError:  # not all strings
+        return False
+    return _IDS_RE.fullmatch(joined) is not None and joined.count(",") == len(ids) - 1
+
+
 def _id_list(record: str, field: str, value: Any, limit: int) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)):
         raise fail(record, field, f"must be a list, got {type(value).__name__}")
     if len(value) > limit:
         raise fail(record, field, f"has {len(value)} items (max {limit})")
-    try:  # as many commas as separators: no id may hold one itself
-        joined = ",".join(value)
-        fast = not value or (_IDS_RE.fullmatch(joined) is not None and joined.count(",") == len(value) - 1)
-    except TypeError:  # not all strings
-        fast = False
-    if not fast:
+    if value and not _plain_ids(value):
         for item in value:
             if not is_id(item):
                 check_id(record, field, item)
@@ -739,11 +745,7 @@ class BundleDecoder(_Decoder):
         n = len(ids)
         if not 1 <= n <= MAX_BUNDLE_CALLS or len(experts) != n or len(counts) != n or type(data) is not bytes:
             return None
-        try:  # a non-string id fails the join; an id holding a comma adds one
-            joined = ",".join(ids)
-            if _IDS_RE.fullmatch(joined) is None or joined.count(",") != n - 1 or len(set(ids)) != n:
-                return None
-        except TypeError:
+        if not _plain_ids(ids) or len(set(ids)) != n:
             return None
         if set(map(type, experts)) != {int} or min(experts) < 0 or max(experts) > MAX_INDEX \
                 or set(map(type, counts)) != {int} or min(counts) < 1 or max(counts) > MAX_DIM:
@@ -879,10 +881,7 @@ def _bundle_reply_fast(data: bytes, max_rows: int | None, n_embd: int | None) ->
     if not 0 < n <= MAX_BUNDLE_CALLS or len(counts) != n or len(shape) != 2 or not is_id(bundle_id) \
             or not _valid(check_node, node) or (kernel and not _valid(check_label, kernel)):
         return None
-    try:
-        if _IDS_RE.fullmatch(",".join(ids)) is None:
-            return None
-    except TypeError:  # an id that is no string
+    if not _plain_ids(ids):
         return None
     if set(map(type, counts)) != {int} or min(counts) < 1 or max(counts) > MAX_DIM or len(set(ids)) != n:
         return None
