@@ -15,10 +15,11 @@ from typing import Any, Coroutine
 
 
 def new_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's event loop where it is installed (the ``backbone`` extra) and not turned off with
-    ``KVASIR_UVLOOP=0``: its scheduling, timers, socket transports and cross-thread wake-up are C,
-    which takes about a third off the bus thread's CPU per remote expert call
-    (``bench/dispatch.py --overhead``); asyncio's own loop otherwise."""
+    """uvloop's event loop where it is installed (the ``backbone`` extra; a worker uses it when
+    its machine has it, and runs without it) and not turned off with ``KVASIR_UVLOOP=0``: its
+    scheduling, timers, socket transports and cross-thread wake-up are C, which takes about a
+    third off the bus thread's CPU per remote expert call (``bench/dispatch.py --overhead``);
+    asyncio's own loop otherwise."""
     if os.environ.get("KVASIR_UVLOOP", "1") != "0":
         try:
             import uvloop
@@ -27,6 +28,12 @@ def new_loop() -> asyncio.AbstractEventLoop:
         else:
             return uvloop.new_event_loop()
     return asyncio.new_event_loop()
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    """``asyncio.run(coro)`` on :func:`new_loop`'s loop: a role's main loop (the worker's)."""
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        return runner.run(coro)
 
 
 class LoopThread:

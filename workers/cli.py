@@ -138,10 +138,10 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    import asyncio
     import tempfile
 
     from kvasir_bus.connect import ConnectOptions, node_for
+    from kvasir_bus.loopthread import run as run_loop
     from kvasir_bus.logs import configure
     from kvasir_bus.subjects import check_node
     from workers.runtime import WorkerConfig, default_node_id
@@ -185,7 +185,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         vcfg = VolunteerConfig(source=args.source, budget_bytes=parse_size(args.budget), node=node,
                                token=args.token or os.environ.get(TOKEN_ENV) or None,
                                cache_dir=args.cache_dir or "")
-        return asyncio.run(volunteer_and_serve(vcfg, cfg, args.nats))
+        return run_loop(volunteer_and_serve(vcfg, cfg, args.nats))
     with tempfile.TemporaryDirectory(prefix="kvasir-worker-") as tmp:
         path = args.slice
         if args.model:
@@ -197,7 +197,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                         for la, ex in zip(args.layer, args.experts)]
             path = write_slice(plan_slice(args.model, requests), f"{tmp}/slice.gguf").path
         info = load_slice(path)
-        return asyncio.run(_serve(info, cfg, args.nats))
+        return run_loop(_serve(info, cfg, args.nats))
 
 
 async def _serve(info, cfg, url) -> int:
