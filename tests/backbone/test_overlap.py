@@ -51,9 +51,9 @@ class Overlapping(Remote):
         return super().run_layer(layer, calls)
 
 
-@pytest.mark.parametrize("arch,qtype", [("qwen2moe", "q4_k"), ("qwen2moe", "q8_0"), ("qwen3moe", "q4_k")])
-def test_shared_expert_runs_while_the_experts_are_away_with_the_bits_of_the_local_step(models, arch, qtype,
-                                                                                      monkeypatch):
+def _rig(models, arch: str, qtype: str, monkeypatch):
+    """An all-local engine, one on an :class:`Overlapping` backend, that backend, and the list
+    each shared-expert graph appends to: (events the backend had recorded, rows of h, rows)."""
     local = Engine(models(arch, qtype))
     sharded = Engine(models(arch, qtype))
     backend = Overlapping(sharded)
@@ -63,6 +63,13 @@ def test_shared_expert_runs_while_the_experts_are_away_with_the_bits_of_the_loca
     monkeypatch.setattr(fused, "shared_expert",
                         lambda layer, h, rows, *a, **kw: ran.append((len(backend.events), len(h), rows))
                         or real(layer, h, rows, *a, **kw))
+    return local, sharded, backend, ran
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen2moe", "q4_k"), ("qwen2moe", "q8_0"), ("qwen3moe", "q4_k")])
+def test_shared_expert_runs_while_the_experts_are_away_with_the_bits_of_the_local_step(models, arch, qtype,
+                                                                                      monkeypatch):
+    local, sharded, backend, ran = _rig(models, arch, qtype, monkeypatch)
     got, want = _run(sharded), _run(local)
     assert len(got) == len(want) == 4
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
@@ -94,15 +101,7 @@ def _batches(engine: Engine) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("arch,qtype", [("qwen2moe", "q4_k"), ("qwen2moe", "q8_0")])
 def test_shared_expert_runs_while_the_experts_are_away_in_a_batch_step_too(models, arch, qtype, monkeypatch):
-    local = Engine(models(arch, qtype))
-    sharded = Engine(models(arch, qtype))
-    backend = Overlapping(sharded)
-    sharded.use_experts(backend)
-    ran = []
-    real = fused.shared_expert
-    monkeypatch.setattr(fused, "shared_expert",
-                        lambda layer, h, rows, *a, **kw: ran.append((len(backend.events), len(h), rows))
-                        or real(layer, h, rows, *a, **kw))
+    local, sharded, backend, ran = _rig(models, arch, qtype, monkeypatch)
     got, want = _batches(sharded), _batches(local)
     assert len(got) == len(want) == 6
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
