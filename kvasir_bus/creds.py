@@ -321,6 +321,16 @@ def add_worker(directory: str | os.PathLike, name: str) -> Identity:
     return _add(directory, name, "worker")
 
 
+def refresh(directory: str | os.PathLike) -> Deployment:
+    """Rewrite the configs in ``directory`` with this version's rights for the same identities
+    (after an upgrade that grants a role something new, such as a worker's bundle subject); no
+    key changes. A running server takes them on ``nats-server --signal reload``."""
+    out = Path(directory)
+    dep = load(out)
+    _save(out, dep)
+    return dep
+
+
 def add_client(directory: str | os.PathLike, name: str) -> Identity:
     """Add client ``name`` of the generate API (see :func:`permissions`), as :func:`add_worker`.
     The backbone's rights are rewritten too: it may stream tokens to the new client's inbox."""

@@ -3,6 +3,7 @@
     kvasir creds init DIR --listen 0.0.0.0:4222 [--websocket 0.0.0.0:443] --workers a1,a2
     kvasir creds add-worker DIR NAME
     kvasir creds add-client DIR NAME             # a user of kvasir.<model>.generate, nothing else
+    kvasir creds refresh DIR                     # after an upgrade: the same keys, this version's rights
     nats-server -c DIR/nats.conf                 # or: kvasir nats --config DIR/nats.conf
     kvasir worker --nats nats://host:4222 --creds DIR/a1.creds --node a1 ...
 
@@ -56,6 +57,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     client.add_argument("dir", metavar="DIR")
     client.add_argument("name", metavar="NAME")
     client.set_defaults(func=cmd_add_client)
+    refresh = sub.add_parser("refresh", help="rewrite DIR's server configs with this version's rights",
+                             description="The same identities and keys; accounts.conf and nats.conf as "
+                             "this version writes them (an upgrade may grant a role something new: "
+                             "a worker's bundle subject kvasir.*.n.NODE).",
+                             epilog="then: nats-server --signal reload  (or restart the server)")
+    refresh.add_argument("dir", metavar="DIR")
+    refresh.set_defaults(func=cmd_refresh)
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -90,4 +98,13 @@ def cmd_add_client(args: argparse.Namespace) -> int:
     ident = creds.add_client(args.dir, args.name)
     print(f"client    {Path(args.dir) / (ident.name + '.creds')}  {ident.public_key}")
     print("reload the server to admit it: nats-server --signal reload", file=sys.stderr)
+    return 0
+
+
+def cmd_refresh(args: argparse.Namespace) -> int:
+    from kvasir_bus import creds
+
+    dep = creds.refresh(args.dir)
+    print(f"rewrote {Path(args.dir) / 'accounts.conf'} and nats.conf for {len(dep.identities)} identities")
+    print("reload the server to apply them: nats-server --signal reload", file=sys.stderr)
     return 0

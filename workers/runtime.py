@@ -53,6 +53,13 @@ from modelfile.slice_file import SliceInfo
 log = structlog.get_logger("kvasir.worker")
 
 
+def _refused(error: BaseException | None, before: BaseException | None, subject: str) -> bool:
+    """Whether the connection's last error is a new permission violation naming ``subject``
+    (nats-py keeps the server's -ERR as ``last_error``, lowercased)."""
+    text = str(error).lower()
+    return error is not before and "permissions violation" in text and subject.lower() in text
+
+
 def default_node_id() -> str:
     host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())[:40]
     return f"{host or 'worker'}-{os.getpid()}"
@@ -96,6 +103,7 @@ class Worker:
         self.metrics_server = None  # kvasir_bus.metrics.MetricsServer, with cfg.metrics
         self._nc = None
         self._subs = []
+        self.takes_bundles = cfg.bundles  # False once the server refuses this node's bundle subject
         self._tasks: set[asyncio.Task] = set()  # requests on the compute pool
         self._inline = 0  # requests computed on the loop right now (0 or 1)
         self._routes: dict[str, tuple[int, int, tuple]] = {}  # subject -> (layer, expert, weights)
@@ -137,9 +145,12 @@ class Worker:
         kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
         for subject in self._routes:
             await self._subscribe(subject, self._on_request, **kw)
+        before, node_sub = nc.last_error, None
         if self.cfg.bundles:  # this node's own subject: never a queue group, only we hold it
-            await self._subscribe(self.subjects.node(self.cfg.node), self._on_bundle)
+            node_sub = await self._subscribe(self.subjects.node(self.cfg.node), self._on_bundle)
         await nc.flush()  # subscriptions are live on the server before we say so
+        if node_sub is not None and _refused(nc.last_error, before, node_sub.subject):
+            await self._give_up_bundles(node_sub)
         self.state = State.RUNNING
         self._service = await micro.start_service(nc, self.card(), [self._served()])
         await self._publish_heartbeat()
@@ -147,11 +158,23 @@ class Worker:
         self.log.info("worker_started", experts=self.slice.n_held, holdings=len(self.slice.holdings),
                       kernel=self._kernel, subjects=len(self._subs), inline=self._lane is not None)
 
-    async def _subscribe(self, subject: str, handler, **kw) -> None:
+    async def _subscribe(self, subject: str, handler, **kw):
         sub = await self._nc.subscribe(subject, cb=handler, **kw)  # the ordinary path, for what the lane passes on
         self._subs.append(sub)
         if self._lane is not None:
             self._lane.add(sub, handler)
+        return sub
+
+    async def _give_up_bundles(self, sub) -> None:
+        """The server refused this node's bundle subject (credentials written before bundles):
+        serve one request per expert, and say so in the heartbeat, instead of announcing bundles
+        that nobody would receive."""
+        self.takes_bundles = False
+        self._subs.remove(sub)
+        await sub.unsubscribe()
+        self.log.warning("bundles_refused", subject=sub.subject,
+                         hint="the server's permissions predate bundles: run `kvasir creds refresh DIR` "
+                              "and `nats-server --signal reload`; serving one request per expert meanwhile")
 
     def _handler_failed(self, exc: BaseException) -> None:
         """A handler let an exception through (a bug: each refuses bad input itself); the lane
@@ -238,7 +261,7 @@ class Worker:
         return codec.Heartbeat(model=self.slice.fingerprint, node=self.cfg.node, holdings=self.slice.holdings,
                                budget_bytes=self.cfg.budget_bytes or self.slice.nbytes,
                                load=float(self.in_flight), served=self.served, version=__version__,
-                               kernel=self._kernel, sent_at=time.time(), bundles=self.cfg.bundles)
+                               kernel=self._kernel, sent_at=time.time(), bundles=self.takes_bundles)
 
     async def _publish_heartbeat(self) -> None:
         hb = self.heartbeat()
