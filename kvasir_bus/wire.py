@@ -357,7 +357,19 @@ def record(cls: R) -> R:
         if getattr(cls, method) is getattr(Record, method):
             raise TypeError(f"{cls.__name__} does not implement {method}()")
     RECORDS[kind] = cls
+    _SPOKEN.clear()  # a new kind may speak other versions
     return cls
+
+
+#: ``kinds`` -> the versions their records read: built once per kinds tuple, not per message.
+_SPOKEN: dict[tuple[str, ...], frozenset[int]] = {}
+
+
+def _spoken(kinds: tuple[str, ...]) -> frozenset[int]:
+    spoken = _SPOKEN.get(kinds)
+    if spoken is None:
+        spoken = _SPOKEN[kinds] = frozenset(v for k in kinds for v in getattr(RECORDS.get(k), "versions", (VERSION,)))
+    return spoken
 
 
 def _registered(msg: Any, doing: str) -> Record:
@@ -409,7 +421,7 @@ def unpack(data: Any, max_bytes: int, kinds: tuple[str, ...], what: str) -> dict
     version = body["v"]
     if isinstance(version, bool) or not isinstance(version, int):
         raise fail(what, "v", f"must be an integer, got {version!r}")
-    spoken = {v for k in kinds for v in getattr(RECORDS.get(k), "versions", (VERSION,))}
+    spoken = _spoken(kinds)
     if version not in spoken:
         raise UnsupportedVersionError(f"{what}: message version {version} is not supported "
                                       f"(this build speaks version {max(spoken)}): upgrade kvasir",
