@@ -144,6 +144,7 @@ class Auditor:
 
     def __init__(self, cfg: AuditConfig = AuditConfig()) -> None:
         self.cfg = cfg
+        self._window = cfg.window  # read twice per reply; the config's property computes it
         self._rng = random.Random(cfg.seed) if cfg.seed is not None else random.SystemRandom()
         self._replies: dict[str, int] = {}  # node -> replies seen
         self._windows: dict[tuple[str, int], _Window] = {}
@@ -172,9 +173,9 @@ class Auditor:
             return False
         window = self._windows.get((node, layer))
         if window is None:
-            window = self._windows[(node, layer)] = _Window(pick=self._rng.randrange(self.cfg.window))
-        if window.seen == self.cfg.window:
-            window.seen, window.pick = 0, self._rng.randrange(self.cfg.window)
+            window = self._windows[(node, layer)] = _Window(pick=self._rng.randrange(self._window))
+        if window.seen == self._window:
+            window.seen, window.pick = 0, self._rng.randrange(self._window)
         return window.seen == window.pick or self._replies.get(node, 0) < self.cfg.probation or self.cfg.rate >= 1.0
 
     def should_audit(self, node: str, layer: int) -> bool:
@@ -185,9 +186,9 @@ class Auditor:
         self._replies[node] = seen + 1
         window = self._windows.get((node, layer))
         if window is None:
-            window = self._windows[(node, layer)] = _Window(pick=self._rng.randrange(self.cfg.window))
-        if window.seen == self.cfg.window:
-            window.seen, window.pick = 0, self._rng.randrange(self.cfg.window)
+            window = self._windows[(node, layer)] = _Window(pick=self._rng.randrange(self._window))
+        if window.seen == self._window:
+            window.seen, window.pick = 0, self._rng.randrange(self._window)
         audit = window.seen == window.pick or seen < self.cfg.probation or self.cfg.rate >= 1.0
         window.seen += 1
         return audit
