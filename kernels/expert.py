@@ -63,3 +63,13 @@ def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.nd
     from kernels import ggml
 
     return ggml.moe_ffn(gate, up, down, x, ids, biases=biases, glu=glu)
+
+
+def moe_step(gate: QTensor, up: QTensor, down: QTensor, k: int, *,
+             biases=(None, None, None), glu: str = "swiglu"):
+    """:func:`moe_ffn` for one row and ``k`` slots of these slabs, bound once
+    (``kernels.ggml.MoeStep``): ``step(row (D,), slots)`` -> (k, D) float32, a view valid until
+    the step's next call, with the bits ``moe_ffn(..., row[None], [slots])[0]`` gives."""
+    from kernels import ggml
+
+    return ggml.MoeStep(gate, up, down, k, biases=biases, glu=glu)

@@ -1144,6 +1144,73 @@ def _build_moe(plan: _MoePlan, gate: QTensor, up: QTensor, down: QTensor, n: int
         raise
 
 
+class MoeStep:
+    """:func:`moe_ffn` for one row and ``k`` slots of fixed expert slabs, its graph bound once.
+
+    A worker answers each decode step with the same graph on the same slabs; through
+    :func:`moe_ffn` every call looks up the plan, checks the rows, ids and threads, allocates the
+    result and rebinds the graph's seven pointers (~15 µs of Python per call on the shared 2-core
+    machine). Here the row, the ids and the result live in buffers of this object, the graph
+    (built by the same :func:`_build_moe`, so the same bits) points at them and at a work buffer
+    of its own for good, and a call copies the row and ids in and computes. The graph is owned
+    here, outside the per-thread LRU, which could free it under a bound pointer.
+
+    Not for concurrent use (one row buffer): a worker keeps one per holding and ``k``, on its loop.
+    """
+
+    __slots__ = ("k", "n_expert", "x", "ids", "out", "_graph", "_work", "_keep", "_compute", "_args")
+
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor, k: int, *,
+                 biases: tuple = (None, None, None), glu: str = "swiglu"):
+        plan = _MoePlan(gate, up, down, biases, glu)
+        n_embd, _, n_expert = gate.ne
+        if k < 1:
+            raise ValueError(f"k: expected at least one slot, got {k}")
+        self.k, self.n_expert = k, n_expert
+        self.x = np.zeros((1, n_embd), np.float32)
+        self.ids = np.zeros((1, k), np.int32)
+        self.out = np.zeros((1, k, n_embd), np.float32)
+        graph = _build_moe(plan, gate, up, down, 1, k, threads_for(plan.work * k, 1))
+        try:
+            for c, p in zip(graph.inputs, (address(self.x), address(self.ids), *plan.weights, address(self.out))):
+                c.data = p
+            for c, i, offs in graph.views:
+                c.data = address((self.x, self.ids, *plan.weights, self.out)[i]) + offs
+            if graph.work_size:  # 64-byte aligned, as work_buffer's
+                raw = np.zeros(graph.work_size + 64, dtype=np.uint8)
+                start = (-raw.ctypes.data) % 64
+                self._work = raw[start:start + graph.work_size]
+                graph.plan.work_data = self._work.ctypes.data
+            else:
+                self._work = None
+        except BaseException:
+            graph.free()
+            raise
+        self._graph = graph
+        self._keep = (plan, gate, up, down)  # the slabs and bias rows the graph points at
+        self._compute, self._args = graph._compute, (graph._graph_arg, graph.plan_ref)
+
+    def __call__(self, row: np.ndarray, slots) -> np.ndarray:
+        """``row`` (n_embd,) float32 through the experts of slab indices ``slots`` (k ints) ->
+        (k, n_embd) float32, a view of this object's result buffer: valid until the next call.
+        Row k has the bits ``moe_ffn(..., row[None], [slots])[0, k]`` gives."""
+        ids = self.ids
+        ids[0] = slots
+        if not _ids_in_range(ids, self.n_expert):  # ggml aborts on an id outside 0..E-1
+            raise ValueError(f"expert ids out of range 0..{self.n_expert - 1}")
+        self.x[0] = row
+        status = self._compute(*self._args)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed with status {status}")
+        return self.out[0]
+
+    def __del__(self) -> None:
+        try:
+            self._graph.free()
+        except Exception:  # interpreter shutdown, or __init__ failed before the graph
+            pass
+
+
 def get_rows(w: QTensor, ids: np.ndarray) -> np.ndarray:
     """Rows ``ids`` (n,) of a 2-D weight, dequantised by ggml (``ggml_get_rows``, llama.cpp's
     token embedding lookup): (n, ne0) float32."""

@@ -36,9 +36,13 @@ class WorkerCollector:
                                          "Kernel time of one expert request",
                                          ["model", "node", "layer"], buckets=LATENCY_BUCKETS,
                                          registry=None)
+        self._by_layer: dict[int, Any] = {}  # layer -> its histogram child (labels() per call: a lock and a lookup)
 
     def observe_compute(self, layer: int, seconds: float) -> None:
-        self.compute_seconds.labels(self.model, self.node, str(layer)).observe(seconds)
+        child = self._by_layer.get(layer)
+        if child is None:
+            child = self._by_layer[layer] = self.compute_seconds.labels(self.model, self.node, str(layer))
+        child.observe(seconds)
 
     def describe(self) -> list[Metric]:
         return []

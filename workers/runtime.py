@@ -25,7 +25,9 @@ hot path keeps to: the handler called where nats.py parses the message (:mod:`wo
 queue, no task wake-up), one decode by a decoder built for this slice's model, width and limits
 (a view on the received bytes, no copy; every check the record makes), one subject lookup for
 the expected (layer, expert, weights) or, for a decode step's bundle, one table lookup per call
-and one graph, one encode with node and kernel checked once, no task, no log line, no NATS header.
+and one graph bound once per holding and call count (:func:`kernels.expert.moe_step`: the row
+copied in, no plan lookup, allocation or pointer binding per call), one encode with node and
+kernel checked once, no task, no log line, no NATS header.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from kvasir_bus.subjects import Subjects, parse_dispatch
 from kvasir_bus.throttle import ThrottledLog
 from workers import lane
 from workers.lane import InlineDelivery
-from kernels.expert import expert_ffn, moe_ffn
+from kernels.expert import expert_ffn, moe_ffn, moe_step
 from kernels.backend import backend_name, kernel_label
 from modelfile.slice_file import SliceInfo
 
@@ -113,6 +115,9 @@ class Worker:
         # small): what a decode bundle needs, found with two lookups per call (_decode_step)
         self._held: dict[int, dict[int, tuple[codec.Holding, int]]] = {}
         self._holding_plan: dict[codec.Holding, tuple[tuple, int, bool]] = {}
+        # (holding, calls) -> its decode step's graph, bound once (kernels.expert.moe_step); at most
+        # MAX_STEPS, then moe_ffn's own per-thread cache serves the rest
+        self._steps: dict[tuple[codec.Holding, int], object] = {}
         self._one_graph = backend_name() == "ggml"  # a decode bundle's experts in one mul_mat_id graph
         self._heartbeat: asyncio.Task | None = None
         self._lane: InlineDelivery | None = None  # requests and bundles straight from the reader
@@ -395,11 +400,11 @@ class Worker:
             task.add_done_callback(self._tasks.discard)
 
     def _decode_step(self, bundle: codec.BundleRequest):
-        """``(row, slab ids (1, K), slabs)`` when ``bundle`` is what a decode step sends: calls on
-        the same one row, every expert held, small, in one holding, and little enough work to
-        compute on the loop (the pool is idle: nothing to overlap); ``(row, None, weights)`` for
-        one such call. Else None, and :meth:`_on_bundle`'s general path decides (the same jobs,
-        :meth:`_grouped`, one reply)."""
+        """``(row, slab ids [K], the holding's bound step)`` when ``bundle`` is what a decode step
+        sends: calls on the same one row, every expert held, small, in one holding, and little
+        enough work to compute on the loop (the pool is idle: nothing to overlap); ``(row, None,
+        weights)`` for one such call. Else None, and :meth:`_on_bundle`'s general path decides (the
+        same jobs, :meth:`_grouped`, one reply)."""
         counts, index = bundle.counts, bundle.index
         k = len(counts)
         if max(counts) != 1:
@@ -426,24 +431,44 @@ class Worker:
         slabs, work, small = self._holding_plan[holding]
         if not small or k * work >= INLINE_DECODE_WORK:
             return None
-        return row, np.array([slots], dtype=np.int32), slabs
+        step = self._steps.get((holding, k))
+        if step is None:
+            step = self._bind_step(holding, k, slabs)
+        return row, slots, step
 
-    async def _answer_step(self, msg, bundle: codec.BundleRequest, row: int, slots: np.ndarray | None,
-                           weights) -> None:
+    def _bind_step(self, holding: codec.Holding, k: int, slabs):
+        """The bound graph of ``holding``'s decode steps of ``k`` calls, made on first use; past
+        MAX_STEPS of them, a function computing the same through :func:`moe_ffn` (its cache)."""
+        (gate, up, down), biases, glu = slabs
+
+        def unbound(row: np.ndarray, slots: list) -> np.ndarray:
+            return moe_ffn(gate, up, down, _float32(row[None]), np.array([slots], np.int32),
+                           biases=biases, glu=glu)[0]
+
+        if len(self._steps) >= MAX_STEPS:
+            return unbound
+        try:
+            step = moe_step(gate, up, down, k, biases=biases, glu=glu)
+        except Exception:  # moe_ffn says the same per call, and every call of the step is answered so
+            return unbound
+        self._steps[(holding, k)] = step
+        return step
+
+    async def _answer_step(self, msg, bundle: codec.BundleRequest, row: int, slots: list | None,
+                           compute) -> None:
         """A decode step's bundle (:meth:`_decode_step`): its calls' experts in one ``mul_mat_id``
-        graph on the one row (``weights``: the holding's slabs), each call's output the bits of its
-        call alone, in the bundle's order; or its one call's expert (``slots`` None)."""
-        x = _float32(bundle.rows[row:row + 1])  # (1, D)
+        graph on the one row (``compute``: the holding's bound step), each call's output the bits
+        of its call alone, in the bundle's order; or its one call's expert (``slots`` None,
+        ``compute`` its weights)."""
         k = len(bundle.ids)
         t0 = time.perf_counter()
         try:
             if slots is None:
-                out = expert_ffn(*weights, x, routed=True)  # (1, D)
+                out = expert_ffn(*compute, _float32(bundle.rows[row:row + 1]), routed=True)  # (1, D)
             else:
-                (gate, up, down), biases, glu = weights
-                out = moe_ffn(gate, up, down, x, slots, biases=biases, glu=glu)[0]  # (K, D)
+                out = compute(bundle.rows[row], slots)  # (K, D), the step's buffer: encoded below
             seconds = time.perf_counter() - t0
-            if out.shape != (k, x.shape[1]):
+            if out.shape != (k, bundle.rows.shape[1]):
                 raise ValueError(f"the kernel returned shape {out.shape}")
             payload = self._bundle_replies.encode_answers(bundle, out)
         except Exception as exc:  # the kernel failed: every call says why, as on the general path
@@ -583,6 +608,7 @@ INLINE_GRAPH_WORK = 4 * INLINE_WORK  # the same for a decode bundle in one graph
 # and the hop there and back is two thread wake-ups (~1 ms on a loaded 2-core machine, measured
 # with bench/dispatch.py's 122b-layer model), so up to a few ms of work run right here.
 INLINE_DECODE_WORK = 64 * INLINE_WORK
+MAX_STEPS = 64  # bound decode-step graphs per worker (a holding's call counts seen: a handful each)
 
 
 def _float32(rows: np.ndarray) -> np.ndarray:

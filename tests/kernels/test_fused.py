@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from kernels.expert import expert_ffn, moe_ffn
+from kernels.expert import expert_ffn, moe_ffn, moe_step
 from kernels.tensors import QTensor
 from tests.kernels.test_expert import N_EMBD, _expert
 
@@ -36,6 +36,48 @@ def test_moe_ffn_gives_each_expert_the_bits_it_gives_its_rows_alone(ggml, qtype,
         rows, slots = np.nonzero(ids == e)
         alone = expert_ffn(*experts[e], x[rows], routed=True, backend="ggml")
         assert np.array_equal(out[rows, slots], alone)
+
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.F16], ids=lambda t: t.name)
+def test_a_bound_step_gives_moe_ffns_bits_call_after_call(ggml, qtype):
+    """The worker's decode step (moe_step: buffers and graph bound once) against moe_ffn, on
+    rows and slot lists that change every call, a repeated slot, and f16 rows converted on copy."""
+    slabs, _ = _slabs(qtype, 6)
+    rng = np.random.default_rng(7)
+    step = moe_step(*slabs, 3)
+    for slots in ([0, 1, 2], [5, 3, 4], [2, 2, 0], [4, 1, 5]):
+        x = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+        want = moe_ffn(*slabs, x, np.array([slots]))[0]
+        got = step(x[0], slots)
+        assert got.shape == (3, N_EMBD) and np.array_equal(got, want), slots
+    half = rng.standard_normal(N_EMBD).astype(np.float16)
+    assert np.array_equal(step(half, [1, 0, 3]), moe_ffn(*slabs, half[None].astype(np.float32), np.array([[1, 0, 3]]))[0])
+
+
+def test_a_bound_step_with_bias_rows_and_swiglu_oai_gives_moe_ffns_bits(ggml):
+    slabs, _ = _slabs(T.Q8_0, 4)
+    rng = np.random.default_rng(8)
+    n_ff = slabs[0].ne[1]
+    biases = tuple(rng.standard_normal((4, n)).astype(np.float32) for n in (n_ff, n_ff, N_EMBD))
+    step = moe_step(*slabs, 2, biases=biases, glu="swiglu_oai")
+    x = rng.standard_normal((1, N_EMBD)).astype(np.float32)
+    want = moe_ffn(*slabs, x, np.array([[3, 1]]), biases=biases, glu="swiglu_oai")[0]
+    assert np.array_equal(step(x[0], [3, 1]), want)
+
+
+def test_a_bound_step_refuses_out_of_range_slots_and_checks_its_slabs(ggml):
+    slabs, _ = _slabs(T.Q8_0, 4)
+    step = moe_step(*slabs, 2)
+    x = np.ones(N_EMBD, np.float32)
+    for bad in ([0, 4], [-1, 0]):
+        with pytest.raises(ValueError, match=r"out of range 0\.\.3"):
+            step(x, bad)
+    assert np.array_equal(step(x, [1, 2]), moe_ffn(*slabs, x[None], np.array([[1, 2]]))[0])  # still usable
+    with pytest.raises(ValueError, match="do not fit together"):
+        moe_step(slabs[0], slabs[1], slabs[0], 2)
+    with pytest.raises(ValueError, match="at least one slot"):
+        moe_step(*slabs, 0)
 
 
 def test_moe_ffn_rejects_bad_ids(ggml):
