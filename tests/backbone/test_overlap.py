@@ -19,20 +19,9 @@ from backbone.model import Engine
 from kernels import fused
 from tests.backbone.test_dispatch import ROWS, bus, rig, times  # noqa: F401  (fixtures)
 from tests.backbone.test_pruning import Remote
+from tests.backbone.test_step_graph import every_step_shape
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _run(engine: Engine) -> list[np.ndarray]:
-    """9 rows, 1 row, 5 rows keeping the last, 1 row keeping it: every shape of a step."""
-    rng = np.random.default_rng(11)
-    V = engine.cfg.n_vocab
-    seq = engine.new_sequence()
-    out = engine.forward([(seq, rng.integers(0, V, 9))])
-    out += engine.forward([(seq, rng.integers(0, V, 1))])
-    out += engine.forward([(seq, rng.integers(0, V, 5))], all_logits=False)
-    out += engine.forward([(seq, rng.integers(0, V, 1))], all_logits=False)
-    return out
 
 
 class Overlapping(Remote):
@@ -70,7 +59,7 @@ def _rig(models, arch: str, qtype: str, monkeypatch):
 def test_shared_expert_runs_while_the_experts_are_away_with_the_bits_of_the_local_step(models, arch, qtype,
                                                                                       monkeypatch):
     local, sharded, backend, ran = _rig(models, arch, qtype, monkeypatch)
-    got, want = _run(sharded), _run(local)
+    got, want = every_step_shape(sharded), every_step_shape(local)
     assert len(got) == len(want) == 4
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     n_layer, has_shared = sharded.cfg.n_layer, sharded.weights.layers[0].ffn_gate_shexp is not None

@@ -13,9 +13,8 @@ from backbone.model import Engine
 from kernels import fused
 
 
-def _run(engine: Engine) -> tuple[list[np.ndarray], dict, dict]:
-    engine.local_experts.calls.clear()
-    engine.local_experts.rows.clear()
+def every_step_shape(engine: Engine) -> list[np.ndarray]:
+    """9 rows, 1 row, 5 rows keeping the last, 1 row keeping it: every shape of a step."""
     rng = np.random.default_rng(11)
     V = engine.cfg.n_vocab
     seq = engine.new_sequence()
@@ -23,6 +22,13 @@ def _run(engine: Engine) -> tuple[list[np.ndarray], dict, dict]:
     out += engine.forward([(seq, rng.integers(0, V, 1))])
     out += engine.forward([(seq, rng.integers(0, V, 5))], all_logits=False)
     out += engine.forward([(seq, rng.integers(0, V, 1))], all_logits=False)
+    return out
+
+
+def _run(engine: Engine) -> tuple[list[np.ndarray], dict, dict]:
+    engine.local_experts.calls.clear()
+    engine.local_experts.rows.clear()
+    out = every_step_shape(engine)
     return out, dict(engine.local_experts.calls), dict(engine.local_experts.rows)
 
 
