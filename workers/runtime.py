@@ -55,6 +55,10 @@ from modelfile.slice_file import SliceInfo
 log = structlog.get_logger("kvasir.worker")
 
 
+#: Round trips after the first flush in which a refusal of the node subject is looked for.
+_REFUSAL_ROUND_TRIPS = 3
+
+
 def _refused(error: BaseException | None, before: BaseException | None, subject: str) -> bool:
     """Whether the connection's last error is a new permission violation naming ``subject``
     (nats-py keeps the server's -ERR as ``last_error``, lowercased)."""
@@ -106,6 +110,8 @@ class Worker:
         self._nc = None
         self._subs = []
         self.takes_bundles = cfg.bundles  # False once the server refuses this node's bundle subject
+        self._node_sub = None  # that subscription, while it stands
+        self._error_before = None  # the connection's last error before it was made
         self._tasks: set[asyncio.Task] = set()  # requests on the compute pool
         self._inline = 0  # requests computed on the loop right now (0 or 1)
         self._routes: dict[str, tuple[int, int, tuple]] = {}  # subject -> (layer, expert, weights)
@@ -150,12 +156,16 @@ class Worker:
         kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
         for subject in self._routes:
             await self._subscribe(subject, self._on_request, **kw)
-        before, node_sub = nc.last_error, None
+        self._error_before = nc.last_error
         if self.cfg.bundles:  # this node's own subject: never a queue group, only we hold it
-            node_sub = await self._subscribe(self.subjects.node(self.cfg.node), self._on_bundle)
+            self._node_sub = await self._subscribe(self.subjects.node(self.cfg.node), self._on_bundle)
         await nc.flush()  # subscriptions are live on the server before we say so
-        if node_sub is not None and _refused(nc.last_error, before, node_sub.subject):
-            await self._give_up_bundles(node_sub)
+        # A refusal of the node subject may come a round trip after the flush's PONG: look
+        # a few round trips more (and again before every heartbeat).
+        for _ in range(_REFUSAL_ROUND_TRIPS):
+            if not self._node_sub or await self.check_bundle_subject():
+                break
+            await nc.flush()
         self.state = State.RUNNING
         self._service = await micro.start_service(nc, self.card(), [self._served()])
         await self._publish_heartbeat()
@@ -170,16 +180,20 @@ class Worker:
             self._lane.add(sub, handler)
         return sub
 
-    async def _give_up_bundles(self, sub) -> None:
-        """The server refused this node's bundle subject (credentials written before bundles):
-        serve one request per expert, and say so in the heartbeat, instead of announcing bundles
-        that nobody would receive."""
-        self.takes_bundles = False
+    async def check_bundle_subject(self) -> bool:
+        """Whether the server refused this node's bundle subject (its permissions were written
+        before bundles); if so, serve one request per expert and say so in the heartbeat,
+        instead of announcing bundles that nobody would receive."""
+        sub = self._node_sub
+        if sub is None or not _refused(self._nc.last_error, self._error_before, sub.subject):
+            return False
+        self._node_sub, self.takes_bundles = None, False
         self._subs.remove(sub)
         await sub.unsubscribe()
         self.log.warning("bundles_refused", subject=sub.subject,
                          hint="the server's permissions predate bundles: run `kvasir creds refresh DIR` "
                               "and `nats-server --signal reload`; serving one request per expert meanwhile")
+        return True
 
     def _handler_failed(self, exc: BaseException) -> None:
         """A handler let an exception through (a bug: each refuses bad input itself); the lane
@@ -269,6 +283,7 @@ class Worker:
                                kernel=self._kernel, sent_at=time.time(), bundles=self.takes_bundles)
 
     async def _publish_heartbeat(self) -> None:
+        await self.check_bundle_subject()
         hb = self.heartbeat()
         await self._nc.publish(self.subjects.coverage(self.cfg.node), hb.encode(), headers=codec.headers_for(hb))
 

@@ -35,6 +35,12 @@ def _serve_once(deployment, info, arun) -> tuple[Worker, dict]:
             nc = await connect(server.url, "w1", options=ConnectOptions(creds=str(deployment / "w1.creds")))
             worker = Worker(info, WorkerConfig(node="w1", heartbeat_s=60))
             await worker.start(nc)
+            # start() looks for a refusal a few round trips; the server may send it later still,
+            # so keep asking (as every heartbeat does), a bounded number of round trips.
+            for _ in range(100):
+                if not worker.takes_bundles or await worker.check_bundle_subject():
+                    break
+                await nc.flush()
             beat = worker.heartbeat()
             await worker.stop()
             await nc.drain()
