@@ -91,6 +91,7 @@ class MarketLink:
         self._wake: asyncio.Event | None = None
         self._loop = None
         self._lock = threading.Lock()  # hits are counted from the engine's thread
+        self._spool_loaded = False  # compacting a spool whose backlog is not in memory would lose it
         self._hits: Counter = Counter()
         self._published: Counter = Counter()  # every routing count handed to the bus, for all time
         self._calls = 0
@@ -216,6 +217,7 @@ class MarketLink:
             self._wake = asyncio.Event()
             if self.spool is not None:
                 self._load(self.spool.open(self.model, self.node))
+                self._spool_loaded = True
             self._task = asyncio.create_task(self._run())
             if self.unacked_events:
                 self._wake.set()
@@ -284,35 +286,52 @@ class MarketLink:
                 "spool_refused": self.spool_refused, "dropped": self.dropped_events}
 
     async def stop(self, flush_timeout_s: float = 5.0) -> None:
-        if self._task is None:
-            if self.spool is not None:
-                self.spool.close()
-            return
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self._task = None
-        deadline = time.monotonic() + flush_timeout_s
-        await self._publish_routing()
-        while self.unacked_events and time.monotonic() < deadline:
-            await self._publish_routing()
-            if await self._flush_ledger():
-                continue
-            if self._no_market:
-                break  # nobody listens: waiting cannot help
-            await asyncio.sleep(0.2)
-        if self.spool is not None and not self.spool.closed:
-            with self._lock:
+        """Stop the loop, send what the stream has not stored for up to ``flush_timeout_s``, then
+        compact and let go of the spool. The spool is let go also when the flush is cancelled
+        (a shutdown out of time): the next backbone of this node must be able to take it."""
+        try:
+            if self._task is not None:
+                self._task.cancel()
+                await asyncio.gather(self._task, return_exceptions=True)
+                self._task = None
                 try:
-                    self._compact()
-                except OSError as exc:
-                    log.error("ledger_spool_not_compacted", spool=str(self.spool.dir), error=str(exc))
-                self.spool.close()
+                    await asyncio.wait_for(self._flush_all(), flush_timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.release_spool()
         if self.unacked_events:
             log.log(30 if self.acked_events else 20, "ledger_events_unsent", model=self.model,
                     events=self.unacked_events, spool=str(self.spool.dir) if self.spool else None,
                     reason="no market on the bus" if self._no_market else "no acknowledgement before shutdown",
                     note="kept in the spool: sent on the next start, or by kvasir ledger replay"
                     if self.spool else "lost: no spool")
+
+    async def _flush_all(self) -> None:
+        await self._publish_routing()
+        while self.unacked_events:
+            await self._publish_routing()
+            if await self._flush_ledger():
+                continue
+            if self._no_market:
+                break  # nobody listens: waiting cannot help
+            await asyncio.sleep(0.2)
+
+    def release_spool(self) -> None:
+        """Compact the spool to what is unacknowledged and close it (its lock with it). Safe
+        from any thread and more than once: the service calls it again after its bus thread
+        ended, in case the stop never got that far."""
+        if self.spool is None:
+            return
+        with self._lock:
+            if self.spool.closed or not self._spool_loaded:
+                self.spool.close()
+                return
+            try:
+                self._compact()
+            except OSError as exc:
+                log.error("ledger_spool_not_compacted", spool=str(self.spool.dir), error=str(exc))
+            self.spool.close()
 
     async def _run(self) -> None:
         next_routing = time.monotonic() + self.interval_s

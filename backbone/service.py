@@ -322,24 +322,33 @@ class BackboneService:
             self.engine.use_experts(None)
         if run.hot is not None:
             run.hot.close()
+
+        def step(what: str, coro) -> None:  # each step on its own: one out of time skips no other
+            done = run.bus.submit(coro)
+            try:
+                done.result(timeout)
+            except Exception as exc:  # leaving anyway
+                done.cancel()
+                log.warning("disconnect_failed", step=what, error=f"{type(exc).__name__}: {exc}")
+
         try:
-            run.bus.run(micro.stop_service(run.service), timeout=timeout)
+            step("service", micro.stop_service(run.service))
             for sub in run.subs:
-                run.bus.run(sub.unsubscribe(), timeout=timeout)
+                step("subscription", sub.unsubscribe())
             run.subs.clear()
             if run.link is not None:
-                run.bus.run(run.link.stop(), timeout=timeout)
+                step("market link", run.link.stop())
             if run.dispatch is not None:
                 log_summary(run.dispatch)
-                run.bus.run(run.dispatch.close(), timeout=timeout)
+                step("dispatch", run.dispatch.close())
             if run.nc is not None:
-                run.bus.run(run.nc.drain(), timeout=timeout)
-        except Exception as exc:  # leaving anyway
-            log.warning("disconnect_failed", error=f"{type(exc).__name__}: {exc}")
+                step("drain", run.nc.drain())
         finally:
             if run.weights is not None:
                 run.weights.stop()
             run.bus.stop()
+            if run.link is not None:
+                run.link.release_spool()  # a stop out of time must not keep the spool locked
             self.state = State.STOPPED
 
     def __enter__(self) -> "BackboneService":

@@ -223,3 +223,35 @@ def test_generate_serve_and_up_take_a_spool_and_hand_it_to_the_backbone(command,
     assert BackboneConfig.from_args(args).spool == str(tmp_path)
     args = build_parser().parse_args([command[0], "--model", "m.gguf", *command[1:]])
     assert BackboneConfig.from_args(args).spool is None  # the default place
+
+
+def test_a_stop_out_of_time_or_cancelled_still_lets_go_of_the_spool(nats_server, arun, tmp_path):
+    """A shutdown whose flush cannot finish (a stream that never acknowledges) keeps the wins in
+    the spool and releases its lock: the next backbone of the node starts (a CI failure once)."""
+    async def go():
+        nc = await connect(nats_server.url, name="bb")
+        never = asyncio.Event()
+
+        async def hangs(*args):
+            await never.wait()
+
+        for cancel in (False, True):
+            link = MarketLink(nc, FP, "bb", spool=spool.Spool(tmp_path), flush_s=60, interval_s=60)
+            await link.start()
+            link._store = hangs
+            for i in range(4):
+                link.record_win("w", 0, i, 1, 0.001)
+            if cancel:  # the service's bus thread stopped under a stop that ran out of time
+                stopping = asyncio.create_task(link.stop(flush_timeout_s=60))
+                await asyncio.sleep(0.05)
+                stopping.cancel()
+                await asyncio.gather(stopping, return_exceptions=True)
+            else:
+                await link.stop(flush_timeout_s=0.2)
+            assert link.spool.closed
+            kept = spool.Spool(tmp_path)
+            assert kept.open(FP, "bb").events == 4 * (1 + cancel)  # nothing lost, and taken again
+            kept.close()
+        await nc.close()
+
+    arun(go(), timeout=30)
