@@ -86,6 +86,7 @@ class WorkerConfig:
     log_interval_s: float = 60.0  # one refusal line per sender and kind this often
     bundles: bool = True  # take bundles on kvasir.<model>.n.<node> (and announce it)
     inline_delivery: bool = True  # handle requests where nats.py parses them (workers.lane), if it can
+    direct_reply: bool = True  # write replies straight to the socket (workers.lane.DirectReply), if it can
 
 
 class State(enum.Enum):
@@ -127,6 +128,7 @@ class Worker:
         self._one_graph = backend_name() == "ggml"  # a decode bundle's experts in one mul_mat_id graph
         self._heartbeat: asyncio.Task | None = None
         self._lane: InlineDelivery | None = None  # requests and bundles straight from the reader
+        self._direct: lane.DirectReply | None = None  # replies straight to the socket
         self._pool = ThreadPoolExecutor(max_workers=cfg.compute_threads, thread_name_prefix="expert")
         self._kernel = kernel_label()  # announced in heartbeats and replies: how audits compare
         self._replies = codec.ReplyEncoder(cfg.node, self._kernel)  # node and kernel checked once
@@ -153,6 +155,10 @@ class Worker:
         self._index_holdings()
         if self.cfg.inline_delivery and lane.supported(nc):
             self._lane = InlineDelivery(nc, self._handler_failed)
+        if self.cfg.direct_reply:
+            self._direct, why_not = lane.DirectReply.attach(nc)
+            if why_not is not None:
+                self.log.info("direct_reply_off", reason=why_not)
         kw = {"queue": self.cfg.queue_group} if self.cfg.queue_group else {}
         for subject in self._routes:
             await self._subscribe(subject, self._on_request, **kw)
@@ -171,7 +177,8 @@ class Worker:
         await self._publish_heartbeat()
         self._heartbeat = asyncio.create_task(self._heartbeat_loop())
         self.log.info("worker_started", experts=self.slice.n_held, holdings=len(self.slice.holdings),
-                      kernel=self._kernel, subjects=len(self._subs), inline=self._lane is not None)
+                      kernel=self._kernel, subjects=len(self._subs), inline=self._lane is not None,
+                      direct=self._direct is not None)
 
     async def _subscribe(self, subject: str, handler, **kw):
         sub = await self._nc.subscribe(subject, cb=handler, **kw)  # the ordinary path, for what the lane passes on
@@ -586,8 +593,11 @@ class Worker:
 
     async def _send(self, to: str, payload: bytes, record: codec.Record | None, request_id: str = "") -> None:
         """Publish a reply. Error replies carry headers for people watching the bus; dispatch
-        replies, the hot path, carry none (the payload says everything, docs/protocol.md)."""
+        replies, the hot path, carry none (the payload says everything, docs/protocol.md), and
+        go straight to the socket when that is safe (:class:`workers.lane.DirectReply`)."""
         try:
+            if record is None and self._direct is not None and self._direct.write(to, payload):
+                return
             await self._nc.publish(to, payload, headers=codec.headers_for(record) if record is not None else None)
         except Exception as exc:
             self.log.warning("reply_failed", request_id=request_id or getattr(record, "request_id", ""),

@@ -1,0 +1,172 @@
+"""Direct replies (workers.lane.DirectReply): on nats.py's TCP transport a reply goes to the socket
+in one write, intact and in order with everything published the ordinary way; it steps aside
+(the caller publishes) whenever nats.py has something pending, is not connected, or talks
+websocket; a worker keeps serving across a nats-server restart."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from kvasir_bus import codec
+from kvasir_bus.connect import connect
+from kvasir_bus.server import EmbeddedNats
+from kvasir_bus.subjects import Subjects
+from tests.polling import until
+from tests.workers.test_worker import model, reference, request, slice_info  # noqa: F401 (fixtures)
+from workers.lane import DIRECT_BUFFER_LIMIT, DIRECT_JOIN_LIMIT, DirectReply
+from workers.runtime import Worker, WorkerConfig
+
+#: Both sides of the join limit, of asyncio's 64 KiB high-water mark, and a few times past it.
+SIZES = [0, 1, 100, DIRECT_JOIN_LIMIT - 1, DIRECT_JOIN_LIMIT, DIRECT_JOIN_LIMIT + 1,
+         DIRECT_BUFFER_LIMIT - 1, DIRECT_BUFFER_LIMIT, DIRECT_BUFFER_LIMIT + 1, 3 * DIRECT_BUFFER_LIMIT + 7,
+         1024 * 1024]
+
+
+def _payload(seq: int, size: int) -> bytes:
+    """``size`` bytes that say their sequence number and cannot be mistaken for another's."""
+    body = np.random.default_rng(seq).integers(0, 256, max(size, 4), dtype=np.uint8).tobytes()
+    return (seq.to_bytes(4, "little") + body[4:])[:size] if size >= 4 else body[:size]
+
+
+def test_replies_go_direct_on_tcp_intact_and_in_order_with_ordinary_publishes(nats_server, arun):
+    plan = [(i, SIZES[i % len(SIZES)], i % 7 == 3) for i in range(400)]  # (seq, size, ordinary publish?)
+
+    async def go():
+        nc = await connect(nats_server.url, "direct")
+        direct, why_not = DirectReply.attach(nc)
+        assert why_not is None, why_not
+        got, done = [], asyncio.Event()
+        client = await connect(nats_server.url, "client")
+
+        async def collect(msg):
+            got.append(msg.data)
+            if len(got) == len(plan):
+                done.set()
+
+        await client.subscribe("reply.one", cb=collect)
+        await client.flush()
+        before = dict(nc.stats)
+        took = 0
+        for seq, size, ordinary in plan:
+            data = _payload(seq, size)
+            if ordinary:  # leaves nats.py's buffer non-empty until its flusher runs
+                await nc.publish("reply.one", data)
+            elif direct.write("reply.one", data):
+                took += 1
+            else:
+                await nc.publish("reply.one", data)
+            if seq % 50:
+                await asyncio.sleep(0)  # the loop turns between replies, as in a worker: the flusher runs
+        await asyncio.wait_for(done.wait(), 30)
+        stats = dict(nc.stats)
+        await client.close()
+        await nc.close()
+        return got, took, direct.written, before, stats
+
+    got, took, written, before, stats = arun(go(), timeout=60)
+    assert [len(d) for d in got] == [size for _, size, _ in plan]
+    assert got == [_payload(seq, size) for seq, size, _ in plan]  # every byte, in publish order
+    assert took == written and took > len(plan) // 2, took  # most went direct; the rest stepped aside
+    assert stats["out_msgs"] - before["out_msgs"] == len(plan)
+    assert stats["out_bytes"] - before["out_bytes"] == sum(size for _, size, _ in plan)
+
+
+def test_it_steps_aside_while_something_is_pending_or_the_client_is_not_connected(arun):
+    async def go():
+        with EmbeddedNats(port=0) as server:
+            nc = await connect(server.url, "direct", reconnect_time_wait=0.2)
+            direct, _ = DirectReply.attach(nc)
+            seen = {"idle": direct.write("x.y", b"a")}
+            await nc.publish("x.y", b"queued")  # in nats.py's buffer until its flusher's next turn
+            seen["pending"] = direct.write("x.y", b"b")
+            await nc.flush()
+            seen["flushed"] = direct.write("x.y", b"c")
+            seen["too_large"] = direct.write("x.y", b"z" * (nc.max_payload + 1))
+            seen["bad_subject"] = [direct.write(s, b"d") for s in ("", "a b", "a\r\nPUB x 1")]
+            seen["not_bytes"] = direct.write("x.y", bytearray(b"e"))
+            port = server.port
+        await until(lambda: nc.is_reconnecting, "the client to notice the server is gone", 20)
+        seen["reconnecting"] = direct.write("x.y", b"f")
+        with EmbeddedNats(port=port):  # the same port: the client comes back by itself
+            await until(lambda: nc.is_connected and not nc.pending_data_size, "the client to reconnect", 30)
+            seen["back"] = direct.write("x.y", b"g")
+            await nc.close()
+        seen["closed"] = direct.write("x.y", b"h")
+        return seen
+
+    seen = arun(go(), timeout=90)
+    assert seen == {"idle": True, "pending": False, "flushed": True, "too_large": False,
+                    "bad_subject": [False, False, False], "not_bytes": False, "reconnecting": False,
+                    "back": True, "closed": False}
+
+
+def test_websocket_and_foreign_clients_keep_the_ordinary_path(arun, tmp_path):
+    class NotNats:
+        stats = {"out_msgs": 0, "out_bytes": 0}
+
+    _, why_not = DirectReply.attach(NotNats())
+    assert why_not and "_status" in why_not
+    with pytest.raises(TypeError, match="no direct replies"):
+        DirectReply(NotNats())
+
+    conf = tmp_path / "ws.conf"
+    conf.write_text('websocket {\n  listen: "127.0.0.1:-1"\n  no_tls: true\n}\n')
+
+    async def go(server):
+        nc = await connect(f"ws://127.0.0.1:{server.websocket_port}", "ws")
+        direct, why_not = DirectReply.attach(nc)
+        await nc.close()
+        return direct, why_not
+
+    with EmbeddedNats(config=conf, port=0) as server:
+        direct, why_not = arun(go(server), timeout=30)
+    assert direct is None and "WebSocketTransport" in why_not
+
+
+def test_a_worker_answers_directly_and_keeps_serving_across_a_server_restart(arun, slice_info, model):  # noqa: F811
+    info = slice_info
+    subj = Subjects(info.fingerprint)
+    rows = np.random.default_rng(5).standard_normal((2, info.n_embd)).astype(np.float32)
+
+    async def ask(client, i):
+        """One request, asked again while the worker has not resubscribed after the restart."""
+        for _ in range(100):
+            try:
+                msg = await client.request(subj.dispatch(0, 2 + i % 4), request(info, 0, 2 + i % 4, rows, f"q{i}").encode(),
+                                           timeout=2)
+                return codec.decode_reply(msg.data)
+            except Exception:  # no responders / timeout while the worker's connection comes back
+                await asyncio.sleep(0.1)
+        raise AssertionError(f"request q{i} never answered")
+
+    async def go():
+        replies = []
+        first = EmbeddedNats(port=0).start()
+        port = first.port
+        try:
+            nc = await connect(first.url, "w", reconnect_time_wait=0.2)
+            worker = Worker(info, WorkerConfig(node="w-restart", heartbeat_s=60))
+            await worker.start(nc)
+            assert worker._direct is not None
+            client = await connect(first.url, "c", reconnect_time_wait=0.2)
+            replies += [await ask(client, i) for i in range(8)]
+            direct_before = worker._direct.written
+        finally:
+            first.stop()
+        with EmbeddedNats(port=port):
+            await until(lambda: nc.is_connected and client.is_connected, "both clients to reconnect", 30)
+            replies += [await ask(client, i) for i in range(8, 16)]
+            direct_after = worker._direct.written
+            await worker.stop()
+            await client.close()
+            await nc.close()
+        return replies, direct_before, direct_after
+
+    replies, direct_before, direct_after = arun(go(), timeout=120)
+    assert [r.request_id for r in replies] == [f"q{i}" for i in range(16)]
+    for i, reply in enumerate(replies):
+        assert np.array_equal(reply.rows, reference(model, 0, 2 + i % 4, rows))
+    assert direct_before == 8 and direct_after > direct_before  # direct before and after the restart
