@@ -6,12 +6,13 @@ websocket; a worker keeps serving across a nats-server restart."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import numpy as np
 import pytest
 
 from kvasir_bus import codec
-from kvasir_bus.connect import connect
+from kvasir_bus.connect import ConnectOptions, connect
 from kvasir_bus.server import EmbeddedNats
 from kvasir_bus.subjects import Subjects
 from tests.polling import until
@@ -31,47 +32,67 @@ def _payload(seq: int, size: int) -> bytes:
     return (seq.to_bytes(4, "little") + body[4:])[:size] if size >= 4 else body[:size]
 
 
-def test_replies_go_direct_on_tcp_intact_and_in_order_with_ordinary_publishes(nats_server, arun):
+async def _replies_in_order(url: str, options: ConnectOptions | None = None):
+    """Publish 400 replies of every size in SIZES on one connection, most through DirectReply,
+    every seventh the ordinary way; return what a second connection received and the counts."""
     plan = [(i, SIZES[i % len(SIZES)], i % 7 == 3) for i in range(400)]  # (seq, size, ordinary publish?)
+    nc = await connect(url, "direct", options=options)
+    direct, why_not = DirectReply.attach(nc)
+    assert why_not is None, why_not
+    got, done = [], asyncio.Event()
+    client = await connect(url, "client", options=options)
 
-    async def go():
-        nc = await connect(nats_server.url, "direct")
-        direct, why_not = DirectReply.attach(nc)
-        assert why_not is None, why_not
-        got, done = [], asyncio.Event()
-        client = await connect(nats_server.url, "client")
+    async def collect(msg):
+        got.append(msg.data)
+        if len(got) == len(plan):
+            done.set()
 
-        async def collect(msg):
-            got.append(msg.data)
-            if len(got) == len(plan):
-                done.set()
+    await client.subscribe("reply.one", cb=collect)
+    await client.flush()
+    before = dict(nc.stats)
+    took = 0
+    for seq, size, ordinary in plan:
+        data = _payload(seq, size)
+        if ordinary:  # leaves nats.py's buffer non-empty until its flusher runs
+            await nc.publish("reply.one", data)
+        elif direct.write("reply.one", data):
+            took += 1
+        else:
+            await nc.publish("reply.one", data)
+        if seq % 50:
+            await asyncio.sleep(0)  # the loop turns between replies, as in a worker: the flusher runs
+    await asyncio.wait_for(done.wait(), 30)
+    stats = dict(nc.stats)
+    await client.close()
+    await nc.close()
+    return plan, got, took, direct.written, before, stats
 
-        await client.subscribe("reply.one", cb=collect)
-        await client.flush()
-        before = dict(nc.stats)
-        took = 0
-        for seq, size, ordinary in plan:
-            data = _payload(seq, size)
-            if ordinary:  # leaves nats.py's buffer non-empty until its flusher runs
-                await nc.publish("reply.one", data)
-            elif direct.write("reply.one", data):
-                took += 1
-            else:
-                await nc.publish("reply.one", data)
-            if seq % 50:
-                await asyncio.sleep(0)  # the loop turns between replies, as in a worker: the flusher runs
-        await asyncio.wait_for(done.wait(), 30)
-        stats = dict(nc.stats)
-        await client.close()
-        await nc.close()
-        return got, took, direct.written, before, stats
 
-    got, took, written, before, stats = arun(go(), timeout=60)
+def _check_in_order(plan, got, took, written, before, stats):
     assert [len(d) for d in got] == [size for _, size, _ in plan]
     assert got == [_payload(seq, size) for seq, size, _ in plan]  # every byte, in publish order
     assert took == written and took > len(plan) // 2, took  # most went direct; the rest stepped aside
     assert stats["out_msgs"] - before["out_msgs"] == len(plan)
     assert stats["out_bytes"] - before["out_bytes"] == sum(size for _, size, _ in plan)
+
+
+def test_replies_go_direct_on_tcp_intact_and_in_order_with_ordinary_publishes(nats_server, arun):
+    _check_in_order(*arun(_replies_in_order(nats_server.url), timeout=60))
+
+
+def test_replies_go_direct_on_tls_intact_and_in_order(arun, tmp_path):
+    trustme = pytest.importorskip("trustme")
+    ca, files = trustme.CA(), {name: tmp_path / name for name in ("ca.pem", "server.pem", "server.key")}
+    server_cert = ca.issue_cert("localhost", "127.0.0.1")
+    ca.cert_pem.write_to_path(files["ca.pem"])
+    server_cert.cert_chain_pems[0].write_to_path(files["server.pem"])
+    server_cert.private_key_pem.write_to_path(files["server.key"])
+    conf = tmp_path / "tls.conf"
+    conf.write_text(f"max_payload: 8MB\ntls {{\n  cert_file: {json.dumps(str(files['server.pem']))}\n"
+                    f"  key_file: {json.dumps(str(files['server.key']))}\n}}\n")
+    with EmbeddedNats(config=conf, port=0) as server:
+        url = f"tls://127.0.0.1:{server.port}"
+        _check_in_order(*arun(_replies_in_order(url, ConnectOptions(tls_ca=str(files["ca.pem"]))), timeout=60))
 
 
 def test_it_steps_aside_while_something_is_pending_or_the_client_is_not_connected(arun):
