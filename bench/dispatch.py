@@ -5,7 +5,9 @@ hidden 3072, expert FFN 1024, Q4_K; fewer experts per layer by default so that t
 in seconds), in one run: decode tokens/s of the same engine with all experts local and with all
 experts computed by worker processes on an embedded nats-server, their ratio, the dispatch
 round trips per token (requests, and the serial waits: one per MoE layer), the messages the
-backbone sends per token, and the bytes on the wire per token per layer. Monolithic and sharded
+backbone sends per token, the bytes on the wire per token per layer, and the CPU milliseconds per
+token of each process (backbone, workers, nats-server: /proc, the least over the rounds): whether
+the machine's cores, not the wait, bound the sharded decode. Monolithic and sharded
 decodes alternate on one warm swarm, so both see the same load; the best round of each counts.
 Sharded runs with bundles (one message per worker per layer step, the default) and, with
 ``--bundles both`` (the default here), also without (one message per expert), on the same
@@ -62,16 +64,22 @@ from raw_floor import bench_raw_floor  # noqa: E402  (bench/ is on the path when
 _COUNTED = ("calls", "remote", "local", "bytes_out", "bytes_in", "bundles", "bundled_calls")
 
 
-def decode(engine: Engine, prompt: np.ndarray, n: int, remote=None) -> tuple[list[int], float, dict | None]:
+def decode(engine: Engine, prompt: np.ndarray, n: int, remote=None, cpu=None) -> tuple[list[int], float, dict | None]:
+    """``n`` tokens decoded after ``prompt``: (tokens, tokens/s, the dispatch counters' change).
+    ``cpu``: (a function returning CPU-second counters, a list that gets their change over the
+    decode loop alone, without the prompt)."""
     seq = engine.new_sequence()
     (logits,) = engine.forward([(seq, prompt)], all_logits=False)
     before = remote.stats.to_dict()["totals"] if remote else None
     tokens = []
+    c0 = cpu[0]() if cpu else None
     t0 = time.perf_counter()
     for _ in range(n):
         tokens.append(int(logits[-1].argmax()))
         (logits,) = engine.forward([(seq, np.array(tokens[-1:]))], all_logits=False)
     dt = time.perf_counter() - t0
+    if cpu:
+        cpu[1].append(tuple(b - a for a, b in zip(c0, cpu[0]())))
     delta = None
     if remote:
         after = remote.stats.to_dict()["totals"]
@@ -98,6 +106,7 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
     fp = model_fingerprint(engine.reader)
     mono, same = [], True
     sharded = {mode: [] for mode in modes}
+    cpu = {"monolithic": [], **{mode: [] for mode in modes}}  # per round: (backbone, workers, nats) CPU s
     counted = {mode: None for mode in modes}
     with EmbeddedNats() as server, tempfile.TemporaryDirectory() as logdir:
         procs = []
@@ -113,14 +122,19 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
                 remote = backbone.dispatch
                 wait_for_bundle_nodes(remote, len(procs) if True in modes else 0)
                 decode(engine, prompt, 2, remote)  # warm the workers' caches and the connection
+                pids = ([p.proc.pid for p in procs], [server.pid])
+
+                def cpu_now() -> tuple[float, ...]:
+                    return (time.process_time(), *(sum(_proc_cpu_s(pid) for pid in group) for group in pids))
+
                 for _ in range(rounds):
                     engine.use_experts(None)
-                    mono_tokens, mono_tps, _ = decode(engine, prompt, n_decode)
+                    mono_tokens, mono_tps, _ = decode(engine, prompt, n_decode, cpu=(cpu_now, cpu["monolithic"]))
                     mono.append(mono_tps)
                     engine.use_experts(remote)
                     for mode in modes:
                         remote.bundles = mode
-                        sh_tokens, sh_tps, dr = decode(engine, prompt, n_decode, remote)
+                        sh_tokens, sh_tps, dr = decode(engine, prompt, n_decode, remote, cpu=(cpu_now, cpu[mode]))
                         sharded[mode].append(sh_tps)
                         same = same and sh_tokens == mono_tokens
                         d = counted[mode]
@@ -140,6 +154,7 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
         "monolithic_tok_s": round(max(mono), 2),
         "same_tokens": same,
         "serial_round_trips_per_token": cfg.n_layer,  # one wait per MoE layer per step
+        "monolithic_cpu_ms_per_token": _cpu_ms_per_token(cpu["monolithic"], n_decode)["backbone"],
     }
     for mode in modes:
         tag, d, sh = ("" if mode else "no_bundles_"), counted[mode], sharded[mode]
@@ -151,8 +166,19 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
             f"{tag}messages_out_per_token": round(_messages(d) / n_all, 2),
             f"{tag}remote_fraction": round(d["remote"] / d["calls"], 3) if d["calls"] else None,
             f"{tag}wire_bytes_per_token_per_layer": round((d["bytes_out"] + d["bytes_in"]) / n_all / cfg.n_layer),
+            f"sharded_{tag}cpu_ms_per_token": _cpu_ms_per_token(cpu[mode], n_decode),
         })
     return out
+
+
+def _cpu_ms_per_token(rounds: list[tuple[float, ...]], n_decode: int) -> dict:
+    """CPU milliseconds per token of each process group, the least over the rounds (CPU time
+    grows too when other processes share the cores): backbone (this process, its bus thread
+    included), the workers together, nats-server; /proc counts in 10 ms ticks, so a round of
+    32 tokens resolves about 0.3 ms per token."""
+    names = ("backbone", "workers", "nats_server")
+    best = [min(r[i] for r in rounds) for i in range(len(rounds[0]))]
+    return {name: round(1e3 * s / n_decode, 2) for name, s in zip(names, best)}
 
 
 def wait_for_bundle_nodes(remote, n: int, timeout_s: float = 60.0) -> None:

@@ -16,8 +16,8 @@ decode row of a small expert) is computed and answered on the event loop: a hop 
 back would cost more than the product. A big one runs on a thread pool while the loop decodes
 the next request; many can be in flight at once. A decode bundle (one row per call) that finds
 the pool idle is computed on the loop up to a few ms of work (nothing to overlap; the hop is two
-thread wake-ups), its big experts each in its own graph (``mul_mat_id`` on one row is slower
-there). ``stop()`` drains: no new requests, in-flight
+thread wake-ups), big experts too in one graph (122b shapes, q4_k, 4 experts on one thread: 2.5-2.9
+ms against 2.9-3.1 for four graphs, bit for bit the same). ``stop()`` drains: no new requests, in-flight
 ones finish and are answered, then the connection closes.
 
 What a request costs besides its kernel is measured by ``bench/dispatch.py --overhead``; the
@@ -118,10 +118,10 @@ class Worker:
         self._routes: dict[str, tuple[int, int, tuple]] = {}  # subject -> (layer, expert, weights)
         self._weights: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> weights, for bundles
         self._slot: dict[tuple[int, int], tuple[codec.Holding, int]] = {}  # -> (its holding, slab index)
-        # layer -> expert -> (its holding, slab index); holding -> (slabs, work per row and call,
-        # small): what a decode bundle needs, found with two lookups per call (_decode_step)
+        # layer -> expert -> (its holding, slab index); holding -> (slabs, work per row and call):
+        # what a decode bundle needs, found with two lookups per call (_decode_step)
         self._held: dict[int, dict[int, tuple[codec.Holding, int]]] = {}
-        self._holding_plan: dict[codec.Holding, tuple[tuple, int, bool]] = {}
+        self._holding_plan: dict[codec.Holding, tuple[tuple, int]] = {}
         # (holding, calls) -> its decode step's graph, bound once (kernels.expert.moe_step); at most
         # MAX_STEPS, then moe_ffn's own per-thread cache serves the rest
         self._steps: dict[tuple[codec.Holding, int], object] = {}
@@ -218,7 +218,7 @@ class Worker:
             if h not in self._holding_plan:
                 gate = weights[0]
                 work = 3 * gate.ne[0] * gate.ne[1]
-                self._holding_plan[h] = (self.slice.holding_slabs(h), work, work < INLINE_WORK)
+                self._holding_plan[h] = (self.slice.holding_slabs(h), work)
             self._routes[self.subjects.dispatch(layer, expert)] = (layer, expert, weights)
 
     async def stop(self) -> None:
@@ -423,8 +423,8 @@ class Worker:
 
     def _decode_step(self, bundle: codec.BundleRequest):
         """``(row, slab ids [K], the holding's bound step)`` when ``bundle`` is what a decode step
-        sends: calls on the same one row, every expert held, small, in one holding, and little
-        enough work to compute on the loop (the pool is idle: nothing to overlap); ``(row, None,
+        sends: calls on the same one row, every expert held, in one holding, and little enough
+        work to compute on the loop (the pool is idle: nothing to overlap); ``(row, None,
         weights)`` for one such call. Else None, and :meth:`_on_bundle`'s general path decides (the
         same jobs, :meth:`_grouped`, one reply)."""
         counts, index = bundle.counts, bundle.index
@@ -450,8 +450,8 @@ class Worker:
                 return None
             holding = entry[0]
             slots.append(entry[1])
-        slabs, work, small = self._holding_plan[holding]
-        if not small or k * work >= INLINE_DECODE_WORK:
+        slabs, work = self._holding_plan[holding]
+        if k * work >= INLINE_DECODE_WORK:
             return None
         step = self._steps.get((holding, k))
         if step is None:
@@ -514,9 +514,6 @@ class Worker:
         call alone. Anything else stays one job per call."""
         if any(bundle.counts[i] != 1 for i, _ in held) or len({int(bundle.index[i]) for i, _ in held}) != 1:
             return held
-        gate = held[0][1][0]
-        if 3 * gate.ne[0] * gate.ne[1] >= INLINE_WORK:  # a big expert: its own matvecs beat mul_mat_id's
-            return held                                     # (122b shapes, q4_k: 4 calls 1.8 ms vs 3.0 ms)
         groups: dict[codec.Holding, list[tuple[int, int]]] = {}
         for i, _ in held:
             h, slot = self._slot[(bundle.layer, bundle.experts[i])]

@@ -87,17 +87,17 @@ def test_a_decode_bundle_runs_its_experts_in_one_graph_with_the_bits_of_each_cal
     assert worker.served == 3
 
 
-def test_a_decode_bundle_of_big_experts_runs_each_call_alone_on_the_loop_with_the_same_bits(
+def test_a_decode_bundle_of_big_experts_runs_in_one_graph_on_the_loop_with_the_bits_of_each_call_alone(
         nats_server, arun, slice_info, model, monkeypatch):  # noqa: F811
     info = slice_info  # layer 0, experts 2-5
     rows = np.random.default_rng(2).standard_normal((1, info.n_embd)).astype(np.float32)
     calls = [("a", 5, [0]), ("b", 2, [0]), ("c", 3, [0])]
-    monkeypatch.setattr(runtime, "INLINE_WORK", 1)  # every expert is big: its own matvecs, past the usual inline bound
+    monkeypatch.setattr(runtime, "INLINE_WORK", 1)  # every expert is big, past the usual inline bound
 
-    def no_graph(*args, **kw):
-        raise AssertionError("a big expert's decode call went into a mul_mat_id graph")
+    def no_single(*args, **kw):
+        raise AssertionError("a big expert's decode call ran in its own graph")
 
-    monkeypatch.setattr(runtime, "moe_ffn", no_graph)
+    monkeypatch.setattr(runtime, "expert_ffn", no_single)
 
     worker = Worker(info, WorkerConfig(node="wd", heartbeat_s=60))
     pooled = []
@@ -109,6 +109,7 @@ def test_a_decode_bundle_of_big_experts_runs_each_call_alone_on_the_loop_with_th
     for rid, expert, _ in calls:
         assert np.array_equal(got[rid], reference(model, 0, expert, rows)), rid
     assert pooled == []  # a decode step with the pool idle: computed on the loop, no hop
+    assert len(worker._steps) == 1  # the holding's bound step graph
 
 
 def test_bad_bundles_get_an_error_reply_and_the_worker_keeps_serving(nats_server, arun, slice_info, model):  # noqa: F811
