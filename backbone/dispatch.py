@@ -493,7 +493,11 @@ class RemoteExperts:
             # Decode: the engine hands every expert of the step the token's one row (the same
             # array), so the union is that row; it fits, as the engine's rows fit one message.
             if len(calls) * (self.n_embd * 4 + 4 + _CALL_BYTES) <= budget:
-                return [self._bundle(layer, node, calls, first, [0] * len(calls))]
+                token = f"{next(self._ids):x}"
+                tokens = [call.tokens[0] for call in calls]
+                payload = self.bundle_requests.encode_one_row(layer, token, first, tokens,
+                                                              [call.expert for call in calls])
+                return [_Bundle(node, layer, token, calls, payload, frozenset(tokens))]
         row_bytes = self.n_embd * first.itemsize
         n_rows = sum(len(call.rows) for call in calls)
         if n_rows * (self.n_embd * 4 + 4) + _CALL_BYTES * len(calls) <= budget:  # fits even if no row repeats
