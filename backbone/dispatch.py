@@ -381,10 +381,11 @@ class RemoteExperts:
         if while_waiting is not None:
             while_waiting()
         outs: list[np.ndarray | None] = [None] * len(calls)
-        remote = {call.index for call in step.calls}
-        for i, (expert, rows) in enumerate(calls):  # the fallback replica works while the bus does
-            if i not in remote:
-                outs[i] = self._compute_here(layer, expert, rows, stats)
+        remote = {call.index for call in step.calls} if len(step.calls) < len(calls) else None  # None: all
+        if remote is not None:
+            for i, (expert, rows) in enumerate(calls):  # the fallback replica works while the bus does
+                if i not in remote:
+                    outs[i] = self._compute_here(layer, expert, rows, stats)
         references = self._audit_ahead(layer, step.calls) if step.calls else {}
         if step.calls:
             deadline = step.timeout_s + _STEP_GRACE_S
@@ -397,17 +398,17 @@ class RemoteExperts:
                 if i == _SETTLED:
                     break
                 outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
-            self._book_wins(layer, step.calls)
+            for call, audited in self._book_wins(layer, step.calls):
+                outs[call.index] = self._accept(layer, call.expert, call.rows, call.won, audited,
+                                                references.get(call.index))
             for call in step.calls:
                 if outs[call.index] is None:
-                    won = call.won
-                    outs[call.index] = self._accept(layer, call.expert, call.rows, won, references.get(call.index)) \
-                        if won is not None else self._compute_here(layer, call.expert, call.rows, stats)
+                    outs[call.index] = self._compute_here(layer, call.expert, call.rows, stats)
         if self.recorder is not None:
             for call in step.calls:
                 self.recorder.record_call(layer, call.expert, len(call.rows), remote=call.won is not None)
             for i, (expert, rows) in enumerate(calls):
-                if i not in remote:
+                if remote is not None and i not in remote:
                     self.recorder.record_call(layer, expert, len(rows), remote=False)
         return outs
 
@@ -417,6 +418,8 @@ class RemoteExperts:
         not a recompute. Known only for a call in exactly one node's bundle (the node that will
         answer it); the verdict stays :meth:`Auditor.should_audit`'s when the reply is used, so a
         guess made stale by a concurrent step only costs a recompute or an unused one."""
+        if self.auditor.cfg.rate <= 0.0:  # audits off: would_audit says no to every call
+            return {}
         with self._audit_lock:
             ahead = [call for call in calls if len(call.nodes) == 1 and self.auditor.would_audit(call.nodes[0], layer)]
         return {call.index: self.local.compute(layer, call.expert, call.rows) for call in ahead}
@@ -527,15 +530,14 @@ class RemoteExperts:
                                               [len(call.rows) for call in calls], index)
         return _Bundle(node, layer, token, calls, payload, frozenset(tokens))
 
-    def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won,
+    def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won, audited: list[bool],
                 reference: np.ndarray | None = None) -> np.ndarray:
-        """A won call: audit it if the auditor says so (then the local result is used: ``reference``
-        when it was computed ahead), credit the nodes whose parts were not caught lying."""
-        with self._audit_lock:
-            audited = [self.auditor.should_audit(part.node, layer) for part in won.parts]
+        """A won call: audited (``audited``: the auditor's verdict per part, taken by
+        :meth:`_book_wins`) when the auditor said so, then the local result is used (``reference``
+        when it was computed ahead); credit the nodes whose parts were not caught lying."""
         out = won.out
-        honest = list(won.parts)
-        if any(audited):
+        honest = won.parts
+        if True in audited:
             out = reference if reference is not None else self.local.compute(layer, expert, rows)
             honest = [part for part in won.parts if self._audit(layer, expert, rows, out, part)]
         if self.recorder is not None:
@@ -740,20 +742,24 @@ class RemoteExperts:
         call.won = _Won(tuple(call.parts), time.perf_counter() - call.step.t0)
         self._settle(call, "won")
 
-    def _book_wins(self, layer: int, calls: list[_Call]) -> None:
+    def _book_wins(self, layer: int, calls: list[_Call]) -> list[tuple[_Call, list[bool]]]:
         """The bookkeeping of a step's won calls, in one pass under one lock (two micro-batches may
         book at once): the adaptive timeout, the expert's coverage and latency record, the
-        counters per layer and per node, the metrics hook."""
+        counters per layer and per node, the metrics hook; and the auditor's verdict on each of
+        their parts (whether it is recomputed here). Returns the won calls with their verdicts."""
         won = [call for call in calls if call.won is not None]
         if not won:
-            return
+            return []
         stats = self.stats.layer(layer)
         nodes, node_rows, node_latency = self.stats.nodes, self.stats.node_rows, self.stats.node_latency_s
         observe, mark_answered, timeout = self.observe_reply, self.coverage.mark_answered, self.timeout
+        should_audit = self.auditor.should_audit
+        verdicts = []
         with self._audit_lock:
             for call in won:
                 latency = call.won.latency_s
-                node = call.won.parts[0].node
+                parts = call.won.parts
+                node = parts[0].node
                 n = len(call.rows)
                 mark_answered(layer, call.expert)
                 timeout.observe(latency)
@@ -765,10 +771,13 @@ class RemoteExperts:
                 node_rows[node] += n
                 node_latency[node] += latency
                 observe is None or observe(layer, latency)
+                verdicts.append((call, [should_audit(node, layer)] if len(parts) == 1 else
+                                 [should_audit(part.node, layer) for part in parts]))
             stats.remote += len(won)
         if self.replicas is not None:
             self.replicas.book.observe_wins(layer, [(call.expert, call.won.parts[0].node, call.won.latency_s)
                                                     for call in won])
+        return verdicts
 
     def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | _Answer | None:
         # Replies come from strangers: one line per node and kind a minute, not one per reply.
