@@ -240,13 +240,14 @@ class _Step:
     once every call is settled. One loop hop and one queue per step, not per call; one timer for
     all steps (:meth:`RemoteExperts._wait_for`)."""
 
-    __slots__ = ("layer", "calls", "probes", "bundles", "timeout_s", "t0", "left", "fallbacks")
+    __slots__ = ("layer", "calls", "probes", "bundles", "singles", "timeout_s", "t0", "left", "fallbacks")
 
     def __init__(self, layer: int, timeout_s: float):
         self.layer, self.timeout_s = layer, timeout_s
         self.calls: list[_Call] = []  # waited for
         self.probes: list[_Call] = []  # silent experts: sent, never waited for
         self.bundles: list[_Bundle] = []  # calls for bundle-capable nodes, one message per node
+        self.singles = 0  # calls and probes asked on their experts' subjects (in no bundle)
         self.t0 = 0.0
         self.left = 0  # calls not settled yet
         self.fallbacks: queue.SimpleQueue = queue.SimpleQueue()
@@ -457,6 +458,7 @@ class RemoteExperts:
                     else:
                         node_calls.append(call)
             else:
+                step.singles += 1
                 for chunk in chunks:
                     token = f"{next(ids):x}"
                     call.tokens.append(token)
@@ -612,7 +614,7 @@ class RemoteExperts:
             for bundle in step.bundles:
                 await self.nc.publish(self._node_subject(bundle.node), bundle.payload, reply=reply_to + bundle.token)
                 sent += len(bundle.payload)
-            for call in (*step.calls, *step.probes):
+            for call in (*step.calls, *step.probes) if step.singles else ():
                 if call.nodes:
                     continue  # in its nodes' bundles
                 subject = subject_of(layer, call.expert)
@@ -631,7 +633,7 @@ class RemoteExperts:
         if step.left:
             loop = asyncio.get_running_loop()
             self._wait_for(step, loop)
-            if self.replicas is not None:  # balance mode: ask again after the expert's usual wait
+            if self.replicas is not None and self.replicas.cfg.mode == "balance":  # ask again after the usual wait
                 for call in step.calls:
                     delay = self.replicas.hedge_delay(layer, call.expert)
                     if delay is not None and delay < step.timeout_s:
