@@ -240,13 +240,14 @@ class _Step:
     once every call is settled. One loop hop and one queue per step, not per call; one timer for
     all steps (:meth:`RemoteExperts._wait_for`)."""
 
-    __slots__ = ("layer", "calls", "probes", "bundles", "timeout_s", "t0", "left", "fallbacks")
+    __slots__ = ("layer", "calls", "probes", "bundles", "singles", "timeout_s", "t0", "left", "fallbacks")
 
     def __init__(self, layer: int, timeout_s: float):
         self.layer, self.timeout_s = layer, timeout_s
         self.calls: list[_Call] = []  # waited for
         self.probes: list[_Call] = []  # silent experts: sent, never waited for
         self.bundles: list[_Bundle] = []  # calls for bundle-capable nodes, one message per node
+        self.singles = 0  # calls and probes asked on their experts' subjects (in no bundle)
         self.t0 = 0.0
         self.left = 0  # calls not settled yet
         self.fallbacks: queue.SimpleQueue = queue.SimpleQueue()
@@ -381,10 +382,11 @@ class RemoteExperts:
         if while_waiting is not None:
             while_waiting()
         outs: list[np.ndarray | None] = [None] * len(calls)
-        remote = {call.index for call in step.calls}
-        for i, (expert, rows) in enumerate(calls):  # the fallback replica works while the bus does
-            if i not in remote:
-                outs[i] = self._compute_here(layer, expert, rows, stats)
+        remote = {call.index for call in step.calls} if len(step.calls) < len(calls) else None  # None: all
+        if remote is not None:
+            for i, (expert, rows) in enumerate(calls):  # the fallback replica works while the bus does
+                if i not in remote:
+                    outs[i] = self._compute_here(layer, expert, rows, stats)
         references = self._audit_ahead(layer, step.calls) if step.calls else {}
         if step.calls:
             deadline = step.timeout_s + _STEP_GRACE_S
@@ -397,17 +399,17 @@ class RemoteExperts:
                 if i == _SETTLED:
                     break
                 outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
-            self._book_wins(layer, step.calls)
+            for call, audited in self._book_wins(layer, step.calls):
+                outs[call.index] = self._accept(layer, call.expert, call.rows, call.won, audited,
+                                                references.get(call.index))
             for call in step.calls:
                 if outs[call.index] is None:
-                    won = call.won
-                    outs[call.index] = self._accept(layer, call.expert, call.rows, won, references.get(call.index)) \
-                        if won is not None else self._compute_here(layer, call.expert, call.rows, stats)
+                    outs[call.index] = self._compute_here(layer, call.expert, call.rows, stats)
         if self.recorder is not None:
             for call in step.calls:
                 self.recorder.record_call(layer, call.expert, len(call.rows), remote=call.won is not None)
             for i, (expert, rows) in enumerate(calls):
-                if i not in remote:
+                if remote is not None and i not in remote:
                     self.recorder.record_call(layer, expert, len(rows), remote=False)
         return outs
 
@@ -417,6 +419,8 @@ class RemoteExperts:
         not a recompute. Known only for a call in exactly one node's bundle (the node that will
         answer it); the verdict stays :meth:`Auditor.should_audit`'s when the reply is used, so a
         guess made stale by a concurrent step only costs a recompute or an unused one."""
+        if self.auditor.cfg.rate <= 0.0:  # audits off: would_audit says no to every call
+            return {}
         with self._audit_lock:
             ahead = [call for call in calls if len(call.nodes) == 1 and self.auditor.would_audit(call.nodes[0], layer)]
         return {call.index: self.local.compute(layer, call.expert, call.rows) for call in ahead}
@@ -454,6 +458,7 @@ class RemoteExperts:
                     else:
                         node_calls.append(call)
             else:
+                step.singles += 1
                 for chunk in chunks:
                     token = f"{next(ids):x}"
                     call.tokens.append(token)
@@ -493,7 +498,11 @@ class RemoteExperts:
             # Decode: the engine hands every expert of the step the token's one row (the same
             # array), so the union is that row; it fits, as the engine's rows fit one message.
             if len(calls) * (self.n_embd * 4 + 4 + _CALL_BYTES) <= budget:
-                return [self._bundle(layer, node, calls, first, [0] * len(calls))]
+                token = f"{next(self._ids):x}"
+                tokens = [call.tokens[0] for call in calls]
+                payload = self.bundle_requests.encode_one_row(layer, token, first, tokens,
+                                                              [call.expert for call in calls])
+                return [_Bundle(node, layer, token, calls, payload, frozenset(tokens))]
         row_bytes = self.n_embd * first.itemsize
         n_rows = sum(len(call.rows) for call in calls)
         if n_rows * (self.n_embd * 4 + 4) + _CALL_BYTES * len(calls) <= budget:  # fits even if no row repeats
@@ -523,15 +532,14 @@ class RemoteExperts:
                                               [len(call.rows) for call in calls], index)
         return _Bundle(node, layer, token, calls, payload, frozenset(tokens))
 
-    def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won,
+    def _accept(self, layer: int, expert: int, rows: np.ndarray, won: _Won, audited: list[bool],
                 reference: np.ndarray | None = None) -> np.ndarray:
-        """A won call: audit it if the auditor says so (then the local result is used: ``reference``
-        when it was computed ahead), credit the nodes whose parts were not caught lying."""
-        with self._audit_lock:
-            audited = [self.auditor.should_audit(part.node, layer) for part in won.parts]
+        """A won call: audited (``audited``: the auditor's verdict per part, taken by
+        :meth:`_book_wins`) when the auditor said so, then the local result is used (``reference``
+        when it was computed ahead); credit the nodes whose parts were not caught lying."""
         out = won.out
-        honest = list(won.parts)
-        if any(audited):
+        honest = won.parts
+        if True in audited:
             out = reference if reference is not None else self.local.compute(layer, expert, rows)
             honest = [part for part in won.parts if self._audit(layer, expert, rows, out, part)]
         if self.recorder is not None:
@@ -606,7 +614,7 @@ class RemoteExperts:
             for bundle in step.bundles:
                 await self.nc.publish(self._node_subject(bundle.node), bundle.payload, reply=reply_to + bundle.token)
                 sent += len(bundle.payload)
-            for call in (*step.calls, *step.probes):
+            for call in (*step.calls, *step.probes) if step.singles else ():
                 if call.nodes:
                     continue  # in its nodes' bundles
                 subject = subject_of(layer, call.expert)
@@ -625,7 +633,7 @@ class RemoteExperts:
         if step.left:
             loop = asyncio.get_running_loop()
             self._wait_for(step, loop)
-            if self.replicas is not None:  # balance mode: ask again after the expert's usual wait
+            if self.replicas is not None and self.replicas.cfg.mode == "balance":  # ask again after the usual wait
                 for call in step.calls:
                     delay = self.replicas.hedge_delay(layer, call.expert)
                     if delay is not None and delay < step.timeout_s:
@@ -736,20 +744,24 @@ class RemoteExperts:
         call.won = _Won(tuple(call.parts), time.perf_counter() - call.step.t0)
         self._settle(call, "won")
 
-    def _book_wins(self, layer: int, calls: list[_Call]) -> None:
+    def _book_wins(self, layer: int, calls: list[_Call]) -> list[tuple[_Call, list[bool]]]:
         """The bookkeeping of a step's won calls, in one pass under one lock (two micro-batches may
         book at once): the adaptive timeout, the expert's coverage and latency record, the
-        counters per layer and per node, the metrics hook."""
+        counters per layer and per node, the metrics hook; and the auditor's verdict on each of
+        their parts (whether it is recomputed here). Returns the won calls with their verdicts."""
         won = [call for call in calls if call.won is not None]
         if not won:
-            return
+            return []
         stats = self.stats.layer(layer)
         nodes, node_rows, node_latency = self.stats.nodes, self.stats.node_rows, self.stats.node_latency_s
         observe, mark_answered, timeout = self.observe_reply, self.coverage.mark_answered, self.timeout
+        should_audit = self.auditor.should_audit
+        verdicts = []
         with self._audit_lock:
             for call in won:
                 latency = call.won.latency_s
-                node = call.won.parts[0].node
+                parts = call.won.parts
+                node = parts[0].node
                 n = len(call.rows)
                 mark_answered(layer, call.expert)
                 timeout.observe(latency)
@@ -761,10 +773,13 @@ class RemoteExperts:
                 node_rows[node] += n
                 node_latency[node] += latency
                 observe is None or observe(layer, latency)
+                verdicts.append((call, [should_audit(node, layer)] if len(parts) == 1 else
+                                 [should_audit(part.node, layer) for part in parts]))
             stats.remote += len(won)
         if self.replicas is not None:
             self.replicas.book.observe_wins(layer, [(call.expert, call.won.parts[0].node, call.won.latency_s)
                                                     for call in won])
+        return verdicts
 
     def _check_reply(self, layer, expert, token, chunk, reply) -> codec.DispatchReply | _Answer | None:
         # Replies come from strangers: one line per node and kind a minute, not one per reply.

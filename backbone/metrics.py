@@ -27,11 +27,14 @@ and ``steps``.
 
 from __future__ import annotations
 
+import bisect
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import Counter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 from kvasir_bus.metrics import LATENCY_BUCKETS, Registry, registry
 
@@ -49,23 +52,17 @@ class DispatchCollector:
     def __init__(self, stats: Callable[[], Any], model: str) -> None:
         self.stats, self.model = stats, model
         # Plain metrics the collector owns; registered with it by backbone_registry().
-        self.reply_seconds = Histogram("kvasir_dispatch_reply_seconds",
-                                       "Round trip of winning expert replies",
-                                       ["model", "layer"], buckets=LATENCY_BUCKETS,
-                                       registry=None)
+        self.reply_seconds = LatencyHistogram("kvasir_dispatch_reply_seconds",
+                                              "Round trip of winning expert replies", model)
         self.token_counter = Counter("kvasir_backbone_tokens", "Tokens generated", ["model"],
                                      registry=None)
         self.step_counter = Counter("kvasir_backbone_steps", "Forward steps (prefill or decode)",
                                     ["model"], registry=None)
-        self._reply_children: dict = {}  # layer -> the histogram's child for it
         self.tokens = self.token_counter.labels(model)  # .inc(n) from the serving loop
         self.steps = self.step_counter.labels(model)
 
     def observe_reply(self, layer: int, seconds: float) -> None:
-        child = self._reply_children.get(layer)  # labels() per reply costs more than observe()
-        if child is None:
-            child = self._reply_children[layer] = self.reply_seconds.labels(self.model, str(layer))
-        child.observe(seconds)
+        self.reply_seconds.observe(layer, seconds)
 
     def describe(self) -> list[Metric]:
         return []
@@ -112,6 +109,44 @@ class DispatchCollector:
             if total:
                 fallback.add_metric([m], local / total)
         yield from (calls, late, dup, rows, nbytes, nodes, fallback)
+
+
+class LatencyHistogram:
+    """A histogram per layer with the ``LATENCY_BUCKETS``, exposed as prometheus_client's
+    ``Histogram(name, doc, ["model", "layer"])`` would be (``_bucket``, ``_sum``, ``_count``).
+    It is observed on the engine's thread for every winning reply: a bucket index and three
+    additions under one lock, where the client's histogram takes a lock and a value object per
+    bucket; the cumulative counts are made at scrape time."""
+
+    def __init__(self, name: str, doc: str, model: str) -> None:
+        self.name, self.doc, self.model = name, doc, model
+        self._layers: dict[int, list] = {}  # layer -> [count per bucket (+Inf last), sum]
+        self._lock = threading.Lock()  # two micro-batches observe at once
+
+    def observe(self, layer: int, seconds: float) -> None:
+        i = bisect.bisect_left(LATENCY_BUCKETS, seconds)  # the first bound >= seconds (le)
+        with self._lock:
+            counts = self._layers.get(layer)
+            if counts is None:
+                counts = self._layers[layer] = [0] * (len(LATENCY_BUCKETS) + 2)
+            counts[i] += 1
+            counts[-1] += seconds
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.doc, labels=["model", "layer"])
+        with self._lock:
+            layers = {layer: list(counts) for layer, counts in self._layers.items()}
+        bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+        for layer, counts in sorted(layers.items()):
+            total, buckets = 0, []
+            for bound, n in zip(bounds, counts):
+                total += n
+                buckets.append((bound, total))
+            family.add_metric([self.model, str(layer)], buckets, sum_value=counts[-1])
+        yield family
 
 
 def backbone_registry(collector: DispatchCollector) -> Registry:

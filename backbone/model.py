@@ -646,7 +646,7 @@ class Engine:
             slots = sorted(range(len(chosen)), key=chosen.__getitem__)  # in expert order, as below
             row = rows.copy()
             calls = [(chosen[k], row) for k in slots]
-            places = [(0, k) for k in slots]
+            places = None
         else:
             groups = [(int(e), np.nonzero(ids == e)) for e in np.unique(ids)]  # (row idx, slot idx) per expert
             calls = [(e, np.ascontiguousarray(rows[r])) for e, (r, _) in groups]
@@ -657,6 +657,11 @@ class Engine:
             if while_waiting is not None:
                 while_waiting()
             outs = self.experts.run_layer(il, calls)
+        if places is None:  # the decode row's outputs put in slot order, then one copy
+            in_slots = [None] * len(outs)
+            for k, out in zip(slots, outs):
+                in_slots[k] = out
+            return np.concatenate(in_slots, dtype=np.float32).reshape(ids.shape + rows.shape[1:])  # (1, K, D)
         expert_out = np.empty((*ids.shape, rows.shape[1]), dtype=np.float32)  # (T, K, D)
         for (r, slot), out in zip(places, outs):
             expert_out[r, slot] = out

@@ -615,6 +615,10 @@ class ReplyEncoder:
         return msgpack.packb(body, use_bin_type=True)
 
 
+_packb = functools.partial(msgpack.packb, use_bin_type=True)
+_IDS_KEY, _EXPERTS_KEY = _packb("ids"), _packb("experts")
+
+
 class BundleEncoder:
     """``BundleRequest(model, layer, bundle_id, rows, ids, experts, counts, index).encode()``
     without building the record: the model is checked once here, the rest per bundle with the
@@ -622,6 +626,7 @@ class BundleEncoder:
 
     def __init__(self, model: str):
         self.model = check_model(BundleRequest.what, model)
+        self._parts: dict = {}  # encode_one_row's packed pieces: (layer, dtype, width) -> head, n -> tail
 
     def encode(self, layer: int, bundle_id: str, rows: np.ndarray, ids, experts, counts, index: list[int]) -> bytes:
         r = BundleRequest.what
@@ -644,6 +649,50 @@ class BundleEncoder:
                               "bundle_id": bundle_id, **_array_fields(rows), "ids": list(ids),
                               "experts": list(experts), "counts": list(counts),
                               "index": struct.pack(f"<{n}I", *index)}, use_bin_type=True)
+
+    def encode_one_row(self, layer: int, bundle_id: str, row: np.ndarray, ids: list[str],
+                       experts: list[int]) -> bytes:
+        """``encode(layer, bundle_id, row, ids, experts, [1] * n, [0] * n)``: a decode step's
+        bundle, every call on the one row ``row`` (1, n_embd). The same bytes and the same checks;
+        what depends only on the layer, the row's dtype and width and the number of calls is
+        packed once (a msgpack map is the concatenation of its keys' and values' encodings).
+        Anything off the plain path (odd ids or experts) goes to :meth:`encode`, which refuses it
+        with its named error."""
+        n = len(ids)
+        shape = row.shape if type(row) is np.ndarray else None
+        if not (type(layer) is int and 0 <= layer <= MAX_INDEX and shape is not None and shape[0] == 1
+                and shape[1] >= 1 and 0 < n <= MAX_BUNDLE_CALLS and len(experts) == n and is_id(bundle_id)
+                and _plain_ids(ids) and len(set(ids)) == n and set(map(type, experts)) == {int}
+                and 0 <= min(experts) and max(experts) <= MAX_INDEX):
+            return self.encode(layer, bundle_id, row, ids, experts, [1] * n, [0] * n)
+        parts = self._parts
+        head = parts.get((layer, row.dtype, shape[1]))
+        if head is None:
+            _rows(BundleRequest.what, row, REQUEST_DTYPES)  # refuses any other dtype, once
+            head = parts[(layer, row.dtype, shape[1])] = self._head(layer, row)
+        tail = parts.get(n)
+        if tail is None:
+            tail = parts[n] = _packb("counts") + _packb([1] * n) + _packb("index") + _packb(bytes(4 * n))
+        if len(parts) > 4096:  # layers x widths x call counts: bounded all the same
+            parts.clear()
+        data = row.tobytes() if row.flags.c_contiguous and row.dtype.byteorder != ">" else \
+            np.ascontiguousarray(row, dtype=DTYPES[dtype_name(row.dtype)]).tobytes()
+        pack = msgpack.Packer(use_bin_type=True).pack  # one per call: two engine threads may encode at once
+        return b"".join((head[0], pack(bundle_id), head[1], data, _IDS_KEY, pack(ids), _EXPERTS_KEY, pack(experts),
+                         tail))
+
+    def _head(self, layer: int, row: np.ndarray) -> tuple[bytes, bytes]:
+        """The bundle request's map before the bundle id's value (its header, v, t, model, layer,
+        the key ``bundle_id``), and after it up to the row's bytes (dtype, shape, the data's bin
+        header), in the record's key order."""
+        fields = _array_fields(np.ascontiguousarray(row, dtype=DTYPES[dtype_name(row.dtype)]))
+        pk = msgpack.Packer(use_bin_type=True)
+        before = pk.pack_map_header(12) + b"".join(
+            map(pk.pack, ("v", VERSION, "t", BundleRequest.kind, "model", self.model, "layer", layer, "bundle_id")))
+        data = pk.pack(fields["data"])
+        after = b"".join(map(pk.pack, ("dtype", fields["dtype"], "shape", fields["shape"], "data"))) \
+            + data[:len(data) - row.nbytes]
+        return before, after
 
 
 # -- the worker's hot path: decode a request or bundle, encode the bundle's reply ---------------
