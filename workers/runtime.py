@@ -21,7 +21,7 @@ ms against 2.9-3.1 for four graphs, bit for bit the same). ``stop()`` drains: no
 ones finish and are answered, then the connection closes.
 
 What a request costs besides its kernel is measured by ``bench/dispatch.py --overhead``; the
-hot path keeps to: the handler called where nats.py parses the message (:mod:`workers.lane`: no
+hot path keeps to: the handler called where nats.py parses the message (:mod:`kvasir_bus.lane`: no
 queue, no task wake-up), one decode by a decoder built for this slice's model, width and limits
 (a view on the received bytes, no copy; every check the record makes), one subject lookup for
 the expected (layer, expert, weights) or, for a decode step's bundle, one table lookup per call
@@ -46,8 +46,8 @@ import structlog
 from kvasir_bus import __version__, codec, micro
 from kvasir_bus.subjects import Subjects, parse_dispatch
 from kvasir_bus.throttle import ThrottledLog
-from workers import lane
-from workers.lane import InlineDelivery
+from kvasir_bus import lane
+from kvasir_bus.lane import InlineDelivery
 from kernels.expert import expert_ffn, moe_ffn, moe_step
 from kernels.backend import backend_name, kernel_label
 from modelfile.slice_file import SliceInfo
@@ -85,8 +85,8 @@ class WorkerConfig:
     max_in_flight: int = 256  # requests decoded or computing at once; more are refused (overloaded)
     log_interval_s: float = 60.0  # one refusal line per sender and kind this often
     bundles: bool = True  # take bundles on kvasir.<model>.n.<node> (and announce it)
-    inline_delivery: bool = True  # handle requests where nats.py parses them (workers.lane), if it can
-    direct_reply: bool = True  # write replies straight to the socket (workers.lane.DirectReply), if it can
+    inline_delivery: bool = True  # handle requests where nats.py parses them (kvasir_bus.lane), if it can
+    direct_reply: bool = True  # write replies straight to the socket (kvasir_bus.lane.DirectReply), if it can
 
 
 class State(enum.Enum):
@@ -591,7 +591,7 @@ class Worker:
     async def _send(self, to: str, payload: bytes, record: codec.Record | None, request_id: str = "") -> None:
         """Publish a reply. Error replies carry headers for people watching the bus; dispatch
         replies, the hot path, carry none (the payload says everything, docs/protocol.md), and
-        go straight to the socket when that is safe (:class:`workers.lane.DirectReply`)."""
+        go straight to the socket when that is safe (:class:`kvasir_bus.lane.DirectReply`)."""
         try:
             if record is None and self._direct is not None and self._direct.write(to, payload):
                 return

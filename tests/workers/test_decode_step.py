@@ -1,6 +1,6 @@
 """The worker's hot path end to end: a decode step's bundle (every call held, one row) runs in one
 ``mul_mat_id`` graph and is answered in the bundle's order with each call's own bits; requests and
-bundles delivered inline (workers.lane) get the same replies as through nats.py's queue."""
+bundles delivered inline (kvasir_bus.lane) get the same replies as through nats.py's queue."""
 
 from __future__ import annotations
 

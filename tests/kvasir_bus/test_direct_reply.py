@@ -1,4 +1,4 @@
-"""Direct replies (workers.lane.DirectReply): on nats.py's TCP transport a reply goes to the socket
+"""Direct replies (kvasir_bus.lane.DirectReply): on nats.py's TCP transport a reply goes to the socket
 in one write, intact and in order with everything published the ordinary way; it steps aside
 (the caller publishes) whenever nats.py has something pending, is not connected, or talks
 websocket; a worker keeps serving across a nats-server restart."""
@@ -17,7 +17,7 @@ from kvasir_bus.server import EmbeddedNats
 from kvasir_bus.subjects import Subjects
 from tests.polling import until
 from tests.workers.test_worker import model, reference, request, slice_info  # noqa: F401 (fixtures)
-from workers.lane import DIRECT_BUFFER_LIMIT, DIRECT_JOIN_LIMIT, DirectReply
+from kvasir_bus.lane import DIRECT_BUFFER_LIMIT, DIRECT_JOIN_LIMIT, DirectReply
 from workers.runtime import Worker, WorkerConfig
 
 #: Both sides of the join limit, of asyncio's 64 KiB high-water mark, and a few times past it.

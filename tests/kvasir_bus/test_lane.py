@@ -1,4 +1,4 @@
-"""Inline delivery (workers.lane): registered subscriptions are handled where nats.py parses
+"""Inline delivery (kvasir_bus.lane): registered subscriptions are handled where nats.py parses
 them, everything else goes the ordinary way, a handler's exception is reported and the reader
 goes on, and a client without the hook is refused up front."""
 
@@ -9,8 +9,8 @@ import asyncio
 import pytest
 
 from kvasir_bus.connect import connect
-from workers import lane
-from workers.lane import Delivered, InlineDelivery
+from kvasir_bus import lane
+from kvasir_bus.lane import Delivered, InlineDelivery
 
 
 def test_registered_messages_come_inline_and_the_rest_the_ordinary_way(nats_server, arun):

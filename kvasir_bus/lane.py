@@ -1,4 +1,4 @@
-"""Inline delivery: a worker's hot subscriptions handled where nats.py's reader parses them.
+"""Inline delivery and direct writes: hot subscriptions handled where nats.py's reader parses them.
 
 nats.py hands every message of a subscription with a callback to a queue, from which a task per
 subscription takes it: per message a queue put, a task wake-up on the next loop turn, a queue
