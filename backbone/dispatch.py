@@ -74,7 +74,7 @@ import structlog
 from backbone.audit import AuditConfig, Auditor, relative_error, rerun_backend
 from backbone.coverage_view import CoverageView
 from backbone.dispatch_stats import DispatchStats, LayerStats
-from kvasir_bus import codec, market_codec
+from kvasir_bus import codec, lane, market_codec
 from kvasir_bus.loopthread import LoopThread
 from kvasir_bus.subjects import Subjects
 from kvasir_bus.throttle import ThrottledLog
@@ -94,6 +94,8 @@ class DispatchConfig:
     uncovered_ttl_s: float = 1.0  # after "no responders", compute locally without asking this long
     audit: AuditConfig = AuditConfig()  # which remote replies are recomputed here
     bundles: bool = True  # one message per bundle-capable worker per layer step (--bundles on|off)
+    inline_delivery: bool = True  # replies handled where nats.py parses them (kvasir_bus.lane), if it can
+    direct_publish: bool = True  # a step's requests written straight to the socket (kvasir_bus.lane), if safe
 
 
 class AdaptiveTimeout:
@@ -344,13 +346,23 @@ class RemoteExperts:
         self._ids = itertools.count()
         self._inbox: str | None = None
         self._sub = None
+        self._lane: lane.InlineDelivery | None = None  # replies straight from nats.py's reader
+        self._direct: lane.DirectPublish | None = None  # a step's requests straight to the socket
 
     async def start(self) -> None:
         """Listen for replies (one wildcard inbox) and for heartbeats (the coverage view)."""
         if self._sub is not None:
             return
         self._inbox = self.nc.new_inbox()
-        self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+        self._sub = await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)  # headed replies (503s)
+        if self.cfg.inline_delivery and lane.supported(self.nc):
+            if self._lane is None:  # one wrapper per client and backbone, reused after a restart
+                self._lane = lane.InlineDelivery(self.nc, self._reply_failed)
+            self._lane.add(self._sub, self._on_reply)
+        if self.cfg.direct_publish and self._direct is None:
+            self._direct, why_not = lane.DirectPublish.attach(self.nc)
+            if why_not is not None:
+                log.info("direct_publish_off", reason=why_not)
         await self.coverage.start(self.nc, self.model)
         await self.nc.flush()
 
@@ -359,9 +371,16 @@ class RemoteExperts:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._lane is not None:
+            self._lane.close()
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()
+
+    def _reply_failed(self, exc: BaseException) -> None:
+        """A reply's handling raised (a bug: every refusal is handled): the lane dropped that
+        reply, whose call ends as a timeout would, and reads on."""
+        log.error("reply_handler_failed", error=f"{type(exc).__name__}: {exc}")
 
     # -- the synchronous side (the engine's thread) --------------------------------------------
 
@@ -589,9 +608,11 @@ class RemoteExperts:
     async def _publish_step(self, step: _Step) -> None:
         """Publish every request of a layer step, then put the step under the shared timer.
 
-        The requests are all written before the first flush can run: nats.py's flusher writes
-        everything pending in one ``writelines``, so a step costs one socket write (one flush), not
-        one per expert. Replica policies (a queue group, hedged requests) hook in here."""
+        A step costs one socket write (one flush), not one per expert: straight to the socket
+        when that is safe (:meth:`kvasir_bus.lane.DirectPublish.write_all`, no flusher task), else
+        every request through ``nc.publish`` before nats.py's flusher can run, which writes
+        everything pending in one ``writelines``. Replica policies (a queue group, hedged requests)
+        hook in here."""
         layer = step.layer
         for call in step.calls:  # registered before the first publish: a reply may come at once
             for k, token in enumerate(call.tokens):
@@ -611,15 +632,19 @@ class RemoteExperts:
         reply_to = self._inbox + "."
         sent = 0
         try:
-            for bundle in step.bundles:
-                await self.nc.publish(self._node_subject(bundle.node), bundle.payload, reply=reply_to + bundle.token)
-                sent += len(bundle.payload)
+            messages = [(self._node_subject(bundle.node), reply_to + bundle.token, bundle.payload)
+                        for bundle in step.bundles]
             for call in (*step.calls, *step.probes) if step.singles else ():
                 if call.nodes:
                     continue  # in its nodes' bundles
                 subject = subject_of(layer, call.expert)
-                for token, payload in zip(call.tokens, call.payloads):
-                    await self.nc.publish(subject, payload, reply=reply_to + token)
+                messages.extend((subject, reply_to + token, payload)
+                                for token, payload in zip(call.tokens, call.payloads))
+            if self._direct is not None and self._direct.write_all(messages):
+                sent = sum(len(payload) for _, _, payload in messages)
+            else:
+                for subject, reply, payload in messages:
+                    await self.nc.publish(subject, payload, reply=reply)
                     sent += len(payload)
         except Exception as exc:
             log.warning("dispatch_send_failed", layer=layer, error=str(exc))

@@ -16,8 +16,9 @@ keeps the ordinary delivery (``WorkerConfig.inline_delivery`` turns it off). A h
 exception is caught and reported here: one raised into the reader would end the connection's
 reads.
 
-:class:`DirectReply` is the other end: a reply written to the socket in one transport write,
-where nats.py's ``publish`` would queue it for its flusher task.
+:class:`DirectPublish` is the other end: a worker's reply, or a backbone's whole layer step,
+written to the socket in one transport write, where nats.py's ``publish`` would queue each
+message for its flusher task.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class InlineDelivery:
             raise TypeError(f"{type(nc).__name__} has no {_HOOK}(sid, subject, reply, data, headers) to wrap")
         self._nc, self._on_error = nc, on_error
         self._handlers: dict[int, Handler] = {}
+        self.delivered = 0  # messages handled inline (tests and benches read it)
         self._ordinary = getattr(nc, _HOOK)  # bound: the class's, or a lane installed earlier
         setattr(nc, _HOOK, self._process_msg)  # the instance attribute shadows the class's method
 
@@ -88,6 +90,7 @@ class InlineDelivery:
         stats = self._nc.stats
         stats["in_msgs"] += 1
         stats["in_bytes"] += len(data)
+        self.delivered += 1
         try:
             await handler(Delivered(subject.decode(), reply.decode(), data))
         except Exception as exc:  # never into the reader
@@ -112,7 +115,7 @@ except ImportError:  # pragma: no cover - another nats-py: every reply takes the
 
 
 def direct_unsupported(nc: Any) -> str | None:
-    """Why :class:`DirectReply` cannot write replies for ``nc`` (None: it can).
+    """Why :class:`DirectPublish` cannot write for ``nc`` (None: it can).
 
     Checks every piece of nats.py's state a direct write reads, with its type: the status and
     its ``CONNECTED`` value, the pending buffer and its size, the maximum payload, the
@@ -139,14 +142,22 @@ def direct_unsupported(nc: Any) -> str | None:
     return None
 
 
-class DirectReply:
-    """Write a reply (``PUB <subject> <len>\\r\\n<payload>\\r\\n``) straight to the client's socket.
+def _token(subject: str) -> bool:
+    """Whether ``subject`` can stand in a PUB line as one field: non-empty, printable, no space."""
+    return bool(subject) and subject.isprintable() and " " not in subject
+
+
+class DirectPublish:
+    """Write messages (``PUB <subject> [<reply>] <len>\\r\\n<payload>\\r\\n``) straight to the
+    client's socket.
 
     ``nc.publish`` appends the command to nats.py's pending list, wakes its flusher task (a queue
     put and a task switch on the next loop turn) and that task calls ``writelines``: ~20-25 µs of
-    CPU per message on the shared 2-core machine. :meth:`write` does the one transport write
-    itself when that keeps every guarantee of the ordinary path, and returns False (the caller
-    publishes the ordinary way) otherwise:
+    CPU per message on the shared 2-core machine. :meth:`write` (one message: a worker's reply)
+    and :meth:`write_all` (a backbone's layer step: every request in one transport write, as
+    nats.py's one flush of the step would) do the write themselves when that keeps every
+    guarantee of the ordinary path, and return False (the caller publishes the ordinary way,
+    every message) otherwise:
 
     - the client is CONNECTED (not connecting, reconnecting, draining or closed: nats.py buffers
       then, and a reconnect flushes that buffer first),
@@ -154,8 +165,9 @@ class DirectReply:
       first; with it empty, every earlier byte is already in the transport, so order holds),
     - the transport is open and its buffer under :data:`DIRECT_BUFFER_LIMIT` (else the flusher's
       drain keeps the backpressure),
-    - the payload is ``bytes`` within the server's max payload, the subject a non-empty token
-      without whitespace or control characters, and there are no headers (the caller's choice).
+    - every payload is ``bytes`` within the server's max payload, every subject (and reply
+      subject, if any) a non-empty token without whitespace or control characters, and there are
+      no headers (the caller's choice).
 
     ``out_msgs`` and ``out_bytes`` count what it writes, as ``publish`` would. Build it with
     :meth:`attach`, which checks nats.py's state once (:func:`direct_unsupported`).
@@ -170,32 +182,42 @@ class DirectReply:
     def __init__(self, nc: Any):
         reason = direct_unsupported(nc)
         if reason is not None:
-            raise TypeError(f"no direct replies on {type(nc).__name__}: {reason}")
+            raise TypeError(f"no direct writes on {type(nc).__name__}: {reason}")
         self._nc, self._connected, self._stats = nc, type(nc).CONNECTED, nc.stats
-        self.written = 0  # replies that took the direct path (tests and benches read it)
+        self.written = 0  # messages that took the direct path (tests and benches read it)
 
     @classmethod
-    def attach(cls, nc: Any) -> tuple[DirectReply | None, str | None]:
-        """``(a DirectReply, None)``, or ``(None, why not)``."""
+    def attach(cls, nc: Any) -> tuple[DirectPublish | None, str | None]:
+        """``(a DirectPublish, None)``, or ``(None, why not)``."""
         reason = direct_unsupported(nc)
         return (None, reason) if reason is not None else (cls(nc), None)
 
-    def write(self, subject: str, payload: bytes) -> bool:
-        """Write one reply without headers if it is safe now (True), else nothing (False)."""
+    def _socket(self):
+        """The transport to write to if nats.py's state allows a direct write now, else None."""
         nc = self._nc
-        if nc._status != self._connected or nc._pending_data_size or type(payload) is not bytes:
-            return False
-        size = len(payload)
-        if size > nc._max_payload or not subject or not subject.isprintable() or " " in subject:
-            return False
+        if nc._status != self._connected or nc._pending_data_size:
+            return None
         transport = nc._transport
         writer = getattr(transport, "_io_writer", None) if type(transport) is _NatsTcp else None
         if writer is None:
-            return False
+            return None
         sock = writer.transport
         if sock.is_closing() or sock.get_write_buffer_size() >= DIRECT_BUFFER_LIMIT:
+            return None
+        return sock
+
+    def write(self, subject: str, payload: bytes, reply: str = "") -> bool:
+        """Write one message without headers if it is safe now (True), else nothing (False)."""
+        if type(payload) is not bytes:
             return False
-        head = b"PUB %s %d\r\n" % (subject.encode(), size)
+        size = len(payload)
+        if size > self._nc._max_payload or not _token(subject) or (reply and not _token(reply)):
+            return False
+        sock = self._socket()
+        if sock is None:
+            return False
+        head = b"PUB %s %s %d\r\n" % (subject.encode(), reply.encode(), size) if reply else \
+            b"PUB %s %d\r\n" % (subject.encode(), size)
         if size < DIRECT_JOIN_LIMIT:
             sock.write(b"".join((head, payload, _CRLF)))
         else:
@@ -205,3 +227,39 @@ class DirectReply:
         stats["out_bytes"] += size
         self.written += 1
         return True
+
+    def write_all(self, messages: list[tuple[str, str, bytes]]) -> bool:
+        """Write every ``(subject, reply, payload)`` (reply may be empty) in one transport write if
+        that is safe now for all of them (True), else nothing (False): all or none, so that the
+        caller's ordinary publishes keep the order."""
+        limit = self._nc._max_payload
+        parts: list[bytes] = []
+        total = 0
+        for subject, reply, payload in messages:
+            if type(payload) is not bytes or len(payload) > limit or not _token(subject) \
+                    or (reply and not _token(reply)):
+                return False
+            size = len(payload)
+            parts.append(b"PUB %s %s %d\r\n" % (subject.encode(), reply.encode(), size) if reply else
+                         b"PUB %s %d\r\n" % (subject.encode(), size))
+            parts.append(payload)
+            parts.append(_CRLF)
+            total += size
+        if not parts:
+            return True
+        sock = self._socket()
+        if sock is None:
+            return False
+        if total < DIRECT_JOIN_LIMIT:
+            sock.write(b"".join(parts))
+        else:
+            sock.writelines(parts)
+        stats = self._stats
+        stats["out_msgs"] += len(messages)
+        stats["out_bytes"] += total
+        self.written += len(messages)
+        return True
+
+
+#: The worker's name for it: its replies are what it writes.
+DirectReply = DirectPublish

@@ -17,7 +17,7 @@ from kvasir_bus.server import EmbeddedNats
 from kvasir_bus.subjects import Subjects
 from tests.polling import until
 from tests.workers.test_worker import model, reference, request, slice_info  # noqa: F401 (fixtures)
-from kvasir_bus.lane import DIRECT_BUFFER_LIMIT, DIRECT_JOIN_LIMIT, DirectReply
+from kvasir_bus.lane import DIRECT_BUFFER_LIMIT, DIRECT_JOIN_LIMIT, DirectPublish, DirectReply
 from workers.runtime import Worker, WorkerConfig
 
 #: Both sides of the join limit, of asyncio's 64 KiB high-water mark, and a few times past it.
@@ -124,13 +124,89 @@ def test_it_steps_aside_while_something_is_pending_or_the_client_is_not_connecte
                     "back": True, "closed": False}
 
 
+class _CountingSocket:
+    """The transport under a stream writer, counting the writes made to it."""
+
+    def __init__(self, inner):
+        self.inner, self.writes = inner, 0
+
+    def write(self, data):
+        self.writes += 1
+        self.inner.write(data)
+
+    def writelines(self, parts):
+        self.writes += 1
+        self.inner.writelines(parts)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_step_goes_direct_in_one_write_with_its_reply_subjects_or_not_at_all(nats_server, arun):
+    """write_all: a backbone's layer step (requests with reply subjects) in one transport write;
+    any message it cannot write (too large, a bad subject) or anything pending in nats.py sends
+    the whole step back to the ordinary path, so nothing is written out of order."""
+    big = _payload(7, DIRECT_JOIN_LIMIT + 5)  # past the join limit: writelines, still one write
+
+    async def go():
+        nc = await connect(nats_server.url, "direct")
+        direct, why_not = DirectPublish.attach(nc)
+        assert why_not is None, why_not
+        client = await connect(nats_server.url, "client")
+        got, done = [], asyncio.Event()
+
+        async def collect(msg):
+            got.append((msg.subject, msg.reply, msg.data))
+            if msg.subject == "step.end":
+                done.set()
+
+        await client.subscribe("step.>", cb=collect)
+        await client.flush()
+        writer = nc._transport._io_writer
+        counting = writer._transport = _CountingSocket(writer._transport)
+        before = dict(nc.stats)
+        took = {}
+        took["small"] = direct.write_all([("step.a", "inbox.x.1", b"one"), ("step.b", "", b""),
+                                          ("step.c", "inbox.x.3", b"three")])
+        writes_small = counting.writes
+        took["large"] = direct.write_all([("step.d", "inbox.x.4", big), ("step.e", "inbox.x.5", b"five")])
+        writes_large = counting.writes - writes_small
+        took["single"] = direct.write("step.f", b"six", reply="inbox.x.6")
+        took["empty"] = direct.write_all([])
+        took["bad_reply"] = direct.write_all([("step.g", "inbox.x.7", b"seven"), ("step.h", "a b", b"eight")])
+        took["too_large"] = direct.write_all([("step.g", "inbox.x.7", b"z" * (nc.max_payload + 1))])
+        await nc.publish("step.i", b"queued", reply="inbox.x.9")  # pending in nats.py's buffer
+        took["pending"] = direct.write_all([("step.j", "inbox.x.10", b"ten")])
+        await nc.publish("step.j", b"ten", reply="inbox.x.10")  # the caller's ordinary path
+        await nc.flush()
+        took["flushed"] = direct.write_all([("step.end", "inbox.x.11", b"end")])
+        await asyncio.wait_for(done.wait(), 30)
+        writer._transport = counting.inner
+        stats = dict(nc.stats)
+        await client.close()
+        await nc.close()
+        return took, writes_small, writes_large, got, before, stats, direct.written
+
+    took, writes_small, writes_large, got, before, stats, written = arun(go(), timeout=60)
+    assert took == {"small": True, "large": True, "single": True, "empty": True, "bad_reply": False,
+                    "too_large": False, "pending": False, "flushed": True}
+    assert (writes_small, writes_large) == (1, 1)
+    assert got == [("step.a", "inbox.x.1", b"one"), ("step.b", "", b""), ("step.c", "inbox.x.3", b"three"),
+                   ("step.d", "inbox.x.4", big), ("step.e", "inbox.x.5", b"five"), ("step.f", "inbox.x.6", b"six"),
+                   ("step.i", "inbox.x.9", b"queued"), ("step.j", "inbox.x.10", b"ten"),
+                   ("step.end", "inbox.x.11", b"end")]
+    assert written == 7
+    assert stats["out_msgs"] - before["out_msgs"] == 9
+    assert stats["out_bytes"] - before["out_bytes"] == sum(len(data) for _, _, data in got)
+
+
 def test_websocket_and_foreign_clients_keep_the_ordinary_path(arun, tmp_path):
     class NotNats:
         stats = {"out_msgs": 0, "out_bytes": 0}
 
     _, why_not = DirectReply.attach(NotNats())
     assert why_not and "_status" in why_not
-    with pytest.raises(TypeError, match="no direct replies"):
+    with pytest.raises(TypeError, match="no direct writes"):
         DirectReply(NotNats())
 
     conf = tmp_path / "ws.conf"
