@@ -96,6 +96,7 @@ class DispatchConfig:
     bundles: bool = True  # one message per bundle-capable worker per layer step (--bundles on|off)
     inline_delivery: bool = True  # replies handled where nats.py parses them (kvasir_bus.lane), if it can
     direct_publish: bool = True  # a step's requests written straight to the socket (kvasir_bus.lane), if safe
+    engine_connection: bool = True  # EXPERIMENT: all-bundle race steps on a blocking connection of the engine thread
 
 
 class AdaptiveTimeout:
@@ -348,6 +349,10 @@ class RemoteExperts:
         self._sub = None
         self._lane: lane.InlineDelivery | None = None  # replies straight from nats.py's reader
         self._direct: lane.DirectPublish | None = None  # a step's requests straight to the socket
+        self._conn = None  # kvasir_bus.direct.DirectConnection of the engine thread (experiment)
+        self._conn_lock = threading.Lock()
+        self._conn_failed = False
+        self.direct_steps = 0
 
     async def start(self) -> None:
         """Listen for replies (one wildcard inbox) and for heartbeats (the coverage view)."""
@@ -391,6 +396,14 @@ class RemoteExperts:
         run here once the requests are out."""
         stats = self.stats.layer(layer)
         step = self._plan(layer, calls, stats)
+        if self._direct_eligible(step) and self._conn_lock.acquire(blocking=False):
+            try:
+                outs = self._run_direct(layer, calls, step, stats, while_waiting)
+            finally:
+                self._conn_lock.release()
+            if outs is not None:
+                return outs
+            while_waiting = None  # already run
         if step.calls or step.probes or step.bundles:
             try:
                 self.bus.loop.call_soon_threadsafe(self._send, step)
@@ -430,6 +443,103 @@ class RemoteExperts:
             for i, (expert, rows) in enumerate(calls):
                 if remote is not None and i not in remote:
                     self.recorder.record_call(layer, expert, len(rows), remote=False)
+        return outs
+
+    def _direct_eligible(self, step: _Step) -> bool:
+        return (self.cfg.engine_connection and not self._conn_failed and bool(step.calls) and not step.probes
+                and not step.singles and (self.replicas is None or self.replicas.cfg.mode != "balance")
+                and all(call.nodes for call in step.calls))
+
+    def _connection(self):
+        if self._conn is None or self._conn.closed:
+            from kvasir_bus.direct import DirectConnection, DirectError
+            try:
+                self._conn = DirectConnection(self.nc.connected_url.geturl(), "kvasir-backbone-direct")
+            except (DirectError, OSError) as exc:
+                log.warning("engine_connection_off", error=str(exc))
+                self._conn_failed = True
+                return None
+        return self._conn
+
+    def _run_direct(self, layer, calls, step: _Step, stats: LayerStats, while_waiting):
+        """PROTOTYPE: the happy path of an all-bundle step on the engine thread's own connection.
+        Anything abnormal computes what is not won here (NOT the asyncio path's semantics)."""
+        from kvasir_bus.direct import DirectError
+        conn = self._connection()
+        if conn is None:
+            return None
+        inbox = conn.inbox.encode() + b"."
+        parts, sent, by_bundle = [], 0, {}
+        for bundle in step.bundles:
+            parts.append(b"PUB %s %s%s %d\r\n" % (self._node_subject(bundle.node).encode(), inbox,
+                                                   bundle.token.encode(), len(bundle.payload)))
+            parts.append(bundle.payload)
+            parts.append(b"\r\n")
+            sent += len(bundle.payload)
+            by_bundle[bundle.token] = bundle
+        by_token = {call.tokens[0]: call for call in step.calls}
+        step.t0 = time.perf_counter()
+        try:
+            conn.send(b"".join(parts))
+        except DirectError:
+            self._conn_failed = True
+            return None
+        self.direct_steps += 1
+        stats.bytes_out += sent
+        if while_waiting is not None:
+            while_waiting()
+        references = self._audit_ahead(layer, step.calls)
+        deadline = time.monotonic() + step.timeout_s
+        left, skip = len(step.calls), len(inbox) + len(conn.inbox) - len(conn.inbox)
+        loop = self.bus.loop
+        abnormal = False
+        while left and not abnormal:
+            try:
+                msgs = conn.receive(deadline)
+            except DirectError:
+                abnormal = True
+                break
+            if not msgs:
+                break  # the deadline
+            for msg in msgs:
+                bundle = by_bundle.get(msg.subject[len(conn.inbox) + 1:])
+                if bundle is None:
+                    continue  # a reply of an earlier step (late): dropped
+                if msg.status is not None:
+                    abnormal = True
+                    break
+                stats.bytes_in += len(msg.data)
+                try:
+                    reply = codec.decode_bundle_reply(msg.data, n_embd=self.n_embd)
+                except codec.CodecError:
+                    abnormal = True
+                    break
+                if isinstance(reply, codec.ErrorReply) or reply.node != bundle.node or reply.errors \
+                        or self.auditor.is_quarantined(reply.node) or not codec.all_finite(reply.rows):
+                    abnormal = True
+                    break
+                loop.call_soon_threadsafe(self.coverage.bundle_answered, bundle.node)
+                for rid, rows in reply.results():
+                    call = by_token.get(rid)
+                    if call is None or rid not in bundle.tokens or rows.shape != call.chunks[0].shape:
+                        abnormal = True
+                        break
+                    if call.won is None:
+                        call.won = _Won((_Part(slice(0, len(rows)), rows, reply.node, reply.kernel),),
+                                        time.perf_counter() - step.t0)
+                        left -= 1
+        outs: list[np.ndarray | None] = [None] * len(calls)
+        for call, audited in self._book_wins(layer, step.calls):
+            outs[call.index] = self._accept(layer, call.expert, call.rows, call.won, audited,
+                                            references.get(call.index))
+        if not abnormal:
+            stats.timeouts += sum(call.won is None for call in step.calls)
+        for i, (expert, rows) in enumerate(calls):
+            if outs[i] is None:
+                outs[i] = self._compute_here(layer, expert, rows, stats)
+        if self.recorder is not None:
+            for call in step.calls:
+                self.recorder.record_call(layer, call.expert, len(call.rows), remote=call.won is not None)
         return outs
 
     def _audit_ahead(self, layer: int, calls: list[_Call]) -> dict[int, np.ndarray]:

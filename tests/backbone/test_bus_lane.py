@@ -35,10 +35,11 @@ def test_replies_come_inline_and_steps_go_direct_and_change_no_bit(nats_server, 
     swarm([("w0", model_args(model, "0-3")), ("w1", model_args(model, "4-7"))])
     for bundles in (True, False):
         lane_on, inline, direct = run_sharded(nats_server.url, model, prompt,
-                                              DispatchConfig(timeout_s=30.0, bundles=bundles), 2 * bundles)
+                                              DispatchConfig(timeout_s=30.0, bundles=bundles, engine_connection=False), 2 * bundles)
         lane_off, inline_off, direct_off = run_sharded(
             nats_server.url, model, prompt,
-            DispatchConfig(timeout_s=30.0, bundles=bundles, inline_delivery=False, direct_publish=False), 2 * bundles)
+            DispatchConfig(timeout_s=30.0, bundles=bundles, inline_delivery=False, direct_publish=False,
+                           engine_connection=False), 2 * bundles)
         for sharded in (lane_on, lane_off):
             assert_identical(sharded, monolithic)
             t = sharded[2]["totals"]
@@ -58,3 +59,17 @@ def test_no_responders_still_take_the_ordinary_path_and_fall_back(nats_server, s
     t = sharded[2]["totals"]
     assert t["no_responders"] > 0 and t["timeouts"] == 0 and t["invalid"] == 0  # each 503 settled its call at once
     assert inline > 0 and direct > 0
+
+
+def test_all_bundle_steps_go_on_the_engine_connection_and_change_no_bit(nats_server, swarm, model, prompt, monolithic):
+    """EXPERIMENT (s6-blane-direct): the engine thread's own blocking connection takes the steps."""
+    swarm([("w0", model_args(model, "0-3")), ("w1", model_args(model, "4-7"))])
+    engine = Engine(model)
+    with bus_backbone(engine, nats_server.url, DispatchConfig(timeout_s=30.0)) as backbone:
+        remote = backbone.dispatch
+        remote.bus.run(until(lambda: remote.coverage.bundle_nodes == 2, "the bundle heartbeats"))
+        gen = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
+        t = remote.stats.to_dict()["totals"]
+        steps = remote.direct_steps
+    assert_identical((gen.tokens, gen.logits_array(), None), monolithic)
+    assert steps > 0 and t["remote"] == t["calls"] > 0 and t["timeouts"] == 0
