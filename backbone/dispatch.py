@@ -75,6 +75,7 @@ from backbone.audit import AuditConfig, Auditor, relative_error, rerun_backend
 from backbone.coverage_view import CoverageView
 from backbone.dispatch_stats import DispatchStats, LayerStats
 from kvasir_bus import codec, lane, market_codec
+from kvasir_bus.direct import DirectConnection, DirectError
 from kvasir_bus.loopthread import LoopThread
 from kvasir_bus.subjects import Subjects
 from kvasir_bus.throttle import ThrottledLog
@@ -96,7 +97,7 @@ class DispatchConfig:
     bundles: bool = True  # one message per bundle-capable worker per layer step (--bundles on|off)
     inline_delivery: bool = True  # replies handled where nats.py parses them (kvasir_bus.lane), if it can
     direct_publish: bool = True  # a step's requests written straight to the socket (kvasir_bus.lane), if safe
-    engine_connection: bool = True  # EXPERIMENT: all-bundle race steps on a blocking connection of the engine thread
+    engine_connection: bool = True  # all-bundle steps sent and awaited on the engine thread's own connection
 
 
 class AdaptiveTimeout:
@@ -257,6 +258,14 @@ class _Step:
 
 
 _SETTLED = -1  # on a step's queue: every call is settled
+_HANDED_POLL_S = 0.002  # a step handed to the bus thread: how often the engine thread reads its connection
+
+
+class _Forwarded(NamedTuple):
+    """A reply read on the engine thread's connection, as the bus thread's handler reads one."""
+    subject: str
+    headers: dict | None
+    data: bytes
 _STEP_GRACE_S = 5.0  # the engine gives up on a step this long after its timeout (a dead loop thread)
 
 
@@ -349,10 +358,12 @@ class RemoteExperts:
         self._sub = None
         self._lane: lane.InlineDelivery | None = None  # replies straight from nats.py's reader
         self._direct: lane.DirectPublish | None = None  # a step's requests straight to the socket
-        self._conn = None  # kvasir_bus.direct.DirectConnection of the engine thread (experiment)
-        self._conn_lock = threading.Lock()
-        self._conn_failed = False
-        self.direct_steps = 0
+        self._conn = None  # kvasir_bus.direct.DirectConnection: the engine thread's own (engine_connection)
+        self._conn_lock = threading.Lock()  # one step on it at a time (micro-batches: the other takes the bus)
+        self._conn_failures = 0  # connection attempts failed in a row
+        self._conn_off = False
+        self.direct_steps = 0  # steps sent on the engine thread's connection
+        self.handed_steps = 0  # of them, steps the bus thread finished (a 503, an error, a liar, the deadline)
 
     async def start(self) -> None:
         """Listen for replies (one wildcard inbox) and for heartbeats (the coverage view)."""
@@ -378,6 +389,8 @@ class RemoteExperts:
             self._timer = None
         if self._lane is not None:
             self._lane.close()
+        if self._conn is not None:  # a step still reading it ends as one whose connection was lost
+            self._conn.close()
         if self._sub is not None:
             sub, self._sub = self._sub, None
             await sub.unsubscribe()
@@ -403,7 +416,6 @@ class RemoteExperts:
                 self._conn_lock.release()
             if outs is not None:
                 return outs
-            while_waiting = None  # already run
         if step.calls or step.probes or step.bundles:
             try:
                 self.bus.loop.call_soon_threadsafe(self._send, step)
@@ -413,12 +425,7 @@ class RemoteExperts:
                 step.calls = []
         if while_waiting is not None:
             while_waiting()
-        outs: list[np.ndarray | None] = [None] * len(calls)
-        remote = {call.index for call in step.calls} if len(step.calls) < len(calls) else None  # None: all
-        if remote is not None:
-            for i, (expert, rows) in enumerate(calls):  # the fallback replica works while the bus does
-                if i not in remote:
-                    outs[i] = self._compute_here(layer, expert, rows, stats)
+        outs = self._compute_unasked(layer, calls, step, stats)
         references = self._audit_ahead(layer, step.calls) if step.calls else {}
         if step.calls:
             deadline = step.timeout_s + _STEP_GRACE_S
@@ -431,6 +438,23 @@ class RemoteExperts:
                 if i == _SETTLED:
                     break
                 outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
+        return self._finish_step(layer, calls, step, stats, references, outs)
+
+    def _compute_unasked(self, layer: int, calls, step: _Step, stats: LayerStats) -> list[np.ndarray | None]:
+        """The step's outputs so far: those of the calls nobody was asked for (the fallback
+        replica works while the bus does), None for the rest."""
+        outs: list[np.ndarray | None] = [None] * len(calls)
+        if len(step.calls) < len(calls):
+            asked = {call.index for call in step.calls}
+            for i, (expert, rows) in enumerate(calls):
+                if i not in asked:
+                    outs[i] = self._compute_here(layer, expert, rows, stats)
+        return outs
+
+    def _finish_step(self, layer: int, calls, step: _Step, stats: LayerStats, references,
+                     outs: list[np.ndarray | None]) -> list[np.ndarray]:
+        """Once every call is settled: book and accept the won ones (audits), compute the rest."""
+        if step.calls:
             for call, audited in self._book_wins(layer, step.calls):
                 outs[call.index] = self._accept(layer, call.expert, call.rows, call.won, audited,
                                                 references.get(call.index))
@@ -438,109 +462,172 @@ class RemoteExperts:
                 if outs[call.index] is None:
                     outs[call.index] = self._compute_here(layer, call.expert, call.rows, stats)
         if self.recorder is not None:
+            asked = {call.index for call in step.calls}
             for call in step.calls:
                 self.recorder.record_call(layer, call.expert, len(call.rows), remote=call.won is not None)
             for i, (expert, rows) in enumerate(calls):
-                if remote is not None and i not in remote:
+                if i not in asked:
                     self.recorder.record_call(layer, expert, len(rows), remote=False)
         return outs
 
+    # -- the engine thread's own connection -----------------------------------------------------
+
     def _direct_eligible(self, step: _Step) -> bool:
-        return (self.cfg.engine_connection and not self._conn_failed and bool(step.calls) and not step.probes
+        """A step the engine thread can send and wait for itself: every waited call in a bundle,
+        no probe, no call on an expert's subject, no hedge (balance mode re-sends on a timer)."""
+        return (self.cfg.engine_connection and not self._conn_off and bool(step.calls) and not step.probes
                 and not step.singles and (self.replicas is None or self.replicas.cfg.mode != "balance")
                 and all(call.nodes for call in step.calls))
 
     def _connection(self):
-        if self._conn is None or self._conn.closed:
-            from kvasir_bus.direct import DirectConnection, DirectError
+        """The engine thread's connection, alive: what waited on it since the last step (PINGs,
+        late replies, a server that closed it) is read first; a lost one is made again once per
+        step. None: take the bus thread's path this step."""
+        conn = self._conn
+        if conn is not None and not conn.closed:
             try:
-                self._conn = DirectConnection(self.nc.connected_url.geturl(), "kvasir-backbone-direct")
-            except (DirectError, OSError) as exc:
-                log.warning("engine_connection_off", error=str(exc))
-                self._conn_failed = True
-                return None
+                self._forward(conn.poll())
+                return conn
+            except DirectError as exc:
+                log.info("engine_connection_lost", error=str(exc))
+        url = getattr(self.nc, "connected_url", None)  # None while the bus thread's client reconnects
+        if url is None:
+            return None
+        try:
+            self._conn = DirectConnection(url.geturl(), "kvasir-backbone-engine")
+        except (DirectError, OSError) as exc:
+            self._conn = None
+            self._conn_failures += 1
+            if self._conn_failures >= 3 or isinstance(exc, DirectError) and exc.permanent:
+                self._conn_off = True  # the bus thread's path from now on, said once
+                log.warning("engine_connection_off", error=str(exc),
+                            note="every step goes through the bus thread (correct, a little slower)")
+            return None
+        self._conn_failures = 0
         return self._conn
 
-    def _run_direct(self, layer, calls, step: _Step, stats: LayerStats, while_waiting):
-        """PROTOTYPE: the happy path of an all-bundle step on the engine thread's own connection.
-        Anything abnormal computes what is not won here (NOT the asyncio path's semantics)."""
-        from kvasir_bus.direct import DirectError
+    def _run_direct(self, layer: int, calls, step: _Step, stats: LayerStats,
+                    while_waiting: Callable[[], None] | None) -> list[np.ndarray] | None:
+        """Send an all-bundle step on the engine thread's connection and take its replies here:
+        no bus-thread hop either way. A reply that is anything but a valid, finite answer of an
+        honest node (a 503, an error, bytes that do not decode, a quarantined node), the step's
+        deadline, or a lost connection hands the step to the bus thread, whose code decides it
+        exactly as it decides every other step; replies that arrive here afterwards go there
+        too. None: nothing was sent, take the ordinary path."""
         conn = self._connection()
         if conn is None:
             return None
-        inbox = conn.inbox.encode() + b"."
-        parts, sent, by_bundle = [], 0, {}
+        self._register(step)
+        inbox = conn.inbox + "."
+        data, sent = [], 0
         for bundle in step.bundles:
-            parts.append(b"PUB %s %s%s %d\r\n" % (self._node_subject(bundle.node).encode(), inbox,
-                                                   bundle.token.encode(), len(bundle.payload)))
-            parts.append(bundle.payload)
-            parts.append(b"\r\n")
+            data.append(b"PUB %s %s %d\r\n" % (self._node_subject(bundle.node).encode(),
+                                                 (inbox + bundle.token).encode(), len(bundle.payload)))
+            data += (bundle.payload, b"\r\n")
             sent += len(bundle.payload)
-            by_bundle[bundle.token] = bundle
-        by_token = {call.tokens[0]: call for call in step.calls}
         step.t0 = time.perf_counter()
         try:
-            conn.send(b"".join(parts))
-        except DirectError:
-            self._conn_failed = True
-            return None
+            conn.send(b"".join(data))
+        except DirectError as exc:
+            log.info("engine_connection_lost", error=str(exc))
+            return None  # nothing went out: the bus thread sends the same step
         self.direct_steps += 1
         stats.bytes_out += sent
         if while_waiting is not None:
             while_waiting()
+        outs = self._compute_unasked(layer, calls, step, stats)
         references = self._audit_ahead(layer, step.calls)
         deadline = time.monotonic() + step.timeout_s
-        left, skip = len(step.calls), len(inbox) + len(conn.inbox) - len(conn.inbox)
-        loop = self.bus.loop
-        abnormal = False
-        while left and not abnormal:
+        ours = {bundle.token: bundle for bundle in step.bundles}
+        skip = len(inbox)
+        rest: list = []  # what the bus thread gets with the step
+        while step.left and not rest:
             try:
                 msgs = conn.receive(deadline)
-            except DirectError:
-                abnormal = True
+            except DirectError as exc:
+                log.info("engine_connection_lost", error=str(exc))
                 break
             if not msgs:
-                break  # the deadline
-            for msg in msgs:
-                bundle = by_bundle.get(msg.subject[len(conn.inbox) + 1:])
+                break  # the deadline: the bus thread's timer expires the step at once
+            for n, msg in enumerate(msgs):
+                bundle = ours.get(msg.subject[skip:])
                 if bundle is None:
-                    continue  # a reply of an earlier step (late): dropped
-                if msg.status is not None:
-                    abnormal = True
+                    self._forward((msg,), skip)  # an earlier step's: late or a duplicate
+                elif not self._take_direct(bundle, msg, stats):
+                    rest = msgs[n:]
                     break
-                stats.bytes_in += len(msg.data)
-                try:
-                    reply = codec.decode_bundle_reply(msg.data, n_embd=self.n_embd)
-                except codec.CodecError:
-                    abnormal = True
+        if step.left:
+            self._hand_over(step, deadline, rest, skip)
+            return self._wait_handed(layer, calls, step, stats, references, deadline, outs)
+        while (i := step.fallbacks.get_nowait()) != _SETTLED:  # a call refused as invalid
+            outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
+        return self._finish_step(layer, calls, step, stats, references, outs)
+
+    def _take_direct(self, bundle: _Bundle, msg, stats: LayerStats) -> bool:
+        """A bundle reply read on the engine thread, taken as :meth:`_on_bundle_reply` takes it
+        when it is a valid, finite answer of an honest node (True); anything else is left for
+        the bus thread (False)."""
+        if msg.status is not None:
+            return False
+        try:
+            reply = codec.decode_bundle_reply(msg.data, n_embd=self.n_embd)
+        except codec.CodecError:
+            return False
+        if isinstance(reply, codec.ErrorReply) or reply.errors or reply.node != bundle.node \
+                or self.auditor.is_quarantined(reply.node) or not codec.all_finite(reply.rows):
+            return False
+        stats.bytes_in += len(msg.data)
+        self.coverage.bundle_answered(bundle.node)  # under the view's lock
+        self._take_bundle(bundle, reply, stats)
+        return True
+
+    def _forward(self, msgs, skip: int | None = None) -> None:
+        """Replies read on the engine thread, to the bus thread's reply handler, in order."""
+        if not msgs:
+            return
+        if skip is None:
+            skip = len(self._conn.inbox) + 1
+        loop = self.bus.loop
+        for msg in msgs:
+            loop.call_soon_threadsafe(self._on_forwarded, msg.subject[skip:], msg.status, msg.data)
+
+    def _on_forwarded(self, token: str, status: str | None, data: bytes) -> None:
+        _start_now(self._on_reply(_Forwarded(f"{self._inbox}.{token}", {"Status": status} if status else None, data)))
+
+    def _hand_over(self, step: _Step, deadline: float, rest, skip: int) -> None:
+        """The bus thread takes the step: first the replies that made the engine thread stop,
+        then its timer for what is left of the step's time."""
+        self.handed_steps += 1
+        self._forward(rest, skip)
+        self.bus.loop.call_soon_threadsafe(self._adopt, step, max(0.0, deadline - time.monotonic()))
+
+    def _adopt(self, step: _Step, left_s: float) -> None:
+        if step.left:
+            self._wait_for(step, asyncio.get_running_loop(), left_s)
+
+    def _wait_handed(self, layer: int, calls, step: _Step, stats: LayerStats, references,
+                     deadline: float, outs: list[np.ndarray | None]) -> list[np.ndarray]:
+        """Wait for a handed-over step as :meth:`run_layer` waits, reading the connection in
+        between: its replies now go to the bus thread."""
+        give_up = deadline + _STEP_GRACE_S
+        conn = self._conn
+        while True:
+            try:
+                i = step.fallbacks.get(timeout=_HANDED_POLL_S)
+            except queue.Empty:
+                if time.monotonic() > give_up:
+                    log.error("dispatch_step_lost", layer=layer)
                     break
-                if isinstance(reply, codec.ErrorReply) or reply.node != bundle.node or reply.errors \
-                        or self.auditor.is_quarantined(reply.node) or not codec.all_finite(reply.rows):
-                    abnormal = True
-                    break
-                loop.call_soon_threadsafe(self.coverage.bundle_answered, bundle.node)
-                for rid, rows in reply.results():
-                    call = by_token.get(rid)
-                    if call is None or rid not in bundle.tokens or rows.shape != call.chunks[0].shape:
-                        abnormal = True
-                        break
-                    if call.won is None:
-                        call.won = _Won((_Part(slice(0, len(rows)), rows, reply.node, reply.kernel),),
-                                        time.perf_counter() - step.t0)
-                        left -= 1
-        outs: list[np.ndarray | None] = [None] * len(calls)
-        for call, audited in self._book_wins(layer, step.calls):
-            outs[call.index] = self._accept(layer, call.expert, call.rows, call.won, audited,
-                                            references.get(call.index))
-        if not abnormal:
-            stats.timeouts += sum(call.won is None for call in step.calls)
-        for i, (expert, rows) in enumerate(calls):
-            if outs[i] is None:
-                outs[i] = self._compute_here(layer, expert, rows, stats)
-        if self.recorder is not None:
-            for call in step.calls:
-                self.recorder.record_call(layer, call.expert, len(call.rows), remote=call.won is not None)
-        return outs
+                if conn is not None and not conn.closed:
+                    try:
+                        self._forward(conn.receive(time.monotonic() + _HANDED_POLL_S))
+                    except DirectError as exc:
+                        log.info("engine_connection_lost", error=str(exc))
+                continue
+            if i == _SETTLED:
+                break
+            outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
+        return self._finish_step(layer, calls, step, stats, references, outs)
 
     def _audit_ahead(self, layer: int, calls: list[_Call]) -> dict[int, np.ndarray]:
         """The local result of every call whose reply will be audited, computed while the replies
@@ -724,18 +811,7 @@ class RemoteExperts:
         everything pending in one ``writelines``. Replica policies (a queue group, hedged requests)
         hook in here."""
         layer = step.layer
-        for call in step.calls:  # registered before the first publish: a reply may come at once
-            for k, token in enumerate(call.tokens):
-                self._pending[token] = (call, k)
-        for call in step.probes:
-            for token in call.tokens:
-                self._probes[token] = (layer, call.expert)
-        while len(self._probes) > 4096:
-            self._probes.popitem(last=False)
-        for bundle in step.bundles:
-            self._bundles[bundle.token] = bundle
-        while len(self._bundles) > 4096:
-            self._bundles.popitem(last=False)
+        self._register(step)  # before the first publish: a reply may come at once
         stats = self.stats.layer(layer)
         step.t0 = time.perf_counter()
         subject_of = self.subjects.dispatch
@@ -774,10 +850,26 @@ class RemoteExperts:
                     if delay is not None and delay < step.timeout_s:
                         loop.call_later(delay, self._hedge, call, 1, delay)
 
-    def _wait_for(self, step: _Step, loop: asyncio.AbstractEventLoop) -> None:
-        """Expire ``step`` at its deadline unless it settles first: the shared timer is re-armed
-        only when this deadline comes before the one it is set for."""
-        deadline = loop.time() + step.timeout_s
+    def _register(self, step: _Step) -> None:
+        """Make a step's tokens known, so that its replies find their calls."""
+        for call in step.calls:
+            for k, token in enumerate(call.tokens):
+                self._pending[token] = (call, k)
+        for call in step.probes:
+            for token in call.tokens:
+                self._probes[token] = (step.layer, call.expert)
+        while len(self._probes) > 4096:
+            self._probes.popitem(last=False)
+        for bundle in step.bundles:
+            self._bundles[bundle.token] = bundle
+        while len(self._bundles) > 4096:
+            self._bundles.popitem(last=False)
+
+    def _wait_for(self, step: _Step, loop: asyncio.AbstractEventLoop, timeout_s: float | None = None) -> None:
+        """Expire ``step`` at its deadline (``timeout_s`` from now, its own timeout by default)
+        unless it settles first: the shared timer is re-armed only when this deadline comes
+        before the one it is set for."""
+        deadline = loop.time() + (step.timeout_s if timeout_s is None else timeout_s)
         self._waiting[step] = deadline
         if self._timer is None or deadline < self._timer_at:
             if self._timer is not None:

@@ -18,6 +18,7 @@ back to the ordinary path. It never reconnects: a new one is made when wanted.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import ssl
 import time
@@ -31,7 +32,12 @@ _CRLF = b"\r\n"
 
 
 class DirectError(Exception):
-    """The connection cannot go on (closed, refused, or a protocol violation)."""
+    """The connection cannot go on (closed, refused, or a protocol violation). ``permanent``:
+    another attempt would fail the same way (a URL scheme it does not speak)."""
+
+    def __init__(self, message: str, permanent: bool = False):
+        super().__init__(message)
+        self.permanent = permanent
 
 
 class Message(NamedTuple):
@@ -116,7 +122,8 @@ class DirectConnection:
                  connect_timeout_s: float = 5.0):
         parts = urlsplit(url.split(",")[0])
         if parts.scheme not in ("nats", "tls") or not parts.hostname:
-            raise DirectError(f"a direct connection needs a nats:// or tls:// URL, not {parts.scheme}://")
+            raise DirectError(f"a direct connection needs a nats:// or tls:// URL, not {parts.scheme}://",
+                              permanent=True)
         options = options if options is not None else ConnectOptions.from_env()
         self.sock: socket.socket | ssl.SSLSocket = socket.create_connection(
             (parts.hostname, parts.port or 4222), timeout=connect_timeout_s)
@@ -146,8 +153,10 @@ class DirectConnection:
                 else:
                     connect["nkey"] = kp.public_key.decode()
                 prefix = inbox_prefix_for(kp.public_key.decode())
-            elif parts.username:
-                connect["user"], connect["pass"] = parts.username, parts.password or ""
+            elif parts.username and parts.password is not None:
+                connect["user"], connect["pass"] = parts.username, parts.password
+            elif parts.username:  # nats://TOKEN@host, as nats.py reads it
+                connect["auth_token"] = parts.username
             self.inbox = f"{prefix}.{_nuid()}"
             self.sock.sendall(b"CONNECT " + json.dumps(connect).encode() + b"\r\nSUB "
                               + self.inbox.encode() + b".* 1\r\nPING\r\n")
@@ -222,6 +231,18 @@ class DirectConnection:
                     self.parser.max_payload = int(ev[1].get("max_payload", self.parser.max_payload))
             if out or time.monotonic() >= deadline:
                 return out
+
+    def poll(self) -> list[Message]:
+        """What has arrived since the last read, without waiting (PINGs answered): the
+        connection is checked before a step is sent on it, so that one the server closed while
+        it was idle is made again instead of losing the step."""
+        out = []
+        while not self.closed and select.select([self.sock], [], [], 0)[0] or self._pending_tls():
+            out += self.receive(time.monotonic() + 0.001)
+        return out
+
+    def _pending_tls(self) -> bool:
+        return isinstance(self.sock, ssl.SSLSocket) and not self.closed and self.sock.pending() > 0
 
     def close(self) -> None:
         self.closed = True

@@ -1,9 +1,15 @@
 """The backbone's bus path through the lane (kvasir_bus.lane): replies handled where nats.py
 parses them and a step's requests written to the socket in one write, with no bit changed
 against the monolithic run and against the ordinary path; a headed reply (a 503 "no
-responders") still goes the ordinary way and ends its call as before."""
+responders") still goes the ordinary way and ends its call as before. Steps of bundles only go
+on the engine thread's own connection (kvasir_bus.direct): taken there, handed to the bus
+thread when anything is unusual, and a lost connection is made again between steps."""
 
 from __future__ import annotations
+
+import os
+import signal
+import socket
 
 import pytest
 
@@ -61,15 +67,65 @@ def test_no_responders_still_take_the_ordinary_path_and_fall_back(nats_server, s
     assert inline > 0 and direct > 0
 
 
-def test_all_bundle_steps_go_on_the_engine_connection_and_change_no_bit(nats_server, swarm, model, prompt, monolithic):
-    """EXPERIMENT (s6-blane-direct): the engine thread's own blocking connection takes the steps."""
-    swarm([("w0", model_args(model, "0-3")), ("w1", model_args(model, "4-7"))])
+def run_on_engine_connection(url, model, prompt, bundle_nodes: int, between=None, cfg=DispatchConfig(timeout_s=30.0)):
+    """Two generations on one backbone (``between(remote)`` runs between them): tokens, logits
+    and stats of each, and the engine connection's steps (sent, handed to the bus thread)."""
     engine = Engine(model)
-    with bus_backbone(engine, nats_server.url, DispatchConfig(timeout_s=30.0)) as backbone:
+    runs = []
+    with bus_backbone(engine, url, cfg) as backbone:
         remote = backbone.dispatch
-        remote.bus.run(until(lambda: remote.coverage.bundle_nodes == 2, "the bundle heartbeats"))
-        gen = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
-        t = remote.stats.to_dict()["totals"]
-        steps = remote.direct_steps
-    assert_identical((gen.tokens, gen.logits_array(), None), monolithic)
-    assert steps > 0 and t["remote"] == t["calls"] > 0 and t["timeouts"] == 0
+        remote.bus.run(until(lambda: remote.coverage.bundle_nodes == bundle_nodes, "the bundle heartbeats"))
+        for _ in range(2):
+            before = remote.stats.to_dict()["totals"]
+            gen = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
+            after = remote.stats.to_dict()["totals"]
+            runs.append((gen.tokens, gen.logits_array(), {k: after[k] - before[k] for k in
+                                                          ("calls", "remote", "timeouts", "no_responders", "invalid")}))
+            if between is not None and len(runs) == 1:
+                between(remote)
+        steps = remote.direct_steps, remote.handed_steps
+    return runs, steps
+
+
+def test_all_bundle_steps_go_on_the_engine_connection_and_change_no_bit(nats_server, swarm, model, prompt, monolithic):
+    swarm([("w0", model_args(model, "0-3")), ("w1", model_args(model, "4-7"))])
+    runs, (direct, handed) = run_on_engine_connection(nats_server.url, model, prompt, 2)
+    for sharded in runs:
+        assert_identical(sharded, monolithic)
+        t = sharded[2]
+        assert t["remote"] == t["calls"] > 0 and t["timeouts"] == 0
+    assert direct > 0 and handed == 0  # every step sent and taken by the engine thread
+
+
+def test_a_lost_engine_connection_is_made_again_before_the_next_step(nats_server, swarm, model, prompt, monolithic):
+    """A server that closed the idle connection (or any loss between steps) costs no step: it
+    is found before the step is sent, and a new connection takes it."""
+    swarm([("w0", model_args(model, "0-3")), ("w1", model_args(model, "4-7"))])
+    lost = []
+
+    def lose(remote):
+        lost.append(remote._conn)
+        remote._conn.sock.shutdown(socket.SHUT_RD)  # reads end as if the server had closed it; writes still go
+
+    runs, (direct, handed) = run_on_engine_connection(nats_server.url, model, prompt, 2, between=lose)
+    second = runs[1]
+    assert_identical(second, monolithic)
+    assert second[2]["remote"] == second[2]["calls"] > 0 and second[2]["timeouts"] == 0
+    assert lost[0].closed and handed == 0
+
+
+def test_a_bundle_node_gone_unheard_hands_its_step_to_the_bus_thread(nats_server, swarm, model, prompt, monolithic):
+    """A bundle to a node killed before its heartbeats stop: nats-server answers 503 on the
+    engine connection; the bus thread takes the step and ends it as on its own path (the node
+    forgotten, its calls asked on their experts' subjects, 503 again, computed here), at once."""
+    victim, _ = swarm([("victim", model_args(model, "0-3")), ("steady", model_args(model, "4-7"))])
+
+    def kill(remote):
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+
+    runs, (direct, handed) = run_on_engine_connection(nats_server.url, model, prompt, 2, between=kill)
+    second = runs[1]
+    assert_identical(second, monolithic)
+    assert second[2]["no_responders"] > 0 and second[2]["timeouts"] == 0 and second[2]["invalid"] == 0
+    assert handed > 0 and direct > handed
