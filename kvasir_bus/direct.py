@@ -3,8 +3,9 @@ replies with a deadline, no event loop in between.
 
 The backbone's engine thread hands every layer step to the bus thread (an eventfd wake-up) and
 waits for it to come back (a queue and the GIL hand-over): ~50 µs of CPU in place, more when
-the GIL is contended. :class:`DirectConnection` is the experiment of doing without: the thread
-that has the requests writes them and reads the answers itself.
+the GIL is contended. :class:`DirectConnection` does without: the thread that has the requests
+writes them and reads the answers itself (``backbone.dispatch.RemoteExperts``, steps whose every
+call is in a bundle; anything unusual goes back to the bus thread's nats.py client).
 
 It speaks the client protocol of https://docs.nats.io/reference/reference-protocols/nats-protocol
 with the same identity as :func:`kvasir_bus.connect.connect` (URL, nkey seed or JWT creds, TLS
