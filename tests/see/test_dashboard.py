@@ -263,6 +263,11 @@ def test_dashboard_shows_coverage_inclusive_ranges_quarantines_and_a_killed_work
     wait_until(browser, lambda d: {n for n, c in table(d, "workers").items()
                                    if c[-1].startswith("yes")} == {"laptop-2", "pi-4"},
                "the quarantined column to mark laptop-2 and pi-4")
+    # Two paths, so two waits: the dashboard reads the quarantine on its own subscription at
+    # once, the market drops the node only once it has applied the event from the ledger stream.
+    wait_until(browser, lambda d: {n for n, c in table(d, "workers").items()
+                                   if c[3] == "- (dropped by the market)"} == {"laptop-2", "pi-4"},
+               "the market to drop laptop-2 and pi-4 from its workers")
     rows = table(browser, "workers")
     assert rows["laptop-2"][-1].startswith("yes: L") and "error 0.37" in rows["laptop-2"][-1]
     assert "bad reply" in rows["pi-4"][-1] and rows["phone-1"][-1] == "-"
@@ -275,7 +280,7 @@ def test_dashboard_shows_coverage_inclusive_ranges_quarantines_and_a_killed_work
     assert caught["laptop-2"]["error"] == 0.37 and caught["pi-4"]["error"] is None
     # The market dropped them from its workers: their rows stay, marked, with no holdings, and
     # their ranges are holes in the heatmap.
-    assert rows["laptop-2"][3] == "- (dropped by the market)"
+    assert rows["laptop-2"][3] == rows["pi-4"][3] == "- (dropped by the market)"
     honest = lambda: [w for n, w in swarm.workers.items() if n not in ("laptop-2", "pi-4")]  # noqa: E731
     wait_until(browser, lambda d: heatmap(d) == expected(honest()),
                "the quarantined workers' ranges to turn into holes")

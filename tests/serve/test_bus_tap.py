@@ -56,7 +56,7 @@ def test_tap_decodes_a_live_generate_stream(nats_server, models, arun):
             return shown, lines, req.request_id
 
         shown, lines, rid = arun(go(), timeout=180)
-    assert shown == 6
+    assert shown == 6, lines
     summaries = [ln.split("} ", 1)[1] for ln in lines]
     assert summaries[0] == f"generate prompt=3 ids max=3 greedy ignore_eos id={rid}"
     assert [s.split()[:2] for s in summaries[1:4]] == [["token", "#0"], ["token", "#1"], ["token", "#2"]]

@@ -2,7 +2,8 @@
 
 The market runs in its own process where memory or liveness is measured (``kvasir market``),
 in this process otherwise. Every wait polls the market with a deadline; no wall-clock asserts:
-"answers within 1 s" is a request with a 1 s timeout.
+"answers within 1 s" under a flood is 1 s of the market process's own CPU time (a loaded machine
+stretches wall time, not the work done), with a wall-clock deadline only against a hang.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tests.market.fakes import FP, FakeBackbone, FakeWorker, heartbeat, make_man
 
 S = Subjects(FP)
 ONE_RANGE = 8 * 3600 + 1000
+HANG_S = 30.0  # a wall-clock deadline that only tells a hang from a slow, loaded machine
 
 
 def config(db, **kw) -> MarketConfig:
@@ -48,6 +50,13 @@ class MarketProcess:
     def rss_pages(self) -> int:
         with open(f"/proc/{self.proc.pid}/statm") as f:
             return int(f.read().split()[1])
+
+    def cpu_s(self) -> float:
+        """CPU seconds the process has used (user + system): the work it did, which a loaded
+        machine does not stretch the way it stretches wall time."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, ...
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -202,9 +211,12 @@ def test_a_ghost_heartbeat_and_invented_volunteers_gain_no_coverage(nats_server,
 
 def test_a_status_flood_from_one_client_leaves_the_market_answering_within_1s(nats_server, arun, tmp_path):
     """80k status requests from one client, then at once: another client's status request is
-    answered within 1 s (``ask_market``: it asks again within its deadline, should its first
-    request be shed with the flood), and the flood starves neither a volunteer (one request,
-    1 s), nor a heartbeat, nor the ledger stream (both seen in the status within 2 s)."""
+    answered (``ask_market``: it asks again, should its first request be shed with the flood),
+    and the flood starves neither a volunteer (one request), nor a heartbeat, nor the ledger
+    stream (both seen in the status); all of it within 1 s of the market's CPU time, counted
+    from before the flood. The flood is shed unread, so that is 0.07-0.17 s quiet or beside
+    three busy loops; a market that answered the flood first would spend seconds. The wall-clock
+    deadlines (HANG_S) only stop a hang: wall time on a loaded machine measures the machine."""
     log = open(tmp_path / "market.log", "w")
     market = MarketProcess(nats_server.url, tmp_path / "m.db", log)
 
@@ -215,6 +227,7 @@ def test_a_status_flood_from_one_client_leaves_the_market_answering_within_1s(na
         worker = await connect(nats_server.url, name="worker")
         try:
             await ready_status(other)
+            cpu0 = market.cpu_s()
             inbox = flooder.new_inbox()
             async def ignore(msg):
                 pass
@@ -225,8 +238,8 @@ def test_a_status_flood_from_one_client_leaves_the_market_answering_within_1s(na
             await flooder.flush()
             req = mc.VolunteerRequest(FP, "late", ONE_RANGE)
             asked, volunteered = await asyncio.gather(
-                ask_market(other, S.status(), 1.0),
-                worker.request(S.volunteer(), req.encode(), timeout=1.0))
+                ask_market(other, S.status(), HANG_S),
+                worker.request(S.volunteer(), req.encode(), timeout=HANG_S))
             st = mc.decode_status_reply(asked.data)
             assert isinstance(st, mc.MarketStatus) and st.model == FP
             got = mc.decode_volunteer_reply(volunteered.data)
@@ -237,11 +250,13 @@ def test_a_status_flood_from_one_client_leaves_the_market_answering_within_1s(na
             await bb.ledger(batch)
 
             async def seen():
-                st = mc.decode_status_reply((await ask_market(other, S.status(), 1.0)).data)
+                st = mc.decode_status_reply((await ask_market(other, S.status(), HANG_S)).data)
                 return "late" in {n.node for n in st.nodes} and \
                     {t.node: t.rows for t in st.totals}.get("late") == 3
             # (the ledger batch passes two JetStream acks and two fsynced SQLite commits first)
-            await wait_for(seen, timeout=2.0, interval=0.05, what="heartbeat and ledger seen")
+            await wait_for(seen, timeout=HANG_S, interval=0.05, what="heartbeat and ledger seen")
+            spent = market.cpu_s() - cpu0
+            assert spent < 1.0, f"the market spent {spent:.2f} s of CPU on the flood before answering the rest"
         finally:
             await flooder.close()
             await other.close()

@@ -21,6 +21,7 @@ import sqlite3
 import subprocess
 import sys
 
+import nats.js.errors
 import pytest
 
 from backbone import spool
@@ -74,12 +75,24 @@ def test_sigkill_mid_generation_and_a_market_restart_lose_no_won_event(nats_serv
         wins = lambda: len(spool.read(spool_dir).wins) if (spool_dir / spool.FILE).exists() else 0  # noqa: E731
         try:
             await wait_for(lambda: wins() >= 20, timeout=90, interval=0.05, what="wins in the spool")
+
+            async def stored() -> bool:
+                try:
+                    return (await js.stream_info(ledger_stream.STREAM)).state.messages > 0
+                except nats.js.errors.NotFoundError:
+                    return False
+            await wait_for(stored, timeout=30, what="the backbone's first messages in the stream")
+            # The generation is paused while the market reads them and the stream is made full:
+            # how long that takes on a loaded machine (6 s of an 18 s generation, once, beside
+            # three busy loops) is then no race against the generation's end.
+            os.kill(proc.pid, signal.SIGSTOP)
             await wait_for(lambda: market.stream_applied > 0, timeout=30, what="the market reading")
             info = await js.stream_info(ledger_stream.STREAM)
             full = dataclasses.replace(info.config, max_msgs=info.state.messages,
                                        discard=ledger_stream.stream_config().discard.__class__("new"))
             await js.update_stream(full)                       # the stream refuses for a while
             seen = wins()
+            os.kill(proc.pid, signal.SIGCONT)
             await wait_for(lambda: wins() >= seen + 20, timeout=60, interval=0.05, what="more wins")
             assert proc.poll() is None, "generation ended before the kill: not mid-generation"
             os.kill(proc.pid, signal.SIGKILL)
