@@ -76,3 +76,12 @@ def test_a_live_connection_publishes_receives_and_hears_no_responders(nats_serve
         stop.set()
         t.join(30)
         conn.close()
+
+
+@pytest.mark.parametrize("url", ["ws://127.0.0.1:1", "wss://example.invalid:443"])
+def test_a_websocket_bus_is_refused_for_good_without_a_connection_attempt(url):
+    """The engine connection speaks plain NATS over TCP or TLS: on a ws:// bus the backbone
+    keeps every step on the bus thread, and says so once (engine_connection_off)."""
+    with pytest.raises(DirectError, match="nats:// or tls://") as refused:
+        DirectConnection(url)
+    assert refused.value.permanent
