@@ -16,8 +16,9 @@ from tests.polling import until
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
 
 
-def run_sharded(url, model, prompt, cfg: DispatchConfig, bundle_nodes: int):
-    """As test_sharding's, once the backbone has heard ``bundle_nodes`` bundle workers."""
+def run_sharded(url, model, prompt, cfg: DispatchConfig, bundle_nodes: int, read=None):
+    """As test_sharding's, once the backbone has heard ``bundle_nodes`` bundle workers. With
+    ``read``: (that, ``read(remote)`` after the generation)."""
     engine = Engine(model)
     with bus_backbone(engine, url, cfg) as backbone:
         remote = backbone.dispatch
@@ -25,7 +26,9 @@ def run_sharded(url, model, prompt, cfg: DispatchConfig, bundle_nodes: int):
         backbone_bus.run(until(lambda: remote.coverage.bundle_nodes == bundle_nodes, "the bundle heartbeats"))
         gen = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
         stats = remote.stats.to_dict()
-    return gen.tokens, gen.logits_array(), stats
+        extra = read(remote) if read is not None else None
+    out = gen.tokens, gen.logits_array(), stats
+    return out if read is None else (out, extra)
 
 
 def test_bundles_carry_the_calls_and_change_no_bit_and_off_sends_none(nats_server, swarm, model, prompt, monolithic):

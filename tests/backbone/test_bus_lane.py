@@ -17,6 +17,7 @@ from backbone.dispatch import DispatchConfig
 from backbone.generate import generate
 from backbone.model import Engine
 from backbone.sampling import Sampler, SamplerConfig
+from tests.backbone.test_bundles_sharding import run_sharded as run_bundled
 from tests.backbone.test_sharding import (  # noqa: F401 (fixtures)
     N_DECODE, assert_identical, bus_backbone, model, model_args, monolithic, prompt, swarm)
 from tests.polling import until
@@ -26,15 +27,10 @@ pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.c
 
 def run_sharded(url, model, prompt, cfg: DispatchConfig, bundle_nodes: int):
     """Tokens, logits, stats, and how many replies came inline and requests went direct."""
-    engine = Engine(model)
-    with bus_backbone(engine, url, cfg) as backbone:
-        remote = backbone.dispatch
-        remote.bus.run(until(lambda: remote.coverage.bundle_nodes == bundle_nodes, "the bundle heartbeats"))
-        gen = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
-        stats = remote.stats.to_dict()
-        inline = None if remote._lane is None else remote._lane.delivered
-        direct = None if remote._direct is None else remote._direct.written
-    return (gen.tokens, gen.logits_array(), stats), inline, direct
+    out, (inline, direct) = run_bundled(url, model, prompt, cfg, bundle_nodes, read=lambda remote: (
+        None if remote._lane is None else remote._lane.delivered,
+        None if remote._direct is None else remote._direct.written))
+    return out, inline, direct
 
 
 def test_replies_come_inline_and_steps_go_direct_and_change_no_bit(nats_server, swarm, model, prompt, monolithic):
