@@ -326,7 +326,7 @@ async def connect(url: str | None = None, name: str = "kvasir", *,
                                 "reconnected_cb": reconnected_cb, "closed_cb": closed_cb}
     settings.update(identity)
     settings.update(kw)
-    nc = nats.NATS()
+    nc = _client_class()()
     try:
         await asyncio.wait_for(nc.connect(servers=servers, name=name, **settings),
                                timeout=connect_deadline)
@@ -346,6 +346,37 @@ async def connect(url: str | None = None, name: str = "kvasir", *,
     state["connected"] = True
     log.debug("nats connected", url=shown, max_payload=nc.max_payload)
     return nc
+
+
+_CLIENT: type | None = None
+
+
+def _client_class() -> type:
+    """nats-py's client with a ``flush()`` that is a barrier for everything written before it.
+
+    nats-py (2.16) queues commands (SUB, PUB, UNSUB) for a flusher task but writes ``flush()``'s
+    PING straight to the socket, ahead of them: the PONG can come back before the server has
+    the SUB, so "subscribe, flush, then tell the other side" could miss the first message (a
+    request met "no responders" in CI). Here ``flush()`` first lets the flusher hand the queued
+    commands to the socket (bounded by the same timeout), then sends its PING behind them."""
+    global _CLIENT
+    if _CLIENT is None:
+        import nats.aio.client
+        import nats.errors
+
+        class BarrierFlushClient(nats.aio.client.Client):
+            async def flush(self, timeout: int = nats.aio.client.DEFAULT_FLUSH_TIMEOUT) -> None:
+                if self.is_connected and self._pending_data_size:
+                    deadline = asyncio.get_running_loop().time() + timeout
+                    await self._flush_pending()  # kick the flusher
+                    while self.is_connected and self._pending_data_size:
+                        if asyncio.get_running_loop().time() > deadline:
+                            raise nats.errors.FlushTimeoutError
+                        await asyncio.sleep(0)
+                await super().flush(timeout)
+
+        _CLIENT = BarrierFlushClient
+    return _CLIENT
 
 
 async def _quiet_close(nc: Client) -> None:

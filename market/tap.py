@@ -185,12 +185,8 @@ async def tap(nc: Any, subject: str, emit: Callable[[str], None], *, count: int 
 
     sub = await nc.subscribe(subject, cb=on_message)
     try:
-        # nats.py writes flush()'s PING straight to the socket, ahead of the SUB still queued for
-        # its flusher task: the PONG could come back before the server had the subscription, and
-        # a message published on ``ready`` be missed (2-3 in 3000 under load). Let the flusher
-        # write the SUB first; then the PONG follows it.
-        while nc.pending_data_size:
-            await asyncio.sleep(0)
+        # A barrier on a client from kvasir_bus.connect: the SUB is at the server before the PONG,
+        # so nothing published on ``ready`` is missed.
         await nc.flush()
         if ready is not None:
             ready()
