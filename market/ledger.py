@@ -11,10 +11,13 @@ volunteer that is downloading its slice.
 
 What the market reads from the ledger stream (:mod:`kvasir_bus.ledger_stream`) is applied with
 :meth:`Ledger.apply_routing`, :meth:`Ledger.apply_batch` and :meth:`Ledger.apply_quarantine`,
-each one transaction that also stores the stream sequence it applied: a message redelivered
-after a crash between commit and ack changes nothing; an event id (``events``) or a routing
-message id (``routing_ids``) applied before is not applied again, however late a backbone
-replays its spool. ``bounds`` holds, per (model, backbone,
+each one transaction. Each is idempotent by what the message names, never by its stream
+sequence: the stream redelivers what a dead market took and never acked *after* newer messages
+the next market has read, so "sequence at most the highest applied" does not mean "applied".
+An event id (``events``), a routing message id (``routing_ids``; the stream sequence where a
+message has none) or a quarantined node applied before is not applied again, whether it comes
+back from a crash between commit and ack or from a backbone replaying its spool however late.
+``stream`` keeps the highest sequence applied, for reports only. ``bounds`` holds, per (model, backbone,
 layer, expert), the rows the backbone's replies from workers won (``routed``, from its routing
 statistics) and the rows credited so far: an event that would credit more than was routed is
 refused ("unbacked"). A quarantined node's events are void (reward 0; ``void`` = 1) and its
@@ -92,6 +95,10 @@ CREATE TABLE IF NOT EXISTS assignments (
     PRIMARY KEY (model, node)
 );
 """
+
+
+class _Held(Exception):
+    """An unbacked event in a batch applied with ``hold``: roll the whole batch back."""
 
 
 class Ledger:
@@ -197,29 +204,27 @@ class Ledger:
 
     # -- the ledger stream ------------------------------------------------------------------
     def stream_seq(self, name: str) -> int:
-        """The last stream sequence applied (0: none)."""
+        """The highest stream sequence applied (0: none); a report, not a test of "applied"."""
         got = self._db.execute("SELECT seq FROM stream WHERE name = ?", (name,)).fetchone()
         return int(got[0]) if got else 0
 
-    def _applied(self, name: str, seq: int) -> bool:
-        """Inside a transaction: True if ``seq`` was applied before; else mark it applied."""
-        if seq <= self.stream_seq(name):
-            return True
-        self._db.execute("INSERT OR REPLACE INTO stream VALUES (?, ?)", (name, seq))
-        return False
+    def _note_seq(self, name: str, seq: int) -> None:
+        """Inside a transaction: remember ``seq`` if it is the highest applied so far."""
+        self._db.execute("INSERT INTO stream VALUES (?, ?) ON CONFLICT (name) DO UPDATE SET "
+                         "seq = max(seq, excluded.seq)", (name, seq))
 
     def apply_routing(self, stream: str, seq: int, model: str, source: str,
                       remote: Iterable[tuple[int, int, int]], msg_id: str | None = None) -> bool:
-        """Add ``(layer, expert, rows)`` won by workers to the bounds of ``source``; False if
-        ``seq`` was applied already, or a message with the same ``msg_id`` (``Nats-Msg-Id``)
-        from that source: a backbone replaying its spool after the stream's duplicate window
-        adds its bound once."""
+        """Add ``(layer, expert, rows)`` won by workers to the bounds of ``source``; False if a
+        message with the same ``msg_id`` (``Nats-Msg-Id``; without one, the same stream
+        sequence ``seq``) from that source was applied before: redelivered, or replayed from a
+        spool after the stream's duplicate window, it adds its bound once."""
+        key = msg_id or f"#{stream}:{seq}"
         with self._db:
-            if self._applied(stream, seq):
+            if self._db.execute("INSERT OR IGNORE INTO routing_ids VALUES (?, ?, ?)",
+                                (model, source, key)).rowcount == 0:
                 return False
-            if msg_id and self._db.execute("INSERT OR IGNORE INTO routing_ids VALUES (?, ?, ?)",
-                                           (model, source, msg_id)).rowcount == 0:
-                return False
+            self._note_seq(stream, seq)
             self._db.executemany(
                 "INSERT INTO bounds VALUES (?, ?, ?, ?, ?, 0) ON CONFLICT (model, source, layer, "
                 "expert) DO UPDATE SET routed = routed + excluded.routed",
@@ -227,51 +232,61 @@ class Ledger:
         return True
 
     def apply_batch(self, stream: str, seq: int, model: str, source: str, batch_id: str,
-                    priced: Iterable[tuple[LedgerEvent, float]], now: float
+                    priced: Iterable[tuple[LedgerEvent, float]], now: float, hold: bool = False
                     ) -> tuple[dict[str, int], list[LedgerEvent]] | None:
         """Store ``(event, rate)`` pairs that are backed by routed rows and not from a
-        quarantined node. Returns counts ``accepted``, ``duplicates``, ``unbacked``,
-        ``quarantined`` and the accepted events (None if ``seq`` was applied already)."""
+        quarantined node; an event id stored before counts as a duplicate. Returns counts
+        ``accepted``, ``duplicates``, ``unbacked``, ``quarantined`` and the accepted events.
+
+        ``hold``: if any event is unbacked, store nothing and return None. The routing that
+        backs it may still be on its way (the stream redelivers what a dead market took
+        after what came later): the caller asks for the batch again later, and the last time
+        without ``hold``."""
         out = dict(accepted=0, duplicates=0, unbacked=0, quarantined=0)
         accepted: list[LedgerEvent] = []
-        with self._db:
-            if self._applied(stream, seq):
-                return None
-            banned = self.quarantined(model)
-            for event, rate in priced:
-                if event.node in banned:
-                    out["quarantined"] += 1
-                    continue
-                if self._db.execute("SELECT 1 FROM events WHERE event_id = ?",
-                                    (event.event_id,)).fetchone():
-                    out["duplicates"] += 1
-                    continue
-                got = self._db.execute(
-                    "SELECT routed, credited FROM bounds WHERE model = ? AND source = ? AND "
-                    "layer = ? AND expert = ?", (model, source, event.layer, event.expert)).fetchone()
-                if got is None or got[1] + event.rows > got[0]:
-                    out["unbacked"] += 1
-                    continue
-                self._db.execute(
-                    "UPDATE bounds SET credited = credited + ? WHERE model = ? AND source = ? AND "
-                    "layer = ? AND expert = ?", (event.rows, model, source, event.layer, event.expert))
-                self._db.execute(
-                    "INSERT INTO events (event_id, model, node, layer, expert, rows, at, rate, "
-                    "reward, source, batch_id, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (event.event_id, model, event.node, event.layer, event.expert, event.rows,
-                     event.at, rate, rate * event.rows, source, batch_id, now))
-                out["accepted"] += 1
-                accepted.append(event)
+        try:
+            with self._db:
+                banned = self.quarantined(model)
+                for event, rate in priced:
+                    if event.node in banned:
+                        out["quarantined"] += 1
+                        continue
+                    if self._db.execute("SELECT 1 FROM events WHERE event_id = ?",
+                                        (event.event_id,)).fetchone():
+                        out["duplicates"] += 1
+                        continue
+                    got = self._db.execute(
+                        "SELECT routed, credited FROM bounds WHERE model = ? AND source = ? AND "
+                        "layer = ? AND expert = ?", (model, source, event.layer, event.expert)).fetchone()
+                    if got is None or got[1] + event.rows > got[0]:
+                        if hold:
+                            raise _Held
+                        out["unbacked"] += 1
+                        continue
+                    self._db.execute(
+                        "UPDATE bounds SET credited = credited + ? WHERE model = ? AND source = ? AND "
+                        "layer = ? AND expert = ?", (event.rows, model, source, event.layer, event.expert))
+                    self._db.execute(
+                        "INSERT INTO events (event_id, model, node, layer, expert, rows, at, rate, "
+                        "reward, source, batch_id, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (event.event_id, model, event.node, event.layer, event.expert, event.rows,
+                         event.at, rate, rate * event.rows, source, batch_id, now))
+                    out["accepted"] += 1
+                    accepted.append(event)
+                self._note_seq(stream, seq)
+        except _Held:  # the transaction is rolled back: nothing of this batch is stored
+            return None
         return out, accepted
 
     def apply_quarantine(self, stream: str, seq: int, model: str, node: str, at: float) -> int | None:
         """Quarantine ``node``: its events so far are void (unpaid: nothing in this ledger
         pays out yet, so that is all of them) and it is refused from now on. Returns the rows
-        voided (None if ``seq`` was applied already)."""
+        voided (None if ``node`` was quarantined before)."""
         with self._db:
-            if self._applied(stream, seq):
+            if self._db.execute("INSERT OR IGNORE INTO quarantined VALUES (?, ?, ?)",
+                                (model, node, at)).rowcount == 0:
                 return None
-            self._db.execute("INSERT OR IGNORE INTO quarantined VALUES (?, ?, ?)", (model, node, at))
+            self._note_seq(stream, seq)
             got = self._db.execute("SELECT sum(rows) FROM events WHERE model = ? AND node = ? AND "
                                    "void = 0", (model, node)).fetchone()
             self._db.execute("UPDATE events SET void = 1, reward = 0 WHERE model = ? AND node = ?",

@@ -49,6 +49,12 @@ Until then volunteers get ``no_manifest`` (after waiting ``volunteer_wait_s`` fo
 ledger stream waits (``stream_manifest_wait_s`` at most per model, then such events are refused).
 Manifests are kept in the ledger file, so a restarted market checks events with no backbone up.
 
+The stream redelivers what a dead market took and never acked ``ack_wait`` later, behind what
+the next market has read since: a batch can come before the routing statistics that back it.
+A batch with an unbacked event is then stored not at all and asked for again
+(``nak``, ``unbacked_retry_s`` later, ``unbacked_retries`` times); only its last delivery stores
+what is backed and refuses the rest. A liar's batch costs that many reads, never more.
+
 Nothing on the wire can stop the market: bad payloads are dropped with a warning line, or
 answered with an ErrorReply when they were requests. A restart loses nothing that matters:
 the coverage map is rebuilt from heartbeats within one expiry, the ledger, what each node has
@@ -116,13 +122,18 @@ class MarketConfig:
     heartbeat_total_rate: float = 5000.0      # heartbeats of all nodes per second
     log_interval_s: float = 60.0              # one refusal line per sender per this
     stream_manifest_wait_s: float = 30.0      # ledger events of a model without a manifest
+    unbacked_retries: int = 3                 # a batch with an unbacked event is read again ...
+    unbacked_retry_s: float = 5.0             # ... this much later (the consumer's ack wait)
 
     def __post_init__(self) -> None:
         subjects.check_node(self.node)
         for name in ("expiry_s", "demand_interval_s", "usage_half_life_s",
-                     "manifest_timeout_s", "manifest_retry_s", "manifest_retry_max_s"):
+                     "manifest_timeout_s", "manifest_retry_s", "manifest_retry_max_s",
+                     "unbacked_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.unbacked_retries < 0:
+            raise ValueError(f"unbacked_retries must be >= 0, got {self.unbacked_retries}")
         if self.assign_grace_s < 0 or self.volunteer_wait_s < 0 or self.range_experts < 1 \
                 or (self.warmup_s is not None and self.warmup_s < 0):
             raise ValueError("assign_grace_s, volunteer_wait_s and warmup_s must be >= 0, "
@@ -741,9 +752,11 @@ class Market:
                     except (FetchTimeoutError, nats.errors.TimeoutError, asyncio.TimeoutError):
                         continue
                     for m in msgs:
-                        await self._apply_stream(m)
-                        await m.ack()
-                        self.stream_applied += 1
+                        if await self._apply_stream(m):
+                            await m.ack()
+                            self.stream_applied += 1
+                        else:  # held: its backing may come later (see the module's text)
+                            await m.nak(delay=self.cfg.unbacked_retry_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -755,7 +768,8 @@ class Market:
 
     async def _apply_stream(self, m: Any) -> bool:
         """Apply one stream message (waiting up to ``stream_manifest_wait_s`` for its model's
-        manifest). Bad messages are refused: one line per sender a minute."""
+        manifest). Bad messages are refused: one line per sender a minute. False: a batch held
+        for its backing, to be read again."""
         seq = m.metadata.sequence.stream
         parts = m.subject.split(".")
         if len(parts) != 3 or parts[2] not in ("ledger", "routing", "quarantine"):
@@ -801,10 +815,13 @@ class Market:
                              layer=record.layer, expert=record.expert, error=record.error,
                              rows_voided=voided)
         else:
-            await self._apply_batch(ms, seq, record)
+            last = m.metadata.num_delivered > self.cfg.unbacked_retries
+            return await self._apply_batch(ms, seq, record, hold=not last)
         return True
 
-    async def _apply_batch(self, ms: _Model, seq: int, batch: mc.LedgerBatch) -> None:
+    async def _apply_batch(self, ms: _Model, seq: int, batch: mc.LedgerBatch,
+                           hold: bool = False) -> bool:
+        """False: ``hold`` and an event unbacked, nothing stored (read it again later)."""
         now = self.clock()
         self._expire(ms, now)
         stats = self._refresh(ms, now)
@@ -821,9 +838,11 @@ class Market:
             self.refusals.warning(batch.source, "ledger_events_out_of_range", model=ms.name,
                                   source=batch.source, batch=batch.batch_id, events=refused)
         got = await self._db(self.ledger.apply_batch, ledger_stream.STREAM, seq, ms.name,
-                             batch.source, batch.batch_id, priced, now)
+                             batch.source, batch.batch_id, priced, now, hold)
         if got is None:
-            return  # applied before a crash, acked now
+            self.log.debug("ledger_batch_held", model=ms.name, source=batch.source,
+                           batch=batch.batch_id, retry_s=self.cfg.unbacked_retry_s)
+            return False
         got, served = got
         if got["unbacked"] or got["quarantined"]:
             self.refusals.warning(batch.source, "ledger_events_refused", model=ms.name,
@@ -839,6 +858,7 @@ class Market:
                 await self._db(self.ledger.drop_assignment, ms.name, event.node)
         self.log.info("ledger_batch", model=ms.name, source=batch.source, batch=batch.batch_id,
                       out_of_range=refused, **got)
+        return True
 
     async def _on_status(self, msg: Any) -> None:
         if not msg.reply or not self.limits.allow(self._sender(msg)):

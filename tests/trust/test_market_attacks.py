@@ -33,7 +33,8 @@ HANG_S = 30.0  # a wall-clock deadline that only tells a hang from a slow, loade
 
 def config(db, **kw) -> MarketConfig:
     fields = dict(db_path=str(db), expiry_s=0.6, assign_grace_s=30.0, range_experts=8,
-                  demand_interval_s=0.5, manifest_retry_s=0.05, manifest_retry_max_s=0.2)
+                  demand_interval_s=0.5, manifest_retry_s=0.05, manifest_retry_max_s=0.2,
+                  unbacked_retry_s=0.5)
     fields.update(kw)
     return MarketConfig(**fields)
 

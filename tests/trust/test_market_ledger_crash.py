@@ -119,7 +119,10 @@ def test_sigkill_mid_generation_and_a_market_restart_lose_no_won_event(nats_serv
             await wait_for(drained, timeout=30, what="the market to read the whole stream")
             expected = sorted((e.event_id, e.node, e.layer, e.expert, e.rows) for e in won.wins)
             assert len({e[0] for e in expected}) == len(expected) > 40
-            assert ledger_rows(db) == expected           # same ids, same rows, none twice, none missing
+            rows = ledger_rows(db)                        # same ids, same rows, none twice, none missing
+            missing, extra = sorted(set(expected) - set(rows)), sorted(set(rows) - set(expected))
+            assert rows == expected, (f"{len(missing)} of {len(expected)} wins missing (first: {missing[:4]}), "
+                                      f"{len(extra)} rows extra (first: {extra[:4]}), replay: {replay}")
             st = await market.status(fp)
             assert sum(t.events for t in st.totals) == len(expected)
         finally:

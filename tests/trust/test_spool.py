@@ -192,6 +192,28 @@ def test_the_market_adds_a_replayed_routing_bound_once_past_the_streams_window(t
         assert got[0]["accepted"] == 2 and got[0]["unbacked"] == 1
 
 
+def test_the_ledger_is_idempotent_by_ids_not_by_stream_order(tmp_path):
+    """Redelivered messages come with lower stream sequences than ones applied since: they
+    are applied if new, once; a held batch stores nothing until its bound is there."""
+    def events(tag, n):
+        return [(mc.LedgerEvent(f"{tag}{i}", "w", 0, 1, 5, 1.0), 1.0) for i in range(n)]
+
+    with Ledger(tmp_path / "m.db") as led:
+        assert led.apply_routing("S", 9, FP, "bb", [(0, 1, 5)], msg_id="bb:x:r2")
+        assert led.apply_batch("S", 10, FP, "bb", "b2", events("late", 1), 1.0)[0]["accepted"] == 1
+        assert led.apply_batch("S", 8, FP, "bb", "b1", events("early", 1), 1.0, True) is None  # held
+        assert led.stream_seq("S") == 10
+        assert led.apply_routing("S", 7, FP, "bb", [(0, 1, 5)], msg_id="bb:x:r1")  # redelivered late
+        got = led.apply_batch("S", 8, FP, "bb", "b1", events("early", 1), 1.0, True)
+        assert got[0]["accepted"] == 1 and led.stream_seq("S") == 10
+        again = led.apply_batch("S", 8, FP, "bb", "b1", events("early", 1), 1.0)  # acked too late
+        assert again[0]["duplicates"] == 1 and again[0]["accepted"] == 0
+        assert led.apply_routing("S", 11, FP, "bb", [(0, 1, 5)])           # no msg id: its seq
+        assert not led.apply_routing("S", 11, FP, "bb", [(0, 1, 5)])
+        assert led.apply_quarantine("S", 12, FP, "w", 1.0) == 10
+        assert led.apply_quarantine("S", 12, FP, "w", 1.0) is None
+
+
 def test_generate_replays_its_spool_at_start_and_reports_it_in_json(nats_server, models, tmp_path):
     pytest.importorskip("llama_cpp", reason="the backbone's kernel and the synthetic models need llama.cpp")
     from backbone.model import Engine
