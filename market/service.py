@@ -752,10 +752,19 @@ class Market:
                     except (FetchTimeoutError, nats.errors.TimeoutError, asyncio.TimeoutError):
                         continue
                     for m in msgs:
-                        if await self._apply_stream(m):
+                        try:
+                            applied = await self._apply_stream(m)
+                        except asyncio.CancelledError:
+                            raise
+                        except Exception as exc:  # a full disk, a bug: never acked, read again
+                            self.refusals.error(m.subject, "ledger_stream_apply_failed",
+                                                subject=m.subject, error=f"{type(exc).__name__}: {exc}",
+                                                note=f"read again in {self.cfg.unbacked_retry_s:g} s")
+                            applied = False
+                        if applied:
                             await m.ack()
                             self.stream_applied += 1
-                        else:  # held: its backing may come later (see the module's text)
+                        else:  # held (its backing may come later: see the module's text) or failed
                             await m.nak(delay=self.cfg.unbacked_retry_s)
             except asyncio.CancelledError:
                 raise

@@ -26,9 +26,9 @@ from tests.market.fakes import FP, FakeBackbone, make_manifest, wait_for
 HANG_S = 40.0  # the redelivery comes ack_wait (5 s) later; this only tells a hang from a slow machine
 
 
-def config(db) -> MarketConfig:
+def config(db, **kw) -> MarketConfig:
     return MarketConfig(db_path=str(db), expiry_s=0.6, range_experts=8, warmup_s=0,
-                        manifest_retry_s=0.05, manifest_retry_max_s=0.2, models=(FP,))
+                        manifest_retry_s=0.05, manifest_retry_max_s=0.2, models=(FP,), **kw)
 
 
 def batch(bid: str, n: int, expert0: int = 0) -> mc.LedgerBatch:
@@ -89,3 +89,40 @@ def test_a_routing_and_batch_redelivered_behind_newer_ones_are_still_credited(na
 
 def test_a_batch_read_before_its_redelivered_routing_waits_for_it(nats_server, arun, tmp_path):
     run_after_a_dead_market(nats_server, arun, tmp_path, taken=1)
+
+
+def test_a_batch_the_ledger_failed_to_store_is_read_again_not_lost(nats_server, arun, tmp_path):
+    """A disk full for a moment: the batch is left unacked, an error line says so, and the
+    next delivery stores it."""
+    import sqlite3 as sq
+
+    from kvasir_bus.logs import capture
+
+    db = tmp_path / "m.db"
+
+    async def go():
+        bb = await FakeBackbone(nats_server.url, make_manifest()).start()
+        nc = await connect(nats_server.url, name="market")
+        market = await Market(nc, config(db, unbacked_retry_s=0.2)).start()
+        real, failures = market.ledger.apply_batch, []
+
+        def failing_once(*args):
+            if not failures:
+                failures.append(1)
+                raise sq.OperationalError("database or disk is full")
+            return real(*args)
+
+        market.ledger.apply_batch = failing_once
+        try:
+            with capture() as lines:
+                await bb.ledger(batch("b1", 2))
+                await wait_for(lambda: ledger_ids(db) == {"b1:0", "b1:1"}, timeout=HANG_S,
+                               interval=0.05, what="the batch stored on its next delivery")
+            failed = [line for line in lines if line["event"] == "ledger_stream_apply_failed"]
+            assert len(failed) == 1 and "disk is full" in failed[0]["error"]
+        finally:
+            await bb.stop()
+            await market.stop()
+            await nc.close()
+
+    arun(go(), timeout=HANG_S + 20)
