@@ -94,6 +94,12 @@ def add_replica_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bundles", choices=("on", "off"), default="on",
                    help="on: every call of a layer step for one worker goes in one message on the worker's "
                    "node subject (workers that announce bundles); off: one message per expert (default on)")
+    p.add_argument("--fast-paths", choices=("on", "off"), default="on",
+                   help="on: a layer step's bundles go out and their replies are read on the engine "
+                   "thread's own NATS connection, other replies are handled where nats.py parses them, "
+                   "and a step's requests are written to the socket in one write, wherever the "
+                   "connection allows it; off: every message through nats.py's ordinary path (the same "
+                   "answers, more CPU per call; to compare, or to rule them out) (default on)")
     p.add_argument("--hot", choices=("auto", "off"), default="off",
                    help="auto: compute an expert here when this node's measured cost beats its measured "
                    "round trip (a slow link costs less than a local compute); off: always ask the workers "

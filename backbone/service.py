@@ -94,7 +94,8 @@ class BackboneConfig:
             nats_url=getattr(args, "nats", None),
             dispatch=DispatchConfig(timeout_s=timeout_ms / 1000 if timeout_ms else None,
                                     audit=_audit_config(getattr(args, "audit", None)),
-                                    bundles=getattr(args, "bundles", None) != "off"),
+                                    bundles=getattr(args, "bundles", None) != "off",
+                                    **_fast_paths(getattr(args, "fast_paths", None) != "off")),
             wire_dtype=getattr(args, "wire_dtype", None) or "float32",
             n_ctx=getattr(args, "ctx", None),
             serve_weights=getattr(args, "serve_weights", None),
@@ -106,6 +107,11 @@ class BackboneConfig:
         )
         values.update(fixed)
         return cls(**values)
+
+
+def _fast_paths(on: bool) -> dict[str, bool]:
+    """``--fast-paths``: the engine connection, inline reply delivery and one-write publishes."""
+    return dict(engine_connection=on, inline_delivery=on, direct_publish=on)
 
 
 def _audit_config(rate: float | None) -> AuditConfig:

@@ -214,6 +214,7 @@ def cmd_up(args) -> int:
             workers.append(spawn_worker(url, f"worker-{i}", ["--model", args.model, "--layer", "all",
                                                             "--experts", f"{lo}-{hi}"], log_file=logf,
                                         extra=["--replicas", cfg.replicas.mode,
+                                               "--fast-paths", getattr(args, "fast_paths", "on"),
                                                *(["--creds", creds[f"worker-{i}"]] if creds else [])]))
         # Workers load their experts before their first heartbeat: on a big model that is
         # minutes, so a log file hears how many are ready every 10 s (a terminal waits quietly).

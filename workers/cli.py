@@ -114,6 +114,10 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
                    help="on: also take a backbone's bundles (a layer step's calls for this node in one "
                    "message) on this node's subject, and say so in the heartbeat; off: only per-expert "
                    "requests, as workers before bundles (default on)")
+    p.add_argument("--fast-paths", choices=("on", "off"), default="on",
+                   help="on: requests are handled where nats.py parses them and replies written to the "
+                   "socket directly, wherever the connection allows it (never over WebSocket); off: "
+                   "nats.py's ordinary path for both (the same answers, more CPU per call) (default on)")
     p.add_argument("--max-rows", type=int, default=16384, metavar="N", help="largest request in rows")
     p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="B",
                    help="largest request in bytes (default 8 MiB, the max_payload of deploy/nats.conf)")
@@ -176,7 +180,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     apply_kernel_flags(args)  # before the slice is read: ggml loads once, in this mode
     cfg = WorkerConfig(node=node, heartbeat_s=args.heartbeat, max_rows=args.max_rows,
                        max_bytes=args.max_request_bytes, queue_group=args.queue_group or (BALANCE_QUEUE if args.replicas == "balance" else None),
-                       metrics=args.metrics, bundles=args.bundles == "on")
+                       metrics=args.metrics, bundles=args.bundles == "on",
+                       inline_delivery=args.fast_paths == "on", direct_reply=args.fast_paths == "on")
     if volunteering:
         import os
 

@@ -7,7 +7,9 @@ thread when anything is unusual, and a lost connection is made again between ste
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import replace
 import signal
 import socket
 
@@ -125,3 +127,29 @@ def test_a_bundle_node_gone_unheard_hands_its_step_to_the_bus_thread(nats_server
     assert_identical(second, monolithic)
     assert second[2]["no_responders"] > 0 and second[2]["timeouts"] == 0 and second[2]["invalid"] == 0
     assert handed > 0 and direct > handed
+
+
+def test_fast_paths_off_on_the_command_lines_sends_everything_the_ordinary_way(
+        nats_server, swarm, model, prompt, monolithic, tmp_path):
+    """``--fast-paths off`` (worker and backbone flags): no engine connection, no inline delivery,
+    no one-write publish on the backbone, none on the workers either; the same bits."""
+    import argparse
+
+    from backbone.cli import add_bus_flags
+    from backbone.service import BackboneConfig
+
+    swarm([(node, model_args(model, experts) + ["--fast-paths", "off"]) for node, experts in (("w0", "0-3"), ("w1", "4-7"))])
+    p = argparse.ArgumentParser()
+    p.add_argument("--model")
+    add_bus_flags(p)
+    off = BackboneConfig.from_args(p.parse_args(["--model", str(model), "--fast-paths", "off"])).dispatch
+    assert (off.engine_connection, off.inline_delivery, off.direct_publish) == (False, False, False)
+    on = BackboneConfig.from_args(p.parse_args(["--model", str(model)])).dispatch
+    assert (on.engine_connection, on.inline_delivery, on.direct_publish) == (True, True, True)
+    sharded, inline, direct = run_sharded(nats_server.url, model, prompt, replace(off, timeout_s=30.0), 2)
+    assert_identical(sharded, monolithic)
+    assert (inline, direct) == (None, None) and sharded[2]["totals"]["remote"] > 0
+    for node in ("w0", "w1"):
+        started = [json.loads(line) for line in (tmp_path / f"{node}.log").read_text().splitlines()
+                   if '"worker_started"' in line]
+        assert [(s["inline"], s["direct"]) for s in started] == [(False, False)]
