@@ -37,7 +37,10 @@ def stream_config():
                         max_bytes=MAX_BYTES, duplicate_window=DUPLICATE_WINDOW_S)
 
 
-def consumer_config(ack_wait_s: float = 5.0, max_ack_pending: int = 1024):
+ACK_WAIT_S = 5.0  # a message delivered and not acked is delivered again this much later
+
+
+def consumer_config(ack_wait_s: float = ACK_WAIT_S, max_ack_pending: int = 1024):
     from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
     return ConsumerConfig(durable_name=CONSUMER, ack_policy=AckPolicy.EXPLICIT,

@@ -123,7 +123,7 @@ class MarketConfig:
     log_interval_s: float = 60.0              # one refusal line per sender per this
     stream_manifest_wait_s: float = 30.0      # ledger events of a model without a manifest
     unbacked_retries: int = 3                 # a batch with an unbacked event is read again ...
-    unbacked_retry_s: float = 5.0             # ... this much later (the consumer's ack wait)
+    unbacked_retry_s: float = ledger_stream.ACK_WAIT_S  # ... this much later (a redelivery's delay)
 
     def __post_init__(self) -> None:
         subjects.check_node(self.node)
