@@ -13,6 +13,8 @@ import hashlib
 import itertools
 import time
 
+from nats.js.errors import NotFoundError
+
 from kvasir_bus import codec, ledger_stream, market_codec as mc
 from kvasir_bus.wire import Holding
 from kvasir_bus.connect import connect
@@ -60,6 +62,24 @@ async def wait_for(predicate, timeout: float = 5.0, interval: float = 0.02, what
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or predicate}")
         await asyncio.sleep(interval)
+
+
+async def stream_read(nc, timeout: float = 10.0, what: str = "the market reading the stream"):
+    """Wait until the market's durable consumer has acked every message in the ledger stream:
+    each one applied or refused, its effect in the ledger (the market acks after applying).
+    Counting ``Market.stream_applied`` instead is fragile: the setup's own routing and join
+    messages share the stream, and a held batch is read more than once."""
+    js = nc.jetstream()
+
+    async def all_acked() -> bool:
+        try:
+            stream = await js.stream_info(ledger_stream.STREAM)
+            consumer = await js.consumer_info(ledger_stream.STREAM, ledger_stream.CONSUMER)
+        except NotFoundError:  # the market has not made its consumer yet
+            return False
+        return consumer.ack_floor.stream_seq >= stream.state.last_seq
+
+    await wait_for(all_acked, timeout=timeout, what=what)
 
 
 class FakeBackbone:

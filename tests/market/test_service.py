@@ -23,7 +23,8 @@ from backbone.market_link import MarketLink
 from market.dashboard import Dashboard, DashboardConfig
 from market.ledger import Ledger
 from market.service import Market, MarketConfig
-from tests.market.fakes import FP, FakeBackbone, FakeWorker, heartbeat, make_manifest, wait_for
+from tests.market.fakes import (FP, FakeBackbone, FakeWorker, heartbeat, make_manifest,
+                                stream_read, wait_for)
 
 EXPIRY = 0.6
 ONE_RANGE = 8 * 3600 + 1000          # fits one range of either layer, never two
@@ -274,7 +275,7 @@ def test_a_volunteer_before_the_manifest_gets_no_manifest_then_an_assignment(nat
             reply = await wait_for(lambda: _assigned(w), timeout=5, what="an assignment")
             assert reply.holdings == (Holding(0, 0, 8),)
             assert bb.manifest_requests >= 1
-            await wait_for(lambda: market.stream_applied >= 2, what="the stream applied")
+            await stream_read(bb.nc, what="the stream applied")
             assert [(t.node, t.rows) for t in (await market.status(FP)).totals] == [("early", 1)]
         finally:
             await w.kill()
@@ -315,7 +316,7 @@ def test_ledger_totals_equal_rows_served_and_survive_a_market_restart(nats_serve
                                     backed=False)).duplicate
             # overlapping events in another batch: the ids already counted are duplicates
             await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-2", events(30, 60)))
-            await wait_for(lambda: market.stream_applied >= 4, what="4 stream messages")
+            await stream_read(bb.nc)
             st = await market.status(FP)
             assert {t.node: t.rows for t in st.totals} == rows
             # priced by scarcity: nothing is covered, target 1 -> 1.0 per row
@@ -324,8 +325,7 @@ def test_ledger_totals_equal_rows_served_and_survive_a_market_restart(nats_serve
             await swarm.restart_market()
             # a batch stored while the market is away is read by the restarted one
             await bb.ledger(mc.LedgerBatch(FP, "backbone", "b-3", events(0, 60)))
-            await wait_for(lambda: swarm.market.stream_applied >= 2, timeout=5,
-                           what="the restarted market reading the stream")
+            await stream_read(bb.nc, what="the restarted market reading the stream")
             st = await swarm.market.status(FP)
             assert {t.node: t.rows for t in st.totals} == rows      # nothing counted twice
         finally:
@@ -355,14 +355,10 @@ def test_a_scarce_range_pays_more_per_row(nats_server, arun, tmp_path):
                 mc.LedgerEvent("e-1", "w-0", HOT.layer, HOT.lo, 10, 1.0),   # 3.0 per row
                 mc.LedgerEvent("e-2", "w-0", 0, 0, 10, 1.0),                # hole: 1.0
                 mc.LedgerEvent("e-3", "w-0", 7, 0, 10, 1.0)))               # no such layer
-            applied = swarm.market.stream_applied
             with capture() as lines:
                 await bb.ledger(batch)
-                # The stream also carries the join's own routing and ledger messages, which may be
-                # applied late on a loaded machine: wait for this batch's refusal, not a count.
-                await wait_for(lambda: swarm.market.stream_applied >= applied + 2
-                               and any(line["event"] == "ledger_events_out_of_range" for line in lines),
-                               timeout=10.0, what="routing and batch applied")
+                await stream_read(bb.nc, what="routing and batch applied")
+            assert any(line["event"] == "ledger_events_out_of_range" for line in lines)
             st = await swarm.market.status(FP)
             # + the 1 row of HOT it served when it joined (3.0); layer 7 is refused: no pay
             assert [(t.node, t.rows, t.reward) for t in st.totals] == [("w-0", 21, 43.0)]
@@ -408,8 +404,7 @@ def test_malformed_messages_are_dropped_or_refused_and_the_market_keeps_running(
                     await nc.publish(s.ledger(), payload)  # into the stream: read, refused
                 await nc.publish(s.volunteer(), mc.VolunteerRequest(FP, "n", 1).encode())
                 await nc.flush()
-                await wait_for(lambda: swarm.market.stream_applied >= 5,
-                               what="the stream's garbage read")
+                await stream_read(nc, what="the stream's garbage read")
             events = [line["event"] for line in lines]
             assert events.count("heartbeat_dropped") == 1   # one line per sender a minute
             assert events.count("ledger_refused") == 1

@@ -22,7 +22,7 @@ from kvasir_bus.errors import UsageError
 from kvasir_bus.metrics import MetricsServer, parse_listen, registry, render
 from market.dashboard import Dashboard, DashboardConfig
 from market.service import Market, MarketConfig
-from tests.market.fakes import FP, FakeBackbone, FakeWorker, make_manifest, wait_for
+from tests.market.fakes import FP, FakeBackbone, FakeWorker, make_manifest, stream_read, wait_for
 from workers.metrics import WorkerCollector
 
 ONE_RANGE = 8 * 3600 + 1000  # the fakes' layer-0 and layer-1 experts: one range of 8, never two
@@ -78,9 +78,8 @@ def test_market_metrics_show_coverage_demand_fallback_and_rewards(nats_server, a
             batch = mc.LedgerBatch(model=FP, source="backbone", batch_id="b1", events=(
                 mc.LedgerEvent("e1", "w-a", held["w-a"].layer, held["w-a"].lo, 5, 1.0),
                 mc.LedgerEvent("e2", "w-a", held["w-a"].layer, held["w-a"].lo, 7, 2.0)))
-            applied = market.stream_applied
             await backbone.ledger(batch)               # into the ledger stream (routing first)
-            await wait_for(lambda: market.stream_applied >= applied + 2, what="the batch read")
+            await stream_read(backbone.nc, what="the batch read")
 
             async with aiohttp.ClientSession() as http:
                 async with http.get(dash.url + "/metrics") as resp:

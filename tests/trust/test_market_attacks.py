@@ -24,7 +24,8 @@ from kvasir_bus.subjects import Subjects
 from kvasir_bus.wire import Holding
 from market.cli import ask_market
 from market.service import Market, MarketConfig
-from tests.market.fakes import FP, FakeBackbone, FakeWorker, heartbeat, make_manifest, wait_for
+from tests.market.fakes import (FP, FakeBackbone, FakeWorker, heartbeat, make_manifest,
+                                stream_read, wait_for)
 
 S = Subjects(FP)
 ONE_RANGE = 8 * 3600 + 1000
@@ -102,7 +103,7 @@ def test_a_forged_ledger_batch_from_an_anonymous_client_credits_nothing(nats_ser
                 # the honest backbone's work after the forgery still counts
                 await bb.ledger(mc.LedgerBatch(FP, "backbone", "real-1", (
                     mc.LedgerEvent("real:1", "honest", 0, 3, 7, 1.0),)))
-                await wait_for(lambda: market.stream_applied >= 3, timeout=40, what="the stream read")
+                await stream_read(bb.nc, timeout=40)
             st = await market.status(FP)
             assert [(t.node, t.rows) for t in st.totals] == [("honest", 7)]
             refused = [line for line in lines if line["event"] == "ledger_events_refused"]
@@ -284,7 +285,7 @@ def test_a_quarantine_voids_the_nodes_unpaid_rows_and_stops_its_credit(nats_serv
 
             await bb.ledger(batch("b1", "liar", 10))
             await bb.ledger(batch("b2", "honest", 4))
-            await wait_for(lambda: market.stream_applied >= 4, what="batches read")
+            await stream_read(bb.nc, what="batches read")
             assert {t.node: t.rows for t in (await market.status(FP)).totals} == \
                 {"liar": 50, "honest": 20}
             q = mc.Quarantine(FP, "liar", 0, 3, "ggml", True, 12.5, 1.0)
@@ -292,7 +293,7 @@ def test_a_quarantine_voids_the_nodes_unpaid_rows_and_stops_its_credit(nats_serv
             await js.publish(S.quarantine(), q.encode(), headers={ledger_stream.MSG_ID: "q-1"})
             await bb.ledger(batch("b3", "liar", 10))      # after the verdict: earns nothing
             await bb.ledger(batch("b4", "honest", 2))
-            await wait_for(lambda: market.stream_applied >= 9, what="verdict and batches read")
+            await stream_read(bb.nc, what="verdict and batches read")
             st = await market.status(FP)
             assert {t.node: t.rows for t in st.totals} == {"honest": 30}
             assert "liar" not in {n.node for n in st.nodes}
