@@ -21,6 +21,7 @@ from backbone.sampling import Sampler, SamplerConfig
 from backbone.service import BackboneConfig, BackboneService
 from launch.swarm import spawn_worker, wait_for_nodes
 from kvasir_bus.fingerprint import model_fingerprint
+from tests.polling import until
 
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
 
@@ -72,10 +73,16 @@ def bus_backbone(engine, url, dispatch=DispatchConfig()):
     return BackboneService(engine, cfg)
 
 
-def run_sharded(url, model, prompt, cfg=DispatchConfig(), on_token=None):
+def run_sharded(url, model, prompt, cfg=DispatchConfig(), on_token=None, bundle_nodes: int = 0):
+    """Tokens, logits and dispatch stats of a sharded generation; with ``bundle_nodes``, once
+    the backbone has heard that many bundle workers' heartbeats (a worker started last may
+    otherwise be heard only after a short generation is over)."""
     engine = Engine(model)
     with bus_backbone(engine, url, cfg) as backbone:
         remote = backbone.dispatch
+        if bundle_nodes:
+            remote.bus.run(until(lambda: remote.coverage.bundle_nodes == bundle_nodes,
+                                 "the bundle heartbeats"))
         hook = (lambda t: on_token(t, remote)) if on_token else None
         gen = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False,
                        keep_logits=True, on_token=hook)
@@ -127,7 +134,7 @@ def test_two_racing_replicas_per_expert_first_reply_wins_and_the_other_is_droppe
     swarm([("a", model_args(model, "0-7")), ("b", model_args(model, "0-7"))])
     # A generous fixed timeout: on a loaded machine the adaptive one may (rightly) give up on a
     # call, which is not what this test is about.
-    sharded = run_sharded(nats_server.url, model, prompt, DispatchConfig(timeout_s=30.0))
+    sharded = run_sharded(nats_server.url, model, prompt, DispatchConfig(timeout_s=30.0), bundle_nodes=2)
     assert_identical(sharded, monolithic)
     t = sharded[2]["totals"]
     assert t["remote"] == t["calls"]
