@@ -229,9 +229,12 @@ async def generate(nc, model: str, request: gc.GenerateRequest, timeout_s: float
                 return
     finally:
         try:
-            await sub.unsubscribe()  # from here on, a token would find no responder anyway
+            # The cancel goes out before the inbox closes: the backbone then reads it ahead of
+            # any no-responders status for a later token, and counts the stream as cancelled,
+            # not as gone (tokens that come in between are dropped with the subscription).
             if not ended:
                 await cancel(nc, model, request.request_id)
+            await sub.unsubscribe()
         except Exception:  # the connection closed under us: the subscription went with it
             pass
 
