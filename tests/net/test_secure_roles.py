@@ -133,6 +133,9 @@ def test_slice_worker_volunteer_status_and_tap_under_generated_credentials(model
                 served = backbone.weights.served_to("vol1")
                 assert 0 < served <= 1.05 * (range_bytes + backbone.manifest.data_offset)
 
+                # the backbone's own view must hold both, or vol1 may be heard after the generation
+                _wait(lambda: backbone.dispatch.coverage.bundle_nodes >= 2,
+                      "the backbone to hear both workers' heartbeats")
                 engine_out = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()),
                                       stop_on_eos=False, keep_logits=True)
                 assert np.array_equal(engine_out.logits_array(), mono)
