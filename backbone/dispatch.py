@@ -258,6 +258,21 @@ class _Step:
 
 
 _SETTLED = -1  # on a step's queue: every call is settled
+
+
+def _release(step: _Step) -> None:
+    """A settled step leaves the books: its recent bundles keep their tokens (a late reply is
+    still counted) but no longer their calls, and each call forgets its step. Calls and step
+    refer to each other; without this, every step of every token would wait for Python's cycle
+    collector, whose passes over them cost the engine thread a tenth of its time (perf, small
+    model). Nothing reads a settled call's step (every path there checks ``call.done`` or the
+    pending tokens first)."""
+    for bundle in step.bundles:
+        bundle.calls = ()
+    for call in step.calls:
+        call.step = None
+    for call in step.probes:
+        call.step = None
 _HANDED_POLL_S = 0.002  # a step handed to the bus thread: how often the engine thread reads its connection
 
 
@@ -468,6 +483,8 @@ class RemoteExperts:
             for i, (expert, rows) in enumerate(calls):
                 if i not in asked:
                     self.recorder.record_call(layer, expert, len(rows), remote=False)
+        if not step.left:
+            _release(step)
         return outs
 
     # -- the engine thread's own connection -----------------------------------------------------
