@@ -86,6 +86,7 @@ class AuditConfig:
 class _Window:
     seen: int = 0  # replies of this (node, layer) since the window started
     pick: int = 0  # which of them is audited
+    later: list[int] = field(default_factory=list)  # the picks of the next windows, drawn ahead
 
 
 @dataclass
@@ -164,19 +165,23 @@ class Auditor:
             return nodes
         return tuple(node for node in nodes if node not in self._quarantined)
 
-    def would_audit(self, node: str, layer: int) -> bool:
-        """What the next :meth:`should_audit` of ``node`` on ``layer`` will answer, counting no
-        reply (a window it would start or restart is drawn now instead of then: the same draw). The
-        dispatcher recomputes such a call while its reply is still on the way; the verdict is
-        still :meth:`should_audit`'s, taken when the reply is used."""
+    def would_audit(self, node: str, layer: int, ahead: int = 0) -> bool:
+        """What :meth:`should_audit` of ``node`` on ``layer`` will answer after ``ahead`` more
+        verdicts on it (0: the next one), counting no reply. A window it reaches is drawn now
+        instead of then: the same draw. The dispatcher recomputes such a call while its reply is
+        still on the way, for a step's calls of one node in the order their verdicts are taken;
+        the verdict is still :meth:`should_audit`'s, taken when the reply is used."""
         if self.cfg.rate <= 0.0:
             return False
-        window = self._windows.get((node, layer))
-        if window is None:
-            window = self._windows[(node, layer)] = _Window(pick=self._rng.randrange(self._window))
-        if window.seen == self._window:
-            window.seen, window.pick = 0, self._rng.randrange(self._window)
-        return window.seen == window.pick or self._replies.get(node, 0) < self.cfg.probation or self.cfg.rate >= 1.0
+        if self.cfg.rate >= 1.0 or self._replies.get(node, 0) + ahead < self.cfg.probation:
+            return True
+        window = self._window_of(node, layer)
+        windows_on, at = divmod(window.seen + ahead, self._window)
+        if not windows_on:
+            return at == window.pick
+        while len(window.later) < windows_on:
+            window.later.append(self._rng.randrange(self._window))
+        return at == window.later[windows_on - 1]
 
     def should_audit(self, node: str, layer: int) -> bool:
         """Called once per remote reply that would be used; True: recompute it locally."""
@@ -184,14 +189,19 @@ class Auditor:
             return False
         seen = self._replies.get(node, 0)
         self._replies[node] = seen + 1
-        window = self._windows.get((node, layer))
-        if window is None:
-            window = self._windows[(node, layer)] = _Window(pick=self._rng.randrange(self._window))
+        window = self._window_of(node, layer)
         if window.seen == self._window:
-            window.seen, window.pick = 0, self._rng.randrange(self._window)
+            window.seen = 0
+            window.pick = window.later.pop(0) if window.later else self._rng.randrange(self._window)
         audit = window.seen == window.pick or seen < self.cfg.probation or self.cfg.rate >= 1.0
         window.seen += 1
         return audit
+
+    def _window_of(self, node: str, layer: int) -> _Window:
+        window = self._windows.get((node, layer))
+        if window is None:
+            window = self._windows[(node, layer)] = _Window(pick=self._rng.randrange(self._window))
+        return window
 
     def judge(self, node: str, reply: np.ndarray, reference: np.ndarray, *, exact: bool,
               weight_type: int) -> bool:

@@ -654,8 +654,16 @@ class RemoteExperts:
         guess made stale by a concurrent step only costs a recompute or an unused one."""
         if self.auditor.cfg.rate <= 0.0:  # audits off: would_audit says no to every call
             return {}
+        before: dict[str, int] = {}  # per node, its calls whose verdicts come first (_book_wins' order)
+        ahead = []
         with self._audit_lock:
-            ahead = [call for call in calls if len(call.nodes) == 1 and self.auditor.would_audit(call.nodes[0], layer)]
+            for call in calls:
+                if len(call.nodes) == 1:
+                    node = call.nodes[0]
+                    n = before.get(node, 0)
+                    before[node] = n + 1
+                    if self.auditor.would_audit(node, layer, n):
+                        ahead.append(call)
         return {call.index: self.local.compute(layer, call.expert, call.rows) for call in ahead}
 
     def _compute_here(self, layer: int, expert: int, rows: np.ndarray, stats: LayerStats) -> np.ndarray:
