@@ -57,7 +57,7 @@ from backbone.service import BackboneConfig, BackboneService  # noqa: E402
 from launch.swarm import spawn_worker, split_experts, wait_for_nodes  # noqa: E402
 from synth.model import synth_model  # noqa: E402
 from kvasir_bus.fingerprint import model_fingerprint  # noqa: E402
-from kvasir_bus.server import EmbeddedNats  # noqa: E402
+from kvasir_bus.server import SHARED_MACHINE_PROCS, EmbeddedNats  # noqa: E402
 from raw_floor import bench_raw_floor  # noqa: E402  (bench/ is on the path when run as a script)
 
 
@@ -108,7 +108,7 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
     sharded = {mode: [] for mode in modes}
     cpu = {"monolithic": [], **{mode: [] for mode in modes}}  # per round: (backbone, workers, nats) CPU s
     counted = {mode: None for mode in modes}
-    with EmbeddedNats() as server, tempfile.TemporaryDirectory() as logdir:
+    with EmbeddedNats(procs=SHARED_MACHINE_PROCS) as server, tempfile.TemporaryDirectory() as logdir:
         procs = []
         try:
             for i, (lo, hi) in enumerate(split_experts(cfg.n_expert, workers)):
@@ -319,7 +319,7 @@ def bench_floor(steps: int = 2000, per_step: int = 2, size: int = 300) -> dict:
         await nc.close()
         return cpu, wall
 
-    with EmbeddedNats() as server:
+    with EmbeddedNats(procs=SHARED_MACHINE_PROCS) as server:
         echo = subprocess.Popen([sys.executable, __file__, "--echo", server.url], stdout=subprocess.PIPE)
         try:
             echo.stdout.readline()
@@ -356,7 +356,7 @@ def bench_overhead(path: Path, n_decode: int, n_prompt: int, rounds: int, bundle
     x1 = np.random.default_rng(1).standard_normal((1, cfg.n_embd)).astype(np.float32)
     kernel_us = _min_us_per_call(lambda: expert_ffn(gate, up, down, x1, routed=True))
     runs = {}
-    with EmbeddedNats() as server, tempfile.TemporaryDirectory() as logdir:
+    with EmbeddedNats(procs=SHARED_MACHINE_PROCS) as server, tempfile.TemporaryDirectory() as logdir:
         log = open(os.path.join(logdir, "w.log"), "w")
         proc = spawn_worker(server.url, "bench-0", ["--model", str(path), "--layer", "all", "--experts", "all"],
                             log_file=log)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvasir_bus.server import EmbeddedNats  # noqa: E402
+from kvasir_bus.server import SHARED_MACHINE_PROCS, EmbeddedNats  # noqa: E402
 
 SUBJECTS = 8  # the responder listens on floor.0 .. floor.7, as bench_floor's echo does
 
@@ -103,7 +103,7 @@ def _proc_cpu_s(pid: int) -> float:
 def bench_raw_floor(steps: int = 4000, per_step: int = 2, size: int = 300, warm: int = 200) -> dict:
     """Requester here, echo responder in another process, on an embedded nats-server: per step
     ``per_step`` requests in one write, then their replies. CPU per call on each side."""
-    with EmbeddedNats() as server:
+    with EmbeddedNats(procs=SHARED_MACHINE_PROCS) as server:
         port = int(server.url.rsplit(":", 1)[1])
         echo = subprocess.Popen([sys.executable, __file__, "--echo", str(port)], stdout=subprocess.PIPE)
         try:

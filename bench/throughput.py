@@ -264,7 +264,7 @@ def run_sharded(path: Path, n_workers: int, rtt_ms: float, args, threads: int | 
     server; every concurrency; everything stopped after."""
     from backbone.model import Engine
     from kvasir_bus.fingerprint import model_fingerprint
-    from kvasir_bus.server import EmbeddedNats
+    from kvasir_bus.server import SHARED_MACHINE_PROCS, EmbeddedNats
     from launch.swarm import spawn_worker, split_experts, wait_for_nodes
 
     engine = Engine(path)
@@ -272,7 +272,7 @@ def run_sharded(path: Path, n_workers: int, rtt_ms: float, args, threads: int | 
     del engine
     top = max(args.concurrency)
     out = {"workers": n_workers, "rtt_ms": rtt_ms, "results": []}
-    with EmbeddedNats() as nats:
+    with EmbeddedNats(procs=SHARED_MACHINE_PROCS) as nats:
         proxy = None
         if rtt_ms:
             host, port = nats.url.rsplit("//", 1)[1].rsplit(":", 1)
@@ -571,13 +571,13 @@ class Swarm:
                  replicate: bool = False):
         from backbone.model import Engine
         from kvasir_bus.fingerprint import model_fingerprint
-        from kvasir_bus.server import EmbeddedNats
+        from kvasir_bus.server import SHARED_MACHINE_PROCS, EmbeddedNats
         from launch.swarm import spawn_worker, split_experts, wait_for_nodes
 
         engine = Engine(path)
         fp, n_expert = model_fingerprint(engine.reader), engine.cfg.n_expert
         del engine
-        self.path, self.nats, self.proxy = path, EmbeddedNats().__enter__(), None
+        self.path, self.nats, self.proxy = path, EmbeddedNats(procs=SHARED_MACHINE_PROCS).__enter__(), None
         if rtt_ms:
             host, port = self.nats.url.rsplit("//", 1)[1].rsplit(":", 1)
             self.proxy = DelayProxy((host, int(port)), rtt_ms / 2000.0)

@@ -122,6 +122,11 @@ def _cleanup(proc: subprocess.Popen | None, tmpdir: str | None, timeout: float) 
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
+#: ``procs`` for a server that shares one machine with the backbone and its workers, as
+#: ``kvasir up`` starts it (and the benches that measure such a swarm).
+SHARED_MACHINE_PROCS = 1
+
+
 class EmbeddedNats:
     """One ``nats-server`` child process.
 
@@ -150,6 +155,12 @@ class EmbeddedNats:
             stop; give one to keep streams across a server restart).
         inherit_output: let the server log to this process' stdout/stderr (``kvasir nats``);
             otherwise its output goes to a file, whose tail is shown if start fails.
+        procs: the server's Go threads running at once (``GOMAXPROCS``); None = Go's default
+            (every core). A ``GOMAXPROCS`` in the environment wins. 1 suits a server that shares
+            a small machine with the backbone and its workers (``kvasir up``): a message is
+            then handed from the sender's connection to the receiver's on the same thread,
+            not by waking another one (``bench/raw_floor.py`` on this project's 2-core machine:
+            a round trip ~15% shorter).
     """
 
     def __init__(self, *, port: int | None = 0, host: str | None = "127.0.0.1",
@@ -160,7 +171,7 @@ class EmbeddedNats:
                  cluster: str | None = None, routes: tuple[str, ...] | list[str] = (),
                  server_name: str | None = None, leafnode_port: int | None = None,
                  websocket_host: str | None = None, jetstream: bool | None = None,
-                 store_dir: str | os.PathLike | None = None) -> None:
+                 store_dir: str | os.PathLike | None = None, procs: int | None = None) -> None:
         for name, value in (("port", port), ("websocket_port", websocket_port),
                             ("http_port", http_port), ("leafnode_port", leafnode_port)):
             if value is not None and not 0 <= value <= 65535:
@@ -175,6 +186,9 @@ class EmbeddedNats:
                 raise UsageError(f"nats-server config {config} does not exist")
         if max_payload < 1:
             raise UsageError(f"max_payload must be positive, got {max_payload}")
+        if procs is not None and procs < 1:
+            raise UsageError(f"procs must be at least 1, got {procs}")
+        self.procs = procs
         self.config = config
         self.requested_port = port
         self.host = host
@@ -243,8 +257,11 @@ class EmbeddedNats:
         try:
             # Own session: a Ctrl-C at the terminal reaches us, and we stop the server last,
             # after the clients on it have drained. Dies with us if we are killed (Linux).
+            env = None
+            if self.procs is not None and not os.environ.get("GOMAXPROCS"):
+                env = {**os.environ, "GOMAXPROCS": str(self.procs)}
             self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=out,
-                                          stderr=subprocess.STDOUT if out else None,
+                                          stderr=subprocess.STDOUT if out else None, env=env,
                                           start_new_session=True, preexec_fn=_die_with_parent)
         except OSError as exc:
             self.stop()

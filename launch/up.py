@@ -145,7 +145,7 @@ def cmd_up(args) -> int:
     from backbone.sampling import Sampler, SamplerConfig
     from backbone.tokenizer import Tokenizer
     from kvasir_bus.logs import configure
-    from kvasir_bus.server import EmbeddedNats
+    from kvasir_bus.server import SHARED_MACHINE_PROCS, EmbeddedNats
 
     # With a prompt the report is the output; while serving, the logs are. Not on a terminal
     # (CI, a pipe, a log file) the start-up says how far it got, as info lines, either way.
@@ -192,11 +192,12 @@ def cmd_up(args) -> int:
                                  "(for a server of your own, give each command --creds)")
             creds = _secure_deployment(Path(args.secure or logdir / "creds"), len(ranges))
             # the generated nats.conf runs JetStream for the ledger stream itself
-            server = stack.enter_context(EmbeddedNats(config=creds["nats.conf"], port=None, host=None))
+            server = stack.enter_context(EmbeddedNats(config=creds["nats.conf"], port=None, host=None,
+                                                          procs=SHARED_MACHINE_PROCS))
             url = server.url
             ConnectOptions(creds=creds["backbone"]).install()  # this process is the backbone
         elif not url:
-            server = stack.enter_context(EmbeddedNats())
+            server = stack.enter_context(EmbeddedNats(procs=SHARED_MACHINE_PROCS))
             url = server.url
         cfg = replace(cfg, nats_url=url)
         workers: list[WorkerProcess] = []

@@ -108,6 +108,26 @@ def test_websocket_and_monitoring_listeners(nats_server):
             assert b"200 OK" in s.recv(4096)
 
 
+def _varz(server: EmbeddedNats) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.http_url}/varz", timeout=5) as r:
+        return json.load(r)
+
+
+def test_procs_sets_the_servers_go_threads_unless_the_environment_does(monkeypatch):
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    with EmbeddedNats(http_port=0, procs=1) as server:
+        assert _varz(server)["gomaxprocs"] == 1
+    with EmbeddedNats(http_port=0) as server:
+        assert _varz(server)["gomaxprocs"] == os.cpu_count()
+    monkeypatch.setenv("GOMAXPROCS", "2")
+    with EmbeddedNats(http_port=0, procs=1) as server:
+        assert _varz(server)["gomaxprocs"] == 2  # the operator's setting wins
+    with pytest.raises(UsageError, match="procs"):
+        EmbeddedNats(procs=0)
+
+
 def test_missing_binary_is_a_clear_error(monkeypatch):
     with pytest.raises(DependencyError, match="cannot run"):
         EmbeddedNats(binary="/nonexistent/nats-server").start()
