@@ -41,8 +41,9 @@ from backbone.dispatch import DispatchConfig, RemoteExperts  # noqa: E402
 from backbone.service import BackboneConfig, BackboneService  # noqa: E402
 from dispatch import decode, wait_for_bundle_nodes  # noqa: E402  (bench/ is on the path as a script)
 from kernels import fused  # noqa: E402
+from kvasir_bus.direct import DirectConnection  # noqa: E402
 from kvasir_bus.fingerprint import model_fingerprint  # noqa: E402
-from kvasir_bus.server import EmbeddedNats  # noqa: E402
+from kvasir_bus.server import SHARED_MACHINE_PROCS, EmbeddedNats  # noqa: E402
 from launch.swarm import spawn_worker, split_experts, wait_for_nodes  # noqa: E402
 from synth.model import synth_model  # noqa: E402
 
@@ -77,7 +78,8 @@ def _wrap_backbone() -> None:
     _wrap(RemoteExperts, "_audit_ahead", "audit")
     _wrap(RemoteExperts, "_book_wins", "wake")
     _wrap(RemoteExperts, "run_layer", "layer")
-    _wrap(RemoteExperts, "_on_bundle_reply", "reply")
+    _wrap(RemoteExperts, "_on_bundle_reply", "reply")  # a reply on the bus thread's connection
+    _wrap(RemoteExperts, "_take_direct", "reply")  # one on the engine thread's own (the usual path)
     _wrap(model.Engine, "_shared_remote", "shared")
     publish = RemoteExperts._publish_step
 
@@ -86,6 +88,14 @@ def _wrap_backbone() -> None:
         _stamp("published")
 
     RemoteExperts._publish_step = publish_step
+    send = DirectConnection.send
+
+    def direct_send(self, data):  # the engine thread's own connection writes a step itself
+        _stamp("send0")
+        send(self, data)
+        _stamp("published")
+
+    DirectConnection.send = direct_send
 
 
 # stage: (from, to, where); an event is (process, name, first or last), process "b" the
@@ -94,14 +104,14 @@ STAGES = {
     "A graph up to the router": (("b", "graph0", 0), ("b", "graph1", 0), "backbone engine thread"),
     "B to the plan": (("b", "graph1", 0), ("b", "plan0", 0), "backbone engine thread"),
     "C plan and encode": (("b", "plan0", 0), ("b", "plan1", 0), "backbone engine thread"),
-    "D hand-over": (("b", "plan1", 0), ("b", "send0", 0), "engine -> bus thread"),
-    "E publish": (("b", "send0", 0), ("b", "published", 0), "backbone bus thread"),
+    "D to the send": (("b", "plan1", 0), ("b", "send0", 0), "engine thread (its own connection), or -> bus thread"),
+    "E publish": (("b", "send0", 0), ("b", "published", 0), "the same thread"),
     "F hop to the last worker": (("b", "published", 0), ("w", "w_msg", 0), "nats-server, worker loop"),
     "G message to kernel": (("w", "w_msg", 0), ("w", "w_k0", 0), "worker loop"),
     "H kernels": (("w", "w_k0", 0), ("w", "w_k1", -1), "worker loop (ggml)"),
     "I kernel to reply published": (("w", "w_k1", -1), ("w", "w_sent", -1), "worker loop"),
-    "J hop back": (("w", "w_sent", -1), ("b", "reply0", -1), "nats-server, backbone bus thread"),
-    "K reply to engine awake": (("b", "reply0", -1), ("b", "wake0", 0), "bus -> engine thread"),
+    "J hop back": (("w", "w_sent", -1), ("b", "reply0", -1), "nats-server, backbone engine thread (or bus thread)"),
+    "K last reply taken, to the books": (("b", "reply0", -1), ("b", "wake0", 0), "engine thread (or bus -> engine)"),
     "L accept (audits compared)": (("b", "wake0", 0), ("b", "layer1", 0), "backbone engine thread"),
     "M to the combine graph": (("b", "layer1", 0), ("b", "graph0", -1), "backbone engine thread"),
     "N combine and head": (("b", "graph0", -1), ("b", "graph1", -1), "backbone engine thread"),
@@ -147,7 +157,7 @@ def run(path: Path, workers: int, n_decode: int) -> dict:
     prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, 16)
     decode(engine, prompt, 2)
     _, mono_tps, _ = decode(engine, prompt, n_decode)
-    with EmbeddedNats() as server, tempfile.TemporaryDirectory() as tmp:
+    with EmbeddedNats(procs=SHARED_MACHINE_PROCS) as server, tempfile.TemporaryDirectory() as tmp:
         prefix = os.path.join(tmp, "w")
         env = {"KVASIR_TIMELINE": prefix, "PYTHONPATH": os.pathsep.join([str(HOOK), str(HOOK.parents[1])])}
         saved = {k: os.environ.get(k) for k in env}
