@@ -51,7 +51,9 @@ def register(sub) -> None:
     p.add_argument("--workers", type=int, default=2, metavar="N",
                    help="worker processes splitting the experts (default 2; 0: none, only volunteers)")
     p.add_argument("--nats", metavar="URL", default=None,
-                   help="use this NATS server instead of starting one (default: embedded, or $NATS_URL)")
+                   help="use this NATS server instead of starting one (default: embedded, or $NATS_URL; "
+                   "the embedded one runs on one Go thread, GOMAXPROCS=1, unless GOMAXPROCS is set: it "
+                   "shares this machine's cores with the backbone and the workers)")
     add_connection_flags(p)
     p.add_argument("--secure", nargs="?", const="", default=None, metavar="DIR",
                    help="embedded server only: one identity per node (kvasir creds) in DIR (default: a "
