@@ -28,3 +28,26 @@ def test_up_runs_the_swarm_and_checks_it_against_the_monolithic_run(tmp_path):
     paid = {n["node"]: n["rows"] for n in result["rewards"]["nodes"]}
     assert paid == {name: w["rows"] for name, w in result["workers"].items()}
     assert db.exists()
+
+
+def test_up_starts_its_nats_server_on_one_go_thread(models, monkeypatch, capsys):
+    """The embedded server shares the machine with the backbone and the workers: one Go thread
+    (EmbeddedNats(procs=...): tests/kvasir_bus/test_server.py checks it reaches the server)."""
+    import kvasir_bus.server as server
+    from kvasir_bus.cli import main
+    from kvasir_bus.errors import UsageError
+
+    asked = []
+
+    class Recording(server.EmbeddedNats):
+        def __init__(self, **kw):
+            asked.append(kw.get("procs"))
+            raise UsageError("stopped here by the test")
+
+    monkeypatch.setattr(server, "EmbeddedNats", Recording)
+    monkeypatch.delenv("NATS_URL", raising=False)
+    model = models("qwen2moe", "q8_0")
+    for extra in ([], ["--secure"]):
+        assert main(["up", "--model", str(model), "--workers", "0", "--no-market", *extra]) == 2
+        assert "stopped here by the test" in capsys.readouterr().err
+    assert asked == [server.SHARED_MACHINE_PROCS] * 2 == [1, 1]
