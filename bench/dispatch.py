@@ -7,7 +7,10 @@ experts computed by worker processes on an embedded nats-server, their ratio, th
 round trips per token (requests, and the serial waits: one per MoE layer), the messages the
 backbone sends per token, the bytes on the wire per token per layer, and the CPU milliseconds per
 token of each process (backbone, workers, nats-server: /proc, the least over the rounds): whether
-the machine's cores, not the wait, bound the sharded decode. Monolithic and sharded
+the machine's cores, not the wait, bound the sharded decode; and the backbone's engine thread's
+own CPU per token, with the part of it spent inside the dispatch (``run_layer``: planning,
+sending, taking the replies and booking them), against the engine thread of the monolithic
+decode. Monolithic and sharded
 decodes alternate on one warm swarm, so both see the same load; the best round of each counts.
 Sharded runs with bundles (one message per worker per layer step, the default) and, with
 ``--bundles both`` (the default here), also without (one message per expert), on the same
@@ -123,9 +126,11 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
                 wait_for_bundle_nodes(remote, len(procs) if True in modes else 0)
                 decode(engine, prompt, 2, remote)  # warm the workers' caches and the connection
                 pids = ([p.proc.pid for p in procs], [server.pid])
+                in_dispatch = _DispatchClock(remote)
 
                 def cpu_now() -> tuple[float, ...]:
-                    return (time.process_time(), *(sum(_proc_cpu_s(pid) for pid in group) for group in pids))
+                    return (time.process_time(), *(sum(_proc_cpu_s(pid) for pid in group) for group in pids),
+                            time.thread_time(), in_dispatch.cpu_s)
 
                 for _ in range(rounds):
                     engine.use_experts(None)
@@ -155,6 +160,7 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
         "same_tokens": same,
         "serial_round_trips_per_token": cfg.n_layer,  # one wait per MoE layer per step
         "monolithic_cpu_ms_per_token": _cpu_ms_per_token(cpu["monolithic"], n_decode)["backbone"],
+        "monolithic_engine_thread_cpu_ms_per_token": _cpu_ms_per_token(cpu["monolithic"], n_decode)["engine_thread"],
     }
     for mode in modes:
         tag, d, sh = ("" if mode else "no_bundles_"), counted[mode], sharded[mode]
@@ -171,12 +177,32 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
     return out
 
 
+class _DispatchClock:
+    """The engine thread's CPU seconds inside ``remote.run_layer`` (planning, sending, taking
+    the replies, the books; not the waiting, which costs no CPU), summed: two clock reads per
+    layer step."""
+
+    def __init__(self, remote):
+        self.cpu_s = 0.0
+        run_layer = remote.run_layer
+
+        def timed(*args, **kwargs):
+            t0 = time.thread_time()
+            try:
+                return run_layer(*args, **kwargs)
+            finally:
+                self.cpu_s += time.thread_time() - t0
+
+        remote.run_layer = timed  # the engine calls it through the instance
+
+
 def _cpu_ms_per_token(rounds: list[tuple[float, ...]], n_decode: int) -> dict:
     """CPU milliseconds per token of each process group, the least over the rounds (CPU time
     grows too when other processes share the cores): backbone (this process, its bus thread
     included), the workers together, nats-server; /proc counts in 10 ms ticks, so a round of
-    32 tokens resolves about 0.3 ms per token."""
-    names = ("backbone", "workers", "nats_server")
+    32 tokens resolves about 0.3 ms per token. Then the engine thread's own CPU (the decode
+    runs on it), and of that the part inside the dispatch's ``run_layer``."""
+    names = ("backbone", "workers", "nats_server", "engine_thread", "engine_thread_in_dispatch")
     best = [min(r[i] for r in rounds) for i in range(len(rounds[0]))]
     return {name: round(1e3 * s / n_decode, 2) for name, s in zip(names, best)}
 
