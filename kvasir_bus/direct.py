@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 from kvasir_bus.connect import ConnectOptions, inbox_prefix_for, read_seed
 
 MAX_LINE = 64 * 1024  # the longest protocol line (INFO included) we accept
+RECV_BYTES = 256 * 1024  # read at most this much per system call (a bigger message takes several)
 _CRLF = b"\r\n"
 
 
@@ -130,6 +131,11 @@ class DirectConnection:
             (parts.hostname, parts.port or 4222), timeout=connect_timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.parser = Parser()
+        # One receive buffer for the connection's life: recv(n) would allocate n bytes per call
+        # (an mmap, a shrink and an munmap for any n past malloc's threshold, strace: three
+        # system calls per reply) and fault its pages in; the parser copies what came anyway.
+        self._rbuf = bytearray(RECV_BYTES)
+        self._rview = memoryview(self._rbuf)
         try:
             info = self._expect_info(connect_timeout_s)
             self.parser.max_payload = int(info.get("max_payload", 1024 * 1024))
@@ -168,20 +174,22 @@ class DirectConnection:
         self.sock.settimeout(None)
         self.closed = False
 
-    def _recv(self, deadline: float) -> bytes:
+    def _recv(self, deadline: float) -> memoryview | bytes:
+        """What the server sent by ``deadline`` (b"" if nothing): a view of the receive buffer,
+        valid until the next call (:meth:`Parser.feed` copies it)."""
         left = deadline - time.monotonic()
         if left <= 0:
             return b""
         self.sock.settimeout(left)
         try:
-            data = self.sock.recv(1 << 20)
+            n = self.sock.recv_into(self._rbuf)
         except (socket.timeout, ssl.SSLWantReadError):
             return b""
         except OSError as exc:
             raise DirectError(f"connection lost: {exc}") from None
-        if not data:
+        if not n:
             raise DirectError("connection closed by the server")
-        return data
+        return self._rview[:n]
 
     def _expect_info(self, timeout_s: float) -> dict:
         deadline = time.monotonic() + timeout_s
