@@ -1,6 +1,7 @@
-"""Where a sharded decode token's time goes: a timeline of the 122b-layer model's layer step.
+"""Where a sharded decode token's time goes: a timeline of the 122b-layer model's layer step
+(or, with ``--model small``, of the first of the small model's 8 layer steps).
 
-    python bench/timeline.py [--models DIR] [--decode 60] [--workers 2] [--experts-122b 16]
+    python bench/timeline.py [--models DIR] [--model 122b-layer|small] [--decode 60] [--workers 2] [--experts-122b 16]
 
 Stamps (``time.perf_counter_ns``: CLOCK_MONOTONIC, one clock for every process) are taken around
 the backbone's steps (the step graph up to the router, the plan, the hand-over to the bus
@@ -113,8 +114,8 @@ STAGES = {
     "J hop back": (("w", "w_sent", -1), ("b", "reply0", -1), "nats-server, backbone engine thread (or bus thread)"),
     "K last reply taken, to the books": (("b", "reply0", -1), ("b", "wake0", 0), "engine thread (or bus -> engine)"),
     "L accept (audits compared)": (("b", "wake0", 0), ("b", "layer1", 0), "backbone engine thread"),
-    "M to the combine graph": (("b", "layer1", 0), ("b", "graph0", -1), "backbone engine thread"),
-    "N combine and head": (("b", "graph0", -1), ("b", "graph1", -1), "backbone engine thread"),
+    "M to the combine graph": (("b", "layer1", 0), ("b", "graph0", 1), "backbone engine thread"),
+    "N combine and head": (("b", "graph0", 1), ("b", "graph1", 1), "backbone engine thread"),
     "beside: shared expert": (("b", "shared0", 0), ("b", "shared1", 0), "backbone engine thread"),
     "beside: audits ahead": (("b", "audit0", 0), ("b", "audit1", 0), "backbone engine thread"),
     "beside: the other workers' kernels": (("o", "w_k0", 0), ("o", "w_k1", -1), "worker loop (ggml)"),
@@ -124,7 +125,9 @@ STAGES = {
 def timeline(events: list[tuple[int, int, int, str]], backbone: int, graphs_per_token: int = 2) -> dict:
     """Per token (from its first step graph's start to the next token's), each stage's
     milliseconds. Meant for a one-layer model (two graphs a token: the layer up to its router,
-    then the combine and head); with more layers, A and C-L are the first layer's."""
+    then the combine and head); with more layers every stage is the first layer's (its
+    events up to the end of its ``run_layer``), and "N" is its combine with the next layer's
+    graph up to the router."""
     starts = [i for i, e in enumerate(events) if e[1] == backbone and e[3] == "graph0"][::graphs_per_token]
     per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
     per_stage["token"] = []
@@ -133,15 +136,24 @@ def timeline(events: list[tuple[int, int, int, str]], backbone: int, graphs_per_
         at: dict[tuple[int, str], list[int]] = {}
         for ns, pid, _, name in token:
             at.setdefault((pid, name), []).append(ns)
-        workers = [p for p in {e[1] for e in token} if p != backbone and (p, "w_sent") in at and (p, "w_k0") in at]
-        if not workers or (backbone, "reply0") not in at:
+        if (backbone, "layer1") not in at:
             continue
-        last = max(workers, key=lambda p: at[(p, "w_sent")][-1])
+        cut = at[(backbone, "layer1")][0]  # the first layer step's end: its events come before
+        first = {key: [t for t in ts if t <= cut] for key, ts in at.items()}
+        first = {key: ts for key, ts in first.items() if ts}
+        workers = [p for p in {e[1] for e in token}
+                   if p != backbone and (p, "w_sent") in first and (p, "w_k0") in first]
+        if not workers or (backbone, "reply0") not in first:
+            continue
+        last = max(workers, key=lambda p: first[(p, "w_sent")][-1])
         others = [p for p in workers if p != last]
         per_stage["token"].append((events[b][0] - events[a][0]) / 1e6)
         for name, ((p0, e0, i0), (p1, e1, i1), _) in STAGES.items():
             pid = {"b": backbone, "w": last, "o": others[0] if others else None}
-            t0, t1 = at.get((pid[p0], e0)), at.get((pid[p1], e1))
+            t0 = (at if e0.startswith("graph") else first).get((pid[p0], e0))
+            t1 = (at if e1.startswith("graph") else first).get((pid[p1], e1))
+            if t0 and t1 and (len(t0) <= i0 or len(t1) <= i1):
+                continue
             if t0 and t1:
                 per_stage[name].append((t1[i1] - t0[i0]) / 1e6)
     where = {name: stage[2] for name, stage in STAGES.items()}
@@ -206,15 +218,22 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=60)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--experts-122b", type=int, default=16)
+    ap.add_argument("--model", choices=("122b-layer", "small"), default="122b-layer",
+                    help="the model whose decode is stamped (small: its first layer step's stages)")
     args = ap.parse_args()
     from kvasir_bus.logs import configure
 
     configure("warning")
     models = Path(args.models)
     models.mkdir(parents=True, exist_ok=True)
-    big = models / f"122b-layer-qwen2moe-q4_k-{args.experts_122b}x.gguf"
-    if not big.exists():
-        synth_model(big, arch="qwen2moe", preset="122b-layer", qtype="q4_k", seed=0, experts=args.experts_122b)
+    if args.model == "small":
+        big = models / "small-qwen3moe-q4_k.gguf"
+        if not big.exists():
+            synth_model(big, arch="qwen3moe", preset="small", qtype="q4_k", seed=0)
+    else:
+        big = models / f"122b-layer-qwen2moe-q4_k-{args.experts_122b}x.gguf"
+        if not big.exists():
+            synth_model(big, arch="qwen2moe", preset="122b-layer", qtype="q4_k", seed=0, experts=args.experts_122b)
     print(json.dumps({"bench": "timeline", "result": run(big, args.workers, args.decode)}, indent=2))
 
 
