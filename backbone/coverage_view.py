@@ -67,6 +67,8 @@ class CoverageView:
     # -- the cache (the loop thread) ------------------------------------------------------------
 
     def is_uncovered(self, layer: int, expert: int) -> bool:
+        if not self._uncovered:  # nearly always: no clock read then
+            return False
         return self._uncovered.get((layer, expert), float("-inf")) > self.clock()
 
     def mark_uncovered(self, layer: int, expert: int) -> None:
@@ -89,8 +91,10 @@ class CoverageView:
     def mark_answered(self, layer: int, expert: int) -> None:
         """A valid reply came for the expert: it is alive."""
         self._answered = True
-        self._silent.pop((layer, expert), None)
-        self._revived.pop((layer, expert), None)
+        if self._silent:  # empty nearly always: a won call costs no lookups then
+            self._silent.pop((layer, expert), None)
+        if self._revived:
+            self._revived.pop((layer, expert), None)
 
     @property
     def uncovered(self) -> int:

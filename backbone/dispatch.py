@@ -258,6 +258,7 @@ class _Step:
 
 
 _SETTLED = -1  # on a step's queue: every call is settled
+_FINISHED_KEPT = 65536  # settled calls' tokens remembered, to tell a late reply from a duplicate
 
 
 def _release(step: _Step) -> None:
@@ -958,7 +959,7 @@ class RemoteExperts:
             for token in call.tokens:
                 if self._pending.pop(token, None) is not None:
                     self._finished[token] = (how, step.layer, call.expert)
-        while len(self._finished) > 65536:
+        while len(self._finished) > _FINISHED_KEPT:
             self._finished.popitem(last=False)
         if call.won is None:
             step.fallbacks.put(call.index)
@@ -1009,18 +1010,18 @@ class RemoteExperts:
         observe, mark_answered, timeout = self.observe_reply, self.coverage.mark_answered, self.timeout
         should_audit = self.auditor.should_audit
         verdicts = []
+        rows_remote, latency_sum, latency_max = 0, 0.0, stats.latency_max_s
         with self._audit_lock:
             for call in won:
-                latency = call.won.latency_s
-                parts = call.won.parts
+                parts, latency = call.won
                 node = parts[0].node
                 n = len(call.rows)
                 mark_answered(layer, call.expert)
                 timeout.observe(latency)
-                stats.rows_remote += n
-                stats.latency_sum_s += latency
-                if latency > stats.latency_max_s:
-                    stats.latency_max_s = latency
+                rows_remote += n
+                latency_sum += latency
+                if latency > latency_max:
+                    latency_max = latency
                 nodes[node] += 1
                 node_rows[node] += n
                 node_latency[node] += latency
@@ -1028,6 +1029,9 @@ class RemoteExperts:
                 verdicts.append((call, [should_audit(node, layer)] if len(parts) == 1 else
                                  [should_audit(part.node, layer) for part in parts]))
             stats.remote += len(won)
+            stats.rows_remote += rows_remote
+            stats.latency_sum_s += latency_sum
+            stats.latency_max_s = latency_max
         if self.replicas is not None:
             self.replicas.book.observe_wins(layer, [(call.expert, call.won.parts[0].node, call.won.latency_s)
                                                     for call in won])
@@ -1127,8 +1131,11 @@ class RemoteExperts:
     def _take_bundle(self, bundle: _Bundle, reply: codec.BundleReply, stats: LayerStats) -> None:
         """The outputs of a valid bundle reply from an honest node, every row finite: what
         :meth:`_on_answer` does for each, without an intermediate record per call. A call whose
-        rows have the wrong shape takes :meth:`_on_answer`'s path, which refuses it."""
+        rows have the wrong shape takes :meth:`_on_answer`'s path, which refuses it. A call it
+        wins is settled here as :meth:`_win` settles one, with the reply's one round trip (its
+        calls came back together)."""
         node, kernel, tokens, pending, finished = reply.node, reply.kernel, bundle.tokens, self._pending, self._finished
+        latency = -1.0
         for rid, rows in reply.results():
             if rid not in tokens:
                 stats.foreign += 1  # only what was sent to this node can be answered by it
@@ -1143,10 +1150,27 @@ class RemoteExperts:
                 continue
             del pending[rid]
             finished[rid] = ("won", bundle.layer, call.expert)
-            call.parts[0] = _Part(slice(0, len(rows)), rows, node, kernel)
-            call.left -= 1
-            if call.left == 0:
-                self._win(call)
+            part = _Part(slice(0, len(rows)), rows, node, kernel)
+            if call.left != 1:  # an earlier chunk is still out (not a bundled call's case)
+                call.parts[0] = part
+                call.left -= 1
+                continue
+            call.parts[0] = part
+            call.left = 0
+            step = call.step
+            if latency < 0.0:
+                latency = time.perf_counter() - step.t0
+            call.won = _Won(tuple(call.parts), latency)
+            # _settle(call, "won"), inline: a won call's tokens went to _finished above
+            call.done = True
+            if call.liar_timer is not None:
+                call.liar_timer.cancel()
+            step.left -= 1
+            if step.left == 0:
+                self._waiting.pop(step, None)
+                step.fallbacks.put(_SETTLED)
+        while len(finished) > _FINISHED_KEPT:
+            finished.popitem(last=False)
 
     def _on_answer(self, call: _Call, k: int, token: str, reply) -> None:
         """A reply (or what its decoding raised) for chunk ``k`` of a pending call."""
