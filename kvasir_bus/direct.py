@@ -22,6 +22,7 @@ import json
 import select
 import socket
 import ssl
+import struct
 import time
 from typing import NamedTuple
 from urllib.parse import urlsplit
@@ -30,6 +31,13 @@ from kvasir_bus.connect import ConnectOptions, inbox_prefix_for, read_seed
 
 MAX_LINE = 64 * 1024  # the longest protocol line (INFO included) we accept
 RECV_BYTES = 256 * 1024  # read at most this much per system call (a bigger message takes several)
+# A plain TCP socket stays blocking, with kernel timeouts instead of Python's: a read is one
+# recvfrom, not an ioctl, a poll and a recvfrom (Python's settimeout); a write one sendto, not
+# a poll and a sendto. SO_RCVTIMEO is this slice while the deadline is further away, the time
+# left once it is nearer (a system call only then); SO_SNDTIMEO bounds a write to a server that
+# stopped reading.
+RECV_SLICE_S = 0.01
+SEND_TIMEOUT_S = 5.0
 _CRLF = b"\r\n"
 
 
@@ -136,6 +144,7 @@ class DirectConnection:
         # system calls per reply) and fault its pages in; the parser copies what came anyway.
         self._rbuf = bytearray(RECV_BYTES)
         self._rview = memoryview(self._rbuf)
+        self._kernel_timeouts = False  # Python's timeouts while connecting
         try:
             info = self._expect_info(connect_timeout_s)
             self.parser.max_payload = int(info.get("max_payload", 1024 * 1024))
@@ -172,7 +181,16 @@ class DirectConnection:
             self.close()
             raise
         self.sock.settimeout(None)
+        # TLS keeps Python's timeouts: its blocking read retries a kernel timeout forever.
+        self._kernel_timeouts = not isinstance(self.sock, ssl.SSLSocket)
+        self._rcvtimeo = 0.0  # SO_RCVTIMEO as last set (0: never)
+        if self._kernel_timeouts:
+            self._set_timeout(socket.SO_SNDTIMEO, SEND_TIMEOUT_S)
         self.closed = False
+
+    def _set_timeout(self, option: int, seconds: float) -> None:
+        usec = max(1, round(seconds * 1e6))  # a zero timeval would mean "never time out"
+        self.sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", usec // 1_000_000, usec % 1_000_000))
 
     def _recv(self, deadline: float) -> memoryview | bytes:
         """What the server sent by ``deadline`` (b"" if nothing): a view of the receive buffer,
@@ -180,10 +198,14 @@ class DirectConnection:
         left = deadline - time.monotonic()
         if left <= 0:
             return b""
-        self.sock.settimeout(left)
         try:
+            if not self._kernel_timeouts:
+                self.sock.settimeout(left)
+            elif left < self._rcvtimeo or self._rcvtimeo < min(left, RECV_SLICE_S):
+                self._rcvtimeo = min(left, RECV_SLICE_S)
+                self._set_timeout(socket.SO_RCVTIMEO, self._rcvtimeo)
             n = self.sock.recv_into(self._rbuf)
-        except (socket.timeout, ssl.SSLWantReadError):
+        except (socket.timeout, BlockingIOError, ssl.SSLWantReadError):  # BlockingIOError: SO_RCVTIMEO
             return b""
         except OSError as exc:
             raise DirectError(f"connection lost: {exc}") from None

@@ -1,6 +1,6 @@
 """The blocking direct connection (kvasir_bus.direct): its parser bounds every size and refuses
 what is not the protocol; a live connection publishes and receives its replies, a 503 for a
-subject nobody serves, and answers the server's PING."""
+subject nobody serves, and answers the server's PING; its deadlines hold with kernel timeouts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvasir_bus.connect import connect
-from kvasir_bus.direct import MAX_LINE, DirectConnection, DirectError, Message, Parser
+from kvasir_bus.direct import MAX_LINE, RECV_SLICE_S, DirectConnection, DirectError, Message, Parser
 
 
 def test_parser_reads_messages_in_pieces_and_control_lines():
@@ -85,3 +85,23 @@ def test_a_websocket_bus_is_refused_for_good_without_a_connection_attempt(url):
     with pytest.raises(DirectError, match="nats:// or tls://") as refused:
         DirectConnection(url)
     assert refused.value.permanent
+
+
+def test_deadlines_nearer_and_further_than_the_kernel_timeout_slice_both_hold(nats_server):
+    """A plain TCP connection waits in the kernel (SO_RCVTIMEO, no Python timeout): a deadline
+    nearer than the slice, then further, then nearer again, each ends the wait empty and never
+    before the deadline; a message sent meanwhile still arrives."""
+    conn = DirectConnection(nats_server.url)
+    try:
+        assert conn.sock.gettimeout() is None  # blocking: one recvfrom per read
+        for wait_s in (0.002, 3 * RECV_SLICE_S, 0.001):
+            deadline = time.monotonic() + wait_s
+            assert conn.receive(deadline) == []
+            assert time.monotonic() >= deadline
+        conn.send(b"PUB %s.self 2\r\nhi\r\n" % conn.inbox.encode())
+        got, deadline = [], time.monotonic() + 30
+        while not got and time.monotonic() < deadline:
+            got += conn.receive(deadline)
+        assert [(m.subject, m.data) for m in got] == [(conn.inbox + ".self", b"hi")]
+    finally:
+        conn.close()
