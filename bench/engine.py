@@ -134,7 +134,10 @@ def child(kind: str, path: str, n_prompt: int, n_decode: int, repeat: int) -> di
 
 
 def run_child(kind: str, path: Path, args) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in OUR_ENV}
+    # llama.cpp's children get none of our switches; ours keep the ones a caller may set to
+    # measure them (KVASIR_REPACK, KVASIR_THREADS: both recorded in the child's settings).
+    kept = ("KVASIR_REPACK", "KVASIR_THREADS") if kind.startswith("ours") else ()
+    env = {k: v for k, v in os.environ.items() if k not in OUR_ENV or k in kept}
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--model", str(path),
            "--prompt-tokens", str(args.prompt_tokens), "--decode", str(args.decode), "--repeat", str(args.repeat)]
