@@ -77,6 +77,8 @@ class CoverageView:
     def is_silent(self, layer: int, expert: int) -> bool:
         """Compute locally and only probe: the expert timed out and nothing answered since (or,
         before any reply was ever seen, any expert did)."""
+        if not self._silent:  # nearly always: neither test can hold then
+            return False
         if (layer, expert) in self._silent:
             return True
         return not self._answered and bool(self._silent)
