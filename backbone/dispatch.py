@@ -1022,8 +1022,9 @@ class RemoteExperts:
         observe, mark_answered, timeout = self.observe_reply, self.coverage.mark_answered, self.timeout
         should_audit = self.auditor.should_audit
         verdicts = []
-        rows_remote, latency_sum, latency_max = 0, 0.0, stats.latency_max_s
-        with self._audit_lock:
+        rows_remote, latency_sum = 0, 0.0
+        with self._audit_lock:  # two micro-batches may book one layer's stats at once
+            latency_max = stats.latency_max_s
             for call in won:
                 parts, latency = call.won
                 node = parts[0].node
