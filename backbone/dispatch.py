@@ -472,14 +472,9 @@ class RemoteExperts:
                      outs: list[np.ndarray | None]) -> list[np.ndarray]:
         """Once every call is settled: book and accept the won ones (audits), compute the rest."""
         if step.calls:
-            plain = self.recorder is None  # a won call nobody audits or hears of is its reply's rows
             for call, audited in self._book_wins(layer, step.calls):
-                parts = call.won.parts
-                if plain and len(parts) == 1 and True not in audited:
-                    outs[call.index] = parts[0].out
-                else:
-                    outs[call.index] = self._accept(layer, call.expert, call.rows, call.won, audited,
-                                                    references.get(call.index))
+                outs[call.index] = self._accept(layer, call.expert, call.rows, call.won, audited,
+                                                references.get(call.index))
             for call in step.calls:
                 if outs[call.index] is None:
                     outs[call.index] = self._compute_here(layer, call.expert, call.rows, stats)
@@ -1002,11 +997,14 @@ class RemoteExperts:
             self.coverage.mark_silent(call.step.layer, call.expert)  # probe from now on: a liar's word is no life
             self._settle(call, "ignored")
 
-    def _win(self, call: _Call) -> None:
-        """Every chunk of the call came back valid: it is won. Only what the engine needs is done
-        here; the books (latency, coverage, counters, metrics) are kept by :meth:`_book_wins` on
-        the engine's thread, once per step, after it has woken up."""
-        call.won = _Won(tuple(call.parts), time.perf_counter() - call.step.t0)
+    def _win(self, call: _Call, latency_s: float | None = None) -> None:
+        """Every chunk of the call came back valid: it is won (``latency_s``: its round trip, when
+        the caller measured it already). Only what the engine needs is done here; the books
+        (latency, coverage, counters, metrics) are kept by :meth:`_book_wins` on the engine's
+        thread, once per step, after it has woken up."""
+        if latency_s is None:
+            latency_s = time.perf_counter() - call.step.t0
+        call.won = _Won(tuple(call.parts), latency_s)
         self._settle(call, "won")
 
     def _book_wins(self, layer: int, calls: list[_Call]) -> list[tuple[_Call, list[bool]]]:
@@ -1144,9 +1142,8 @@ class RemoteExperts:
     def _take_bundle(self, bundle: _Bundle, reply: codec.BundleReply, stats: LayerStats) -> None:
         """The outputs of a valid bundle reply from an honest node, every row finite: what
         :meth:`_on_answer` does for each, without an intermediate record per call. A call whose
-        rows have the wrong shape takes :meth:`_on_answer`'s path, which refuses it. A call it
-        wins is settled here as :meth:`_win` settles one, with the reply's one round trip (its
-        calls came back together)."""
+        rows have the wrong shape takes :meth:`_on_answer`'s path, which refuses it. Every call it
+        wins gets the reply's one round trip (its calls came back together)."""
         node, kernel, tokens, pending, finished = reply.node, reply.kernel, bundle.tokens, self._pending, self._finished
         latency = -1.0
         for rid, rows in reply.results():
@@ -1163,27 +1160,12 @@ class RemoteExperts:
                 continue
             del pending[rid]
             finished[rid] = ("won", bundle.layer, call.expert)
-            part = _Part(slice(0, len(rows)), rows, node, kernel)
-            if call.left != 1:  # an earlier chunk is still out (not a bundled call's case)
-                call.parts[0] = part
-                call.left -= 1
-                continue
-            call.parts[0] = part
-            call.left = 0
-            step = call.step
-            if latency < 0.0:
-                latency = time.perf_counter() - step.t0
-            call.won = _Won(tuple(call.parts), latency)
-            # _settle(call, "won"), inline: a won call's tokens went to _finished above
-            call.done = True
-            if call.liar_timer is not None:
-                call.liar_timer.cancel()
-            step.left -= 1
-            if step.left == 0:
-                self._waiting.pop(step, None)
-                step.fallbacks.put(_SETTLED)
-        while len(finished) > _FINISHED_KEPT:
-            finished.popitem(last=False)
+            call.parts[0] = _Part(slice(0, len(rows)), rows, node, kernel)
+            call.left -= 1
+            if call.left == 0:
+                if latency < 0.0:
+                    latency = time.perf_counter() - call.step.t0
+                self._win(call, latency)
 
     def _on_answer(self, call: _Call, k: int, token: str, reply) -> None:
         """A reply (or what its decoding raised) for chunk ``k`` of a pending call."""
