@@ -389,14 +389,21 @@ def cmd_verify(args) -> int:
                    on_token=step)
     if step is not None:
         step.log.info("verify_reference", engine="llama.cpp", tokens=len(gen.all_tokens))
-    ref = Reference(args.model, n_ctx=len(gen.all_tokens) + 8, n_batch=max(32, len(gen.all_tokens)))
-    report = compare(gen.logits_array(), ref.logits(gen.all_tokens))
     from kernels.backend import kernel_settings
 
     ours = kernel_settings()
-    # llama.cpp runs in this process on the same libggml-cpu: the same tiled-matmul switch.
-    report["settings"] = {"ours": ours, "llama_cpp": {"tiled_mm": ours["tiled_mm"], "repack": False,
-                                                      "flash_attn": False, "threads": os.cpu_count()}}
+    # llama.cpp runs in this process on the same libggml-cpu: the same tiled-matmul switch, and
+    # its weights repacked exactly when ours are (its CPU extra buffer types, its default).
+    ref = Reference(args.model, n_ctx=len(gen.all_tokens) + 8, n_batch=max(32, len(gen.all_tokens)),
+                    repack=ours["repack"])
+    # batch-invariant: one batch of every position must give each row's bits; fast: the rows
+    # as the generation computed them (the prompt at once, then each token alone)
+    batched = ours["mode"] == "deterministic"
+    logits = ref.logits(gen.all_tokens) if batched else ref.logits_as_generated(gen.all_tokens, len(prompt))
+    report = compare(gen.logits_array(), logits)
+    report["settings"] = {"ours": ours, "llama_cpp": {"tiled_mm": ours["tiled_mm"], "repack": ours["repack"],
+                                                      "flash_attn": False, "threads": os.cpu_count(),
+                                                      "eval": "one batch" if batched else "prompt, then one token at a time"}}
     if args.json:
         print(json.dumps(report))
     else:
@@ -407,8 +414,9 @@ def cmd_verify(args) -> int:
         print(f"min cosine       {report['min_cosine']:.9f}")
         print(f"argmax agreement {report['argmax_agreement']:.3f}")
         print(f"kernels          ours {ours['label']} ({ours['mode']}: tiled matmul "
-              f"{'on' if ours['tiled_mm'] else 'off'}, repacking off); llama.cpp the same switches, "
-              f"flash attention off")
+              f"{'on' if ours['tiled_mm'] else 'off'}, repacking {'on' if ours['repack'] else 'off'}); "
+              f"llama.cpp the same switches, "
+              f"flash attention off, {report['settings']['llama_cpp']['eval']}")
     return 0
 
 

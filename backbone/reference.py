@@ -52,11 +52,11 @@ def _stderr_silenced():
 
 
 class Reference:
-    """llama.cpp on one model, as its CPU backend computes by default except for two settings
-    that change the kernels, not the model: flash attention off (our engine computes attention
-    the classic way) and, with ``repack=False``, no weight repacking into interleaved layouts
-    (on AVX2 llama.cpp repacks Q4_0/Q4_K/IQ4_NL weights for other kernels that round in
-    another order; without it, llama.cpp and our ggml path run the same kernels)."""
+    """llama.cpp on one model, as its CPU backend computes by default except for settings that
+    change the kernels, not the model: flash attention off (our engine computes attention the
+    classic way) and, with ``repack=False``, no weight repacking into interleaved layouts
+    (llama.cpp's default repacks Q4_0/Q4_K/IQ4_NL... weights for other kernels that round in
+    another order; our fast mode repacks the same weights, the deterministic mode none)."""
 
     def __init__(self, path: str | os.PathLike, n_ctx: int, n_threads: int | None = None, n_batch: int = 512,
                  repack: bool = False, logits_all: bool = True):
@@ -73,6 +73,19 @@ class Reference:
         self.llm.reset()
         self.llm.eval(list(tokens))
         return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
+
+    def logits_as_generated(self, tokens: list[int], n_prompt: int) -> np.ndarray:
+        """Logits (len(tokens), n_vocab) float32 as a generation computes them: the first
+        ``n_prompt`` tokens as one batch, then each later token alone (llama.cpp's decode), as
+        our engine ran them. Outside the batch-invariant mode a row's kernels depend on the
+        batch it is in, so only this order compares like with like."""
+        self.llm.reset()
+        self.llm.eval(list(tokens[:n_prompt]))
+        rows = [np.array(self.llm.scores[:n_prompt], dtype=np.float32)]
+        for token in tokens[n_prompt:]:
+            self.llm.eval([token])
+            rows.append(np.array(self.llm.scores[self.llm.n_tokens - 1:self.llm.n_tokens], dtype=np.float32))
+        return np.concatenate(rows)
 
     def decode_tokens_per_s(self, prompt: list[int], n: int) -> tuple[float, float]:
         """(prefill tokens/s, decode tokens/s) of a prompt then n single-token steps."""

@@ -263,19 +263,29 @@ def _select_default() -> Backend:
         return get_backend("numpy")
 
 
-def kernel_label(backend: str | None = None, machine: str | None = None, mode: str | None = None) -> str:
-    """What a node announces as its kernel: the backend, the CPU architecture and, for ggml in
-    deterministic mode, ``-det`` (``ggml-x86_64``, ``ggml-x86_64-det``, ``numpy-aarch64``).
-    ggml's dot products have one implementation per architecture and round differently, and
-    its two modes take different kernels from 8 rows on: two nodes with the same label give
-    identical bits. numpy is batch-invariant in both modes (it emulates the one-row kernel)."""
+def kernel_label(backend: str | None = None, machine: str | None = None, mode: str | None = None,
+                 repack: bool | None = None) -> str:
+    """What a node announces as its kernel: the backend, the CPU architecture and, for ggml,
+    ``-det`` in deterministic mode or ``-repack`` in fast mode with its weights repacked
+    (``ggml-x86_64-repack``, ``ggml-x86_64``, ``ggml-x86_64-det``, ``numpy-aarch64``).
+    ggml's dot products have one implementation per architecture and round differently, its
+    two modes take different kernels from 8 rows on, and its repacked kernels sum in another
+    order: two nodes with the same label give identical bits. numpy is batch-invariant in both
+    modes (it emulates the one-row kernel). ``repack`` None: this process's setting when
+    ``mode`` is this process's mode (or None), else off."""
     import platform
 
     backend = backend or backend_name()
     label = f"{backend}-{machine or platform.machine() or 'unknown'}"
-    if backend == "ggml" and (mode or kernel_mode()) == "deterministic":
-        label += "-det"
-    return label
+    if backend != "ggml":
+        return label
+    own_mode = kernel_mode()
+    mode = mode or own_mode
+    if mode == "deterministic":
+        return label + "-det"
+    if repack is None:
+        repack = mode == own_mode and _repack_setting()
+    return label + "-repack" if repack else label
 
 
 def kernel_mode() -> str:

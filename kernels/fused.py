@@ -391,11 +391,11 @@ def _first(g: Graph, lib, t, n: int):
     return g.view(lib.ggml_view_2d(g.ctx, t, t.contents.ne[0], n, t.contents.nb[1], 0))
 
 
-def _experts(g: Graph, lib, h, layer, ids, glu: str):
-    """Inputs of one layer's routed experts (their slabs) and their ops on rows h (D, n) with
-    the routing's ids (K, n): every chosen expert's output, (D, K, n)."""
+def _experts(g: Graph, lib, h, layer, ids, glu: str, rps: dict):
+    """Inputs of one layer's routed experts (their slabs, repacked where ``rps`` says) and their
+    ops on rows h (D, n) with the routing's ids (K, n): every chosen expert's output, (D, K, n)."""
     ctx, n = g.ctx, h.contents.ne[1]
-    gw, uw, dw = (g.input(w.ggml_type, w.ne) for w in (layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps))
+    gw, uw, dw = (weight_input(g, w, rps[id(w)]) for w in _expert_slabs(layer))
     xt = g.view(lib.ggml_reshape_3d(ctx, h, h.contents.ne[0], 1, n))
     up = g.scratch(lib.ggml_mul_mat_id(ctx, uw, xt, ids))  # (n_ff, K, n)
     gate = g.scratch(lib.ggml_mul_mat_id(ctx, gw, xt, ids))
@@ -539,7 +539,7 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
           key_tail: tuple) -> _StepPlan:
     rps = {}
     for b in blocks:
-        for w in _dense_weights(b.layer):
+        for w in (*_dense_weights(b.layer), *_expert_slabs(b.layer)):
             rps[id(w)] = repacked(w)
     rp_head = repacked(head[1]) if head is not None else None
     work = 0
@@ -552,7 +552,8 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
         work += len(head[2]) * head[1].ne[0] * head[1].ne[1]
     threads = threads_for(work, n_new)
     key = ("step", step, threads, *key_tail,
-           tuple((_layer_key(b.layer), b.shape, tuple(rps[id(w)] is not None for w in _dense_weights(b.layer)))
+           tuple((_layer_key(b.layer), b.shape,
+                  tuple(rps[id(w)] is not None for w in (*_dense_weights(b.layer), *_expert_slabs(b.layer))))
                  for b in blocks),
            None if head is None else (len(head[2]), _key(head[1]), float(head[3]), rp_head is not None))
     # addresses, read once: the arrays are the layers' (alive as long as the plan: ``owners``)
@@ -561,7 +562,7 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
         before, after = _attention_arrays(b.layer, rps, with_shared=i < local)
         pre.append([address(a) for a in before])
         post.append([address(a) for a in after])
-    exps = [[b.layer.ffn_gate_exps.ptr, b.layer.ffn_up_exps.ptr, b.layer.ffn_down_exps.ptr] for b in blocks]
+    exps = [[weight_data(w, rps[id(w)]) for w in _expert_slabs(b.layer)] for b in blocks]
     tail = [address(head[0]), weight_data(head[1], rp_head)] if head is not None else []
     owners = tuple(b.layer for b in blocks) + tuple(b.shape for b in blocks) + (head[:2] if head is not None else ())
     return _StepPlan(key, threads, rps, rp_head, pre, post, exps, tail, owners)
@@ -665,7 +666,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                     for t in (x2, h, ids, weights):
                         g.output(lib.ggml_cont(ctx, t))
                     break
-                xt = _combine(g, lib, x2, shared, _experts(g, lib, h, b.layer, ids, step.glu), weights)
+                xt = _combine(g, lib, x2, shared, _experts(g, lib, h, b.layer, ids, step.glu, rps), weights)
                 g.output(lib.ggml_cont(ctx, ids))  # the experts chosen, for the statistics
                 if n < R and not (last and head is not None):
                     xt = g.scratch(lib.ggml_repeat_4d(ctx, xt, D, R, 1, 1))  # one row as two again
@@ -760,6 +761,11 @@ def shared_expert(layer, h: np.ndarray, rows: int, gate_kind: str, *, tokens: in
     out = np.empty((n, D), np.float32)
     run_cached(key, build, [h, *weight_arrays, out])
     return out
+
+
+def _expert_slabs(layer) -> tuple:
+    """A layer's routed experts' 3-D gate, up and down slabs, in graph input order."""
+    return layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps
 
 
 def _dense_weights(layer) -> list:

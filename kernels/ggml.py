@@ -281,7 +281,7 @@ def load() -> Lib:
                 _lib.mode = mode
                 # read once, like the mode: repacked() is asked for every dense weight of every call
                 _lib.repack = (mode == "fast" and _lib.repack_buft is not None
-                               and os.environ.get(ENV_REPACK, "0") == "1")
+                               and os.environ.get(ENV_REPACK, "1") != "0")
             except GgmlUnavailable as exc:
                 _lib_error = exc
     if _lib is None:
@@ -646,12 +646,15 @@ def run_cached(key: tuple, build, arrays) -> None:
 
 # --- weight repacking ---------------------------------------------------------------------------
 # llama.cpp on this CPU puts Q4_0, Q4_K, IQ4_NL... weights into ggml_backend_cpu's "repack"
-# buffer type: the bytes are interleaved once, at load, for gemv/gemm kernels several times
-# faster than vec_dot. They round differently and switch kernels with the row count, so only
-# the fast mode repacks, and only dense weights (attention, shared expert, output head): the
-# routed experts stay the pure function a worker computes from its slice.
+# buffer type: the bytes are interleaved once, at load, for gemv/gemm kernels that round in
+# another order than vec_dot and switch kernels with the row count, so only the fast mode
+# repacks (the deterministic mode stays batch-invariant). As llama.cpp, every weight it has a
+# kernel for: dense ones (attention, shared expert, output head) and the routed experts' 3-D
+# slabs, whose repacked mul_mat_id takes each row through its expert alone (one gemv per row):
+# an expert's output does not depend on what else is in the batch, so a worker that repacks
+# its slice computes the bits of the backbone's one-graph layer (both announce ``-repack``).
 
-ENV_REPACK = "KVASIR_REPACK"  # "1" turns repacking on in fast mode (default off: see repack_enabled)
+ENV_REPACK = "KVASIR_REPACK"  # "0" turns repacking off in fast mode (default on, as llama.cpp: see repack_enabled)
 
 
 class Repacked:
@@ -674,31 +677,61 @@ class Repacked:
         except Exception:  # interpreter shutdown
             pass
 
+    def slab(self, i: int, nbytes: int) -> "RepackedSlab":
+        """Expert ``i`` of a repacked 3-D tensor, ``nbytes`` long: ggml interleaves rows in
+        groups of 8 (or 4) within a row of experts' matrix (it repacks only when ``ne[1]`` is a
+        multiple of the group), so each expert's bytes stay in place, the repacking of its own
+        2-D matrix."""
+        return RepackedSlab(self, i, nbytes)
+
+
+class RepackedSlab:
+    """One expert of a :class:`Repacked` 3-D tensor, what a graph's weight input needs (the
+    same ``extra`` and ``buffer``, the expert's ``data`` and ``ptr``); keeps its tensor alive."""
+
+    __slots__ = ("parent", "buffer", "extra", "data", "ptr")
+
+    def __init__(self, parent: Repacked, i: int, nbytes: int):
+        if parent.data.nbytes % nbytes or not 0 <= i < parent.data.nbytes // nbytes:
+            raise ValueError(f"expert {i} of {nbytes} bytes is not in a repacked tensor of {parent.data.nbytes}")
+        self.parent, self.buffer, self.extra = parent, parent.buffer, parent.extra
+        self.data = parent.data[i * nbytes:(i + 1) * nbytes]
+        self.ptr = parent.ptr + i * nbytes
+
 
 _repacked: "weakref.WeakKeyDictionary[QTensor, Repacked | None]" = weakref.WeakKeyDictionary()
 _repack_lock = threading.Lock()
 
 
 def repack_enabled() -> bool:
-    """Whether dense weights are repacked in this process: fast mode with KVASIR_REPACK=1.
-
-    Off by default because on this project's AVX2 machine it gains nothing: ggml's tiled kernel
-    (fast mode) is as fast as the repacked gemm, and the repacked gemv as vec_dot (a Q4_K
-    512x2048 product: 96 vs 78 us for one row, 3.4 vs 2.8 ms for 64; llama.cpp's own decode is
-    no faster with it either). Where the repacked kernels win (AVX-512, ARM), turn it on.
-    Fixed when the libraries load (KVASIR_REPACK is read then), as the mode is."""
+    """Whether weights are repacked in this process (dense ones and the routed experts' slabs):
+    fast mode, unless KVASIR_REPACK=0. llama.cpp's default on CPU, and its users' speed: on an
+    AVX-512 machine (Zen 4, 2 cores) our decode went from 271-315 to 316-372 tokens/s on the
+    small Q4_K model and from 90-123 to 112-146 on the 2-layer 122b-layer one
+    (``bench/engine.py``). On the earlier AVX2 machine it gained nothing, and cost nothing.
+    The repacked copy is made on a weight's first use (an expert slab: on its layer's first
+    use), and lives beside the mapped file, as llama.cpp's does. Fixed when the libraries load
+    (KVASIR_REPACK is read then), as the mode is."""
     return load().repack
 
 
-def repacked(w: QTensor) -> Repacked | None:
+def repacked(w: QTensor) -> Repacked | RepackedSlab | None:
     """``w`` in the repack buffer (made once per tensor), or None where repacking is off or ggml
-    has no repacked kernel for its type and shape."""
-    if not load().repack or len(w.ne) != 2:
+    has no repacked kernel for its type and shape. An expert's 2-D view (``w.slab``) is found
+    in its 3-D tensor's repacking (made on first use of any of its experts): one copy of the
+    bytes, and the bits of the layer's one-graph ``mul_mat_id`` (ggml's repacked kernel takes
+    each row through its expert alone, whatever else is in the batch)."""
+    if not load().repack or len(w.ne) not in (2, 3):
         return None
     try:
         return _repacked[w]
     except KeyError:
         pass
+    if len(w.ne) == 2 and w.slab is not None:
+        parent = repacked(w.slab)
+        rp = None if parent is None else parent.slab(w.slab_index, w.nbytes)
+        with _repack_lock:
+            return _repacked.setdefault(w, rp)
     with _repack_lock:
         if w not in _repacked:
             _repacked[w] = repack_weight(w)
@@ -709,11 +742,12 @@ def repack_weight(w: QTensor) -> Repacked | None:
     """``w`` copied into the CPU repack buffer whatever the mode (None: no repacked kernel for
     its type and shape here). :func:`repacked` is the cached, mode-aware way in."""
     lib = load()
-    check_weight(w)
+    check_weight(w, dims=3 if len(w.ne) == 3 else 2)
     ctx = lib.ggml_init(InitParams(lib.tensor_overhead * 2 + 1024, None, True))
     if not ctx:
         raise MemoryError("ggml_init failed")
-    t = lib.ggml_new_tensor_2d(ctx, int(w.ggml_type), int(w.ne[0]), int(w.ne[1]))
+    new = lib.ggml_new_tensor_2d if len(w.ne) == 2 else lib.ggml_new_tensor_3d
+    t = new(ctx, int(w.ggml_type), *(int(n) for n in w.ne))
     buffer = lib.ggml_backend_alloc_ctx_tensors_from_buft(ctx, lib.repack_buft) if t else None
     if not buffer:
         lib.ggml_free(ctx)
@@ -766,17 +800,18 @@ def _repack_anchor(lib: Lib) -> int:
     return _anchor[1]
 
 
-def weight_input(g: Graph, w: QTensor, rp: Repacked | None):
-    """A weight input of ``g``: bound per call to ``w.data``, or to ``rp.data`` when repacked
-    (then the tensor carries a buffer of the repack type, :func:`_repack_anchor`, and the weight's
-    repack traits: static in ggml, the same for every weight of its type and shape class)."""
-    t = g.input(w.ggml_type, w.ne)
+def weight_input(g: Graph, w: QTensor, rp: Repacked | RepackedSlab | None, ne: tuple | None = None):
+    """A weight input of ``g`` (of shape ``ne``, ``w.ne`` by default): bound per call to
+    ``w.data``, or to ``rp.data`` when repacked (then the tensor carries a buffer of the repack
+    type, :func:`_repack_anchor`, and the weight's repack traits: static in ggml, the same for
+    every weight of its type and shape class)."""
+    t = g.input(w.ggml_type, w.ne if ne is None else ne)
     if rp is not None:
         t.contents.buffer, t.contents.extra = _repack_anchor(g.lib), rp.extra
     return t
 
 
-def weight_data(w: QTensor, rp: Repacked | None) -> int:
+def weight_data(w: QTensor, rp: Repacked | RepackedSlab | None) -> int:
     """The address a weight input of :func:`weight_input` is bound to."""
     return w.ptr if rp is None else rp.ptr
 
@@ -798,13 +833,13 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
     n = x.shape[0]
     lib = load()
     threads = threads_for(n * w.ne[0] * w.ne[1], n)
-    rp = None if routed else repacked(w)
+    rp = repacked(w)
 
     def build() -> Graph:
         g = Graph(lib, n_tensors=5)
         try:
             if routed:
-                wt = g.input(w.ggml_type, (w.ne[0], w.ne[1], 1))
+                wt = weight_input(g, w, rp, (w.ne[0], w.ne[1], 1))
                 xt = g.input(T.F32, (w.ne[0], 1, n))
                 ids = g.constant(T.I32, (1, n), np.zeros(n, dtype=np.int32))
                 g.output(lib.ggml_mul_mat_id(g.ctx, wt, xt, ids))  # (n, 1, ne1)
@@ -828,16 +863,19 @@ class _FfnPlan:
     graph shape (types, sizes, biases, activation: never the weights' bytes, which are bound
     per call), so experts of one shape share their cached graphs."""
 
-    __slots__ = ("up", "down", "n_embd", "n_ff", "work", "shape_id", "weights")
+    __slots__ = ("up", "down", "n_embd", "n_ff", "work", "shape_id", "weights", "rps")
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
         self.up, self.down = up, down
         self.n_embd, self.n_ff = gate.ne
         self.work = 3 * self.n_embd * self.n_ff  # multiply-adds per row
+        self.rps = tuple(repacked(w) for w in (gate, up, down))  # None each where not repacked
         self.shape_id = shape_id((int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), gate.ne,
-                                   tuple(w.bias is not None for w in (gate, up, down)), gate.glu))
+                                   tuple(w.bias is not None for w in (gate, up, down)), gate.glu,
+                                   tuple(rp is not None for rp in self.rps)))
         # the addresses a call binds after x, in graph input order: weights, then bias rows
-        self.weights = (gate.ptr, up.ptr, down.ptr, *(w.bias_ptr for w in (gate, up, down) if w.bias is not None))
+        self.weights = (*(weight_data(w, rp) for w, rp in zip((gate, up, down), self.rps)),
+                        *(w.bias_ptr for w in (gate, up, down) if w.bias is not None))
 
 
 _ffn_plans: "weakref.WeakKeyDictionary[QTensor, _FfnPlan]" = weakref.WeakKeyDictionary()
@@ -901,13 +939,15 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     threads = threads_for(plan.work * n, n)
     key = ("ffn", plan.shape_id, routed, n, threads)
     out = np.empty((n, plan.n_embd), dtype=np.float32)
-    run_cached(key, lambda: _build_ffn(gate, up, down, routed, n, threads), (x, *plan.weights, out))
+    run_cached(key, lambda: _build_ffn(gate, up, down, routed, n, threads, plan.rps), (x, *plan.weights, out))
     return out
 
 
-def _build_ffn(gate: QTensor, up: QTensor, down: QTensor, routed: bool, n: int, threads: int) -> Graph:
+def _build_ffn(gate: QTensor, up: QTensor, down: QTensor, routed: bool, n: int, threads: int,
+               rps: tuple = (None, None, None)) -> Graph:
     """:func:`expert_ffn`'s graph for ``n`` rows of experts shaped like these (any such expert's
-    bytes are bound to it per call). Inputs: x, gate, up, down, the bias rows present, the result."""
+    bytes are bound to it per call; ``rps``: their repacking, per weight, or None). Inputs: x,
+    gate, up, down, the bias rows present, the result."""
     n_embd, n_ff = gate.ne
     lib = load()
     g = Graph(lib, n_tensors=16)
@@ -916,16 +956,14 @@ def _build_ffn(gate: QTensor, up: QTensor, down: QTensor, routed: bool, n: int, 
         if routed:
             ids = g.constant(T.I32, (1, n), np.zeros(n, dtype=np.int32))
             xt = g.input(T.F32, (n_embd, 1, n))
-            gw = g.input(gate.ggml_type, (n_embd, n_ff, 1))
-            uw = g.input(up.ggml_type, (n_embd, n_ff, 1))
-            dw = g.input(down.ggml_type, (n_ff, n_embd, 1))
+            gw = weight_input(g, gate, rps[0], (n_embd, n_ff, 1))
+            uw = weight_input(g, up, rps[1], (n_embd, n_ff, 1))
+            dw = weight_input(g, down, rps[2], (n_ff, n_embd, 1))
             gt = g.scratch(lib.ggml_mul_mat_id(g.ctx, gw, xt, ids))  # (n, 1, n_ff)
             ut = g.scratch(lib.ggml_mul_mat_id(g.ctx, uw, xt, ids))
         else:
             xt = g.input(T.F32, (n_embd, n))
-            gw = g.input(gate.ggml_type, gate.ne)
-            uw = g.input(up.ggml_type, up.ne)
-            dw = g.input(down.ggml_type, down.ne)
+            gw, uw, dw = (weight_input(g, w, rp) for w, rp in zip((gate, up, down), rps))
             gt = g.scratch(lib.ggml_mul_mat(g.ctx, gw, xt))  # (n, n_ff)
             ut = g.scratch(lib.ggml_mul_mat(g.ctx, uw, xt))
         # bias inputs in gate, up, down order (the order of their addresses in _FfnPlan.weights)
@@ -1079,7 +1117,7 @@ def _ids_in_range(ids: np.ndarray, limit: int) -> bool:
 class _MoePlan:
     """:func:`moe_ffn`'s checked expert slabs, bias rows and activation (as :class:`_FfnPlan`)."""
 
-    __slots__ = ("up", "down", "biases", "glu", "work", "shape_id", "weights")
+    __slots__ = ("up", "down", "biases", "glu", "work", "shape_id", "weights", "rps")
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor, biases: tuple, glu: str):
         for w in (gate, up, down):
@@ -1097,9 +1135,11 @@ class _MoePlan:
                                  f"{getattr(b, 'dtype', type(b).__name__)} {getattr(b, 'shape', '')}")
         self.up, self.down, self.biases, self.glu = up, down, biases, glu
         self.work = 3 * n_embd * n_ff  # multiply-adds per (row, slot)
+        self.rps = tuple(repacked(w) for w in (gate, up, down))  # None each where not repacked
         self.shape_id = shape_id(("moe", gate.shape_key, up.shape_key, down.shape_key,
-                                   tuple(b is not None for b in biases), glu))
-        self.weights = (gate.ptr, up.ptr, down.ptr, *(address(b) for b in biases if b is not None))
+                                   tuple(b is not None for b in biases), glu, tuple(rp is not None for rp in self.rps)))
+        self.weights = (*(weight_data(w, rp) for w, rp in zip((gate, up, down), self.rps)),
+                        *(address(b) for b in biases if b is not None))
 
     def fits(self, up: QTensor, down: QTensor, biases: tuple, glu: str) -> bool:
         """Whether a call with these arguments is the one this plan checked (same objects)."""
@@ -1120,7 +1160,7 @@ def _build_moe(plan: _MoePlan, gate: QTensor, up: QTensor, down: QTensor, n: int
     try:
         xt = g.input(T.F32, (n_embd, 1, n))  # one row per token, broadcast over its K slots
         it = g.input(T.I32, (k, n))
-        gw, uw, dw = (g.input(w.ggml_type, w.ne) for w in (gate, up, down))
+        gw, uw, dw = (weight_input(g, w, rp) for w, rp in zip((gate, up, down), plan.rps))
         bt = [g.input(T.F32, (rows, E)) if b is not None else None
               for b, rows in zip(plan.biases, (n_ff, n_ff, n_embd))]
 

@@ -33,6 +33,10 @@ class QTensor:
     # What a routed expert's projection carries besides its matrix (gpt-oss; None/"swiglu" elsewhere):
     bias: np.ndarray | None = None  # float32 (ne[1],), added to every output row (llama.cpp: ggml_add_id)
     glu: str = "swiglu"  # on an expert's gate: the gated activation joining it to up (swiglu, swiglu_oai)
+    # An expert's 2-D view (:meth:`expert`): the 3-D tensor it is slab ``slab_index`` of. A kernel
+    # that lays the 3-D tensor out anew (ggml's weight repacking) finds the view's bytes in it.
+    slab: "QTensor | None" = None
+    slab_index: int = -1
 
     @property
     def row_bytes(self) -> int:
@@ -64,7 +68,7 @@ class QTensor:
             raise IndexError(f"{self.name}: expert {e} out of range 0..{self.n_expert - 1}")
         nb2 = self.expert_bytes
         return QTensor(f"{self.name}[{e}]", self.ggml_type, self.ne[:2], self.data[e * nb2:(e + 1) * nb2],
-                       None if bias is None else bias[e], glu)
+                       None if bias is None else bias[e], glu, self, e)
 
     @functools.cached_property
     def ptr(self) -> int:

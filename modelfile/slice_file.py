@@ -174,7 +174,7 @@ class SliceInfo:
             nb2 = t.expert_bytes
             out.append(QTensor(f"{source_tensor_name(layer, kind)}[{expert}]", t.ggml_type,
                                t.ne[:2], t.data[i * nb2:(i + 1) * nb2], None if b is None else b[i],
-                               glu if kind == "gate" else "swiglu"))
+                               glu if kind == "gate" else "swiglu", t, i))
         return out[0], out[1], out[2]
 
     def holding_slabs(self, h: Holding) -> tuple[tuple[QTensor, QTensor, QTensor], tuple, str]:

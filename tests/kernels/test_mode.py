@@ -39,10 +39,12 @@ print(json.dumps({"label": kernel_label(), "settings": kernel_settings(),
 """
 
 
-def _probe(mode: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM")}
+def _probe(mode: str | None, repack: str | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_REPACK")}
     if mode:
         env["KVASIR_KERNEL_MODE"] = mode
+    if repack is not None:
+        env["KVASIR_REPACK"] = repack
     env["PYTHONPATH"] = str(ROOT)
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120,
                          cwd=ROOT)
@@ -56,10 +58,20 @@ def need_ggml():
         pytest.skip("ggml not available")
 
 
-def test_default_mode_is_fast_with_llama_cpps_tiled_kernel(need_ggml):
+def test_default_mode_is_fast_with_llama_cpps_repacked_and_tiled_kernels(need_ggml):
     got = _probe(None)
     assert got["settings"]["mode"] == "fast" and got["settings"]["tiled_mm"] is True
-    assert not got["label"].endswith("-det")
+    if not got["settings"]["repack"]:
+        pytest.skip("this ggml has no CPU repack buffer type")
+    assert got["label"].endswith("-repack")
+    # a repacked K-quant expert takes each row through ggml's gemv alone, as llama.cpp's default
+    assert got["routed_batch_invariant"] is True
+
+
+def test_fast_mode_without_repacking_takes_the_tiled_kernel(need_ggml):
+    got = _probe(None, repack="0")
+    assert got["settings"]["mode"] == "fast" and got["settings"]["repack"] is False
+    assert not got["label"].endswith(("-det", "-repack"))
     # 16 rows to one K-quant expert take the tiled kernel: not what each row gets alone
     assert got["routed_batch_invariant"] is False
 
@@ -72,7 +84,9 @@ def test_deterministic_mode_is_batch_invariant_and_says_so_in_its_label(need_ggm
 
 
 def test_labels_name_the_mode_only_where_it_changes_the_bits():
-    assert backend.kernel_label("ggml", "x86_64", "fast") == "ggml-x86_64"
+    assert backend.kernel_label("ggml", "x86_64", "fast", repack=False) == "ggml-x86_64"
+    assert backend.kernel_label("ggml", "x86_64", "fast", repack=True) == "ggml-x86_64-repack"
+    assert backend.kernel_label("ggml", "x86_64", "deterministic", repack=True) == "ggml-x86_64-det"
     assert backend.kernel_label("ggml", "x86_64", "deterministic") == "ggml-x86_64-det"
     assert backend.kernel_label("numpy", "x86_64", "deterministic") == "numpy-x86_64"
 
@@ -101,9 +115,11 @@ def test_bad_thread_count_is_a_usage_error():
         backend.apply_kernel_flags(Args())
 
 
-def test_sharded_equals_monolithic_in_the_fast_mode_too(need_ggml):
-    """The sharding suite's exactness tests, rerun with workers and backbone in the fast mode."""
-    env = dict(os.environ, KVASIR_KERNEL_MODE="fast", PYTHONPATH=str(ROOT))
+@pytest.mark.parametrize("repack", ["1", "0"])
+def test_sharded_equals_monolithic_in_the_fast_mode_too(need_ggml, repack):
+    """The sharding suite's exactness tests, rerun with workers and backbone in the fast mode,
+    with weights repacked (the default: the workers repack their slices' experts) and without."""
+    env = dict(os.environ, KVASIR_KERNEL_MODE="fast", KVASIR_REPACK=repack, PYTHONPATH=str(ROOT))
     env.pop("GGML_CPU_TILED_MM", None)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "tests/backbone/test_sharding.py", "-k", "change_nothing or killed_mid_generation"],

@@ -1,0 +1,92 @@
+"""The routed experts' slabs repacked (fast mode's default, as llama.cpp's): an expert's bytes in
+its layer's repacking are the repacking of its own matrix, and every way the project computes
+an expert (the layer's one graph, one expert alone, a worker's slice) gives the same bits.
+The suite runs in the deterministic mode (tests/conftest.py), which never repacks: each check
+runs in a child process in the fast mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PROBE = r"""
+import json, sys
+import numpy as np
+from backbone.model import Engine
+from kernels import ggml
+from kernels.expert import expert_ffn, moe_ffn
+from kernels.tensors import QTensor
+from modelfile.slice_file import load_slice
+from modelfile.slicer import plan_slice, write_slice
+
+engine = Engine(sys.argv[1])
+blk, weights = engine.weights.layers[0], engine.weights
+slabs = (blk.ffn_gate_exps, blk.ffn_up_exps, blk.ffn_down_exps)
+report = {"repack": ggml.repack_enabled(), "label": __import__("kernels.backend", fromlist=["x"]).kernel_label()}
+rps = [ggml.repacked(w) for w in slabs]
+report["slabs_repacked"] = [rp is not None for rp in rps]
+if all(report["slabs_repacked"]):
+    E = blk.ffn_gate_exps.n_expert
+    same_bytes = True
+    for e in (0, E - 1):
+        for w, rp in zip(weights.expert(0, e), rps):
+            alone = ggml.repack_weight(QTensor("copy", w.ggml_type, w.ne, w.data.copy()))
+            view = ggml.repacked(w)
+            same_bytes &= bool(np.array_equal(view.data, alone.data)) and view.ptr == rp.ptr + e * w.nbytes
+    report["expert_bytes_are_its_own_repacking"] = same_bytes
+    report["really_repacked"] = not np.array_equal(rps[0].data[:256], blk.ffn_gate_exps.data[:256])
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, engine.cfg.n_embd)).astype(np.float32)
+    ids = np.array([[e % E, (e + 3) % E] for e in range(5)], np.int32)
+    layer = moe_ffn(*slabs, x, ids)  # (5, 2, D)
+    alone = all(np.array_equal(layer[t, k], expert_ffn(*weights.expert(0, int(ids[t, k])), x[t:t + 1],
+                                                         routed=True)[0])
+                for t in range(5) for k in range(2))
+    rows = x[[0, 2, 4]]  # three rows to expert ids[0,0] alone, as one call
+    three = engine.local_experts.compute(0, int(ids[0, 0]), rows)
+    in_batch = all(np.array_equal(three[i], expert_ffn(*weights.expert(0, int(ids[0, 0])), rows[i:i + 1],
+                                                       routed=True)[0]) for i in range(3))
+    report["one_graph_equals_each_expert_alone"] = bool(alone and in_batch)
+    out = sys.argv[2]
+    write_slice(plan_slice(sys.argv[1], [((0, 0), (1, E - 1))]), out)  # experts 1..E-1 of layer 0, as a worker holds them
+    piece = load_slice(out)
+    worker = [expert_ffn(*piece.expert_weights(0, e), x[:2], routed=True) for e in (1, E - 1)]
+    backbone = [engine.local_experts.compute(0, e, x[:2]) for e in (1, E - 1)]
+    report["slice_equals_backbone"] = all(np.array_equal(a, b) for a, b in zip(worker, backbone))
+print(json.dumps(report))
+"""
+
+
+def _probe(model: str, out: Path, repack: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("GGML_CPU_TILED_MM",)}
+    env.update(KVASIR_KERNEL_MODE="fast", KVASIR_REPACK=repack, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", PROBE, model, str(out)], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_repacked_experts_give_the_same_bits_every_way_they_are_computed(models, tmp_path):
+    got = _probe(str(models("qwen2moe", "q4_k")), tmp_path / "piece.gguf", "1")
+    if not got["repack"]:
+        pytest.skip("this ggml has no CPU repack buffer type")
+    if not all(got["slabs_repacked"]):
+        pytest.skip("no repacked Q4_K kernel on this CPU")
+    assert got["label"].endswith("-repack")
+    assert got["really_repacked"]
+    assert got["expert_bytes_are_its_own_repacking"]
+    assert got["one_graph_equals_each_expert_alone"]
+    assert got["slice_equals_backbone"]
+
+
+def test_without_repacking_nothing_is_repacked(models, tmp_path):
+    got = _probe(str(models("qwen2moe", "q4_k")), tmp_path / "piece.gguf", "0")
+    assert got["repack"] is False and got["slabs_repacked"] == [False, False, False]
+    assert not got["label"].endswith("-repack")
