@@ -3,20 +3,23 @@
 The reference is llama.cpp through llama-cpp-python with its defaults: weight repacking into
 the CPU's extra buffer types on, flash attention as llama-cpp-python sets it by default (off),
 ``n_threads`` = cores / 2 for decode and all cores for prefill, ggml's default tiled matmul.
-Beside it, labelled, the *matched* reference: llama.cpp with repacking and flash attention off
-and every core, the settings ``kvasir verify`` compares against bit for bit. Our engine runs in
+Beside it, labelled, the *matched* reference: llama.cpp with flash attention off, every core and
+weight repacking exactly as ours (on unless ``KVASIR_REPACK=0``), the settings ``kvasir verify``
+compares against. Our engine runs in
 both kernel modes: ``fast`` (the default) and ``deterministic`` (batch-invariant); the cost of
 the latter is reported as its slowdown.
 
 Our engine's defaults follow llama.cpp's: a decode step's graphs run on half the cores, a
-prompt's on all of them (``kernels.ggml.decode_threads``); weight repacking is off
-(``KVASIR_REPACK=1`` turns it on for dense weights; on this project's AVX2 machine it gains
-nothing, see ``kernels.ggml.repack_enabled``). The JSON records the load average before and
+prompt's on all of them (``kernels.ggml.decode_threads``); weights are repacked as llama.cpp's
+(dense ones and the routed experts' slabs; ``KVASIR_REPACK=0`` turns it off, see
+``kernels.ggml.repack_enabled``). The JSON records the load average before and
 after: on a shared machine the ratios are only as good as the load was steady.
 
 Every configuration runs in its own child process (ggml reads its kernel switches once, when it
 loads), on the same GGUF, prompt and number of greedy steps, one after the other, so the ratios
-compare like with like on this (noisy) machine. The best of ``--repeat`` runs is reported.
+compare like with like on this (noisy) machine: ``--rounds`` child processes per configuration,
+interleaved with the other configurations' (default 2), ``--repeat`` runs in each; the best run
+is reported.
 Models: ``small`` f16 and q4_k (qwen3moe) and a 2-layer ``122b-layer`` q4_k (the 122B's expert
 shapes, ``--experts-122b`` experts per layer). Prints JSON on stdout.
 
@@ -44,7 +47,7 @@ a child, one setting changed from its defaults; issue 10, measured on this 2-cor
   switch (on by default) and flash attention (off by default in llama-cpp-python): no
   measurable prefill difference.
 
-    python bench/engine.py [--types f16 q4_k] [--prompt-tokens 64] [--decode 32] [--repeat 3]
+    python bench/engine.py [--types f16 q4_k] [--prompt-tokens 64] [--decode 32] [--repeat 3] [--rounds 2]
                            [--experts-122b 32] [--no-122b]
 """
 
@@ -104,8 +107,9 @@ def child(kind: str, path: str, n_prompt: int, n_decode: int, repeat: int) -> di
 
             # the last position's logits only, as ours and the users' run: with all of them
             # llama.cpp also runs the last layer's experts on every row (see above)
-            llm = Reference(path, n_ctx=n_prompt + n_decode + 8, logits_all=False).llm
-            settings = {"repack": False, "flash_attn": False, "n_threads": llm.n_threads,
+            repack = os.environ.get("KVASIR_REPACK", "1") != "0"  # as our fast child repacks
+            llm = Reference(path, n_ctx=n_prompt + n_decode + 8, logits_all=False, repack=repack).llm
+            settings = {"repack": repack, "flash_attn": False, "n_threads": llm.n_threads,
                         "n_threads_batch": llm.n_threads_batch, "tiled_mm": os.environ.get("GGML_CPU_TILED_MM")}
         import llama_cpp
         import numpy as np
@@ -135,8 +139,10 @@ def child(kind: str, path: str, n_prompt: int, n_decode: int, repeat: int) -> di
 
 def run_child(kind: str, path: Path, args) -> dict:
     # llama.cpp's children get none of our switches; ours keep the ones a caller may set to
-    # measure them (KVASIR_REPACK, KVASIR_THREADS: both recorded in the child's settings).
-    kept = ("KVASIR_REPACK", "KVASIR_THREADS") if kind.startswith("ours") else ()
+    # measure them (KVASIR_REPACK, KVASIR_THREADS: both recorded in the child's settings), and
+    # the matched one our repack switch (it repacks as ours does).
+    kept = ("KVASIR_REPACK", "KVASIR_THREADS") if kind.startswith("ours") else \
+        ("KVASIR_REPACK",) if kind == "llama-matched" else ()
     env = {k: v for k, v in os.environ.items() if k not in OUR_ENV or k in kept}
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--model", str(path),
@@ -151,10 +157,21 @@ def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else float("nan")
 
 
+KINDS = ("ours-fast", "ours-deterministic", "llama-users", "llama-matched")
+
+
 def bench_model(path: Path, label: str, args) -> dict:
-    got = {kind: run_child(kind, path, args)
-           for kind in ("ours-fast", "ours-deterministic", "llama-users", "llama-matched")}
-    fast, det, users, matched = (got[k] for k in ("ours-fast", "ours-deterministic", "llama-users", "llama-matched"))
+    """Every configuration ``--rounds`` times, the rounds interleaved (all four children, then
+    all four again): on this machine the speed of the same child drifts by half from one
+    minute to the next, and interleaving lets each configuration meet the same drift. The best
+    prefill and the best decode of each over its rounds count."""
+    runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
+    for _ in range(args.rounds):
+        for kind in KINDS:
+            runs[kind].append(run_child(kind, path, args))
+    got = {kind: {"prefill_tok_s": max(r["prefill_tok_s"] for r in rs), "decode_tok_s": max(r["decode_tok_s"] for r in rs),
+                  "settings": rs[0]["settings"]} for kind, rs in runs.items()}
+    fast, det, users, matched = (got[k] for k in KINDS)
     return {
         "model": label, "file": path.name, "file_mb": round(path.stat().st_size / 2**20, 1),
         "ours_fast": fast, "ours_deterministic": det,
@@ -177,7 +194,9 @@ def main() -> None:
     ap.add_argument("--types", nargs="+", default=["f16", "q4_k"])
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per configuration; the best is reported")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per configuration in each child process")
+    ap.add_argument("--rounds", type=int, default=2, help="child processes per configuration, interleaved "
+                    "with the others'; the best run over them is reported (default 2)")
     ap.add_argument("--experts-122b", type=int, default=32, help="experts per layer of the 2-layer 122b model")
     ap.add_argument("--no-122b", action="store_true", help="leave out the 122b-layer model")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
@@ -205,11 +224,13 @@ def main() -> None:
             synth_model(path, arch=args.arch, preset="122b-layer", qtype="q4_k", seed=0, layers=2,
                         experts=args.experts_122b)
         todo.append((path, f"122b-layer {args.arch} q4_k, 2 layers x {args.experts_122b} experts"))
+    if args.rounds < 1 or args.repeat < 1:
+        raise SystemExit("--rounds and --repeat must be >= 1")
     out = {"bench": "engine", "cores": os.cpu_count(), "prompt_tokens": args.prompt_tokens,
-           "decode_tokens": args.decode, "repeat": args.repeat,
+           "decode_tokens": args.decode, "repeat": args.repeat, "rounds": args.rounds,
            "reference": "llama.cpp via llama-cpp-python defaults (repacking on, its default flash "
-                        "attention and threads); 'matched' = repacking and flash attention off, all cores, "
-                        "the same tiled-matmul switch as ours: the kernels kvasir verify compares against "
+                        "attention and threads); 'matched' = flash attention off, all cores, repacking and "
+                        "the tiled-matmul switch as ours: the kernels kvasir verify compares against "
                         "(here with the last position's logits only, as ours)",
            "load_average_before": [round(v, 2) for v in os.getloadavg()],
            "results": [bench_model(path, label, args) for path, label in todo]}
