@@ -144,3 +144,35 @@ def test_verify_json_has_exactly_the_four_keys(capsys, tiny):
     report = json.loads(out)
     assert set(report) == {"positions", "max_abs_diff", "min_cosine", "argmax_agreement", "settings"}
     assert report["argmax_agreement"] == 1.0 and report["max_abs_diff"] <= 1e-3
+
+
+def test_verify_in_the_default_fast_mode_repacks_both_sides_and_is_exact(tmp_path):
+    """``kvasir verify`` as a user runs it (the fast mode, the suite's mode aside): llama.cpp
+    with our kernel switches (repacking included), its tokens evaluated as our generation
+    evaluated them (the prompt at once, then each token alone), gives our logits to the bit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from synth.model import synth_model
+
+    from kernels import ggml
+
+    if not ggml.available():
+        pytest.skip("ggml not available")
+    path = synth_model(tmp_path / "tiny-q4k.gguf", arch="qwen3moe", preset="tiny", qtype="q4_k", seed=1)
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_REPACK")}
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, "-m", "kvasir_bus.cli", "verify", "--model", str(path), "--prompt",
+                           "Hello world, this is", "--decode", "16", "--json"],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    ours, theirs = report["settings"]["ours"], report["settings"]["llama_cpp"]
+    assert ours["mode"] == "fast" and theirs["eval"] == "prompt, then one token at a time"
+    assert theirs["repack"] == ours["repack"] and theirs["tiled_mm"] == ours["tiled_mm"]
+    if ours["repack"]:
+        assert ours["label"].endswith("-repack")
+    assert report["max_abs_diff"] == 0.0 and report["argmax_agreement"] == 1.0
