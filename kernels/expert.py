@@ -73,3 +73,18 @@ def moe_step(gate: QTensor, up: QTensor, down: QTensor, k: int, *,
     from kernels import ggml
 
     return ggml.MoeStep(gate, up, down, k, biases=biases, glu=glu)
+
+
+def prepare(weights) -> int:
+    """Lay ``weights`` (QTensors: 3-D expert slabs, dense matrices) out for this process's
+    kernels now rather than on their first call: ggml's repacking in the fast mode (a copy in
+    memory, about 0.6 GB/s on 2 cores), nothing otherwise. A worker does it before it announces
+    its experts and the backbone before it serves, so that no request waits a second for a
+    slab. Returns the bytes laid out anew."""
+    if backends.backend_name() != "ggml":
+        return 0
+    from kernels import ggml
+
+    if not ggml.repack_enabled():
+        return 0
+    return sum(w.nbytes for w in weights if ggml.repacked(w) is not None)

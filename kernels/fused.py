@@ -763,6 +763,12 @@ def shared_expert(layer, h: np.ndarray, rows: int, gate_kind: str, *, tokens: in
     return out
 
 
+def repackable_weights(layers, head) -> list:
+    """Every weight the step graphs bind repacked where the mode repacks: each layer's dense
+    matrices and routed-expert slabs, and the output head (``kernels.expert.prepare``)."""
+    return [w for layer in layers for w in (*_dense_weights(layer), *_expert_slabs(layer)) if w is not None] + [head]
+
+
 def _expert_slabs(layer) -> tuple:
     """A layer's routed experts' 3-D gate, up and down slabs, in graph input order."""
     return layer.ffn_gate_exps, layer.ffn_up_exps, layer.ffn_down_exps

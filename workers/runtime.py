@@ -48,7 +48,7 @@ from kvasir_bus.subjects import Subjects, parse_dispatch
 from kvasir_bus.throttle import ThrottledLog
 from kvasir_bus import lane
 from kvasir_bus.lane import InlineDelivery
-from kernels.expert import expert_ffn, moe_ffn, moe_step
+from kernels.expert import expert_ffn, moe_ffn, moe_step, prepare
 from kernels.backend import backend_name, kernel_label
 from modelfile.slice_file import SliceInfo
 
@@ -153,6 +153,7 @@ class Worker:
         if self.cfg.metrics is not None:  # first: a port in use fails before we subscribe
             await self._start_metrics()
         self._index_holdings()
+        await self._prepare_kernels()
         if self.cfg.inline_delivery and lane.supported(nc):
             self._lane = InlineDelivery(nc, self._handler_failed)
         if self.cfg.direct_reply:
@@ -220,6 +221,18 @@ class Worker:
                 work = 3 * gate.ne[0] * gate.ne[1]
                 self._holding_plan[h] = (self.slice.holding_slabs(h), work)
             self._routes[self.subjects.dispatch(layer, expert)] = (layer, expert, weights)
+
+    async def _prepare_kernels(self) -> None:
+        """Repack every held slab for the fast mode's kernels (:func:`kernels.expert.prepare`)
+        before any subject is subscribed: on its first call a big slab would hold its request
+        for about a second, past the backbone's timeout. On a thread: the connection's loop
+        keeps answering the server's PINGs meanwhile."""
+        slabs = [w for (triple, _, _), _ in self._holding_plan.values() for w in triple]
+        t0 = time.perf_counter()
+        done = await asyncio.to_thread(prepare, slabs)
+        if done:
+            self.log.info("kernels_prepared", repacked_mb=round(done / 2**20, 1),
+                          seconds=round(time.perf_counter() - t0, 2))
 
     async def stop(self) -> None:
         """Drain: stop taking requests, finish and answer the ones in flight, stop heartbeats."""

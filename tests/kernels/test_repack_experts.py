@@ -29,7 +29,8 @@ from modelfile.slicer import plan_slice, write_slice
 engine = Engine(sys.argv[1])
 blk, weights = engine.weights.layers[0], engine.weights
 slabs = (blk.ffn_gate_exps, blk.ffn_up_exps, blk.ffn_down_exps)
-report = {"repack": ggml.repack_enabled(), "label": __import__("kernels.backend", fromlist=["x"]).kernel_label()}
+report = {"repack": ggml.repack_enabled(), "label": __import__("kernels.backend", fromlist=["x"]).kernel_label(),
+          "prepared_at_load": all(ggml._repacked.get(w) is not None for w in slabs)}  # before any call
 rps = [ggml.repacked(w) for w in slabs]
 report["slabs_repacked"] = [rp is not None for rp in rps]
 if all(report["slabs_repacked"]):
@@ -60,6 +61,14 @@ if all(report["slabs_repacked"]):
     worker = [expert_ffn(*piece.expert_weights(0, e), x[:2], routed=True) for e in (1, E - 1)]
     backbone = [engine.local_experts.compute(0, e, x[:2]) for e in (1, E - 1)]
     report["slice_equals_backbone"] = all(np.array_equal(a, b) for a, b in zip(worker, backbone))
+    import asyncio
+    from workers.runtime import Worker, WorkerConfig
+    fresh = load_slice(out)  # a worker's own map of the slice, not computed with yet
+    w = Worker(fresh, WorkerConfig(node="probe"))
+    w._index_holdings()
+    asyncio.run(w._prepare_kernels())  # what Worker.start does before it subscribes
+    report["worker_prepared"] = all(ggml._repacked.get(t) is not None
+                                    for h in fresh.holdings for t in fresh.holding_slabs(h)[0])
 print(json.dumps(report))
 """
 
@@ -70,7 +79,7 @@ def _probe(model: str, out: Path, repack: str) -> dict:
     done = subprocess.run([sys.executable, "-c", PROBE, model, str(out)], env=env, capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+    return json.loads(done.stdout.strip().splitlines()[-1])  # the report, after any log line
 
 
 def test_repacked_experts_give_the_same_bits_every_way_they_are_computed(models, tmp_path):
@@ -81,9 +90,11 @@ def test_repacked_experts_give_the_same_bits_every_way_they_are_computed(models,
         pytest.skip("no repacked Q4_K kernel on this CPU")
     assert got["label"].endswith("-repack")
     assert got["really_repacked"]
+    assert got["prepared_at_load"]  # the engine repacked its slabs when it loaded, not on a first request
     assert got["expert_bytes_are_its_own_repacking"]
     assert got["one_graph_equals_each_expert_alone"]
     assert got["slice_equals_backbone"]
+    assert got["worker_prepared"]  # a worker repacks its slabs before it takes a request
 
 
 def test_without_repacking_nothing_is_repacked(models, tmp_path):
