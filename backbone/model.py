@@ -48,7 +48,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
-import structlog
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kernels import deltanet, dense, fused, ops
@@ -59,8 +58,6 @@ from kernels.expert import expert_ffn, prepare
 from kernels.backend import backend_name, matmul
 from kernels.ggml import deterministic as ggml_deterministic, get_rows as ggml_get_rows
 from kernels.tensors import QTensor, open_gguf, tensors_from_reader
-
-log = structlog.get_logger("kvasir.engine")
 
 WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
 # A one-sequence step's graph holds as many layers as keep its intermediates under this many
@@ -340,12 +337,11 @@ class Engine:
         t = cfg.traits
         self.step_graphs = self.fused and not t.delta_net and not t.attn_sinks and t.router != "softmax_weight" \
             and weights.layers[0].ffn_gate_exps_bias is None and self.wire_dtype == np.float32
-        if self.fused:  # repacked now (fast mode), not in the middle of the first request
-            t0 = time.perf_counter()
-            done = prepare(fused.repackable_weights(weights.layers, weights.output))
-            if done >= 64 << 20:
-                log.info("kernels_prepared", repacked_mb=round(done / 2**20, 1),
-                         seconds=round(time.perf_counter() - t0, 2))
+        # Repacked now (fast mode), not in the middle of the first request; what it took is
+        # reported by whoever logs (the backbone service), not here: a library prints nothing.
+        t0 = time.perf_counter()
+        self.prepared_bytes = prepare(fused.repackable_weights(weights.layers, weights.output)) if self.fused else 0
+        self.prepared_s = time.perf_counter() - t0
 
     def _attention_shape(self, il: int) -> fused.AttentionShape:
         """Layer ``il``'s attention shape and RoPE parameters, made once per config."""

@@ -312,6 +312,10 @@ class BackboneService:
             self.stop()
             raise
         self.engine.use_experts(run.experts)
+        prepared = getattr(self.engine, "prepared_bytes", 0)
+        if prepared:  # the engine repacked its weights when it loaded (fast mode, kernels.expert.prepare)
+            log.info("kernels_prepared", repacked_mb=round(prepared / 2**20, 1),
+                     seconds=round(self.engine.prepared_s, 2))
         if cfg.serve_manifest:
             log.info("backbone_serving", model=self.model, weights=self.weights_url,
                      tokens=len(cfg.tokens), slabs=len(run.manifest.slabs))

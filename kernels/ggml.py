@@ -35,13 +35,11 @@ import functools
 import importlib.util
 import os
 import threading
-import time
 import weakref
 from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
-import structlog
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from kernels.checks import ACT_FORMAT, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, check_ffn, check_rows, check_weight
@@ -656,9 +654,6 @@ def run_cached(key: tuple, build, arrays) -> None:
 # an expert's output does not depend on what else is in the batch, so a worker that repacks
 # its slice computes the bits of the backbone's one-graph layer (both announce ``-repack``).
 
-log = structlog.get_logger("kvasir.kernels")
-_REPACK_LOGGED_BYTES = 64 << 20  # a repacking this big says so (a 122B layer's slab: 1.3 GB, about a second)
-
 ENV_REPACK = "KVASIR_REPACK"  # "0" turns repacking off in fast mode (default on, as llama.cpp: see repack_enabled)
 
 
@@ -765,14 +760,10 @@ def repack_weight(w: QTensor) -> Repacked | None:
     old_cb, old_data = ctypes.c_void_p(), ctypes.c_void_p()
     lib.ggml_log_get(ctypes.byref(old_cb), ctypes.byref(old_data))
     lib.ggml_log_set(ctypes.cast(_quiet_log, ctypes.c_void_p), None)
-    t0 = time.perf_counter()
     try:
         lib.ggml_backend_tensor_set(t, w.data.ctypes.data, 0, w.data.nbytes)  # repacks
     finally:
         lib.ggml_log_set(old_cb, old_data)
-    if w.data.nbytes >= _REPACK_LOGGED_BYTES:  # made on first use: an operator sees why a step was slow
-        log.info("weight_repacked", tensor=w.name, mb=round(w.data.nbytes / 2**20, 1),
-                 seconds=round(time.perf_counter() - t0, 2), note="a copy in memory; KVASIR_REPACK=0 turns it off")
     return Repacked(lib, w, ctx, t, buffer)
 
 
