@@ -539,7 +539,7 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
           key_tail: tuple) -> _StepPlan:
     rps = {}
     for b in blocks:
-        for w in (*_dense_weights(b.layer), *_expert_slabs(b.layer)):
+        for w in _packable(b.layer):
             rps[id(w)] = repacked(w)
     rp_head = repacked(head[1]) if head is not None else None
     work = 0
@@ -553,7 +553,7 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
     threads = threads_for(work, n_new)
     key = ("step", step, threads, *key_tail,
            tuple((_layer_key(b.layer), b.shape,
-                  tuple(rps[id(w)] is not None for w in (*_dense_weights(b.layer), *_expert_slabs(b.layer))))
+                  tuple(rps[id(w)] is not None for w in _packable(b.layer)))
                  for b in blocks),
            None if head is None else (len(head[2]), _key(head[1]), float(head[3]), rp_head is not None))
     # addresses, read once: the arrays are the layers' (alive as long as the plan: ``owners``)
@@ -766,7 +766,12 @@ def shared_expert(layer, h: np.ndarray, rows: int, gate_kind: str, *, tokens: in
 def repackable_weights(layers, head) -> list:
     """Every weight the step graphs bind repacked where the mode repacks: each layer's dense
     matrices and routed-expert slabs, and the output head (``kernels.expert.prepare``)."""
-    return [w for layer in layers for w in (*_dense_weights(layer), *_expert_slabs(layer)) if w is not None] + [head]
+    return [w for layer in layers for w in _packable(layer)] + [head]
+
+
+def _packable(layer) -> list:
+    """A layer's weights that the step graphs bind repacked where the mode repacks."""
+    return [*_dense_weights(layer), *_expert_slabs(layer)]
 
 
 def _expert_slabs(layer) -> tuple:

@@ -705,13 +705,12 @@ _repack_lock = threading.Lock()
 
 def repack_enabled() -> bool:
     """Whether weights are repacked in this process (dense ones and the routed experts' slabs):
-    fast mode, unless KVASIR_REPACK=0. llama.cpp's default on CPU, and its users' speed: on an
-    AVX-512 machine (Zen 4, 2 cores) our decode went from 271-315 to 316-372 tokens/s on the
-    small Q4_K model and from 90-123 to 112-146 on the 2-layer 122b-layer one
-    (``bench/engine.py``). On the earlier AVX2 machine it gained nothing, and cost nothing.
-    The repacked copy is made on a weight's first use (an expert slab: on its layer's first
-    use), and lives beside the mapped file, as llama.cpp's does. Fixed when the libraries load
-    (KVASIR_REPACK is read then), as the mode is."""
+    fast mode, unless KVASIR_REPACK=0. llama.cpp's default on CPU, and what its users' decode
+    speed comes from on an AVX-512 machine (``bench/engine.py`` measures ours with and without
+    it beside llama.cpp; on the earlier AVX2 machine dense repacking gained nothing). The
+    repacked copy lives in memory beside the mapped file, as llama.cpp's does; the engine and
+    the workers make it when they load (``kernels.expert.prepare``), else a weight's first use
+    does. Fixed when the libraries load (KVASIR_REPACK is read then), as the mode is."""
     return load().repack
 
 
