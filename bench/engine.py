@@ -7,7 +7,8 @@ Beside it, labelled, the *matched* reference: llama.cpp with flash attention off
 weight repacking exactly as ours (on unless ``KVASIR_REPACK=0``), the settings ``kvasir verify``
 compares against. Our engine runs in
 both kernel modes: ``fast`` (the default) and ``deterministic`` (batch-invariant); the cost of
-the latter is reported as its slowdown.
+the latter is reported as its slowdown. A fifth child runs ours fast without weight repacking
+(``KVASIR_REPACK=0``), labelled: what repacking gains (``repacking_gain``).
 
 Our engine's defaults follow llama.cpp's: a decode step's graphs run on half the cores, a
 prompt's on all of them (``kernels.ggml.decode_threads``); weights are repacked as llama.cpp's
@@ -144,6 +145,8 @@ def run_child(kind: str, path: Path, args) -> dict:
     kept = ("KVASIR_REPACK", "KVASIR_THREADS") if kind.startswith("ours") else \
         ("KVASIR_REPACK",) if kind == "llama-matched" else ()
     env = {k: v for k, v in os.environ.items() if k not in OUR_ENV or k in kept}
+    if kind == "ours-fast-unrepacked":
+        env["KVASIR_REPACK"] = "0"
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", kind, "--model", str(path),
            "--prompt-tokens", str(args.prompt_tokens), "--decode", str(args.decode), "--repeat", str(args.repeat)]
@@ -157,12 +160,12 @@ def ratio(a: float, b: float) -> float:
     return round(a / b, 3) if b else float("nan")
 
 
-KINDS = ("ours-fast", "ours-deterministic", "llama-users", "llama-matched")
+KINDS = ("ours-fast", "ours-deterministic", "ours-fast-unrepacked", "llama-users", "llama-matched")
 
 
 def bench_model(path: Path, label: str, args) -> dict:
-    """Every configuration ``--rounds`` times, the rounds interleaved (all four children, then
-    all four again): on this machine the speed of the same child drifts by half from one
+    """Every configuration ``--rounds`` times, the rounds interleaved (all five children, then
+    all five again): on this machine the speed of the same child drifts by half from one
     minute to the next, and interleaving lets each configuration meet the same drift. The best
     prefill and the best decode of each over its rounds count."""
     runs: dict[str, list[dict]] = {kind: [] for kind in KINDS}
@@ -171,10 +174,10 @@ def bench_model(path: Path, label: str, args) -> dict:
             runs[kind].append(run_child(kind, path, args))
     got = {kind: {"prefill_tok_s": max(r["prefill_tok_s"] for r in rs), "decode_tok_s": max(r["decode_tok_s"] for r in rs),
                   "settings": rs[0]["settings"]} for kind, rs in runs.items()}
-    fast, det, users, matched = (got[k] for k in KINDS)
+    fast, det, plain, users, matched = (got[k] for k in KINDS)
     return {
         "model": label, "file": path.name, "file_mb": round(path.stat().st_size / 2**20, 1),
-        "ours_fast": fast, "ours_deterministic": det,
+        "ours_fast": fast, "ours_deterministic": det, "ours_fast_without_repacking": plain,
         "llama_cpp_as_users_run_it": users, "llama_cpp_matched_settings": matched,
         "ratio_ours_fast_over_llama_cpp_users": {
             "prefill": ratio(fast["prefill_tok_s"], users["prefill_tok_s"]),
@@ -182,6 +185,9 @@ def bench_model(path: Path, label: str, args) -> dict:
         "ratio_ours_fast_over_llama_cpp_matched": {
             "prefill": ratio(fast["prefill_tok_s"], matched["prefill_tok_s"]),
             "decode": ratio(fast["decode_tok_s"], matched["decode_tok_s"])},
+        "repacking_gain": {  # fast/unrepacked - 1: what llama.cpp's weight repacking gives ours
+            "prefill": round(fast["prefill_tok_s"] / plain["prefill_tok_s"] - 1, 3),
+            "decode": round(fast["decode_tok_s"] / plain["decode_tok_s"] - 1, 3)},
         "deterministic_cost": {  # 1 - det/fast: the fraction of speed batch invariance costs
             "prefill": round(1 - det["prefill_tok_s"] / fast["prefill_tok_s"], 3),
             "decode": round(1 - det["decode_tok_s"] / fast["decode_tok_s"], 3)},
