@@ -493,7 +493,7 @@ class Engine:
         positions = np.arange(seq.n_past, end, dtype=np.int32)
         if R != T:  # one row as two
             positions, ids = np.repeat(positions, 2), np.repeat(ids, 2)
-        at = dict(n_past=seq.n_past, positions=positions, mask=dense.causal_mask(seq.n_past, T, n_kv, max(R, 2)))
+        at = dict(n_past=seq.n_past, positions=positions, mask=dense.causal_mask(seq.n_past, T, n_kv, R))
         x = ggml_get_rows(w.token_embd, ids)  # (R, D)
         n_out = T if keep is None else len(keep)  # the rows whose logits are wanted
         head_rows = np.arange(n_out, dtype=np.int32) if keep is None else np.zeros(n_out, dtype=np.int32)

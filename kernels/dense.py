@@ -25,11 +25,13 @@ extra masked cells add exact zeros in the same SIMD lanes, so n_kv only has to b
 for results to be independent of it; 256 keeps the shapes llama.cpp uses.
 
 Batch shape matters too: on x86 ``ggml_mul_mat`` uses llamafile's tinyBLAS when there are at
-least 2 query rows and ``vec_dot`` for one, and the two sum in different orders. A decode step
-(one token) is therefore computed with its query row duplicated (``min_rows=2``), which gives
-the row llama.cpp computes for that token when it evaluates the sequence in one batch (pass
-``min_rows=1`` for the row llama.cpp computes when it decodes that token alone). With 2 rows or
-more a row's result does not depend on the other rows, so long chunks run in pieces.
+least 2 query rows and ``vec_dot`` for one, and the two sum in different orders. In the
+deterministic mode a decode step (one token) is therefore computed with its query row
+duplicated (``min_rows=2``), which gives the row llama.cpp computes for that token when it
+evaluates the sequence in one batch, whatever else is batched; in the fast mode one row attends
+alone (``min_rows=1``), the row llama.cpp computes when it decodes that token alone, as its
+users' generation does (``kvasir verify`` compares it so). With 2 rows or more a row's result
+does not depend on the other rows, so long chunks run in pieces.
 
 The graphs are built with ``kernels/ggml.py``'s :class:`~kernels.ggml.Graph` and run through its
 per-thread graph cache and work buffer (``run_cached``): one binding for every ggml op here. As
@@ -122,7 +124,7 @@ def _check_cache(a, what: str) -> None:
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: int, n_kv: int | None = None,
-              *, scale: float | None = None, min_rows: int = 2, sinks: np.ndarray | None = None,
+              *, scale: float | None = None, min_rows: int | None = None, sinks: np.ndarray | None = None,
               window: int = 0) -> np.ndarray:
     """Causal GQA attention of one sequence chunk against its KV cache, as llama.cpp computes it.
 
@@ -132,7 +134,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
     The cache must already hold this chunk (cells up to ``q_pos0 + L - 1``) and be zero (at
     least finite) in the cells past it. ``n_kv``: the cells the graph sees (default
     :func:`n_kv_for`); ``scale`` defaults to ``1/sqrt(Dh)``; with fewer than ``min_rows`` queries
-    the last one is repeated (see the module docstring) and the extra rows dropped.
+    the last one is repeated (see the module docstring) and the extra rows dropped; the default
+    is the kernel mode's: 2 deterministic (batch-invariant), 1 fast (as llama.cpp decodes).
     gpt-oss: ``sinks`` (H,) float32, one more logit per head in every softmax row
     (``ggml_soft_max_add_sinks``), and ``window`` > 0, a sliding window (:func:`causal_mask`).
     Returns (L, H*Dh) float32.
@@ -166,6 +169,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
     if window < 0:
         raise ValueError(f"window must not be negative, got {window}")
 
+    if min_rows is None:
+        min_rows = 2 if ggml.deterministic() else 1
     # Long chunks in pieces (as llama.cpp's ubatches bound its KQ): each query row's result does
     # not depend on the other rows of its piece as long as there are at least 2.
     max_rows = max(2, int(min_rows), MAX_KQ_BYTES // (8 * n_kv * H))  # KQ and softmax, f32

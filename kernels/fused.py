@@ -23,7 +23,9 @@ as one graph (or a few), and split at the experts when they are remote.
 Every op is the one the single-op kernels of ``kernels/dense.py`` and ``kernels/ggml.py`` use,
 with the same shapes, so the results are those bits (the tests compare the two paths): rows
 are independent in every op here, and the caller passes a one-row step as two rows in
-deterministic mode, as :func:`kernels.ggml.matmul` does. A graph is built once per shape (rows,
+deterministic mode, as :func:`kernels.ggml.matmul` does; the attention runs the step's rows as
+they come (in the fast mode one query row alone: ggml's ``vec_dot``, as llama.cpp decodes a
+token; :func:`kernels.dense.attention`'s ``min_rows``). A graph is built once per shape (rows,
 weight types, which optional parts a layer has) and kept in the per-thread graph cache; a call
 only rebinds the data pointers, the layer's weights included, so all layers share one graph.
 """
@@ -299,7 +301,7 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     ``with_shared`` false: without the shared expert (a remote layer's: :func:`shared_expert`)."""
     ctx, eps, R, L = g.ctx, float(shape.eps), step.rows, step.n_new
     H, Hkv, Dh = shape.n_head, shape.n_head_kv, shape.head_dim
-    gqa, A = Hkv * Dh, max(R, 2)
+    gqa = Hkv * Dh
     an = g.input(T.F32, (x_ne0 := layer.attn_q.ne[0],))
     ws = [weight_input(g, w, rps.get(id(w))) for w in (layer.attn_q, layer.attn_k, layer.attn_v)]
     bs = [g.input(T.F32, (w.ne[1],)) if b is not None else None
@@ -326,8 +328,6 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     # store this step's L keys and values (f32 -> f16, rounded as numpy's astype rounds)
     g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_view_2d(ctx, k, gqa, L, 4 * gqa, 0)), kd)))
     g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_view_2d(ctx, v, gqa, L, 4 * gqa, 0)), vd)))
-    if A > R:  # one query row attends as two (kernels.dense.attention's min_rows)
-        q = g.scratch(lib.ggml_repeat_4d(ctx, q, Dh, H, A, 1))
     f16 = lambda n: 2 * n  # noqa: E731  bytes of n f16 values
     qp = g.view(lib.ggml_permute(ctx, q, 0, 2, 1, 3))
     kv = g.view(lib.ggml_view_4d(ctx, kc, Dh, Hkv, step.n_kv, 1, f16(Dh), f16(gqa), f16(gqa * step.kv_size), 0))
@@ -335,14 +335,12 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
                                  f16(step.kv_size * gqa), 0))
     kv = g.view(lib.ggml_permute(ctx, kv, 0, 2, 1, 3))
     vv = g.view(lib.ggml_permute(ctx, vv, 0, 2, 1, 3))
-    kq = g.scratch(lib.ggml_mul_mat(ctx, kv, qp))  # (n_kv, A, H)
+    kq = g.scratch(lib.ggml_mul_mat(ctx, kv, qp))  # (n_kv, R, H)
     lib.ggml_prec_set_acc(kq, 10)  # GGML_PREC_F32
     kq = g.scratch(lib.ggml_soft_max_ext(ctx, kq, mask, float(step.scale), 0.0))
-    kqv = g.scratch(lib.ggml_mul_mat(ctx, vv, kq))  # (Dh, A, H)
-    cur = g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, A)
-    attn = g.scratch(lib.ggml_cont_2d(ctx, cur, Dh * H, A))
-    if A > R:
-        attn = g.view(lib.ggml_view_2d(ctx, attn, Dh * H, R, 4 * Dh * H, 0))
+    kqv = g.scratch(lib.ggml_mul_mat(ctx, vv, kq))  # (Dh, R, H)
+    cur = g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, R)
+    attn = g.scratch(lib.ggml_cont_2d(ctx, cur, Dh * H, R))
     y = g.scratch(lib.ggml_mul_mat(ctx, wo, attn))
     if bo is not None:
         y = g.scratch(lib.ggml_add(ctx, y, bo))
@@ -505,12 +503,12 @@ def layers_per_graph(step: StepShape, layer, shape: AttentionShape, budget: int)
     """How many layers one step graph may hold with its intermediates (float32 scratch) under
     ``budget`` bytes: all of a decode step's layers on any model this engine serves, one or a
     few of a long chunk's."""
-    R, A, K = step.rows, max(step.rows, 2), step.n_expert_used
+    R, K = step.rows, step.n_expert_used
     D, F, E = layer.ffn_gate_exps.ne
     Fs = layer.ffn_gate_shexp.ne[1] if layer.ffn_gate_shexp is not None else 0
     H, Dh = shape.n_head, shape.head_dim
     per_row = 16 * D + 4 * E + 6 * H * Dh + 3 * K * F + (K + 2) * D + 3 * Fs
-    per_layer = 4 * (R * per_row + 3 * A * H * step.n_kv)
+    per_layer = 4 * (R * per_row + 3 * R * H * step.n_kv)
     return max(1, budget // per_layer)
 
 
@@ -575,7 +573,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                remote: bool = False, memo: dict | None = None) -> StepOut:
     """Layers ``blocks`` of a one-sequence step as one graph (see above), from rows ``x``
     (R, D) float32, or from ``prev``: a layer stopped at its experts and their outputs
-    (n, K, D), combined first. ``positions`` (R,) int32, ``mask`` (n_kv, max(R, 2)): each
+    (n, K, D), combined first. ``positions`` (R,) int32, ``mask`` (n_kv, R): each
     layer's K and V go into its cache at ``n_past``. ``keep`` (m,): the last block's rows that
     go on after its output projection (the model's last layer: the rows whose logits are
     wanted), of which the first ``n_kept`` are real (the rest: one row as two). ``remote``: the
@@ -619,7 +617,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     rps, rp_head, threads = plan.rps, plan.rp_head, plan.threads
     # ggml reads exactly these sizes from the pointers it is given: check them here
     want = {"x": (x, (R, D), np.float32), "positions": (positions, (R,), np.int32),
-            "mask": (mask, (max(R, 2), step.n_kv), np.float32)} if blocks else {}
+            "mask": (mask, (R, step.n_kv), np.float32)} if blocks else {}
     if prev is not None:
         r = prev[0]
         want.update({"prev.x": (r.x, (n_prev, D), np.float32), "prev.shared": (r.shared, (n_prev, D), np.float32),
@@ -648,7 +646,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                     xt = g.scratch(lib.ggml_repeat_4d(ctx, xt, D, R, 1, 1))  # one row as two again
             if blocks:
                 pt = g.input(T.I32, (R,))
-                mt = g.input(T.F32, (step.n_kv, max(R, 2)))
+                mt = g.input(T.F32, (step.n_kv, R))
                 kt = g.input(T.I32, (len(keep),)) if keep is not None else None
             for i, b in enumerate(blocks):
                 last = i == len(blocks) - 1

@@ -82,3 +82,50 @@ def test_fused_graphs_give_the_bits_of_the_op_by_op_path(models, arch, qtype):
     reference = run()
     for got, want in zip(fused, reference):
         assert np.array_equal(got, want)
+
+
+# The fast mode (the default outside this suite) against llama.cpp with the same kernel settings,
+# its tokens evaluated as our generation evaluated them: every architecture, each with the types
+# whose kernels differ most (repacked Q4_0/Q4_K, tiled F16/Q8_0, gpt-oss's MXFP4). Bit-identical:
+# a decode step's attention runs its one query row alone there (ggml's vec_dot, as llama.cpp
+# decodes a token); as two rows (tinyBLAS, the deterministic mode's batch invariance) it moved
+# the logits by up to 9e-2 (tiny qwen2moe Q4_K).
+FAST_MATRIX = [(arch, qtype) for arch in ("qwen3moe", "qwen2moe", "mixtral", "qwen35moe", "qwen3next")
+               for qtype in ("f16", "q8_0", "q4_0", "q4_k")] + [("gpt-oss", "mxfp4"), ("gpt-oss", "q4_k")]
+
+_FAST_VERIFY = """
+import contextlib, io, json, sys
+from kvasir_bus.cli import main
+for path in sys.argv[1:]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["verify", "--model", path, "--decode", "16", "--json"])
+    print(json.dumps({"path": path, "code": code, "report": json.loads(out.getvalue()) if code == 0 else None}))
+"""
+
+
+def test_fast_mode_is_bit_identical_to_llama_cpp_with_the_same_kernels_on_every_architecture(models):
+    """One child process in the fast mode (ggml fixes its mode when it loads) runs ``kvasir
+    verify`` on every model of the matrix: max |diff| 0 and the settings both sides ran."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    paths = [str(models(arch, qtype)) for arch, qtype in FAST_MATRIX]
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_REPACK")}
+    env["PYTHONPATH"] = str(root)
+    done = subprocess.run([sys.executable, "-c", _FAST_VERIFY, *paths], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [r["path"] for r in results] == paths
+    for (arch, qtype), r in zip(FAST_MATRIX, results):
+        assert r["code"] == 0, (arch, qtype, done.stderr[-2000:])
+        report = r["report"]
+        ours, theirs = report["settings"]["ours"], report["settings"]["llama_cpp"]
+        assert ours["mode"] == "fast" and not ours["one_row_as_two"]
+        assert theirs["eval"] == "prompt, then one token at a time" and theirs["repack"] == ours["repack"]
+        assert (arch, qtype, report["max_abs_diff"], report["argmax_agreement"]) == (arch, qtype, 0.0, 1.0)
