@@ -17,12 +17,15 @@ Sharded runs with bundles (one message per worker per layer step, the default) a
 swarm in the same rounds. All must produce the same tokens; the JSON says whether they did.
 
     python bench/dispatch.py [--workers 2] [--decode 32] [--rounds-ratio 3] [--experts-122b 16] [--bundles both]
-    python bench/dispatch.py --overhead [--overhead-decode 200] [--rounds 10] [--bundles both]
+    python bench/dispatch.py --overhead [--overhead-decode 200] [--rounds 10] [--bundles both] [--overhead-top-k 2 8]
 
 ``--overhead`` measures only what a remote call costs besides its kernel: a ``tiny`` model
 (hidden 64, 2 layers, top-2, expert FFN 32: a trivial expert, microseconds of compute) decoded
 monolithically and with one worker process holding every expert, ``rounds`` sequences of
-``overhead-decode`` tokens (800 remote calls a round: /proc counts CPU in 10 ms ticks).
+``overhead-decode`` tokens (800 remote calls a round: /proc counts CPU in 10 ms ticks); then
+the same with the routing of the 122B (``--overhead-top-k``, default ``2 8``: top-8 of 32
+trivial experts), whose layer step sends its 8 calls in one bundle: what a call costs depends
+on how many share a message, and top-2 is the least that do.
 Backbone CPU per remote call = (process CPU of the sharded decode - that of the monolithic one)
 / remote calls; worker CPU per call = the worker process's CPU (from /proc) / requests, and the
 trivial kernel's own time (the least of many timings, in this process) beside it; the kernel
@@ -457,6 +460,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10, help="--overhead: sequences of --overhead-decode tokens each")
     ap.add_argument("--overhead", action="store_true",
                     help="only the per-call overhead, with a trivial expert (tiny model, one worker)")
+    ap.add_argument("--overhead-top-k", type=int, nargs="+", default=[2, 8], metavar="K",
+                    help="--overhead: the experts each token selects per layer, one measurement each "
+                    "(default 2 8: the tiny preset's routing, and the 122B's, whose layer step bundles 8 calls)")
     ap.add_argument("--bundles", choices=("on", "off", "both"), default="both",
                     help="sharded with bundles (one message per worker per layer step), without (one per "
                     "expert), or both in the same run (default both)")
@@ -471,13 +477,22 @@ def main() -> None:
     models = Path(args.models)
     models.mkdir(parents=True, exist_ok=True)
     if args.overhead:
-        tiny = models / "tiny-qwen3moe-f32.gguf"
-        if not tiny.exists():
-            synth_model(tiny, arch="qwen3moe", preset="tiny", qtype="f32", seed=0)
+        results = {}
+        for k in args.overhead_top_k:
+            if not 1 <= k <= 64:
+                raise SystemExit(f"--overhead-top-k: {k} is not in 1..64")
+            # top-2 is the tiny preset itself; a wider routing keeps its trivial experts, four
+            # times as many as it selects (the 122B selects 8 of 256)
+            name = "tiny-qwen3moe-f32.gguf" if k == 2 else f"tiny-qwen3moe-f32-top{k}.gguf"
+            tiny = models / name
+            if not tiny.exists():
+                extra = {} if k == 2 else {"experts": 4 * k, "experts_used": k}
+                synth_model(tiny, arch="qwen3moe", preset="tiny", qtype="f32", seed=0, **extra)
+            results[f"top-{k}"] = bench_overhead(tiny, args.overhead_decode, args.prompt_tokens, args.rounds,
+                                                 args.bundles)
         print(json.dumps({"bench": "dispatch-overhead", "transport": "loopback NATS (embedded nats-server)",
                           "kernel_mode": os.environ.get("KVASIR_KERNEL_MODE", "fast"),
-                          "result": bench_overhead(tiny, args.overhead_decode, args.prompt_tokens,
-                                                   args.rounds, args.bundles)}, indent=2))
+                          "results": results}, indent=2))
         return
     small = models / "small-qwen3moe-q4_k.gguf"
     if not small.exists():
