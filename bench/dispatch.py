@@ -1,8 +1,9 @@
 """Decode tokens/s monolithic vs sharded over loopback NATS with every expert remote.
 
-For the `small` model and a `122b-layer` model (the real per-expert shapes of the 122B MoE:
-hidden 3072, expert FFN 1024, Q4_K; fewer experts per layer by default so that the file builds
-in seconds), in one run: decode tokens/s of the same engine with all experts local and with all
+For the `small` model, a `122b-layer` model (the real per-expert shapes of the 122B MoE:
+hidden 3072, expert FFN 1024, Q4_K; one layer of fewer experts by default so that the file
+builds in seconds) and issue 10's configuration of those shapes (2 layers of 32 experts, top-8,
+on ``--issue-model-workers`` = 4 worker processes), in one run: decode tokens/s of the same engine with all experts local and with all
 experts computed by worker processes on an embedded nats-server, their ratio, the dispatch
 round trips per token (requests, and the serial waits: one per MoE layer), the messages the
 backbone sends per token, the bytes on the wire per token per layer, and the CPU milliseconds per
@@ -99,11 +100,14 @@ def _messages(d: dict) -> int:
 
 
 def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: int = 3,
-                bundles: str = "both") -> dict:
+                bundles: str = "both", audit_rate: float | None = None) -> dict:
     """Monolithic and sharded decode of the same prompt, alternated ``rounds`` times on one
     warm swarm (the engine is handed its local experts and the remote ones in turn), so both
     see the same load on a shared machine; the best round of each counts, the median beside.
-    ``bundles``: "on", "off", or "both" (sharded with bundles, then without, each round)."""
+    ``bundles``: "on", "off", or "both" (sharded with bundles, then without, each round).
+    ``audit_rate``: the backbone's audit rate (None: its default, as users run it)."""
+    from backbone.audit import AuditConfig
+
     modes = {"on": (True,), "off": (False,), "both": (True, False)}[bundles]
     engine = Engine(path)
     cfg = engine.cfg
@@ -122,8 +126,10 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
                 procs.append(spawn_worker(server.url, f"bench-{i}", ["--model", str(path), "--layer", "all",
                                                                     "--experts", f"{lo}-{hi}"], log_file=log))
             asyncio.run(wait_for_nodes(server.url, fp, {p.node for p in procs}, procs=procs, timeout=600))
-            role = BackboneConfig(model_path=str(path), nats_url=server.url, dispatch=DispatchConfig(timeout_s=5.0),
-                                  market=False, serve_manifest=False)
+            audits = AuditConfig() if audit_rate is None else AuditConfig(rate=audit_rate)
+            role = BackboneConfig(model_path=str(path), nats_url=server.url,
+                                  dispatch=DispatchConfig(timeout_s=5.0, audit=audits), market=False,
+                                  serve_manifest=False)
             with BackboneService(engine, role) as backbone:
                 remote = backbone.dispatch
                 wait_for_bundle_nodes(remote, len(procs) if True in modes else 0)
@@ -455,6 +461,12 @@ def main() -> None:
     ap.add_argument("--experts-122b", type=int, default=16,
                     help="experts per layer of the 122b-layer model (the real model has 256)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
+    ap.add_argument("--audit-rate", type=float, default=None, metavar="R",
+                    help="the backbone's audit rate for the decode runs (default: the backbone's own "
+                    "default, as users run it; 0 measures the bus without the audits' recomputes)")
+    ap.add_argument("--issue-model-workers", type=int, default=4, metavar="N",
+                    help="also the 2-layer 122b-layer model (top-8 of 32 experts per layer, issue 10's "
+                    "configuration) on N worker processes (default 4; 0 leaves it out)")
     ap.add_argument("--rounds-ratio", type=int, default=3,
                     help="monolithic and sharded decodes, alternated this many times per model")
     ap.add_argument("--rounds", type=int, default=10, help="--overhead: sequences of --overhead-decode tokens each")
@@ -468,6 +480,10 @@ def main() -> None:
                     "expert), or both in the same run (default both)")
     ap.add_argument("--echo", metavar="URL", help=argparse.SUPPRESS)  # the floor's responder process
     args = ap.parse_args()
+    if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
+        ap.error(f"--audit-rate must be between 0 and 1, got {args.audit_rate}")
+    if args.issue_model_workers < 0:
+        ap.error(f"--issue-model-workers must be >= 0, got {args.issue_model_workers}")
     if args.echo:
         asyncio.run(_echo(args.echo, 8))
         return
@@ -500,10 +516,19 @@ def main() -> None:
     big = models / f"122b-layer-qwen2moe-q4_k-{args.experts_122b}x.gguf"
     if not big.exists():
         synth_model(big, arch="qwen2moe", preset="122b-layer", qtype="q4_k", seed=0, experts=args.experts_122b)
-    out = {"bench": "dispatch", "transport": "loopback NATS (embedded nats-server)", "results": [
-        bench_model(small, args.workers, args.decode, args.prompt_tokens, args.rounds_ratio, args.bundles),
-        bench_model(big, args.workers, args.decode, args.prompt_tokens, args.rounds_ratio, args.bundles),
-    ]}
+    results = [
+        bench_model(small, args.workers, args.decode, args.prompt_tokens, args.rounds_ratio, args.bundles, args.audit_rate),
+        bench_model(big, args.workers, args.decode, args.prompt_tokens, args.rounds_ratio, args.bundles, args.audit_rate),
+    ]
+    if args.issue_model_workers:
+        # issue 10's own configuration: the 122B's expert shapes, top-8 of 32 experts in each of
+        # 2 layers (the file bench/engine.py compares with llama.cpp), on 4 worker processes
+        two = models / "122b-layer-qwen3moe-q4_k-2x32.gguf"
+        if not two.exists():
+            synth_model(two, arch="qwen3moe", preset="122b-layer", qtype="q4_k", seed=0, layers=2, experts=32)
+        results.append(bench_model(two, args.issue_model_workers, args.decode, args.prompt_tokens,
+                                   args.rounds_ratio, args.bundles, args.audit_rate))
+    out = {"bench": "dispatch", "transport": "loopback NATS (embedded nats-server)", "results": results}
     print(json.dumps(out, indent=2))
 
 
