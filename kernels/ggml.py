@@ -170,6 +170,8 @@ class Lib:
         fn(base, "ggml_init", c_ctx, InitParams)
         fn(base, "ggml_free", None, c_ctx)
         fn(base, "ggml_tensor_overhead", sz)
+        fn(base, "ggml_graph_n_nodes", ctypes.c_int, ctypes.c_void_p)
+        fn(base, "ggml_graph_node", _PT, ctypes.c_void_p, ctypes.c_int)
         fn(base, "ggml_graph_overhead_custom", sz, sz, ctypes.c_bool)
         fn(base, "ggml_blck_size", i64, ctypes.c_int)
         fn(base, "ggml_type_size", sz, ctypes.c_int)
@@ -424,8 +426,12 @@ class Graph:
     - inputs (:meth:`input`, and the :meth:`output`): leaves whose data pointers are bound per
       :meth:`run`, in declaration order (weights, activations, caches, the result);
     - views (:meth:`view`: ``ggml_view_*``, ``ggml_permute``): follow their root at its offset;
-    - fixed buffers (:meth:`constant`, :meth:`scratch`): numpy arrays kept referenced here until
-      the context is freed, so ggml never sees a dangling pointer.
+    - fixed buffers (:meth:`constant`): numpy arrays kept referenced here until the context is
+      freed, so ggml never sees a dangling pointer;
+    - scratch (:meth:`scratch`, an op's intermediate result): a place in the graph's scratch
+      memory, given by :meth:`place` (the graph cache's per-thread arena, which every graph it
+      holds shares, as llama.cpp's compute buffer: intermediates live for one run only) or,
+      for a graph run outside the cache, memory of its own at its first :meth:`run`.
 
     A graph is used by one thread at a time (``run`` rewrites its data pointers); the caller
     keeps the arrays it passes alive for the call, the graph never reads them afterwards.
@@ -446,6 +452,8 @@ class Graph:
         self.views: list[tuple[Tensor, int, int]] = []  # (view, index of its root input, offset)
         self._index: dict[int, int] = {}  # tensor address -> index in inputs
         self._fixed: set[int] = set()  # addresses of tensors with a buffer of their own
+        self._scratch: dict[int, tuple] = {}  # scratch tensor address -> (its struct, offset)
+        self.placed = False  # whether the scratch tensors (and views of them) have their memory
 
     def _new(self, ggml_type: int, ne: tuple[int, ...]):
         lib = self.lib
@@ -474,7 +482,9 @@ class Graph:
             raise MemoryError("ggml view failed")
         c = t.contents
         root, offs = c.view_src, int(c.view_offs)
-        if root in self._fixed:
+        if root in self._scratch:
+            pass  # placed with its root (:meth:`place`)
+        elif root in self._fixed:
             c.data = ctypes.cast(root, _PT).contents.data + offs
         elif root in self._index:
             self.views.append((c, self._index[root], offs))
@@ -483,14 +493,38 @@ class Graph:
         return t
 
     def scratch(self, t):
-        """Give op result ``t`` a float32 buffer of its own, kept with the graph."""
+        """Give op result ``t`` a place of its own in the graph's scratch memory (64-byte
+        aligned; the memory itself comes with :meth:`place`)."""
         if not t:
             raise MemoryError("ggml op failed")
-        n = self.lib.ggml_nbytes(t)
-        buf = np.empty(max(1, (n + 3) // 4), dtype=np.float32)
-        self.scratch_bytes += buf.nbytes
-        self._fix(t, buf)
+        n = max(1, int(self.lib.ggml_nbytes(t)))
+        c = t.contents
+        self._scratch[ctypes.addressof(c)] = (c, self.scratch_bytes)
+        self.scratch_bytes += (n + SCRATCH_ALIGN - 1) // SCRATCH_ALIGN * SCRATCH_ALIGN
         return t
+
+    def place(self, memory: np.ndarray | None = None) -> None:
+        """Point every scratch tensor, and every view of one, into ``memory`` (64-byte aligned,
+        at least :attr:`scratch_bytes`; kept referenced here), or into memory of the graph's own.
+        Intermediates are written before they are read in every run, so graphs that never run at
+        the same time may share the memory."""
+        if memory is None:
+            memory = aligned_empty(self.scratch_bytes)
+        if memory.nbytes < self.scratch_bytes or memory.ctypes.data % SCRATCH_ALIGN:
+            raise ValueError(f"scratch memory of {memory.nbytes} bytes for a graph of {self.scratch_bytes}")
+        self.keep.append(memory)
+        base = memory.ctypes.data
+        for c, offset in self._scratch.values():
+            c.data = base + offset
+        # A view's data is its root's plus its offset, read by ggml when the view is made (ggml
+        # makes every view of a view a view of the base tensor): now that the roots have theirs.
+        lib, graph, scratch = self.lib, self.graph, self._scratch
+        for i in range(lib.ggml_graph_n_nodes(graph)):
+            c = lib.ggml_graph_node(graph, i).contents
+            if c.view_src in scratch:
+                c.data = scratch[c.view_src][0].data + c.view_offs
+        self._fixed.update(scratch)
+        self.placed = True
 
     def _fix(self, t, data: np.ndarray) -> None:
         self.keep.append(data)
@@ -532,6 +566,8 @@ class Graph:
         already (a weight's ``QTensor.ptr``, a repacked buffer), the rest are numpy arrays."""
         if len(arrays) != self.n_inputs:
             raise ValueError(f"graph takes {self.n_inputs} arrays, got {len(arrays)}")
+        if not self.placed:  # a graph outside the cache: scratch memory of its own
+            self.place()
         if _FAST_ADDRESS:  # address() inlined: this runs for every array of every graph call
             ptrs = [a if a.__class__ is int else
                     _read_address(id(a) + _DATA_FIELD).value if a.__class__ is _ndarray else _address_other(a)
@@ -567,15 +603,35 @@ class GraphCache:
 
     Building a context and graph costs ~25 ctypes calls (tens of microseconds, as much as a
     1-row Q4_K expert's compute on a fast CPU); a hit only rebinds the inputs and outputs.
-    Graphs whose intermediates exceed a quarter of the byte budget are never cached.
+    The graphs share one scratch arena (:meth:`arena`), as llama.cpp's graphs share its compute
+    buffer: the memory is that of the largest graph, touched once, not a fresh allocation per
+    graph (a 64-token prompt's layer of the 122B shapes holds 37 MB of intermediates: built
+    per prompt with fresh memory, its page faults cost ~5% of the prompt). A graph with more
+    scratch than :data:`MAX_ARENA_BYTES` gets memory of its own and is not kept.
     """
 
     MAX_ENTRIES = 64
-    MAX_SCRATCH_BYTES = 64 << 20
+    MAX_ARENA_BYTES = 512 << 20
 
     def __init__(self):
         self.entries: OrderedDict[tuple, Graph] = OrderedDict()
-        self.bytes = 0
+        self._arena: np.ndarray | None = None
+
+    @property
+    def bytes(self) -> int:
+        """The arena's size: what the kept graphs' intermediates take (older, smaller arenas
+        live on only in graphs placed before it grew)."""
+        return 0 if self._arena is None else self._arena.nbytes
+
+    def arena(self, nbytes: int) -> np.ndarray | None:
+        """The shared scratch memory for a graph of ``nbytes`` (grown when too small; the graphs
+        placed in the old one keep it), or None past :data:`MAX_ARENA_BYTES`."""
+        if nbytes > self.MAX_ARENA_BYTES:
+            return None
+        if self._arena is None or self._arena.nbytes < nbytes:
+            grown = max(nbytes, min(2 * self.bytes, self.MAX_ARENA_BYTES))
+            self._arena = aligned_empty(grown)
+        return self._arena
 
     def get(self, key: tuple) -> Graph | None:
         graph = self.entries.get(key)
@@ -584,13 +640,15 @@ class GraphCache:
         return graph
 
     def put(self, key: tuple, graph: Graph) -> bool:
-        if graph.scratch_bytes > self.MAX_SCRATCH_BYTES // 4:
+        """Place ``graph`` in the arena and keep it (True), or give it memory of its own for
+        the one run it is built for (False: the caller frees it)."""
+        memory = self.arena(graph.scratch_bytes)
+        graph.place(memory)
+        if memory is None:
             return False
         self.entries[key] = graph
-        self.bytes += graph.scratch_bytes
-        while len(self.entries) > self.MAX_ENTRIES or self.bytes > self.MAX_SCRATCH_BYTES:
+        while len(self.entries) > self.MAX_ENTRIES:
             _, old = self.entries.popitem(last=False)
-            self.bytes -= old.scratch_bytes
             old.free()
         return True
 
@@ -604,6 +662,16 @@ def graph_cache() -> GraphCache:
     if cache is None:
         cache = _tls.graphs = GraphCache()
     return cache
+
+
+SCRATCH_ALIGN = 64  # bytes: every scratch tensor and arena starts on a cache line
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """An uninitialised uint8 array of ``nbytes`` (at least 1) starting on a 64-byte boundary."""
+    raw = np.empty(max(1, nbytes) + SCRATCH_ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % SCRATCH_ALIGN
+    return raw[start:start + max(1, nbytes)]
 
 
 def work_buffer(size: int) -> np.ndarray:
@@ -1211,6 +1279,7 @@ class MoeStep:
         self.out = np.zeros((1, k, n_embd), np.float32)
         graph = _build_moe(plan, gate, up, down, 1, k, threads_for(plan.work * k, 1))
         try:
+            graph.place()  # scratch memory of its own: it runs outside the cache, on its owner's thread
             for c, p in zip(graph.inputs, (address(self.x), address(self.ids), *plan.weights, address(self.out))):
                 c.data = p
             for c, i, offs in graph.views:

@@ -368,4 +368,4 @@ def test_ggml_graph_cache_is_bounded(ggml):
     for n in range(1, cache.MAX_ENTRIES + 10):
         ggml.matmul(w, _weights(n, 256, seed=n))
     assert len(cache.entries) <= cache.MAX_ENTRIES
-    assert cache.bytes <= cache.MAX_SCRATCH_BYTES
+    assert cache.bytes <= cache.MAX_ARENA_BYTES
