@@ -606,7 +606,8 @@ class GraphCache:
     The graphs share one scratch arena (:meth:`arena`), as llama.cpp's graphs share its compute
     buffer: the memory is that of the largest graph, touched once, not a fresh allocation per
     graph (a 64-token prompt's layer of the 122B shapes holds 37 MB of intermediates: built
-    per prompt with fresh memory, its page faults cost ~5% of the prompt). A graph with more
+    per prompt with fresh memory, as before the arena, its prefill was ~6% slower in paired
+    runs). A graph with more
     scratch than :data:`MAX_ARENA_BYTES` gets memory of its own and is not kept.
     """
 
