@@ -33,7 +33,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import importlib.util
+import mmap
 import os
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -832,7 +834,47 @@ def repack_weight(w: QTensor) -> Repacked | None:
         lib.ggml_backend_tensor_set(t, w.data.ctypes.data, 0, w.data.nbytes)  # repacks
     finally:
         lib.ggml_log_set(old_cb, old_data)
+    release_mapped_pages(w.data)
     return Repacked(lib, w, ctx, t, buffer)
+
+
+_MADV_DONTNEED = 4  # Linux
+
+
+def _read_only_file_mapping(a: np.ndarray) -> bool:
+    """Whether ``a``'s bytes lie in a read-only mapping of a file (a GGUF opened as
+    ``np.memmap(mode="r")``): their pages can be dropped and read again from the file."""
+    while a is not None:
+        if isinstance(a, np.memmap):
+            return a.mode == "r" and getattr(a, "_mmap", None) is not None
+        a = a.base if isinstance(a.base, np.ndarray) else None
+    return False
+
+
+def release_mapped_pages(a: np.ndarray) -> int:
+    """Drop the whole pages of ``a`` from this process's memory when they map a file read-only
+    (``madvise(MADV_DONTNEED)``: the next read, if any, brings them back from the file or the
+    page cache, with the same bytes). A repacked weight is read from its copy from then on, so
+    its mapped bytes would only double the memory a worker holds for its budget. Anything else
+    (arrays in memory, other systems) is left alone. Returns the bytes released."""
+    if not sys.platform.startswith("linux") or not _read_only_file_mapping(a):
+        return 0
+    page = mmap.PAGESIZE
+    lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
+    start, end = -(-lo // page) * page, hi // page * page  # the pages wholly inside
+    if end <= start:
+        return 0
+    if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) != 0:
+        return 0
+    return end - start
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.restype = ctypes.c_int
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)

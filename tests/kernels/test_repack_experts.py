@@ -101,3 +101,48 @@ def test_without_repacking_nothing_is_repacked(models, tmp_path):
     got = _probe(str(models("qwen2moe", "q4_k")), tmp_path / "piece.gguf", "0")
     assert got["repack"] is False and got["slabs_repacked"] == [False, False, False]
     assert not got["label"].endswith("-repack")
+
+
+def _mapped_rss(path) -> int:
+    """Bytes of ``path``'s mappings resident in this process (/proc/self/smaps)."""
+    real, total, inside = os.path.realpath(path), 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+                inside = len(fields) >= 6 and fields[5] == real
+            elif inside and fields[0] == "Rss:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps and madvise are Linux's")
+def test_a_repacked_mapped_weight_lets_go_of_its_mapped_pages(tmp_path):
+    """Once a weight is repacked its kernels read the copy; its pages of the mapped GGUF are
+    dropped from the process (the worker's memory is its budget, not twice it), and read back
+    with the same bytes if anything still reads them. Arrays in memory are left alone."""
+    import mmap
+
+    import numpy as np
+
+    from kernels import ggml
+    from kernels.tensors import QTensor, open_gguf, tensor_from_reader
+    from synth.model import synth_model
+
+    if not ggml.available():
+        pytest.skip("ggml not available")
+    path = synth_model(tmp_path / "tiny-q4k.gguf", arch="qwen3moe", preset="tiny", qtype="q4_k", seed=2)
+    w = tensor_from_reader(open_gguf(path), "blk.0.ffn_up_exps.weight")
+    original = np.array(w.data)  # reads every page: resident now
+    held = _mapped_rss(path)
+    rp = ggml.repack_weight(w)
+    if rp is None:
+        pytest.skip("no repacked Q4_K kernel on this CPU")
+    page = mmap.PAGESIZE
+    inner = (w.ptr + w.nbytes) // page * page - -(-w.ptr // page) * page
+    assert inner >= 16 * page
+    assert held - _mapped_rss(path) >= inner - page  # the weight's whole pages are gone
+    assert np.array_equal(w.data, original)  # and come back from the file unchanged
+    copy = QTensor("in memory", w.ggml_type, w.ne, original.copy())
+    assert ggml.release_mapped_pages(copy.data) == 0
+    assert ggml.repack_weight(copy) is not None and np.array_equal(copy.data, original)
