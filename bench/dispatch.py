@@ -482,6 +482,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
         ap.error(f"--audit-rate must be between 0 and 1, got {args.audit_rate}")
+    if not all(1 <= k <= 64 for k in args.overhead_top_k):
+        ap.error(f"--overhead-top-k: each K must be in 1..64, got {args.overhead_top_k}")
     if args.issue_model_workers < 0:
         ap.error(f"--issue-model-workers must be >= 0, got {args.issue_model_workers}")
     if args.echo:
@@ -495,8 +497,6 @@ def main() -> None:
     if args.overhead:
         results = {}
         for k in args.overhead_top_k:
-            if not 1 <= k <= 64:
-                raise SystemExit(f"--overhead-top-k: {k} is not in 1..64")
             # top-2 is the tiny preset itself; a wider routing keeps its trivial experts, four
             # times as many as it selects (the 122B selects 8 of 256)
             name = "tiny-qwen3moe-f32.gguf" if k == 2 else f"tiny-qwen3moe-f32-top{k}.gguf"

@@ -681,9 +681,7 @@ def work_buffer(size: int) -> np.ndarray:
     """A per-thread scratch buffer of at least ``size`` bytes, 64-byte aligned, reused across calls."""
     buf = getattr(_tls, "work", None)
     if buf is None or buf.nbytes < size:
-        raw = np.empty(size + 64, dtype=np.uint8)
-        start = (-raw.ctypes.data) % 64
-        buf = raw[start:start + size]
+        buf = aligned_empty(size)
         _tls.work, _tls.work_size, _tls.work_ptr = buf, size, buf.ctypes.data
     return buf
 
@@ -1328,9 +1326,7 @@ class MoeStep:
             for c, i, offs in graph.views:
                 c.data = address((self.x, self.ids, *plan.weights, self.out)[i]) + offs
             if graph.work_size:  # 64-byte aligned, as work_buffer's
-                raw = np.zeros(graph.work_size + 64, dtype=np.uint8)
-                start = (-raw.ctypes.data) % 64
-                self._work = raw[start:start + graph.work_size]
+                self._work = aligned_empty(graph.work_size)
                 graph.plan.work_data = self._work.ctypes.data
             else:
                 self._work = None
