@@ -22,7 +22,7 @@ compare like with like on this (noisy) machine: ``--rounds`` child processes per
 interleaved with the other configurations' (default 2), ``--repeat`` runs in each; the best run
 is reported.
 Models: ``small`` f16 and q4_k (qwen3moe) and a 2-layer ``122b-layer`` q4_k (the 122B's expert
-shapes, ``--experts-122b`` experts per layer). Prints JSON on stdout.
+shapes, ``--experts-122b`` experts per layer). Prints JSON on stdout, with each child's resident memory after its runs (``rss_mb``).
 
 What the users' reference gains, setting by setting (prefill of 64 tokens, llama.cpp alone in
 a child, one setting changed from its defaults; issue 10, measured on this 2-core machine):
@@ -135,7 +135,18 @@ def child(kind: str, path: str, n_prompt: int, n_decode: int, repeat: int) -> di
             runs.append((n_prompt / (t1 - t0), n_decode / (t2 - t1)))
     settings["GOMP_SPINCOUNT"] = os.environ.get("GOMP_SPINCOUNT", "unset: libgomp's default")
     return {"prefill_tok_s": round(max(r[0] for r in runs), 1), "decode_tok_s": round(max(r[1] for r in runs), 2),
-            "settings": settings}
+            "rss_mb": _rss_mb(), "settings": settings}
+
+
+def _rss_mb() -> float | None:
+    """This process's resident memory after its runs (Linux /proc; None elsewhere): the weights,
+    their repacked copy, caches and scratch, as each engine holds them."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    return round(kb / 1024, 1)
 
 
 def run_child(kind: str, path: Path, args) -> dict:
@@ -173,7 +184,7 @@ def bench_model(path: Path, label: str, args) -> dict:
         for kind in KINDS:
             runs[kind].append(run_child(kind, path, args))
     got = {kind: {"prefill_tok_s": max(r["prefill_tok_s"] for r in rs), "decode_tok_s": max(r["decode_tok_s"] for r in rs),
-                  "settings": rs[0]["settings"]} for kind, rs in runs.items()}
+                  "rss_mb": rs[-1]["rss_mb"], "settings": rs[0]["settings"]} for kind, rs in runs.items()}
     fast, det, plain, users, matched = (got[k] for k in KINDS)
     return {
         "model": label, "file": path.name, "file_mb": round(path.stat().st_size / 2**20, 1),

@@ -154,13 +154,17 @@ def test_volunteers_cover_the_model_heal_holes_and_get_paid(nats_server, model, 
                     return got.keys() == want.keys() and all(abs(got[k] - want[k]) < 1e-6 for k in want)
                 wait_until(counted, what="the market to count every routing statistic")
 
-            def holes_with_max_demand():
+            def holes_with_max_demand(assigned):
                 """The holes of the top demand. Routed rows are integers, so two ranges often tie;
                 their usage is decayed by a factor of the clock, applied per expert, so a tie
                 comes out a rounding apart, either way, from one moment to the next (a full-suite
-                run saw the market pick the other of two tied ranges): equal within 1e-9."""
+                run saw the market pick the other of two tied ranges): equal within 1e-9.
+                ``assigned``: the ranges given to earlier volunteers. The demand map counts a
+                node's holdings once it has answered for them, the market's choice counts an
+                assignment at once (the next volunteer sees it as a pending replica): a range
+                whose volunteer no call has reached yet is a hole in the map, not a choice."""
                 demand = market.call(market.market.demand_map, fp)
-                holes = [e for e in demand.entries if e.replicas == 0]
+                holes = [e for e in demand.entries if e.replicas == 0 and (e.layer, e.lo, e.hi) not in assigned]
                 top = max(e.demand for e in holes)
                 return {(e.layer, e.lo, e.hi) for e in holes if e.demand >= top * (1 - 1e-9)}
 
@@ -169,7 +173,7 @@ def test_volunteers_cover_the_model_heal_holes_and_get_paid(nats_server, model, 
             for i in range(6):
                 assert np.array_equal(run_generation(engine, prompt), mono_logits)
                 settle_demand()  # this generation's routing statistics have reached the market
-                expected = holes_with_max_demand()
+                expected = holes_with_max_demand(set(taken.values()))
                 node = f"v{i}"
                 proc, holdings = volunteer(node)
                 assert len(holdings) == 1
