@@ -4,7 +4,10 @@ MSG and nothing else: no asyncio, no tasks, no flusher, no reconnects, no TLS, n
 
 It answers one question for issue 10's remote-call goal: how much of the per-call CPU that
 nats.py costs is the client, and how much is the socket and the loopback TCP stack, which any
-client pays (on loopback the sender's ``send`` also runs the receiver's TCP processing).
+client pays (on loopback the sender's ``send`` also runs the receiver's TCP processing). Beside
+them, what nats-server spends per message it routes and the wall time of a step: with
+``--per-step 1``, one round trip through the server with clients that do nothing else, the
+floor under every serial wait of a sharded decode (one per MoE layer) on this machine.
 
     python bench/raw_floor.py [--steps 4000] [--per-step 2] [--size 300]
 """
@@ -102,7 +105,9 @@ def _proc_cpu_s(pid: int) -> float:
 
 def bench_raw_floor(steps: int = 4000, per_step: int = 2, size: int = 300, warm: int = 200) -> dict:
     """Requester here, echo responder in another process, on an embedded nats-server: per step
-    ``per_step`` requests in one write, then their replies. CPU per call on each side."""
+    ``per_step`` requests in one write, then their replies. CPU per call on each side, the
+    server's CPU per message routed (its Go thread, /proc), and the wall time of a step (a
+    round trip when ``per_step`` is 1)."""
     with EmbeddedNats(procs=SHARED_MACHINE_PROCS) as server:
         port = int(server.url.rsplit(":", 1)[1])
         echo = subprocess.Popen([sys.executable, __file__, "--echo", str(port)], stdout=subprocess.PIPE)
@@ -114,7 +119,7 @@ def bench_raw_floor(steps: int = 4000, per_step: int = 2, size: int = 300, warm:
             nc.ping()
             payload = bytes(size)
             for n in (warm, steps):  # warm, then measure
-                c0, t0, w0 = time.process_time(), time.perf_counter(), _proc_cpu_s(echo.pid)
+                c0, t0, w0, s0 = time.process_time(), time.perf_counter(), _proc_cpu_s(echo.pid), _proc_cpu_s(server.pid)
                 for step in range(n):
                     nc.pubs([(b"floor.%d" % ((step + k) % SUBJECTS), b"_INBOX.floor.%d_%d" % (step, k), payload)
                              for k in range(per_step)])
@@ -123,13 +128,17 @@ def bench_raw_floor(steps: int = 4000, per_step: int = 2, size: int = 300, warm:
                         if len(data) != size:
                             raise RuntimeError(f"echo returned {len(data)} bytes, sent {size}")
                 cpu, wall, w_cpu = time.process_time() - c0, time.perf_counter() - t0, _proc_cpu_s(echo.pid) - w0
+                s_cpu = _proc_cpu_s(server.pid) - s0
         finally:
             echo.kill()
             echo.wait()
     calls = steps * per_step
     return {"client": "blocking sockets, raw NATS protocol", "calls": calls, "per_step": per_step,
             "payload_bytes": size, "requester_cpu_us_per_call": round(1e6 * cpu / calls, 1),
-            "responder_cpu_us_per_call": round(1e6 * w_cpu / calls, 1), "calls_per_s": round(calls / wall)}
+            "responder_cpu_us_per_call": round(1e6 * w_cpu / calls, 1),
+            # the server routes two messages a call (the request and its reply)
+            "server_cpu_us_per_message": round(1e6 * s_cpu / (2 * calls), 1),
+            "calls_per_s": round(calls / wall), "wall_us_per_step": round(1e6 * wall / steps, 1)}
 
 
 def main() -> None:

@@ -1,7 +1,9 @@
 """Where a sharded decode token's time goes: a timeline of the 122b-layer model's layer step
-(or, with ``--model small``, of the first of the small model's 8 layer steps).
+(or, with ``--model small``, of the first of the small model's 8 layer steps; with ``--model
+issue``, of the first of the 2 layer steps of issue 10's configuration: the 122B's expert
+shapes, top-8 of 32 experts a layer, on 4 worker processes).
 
-    python bench/timeline.py [--models DIR] [--model 122b-layer|small] [--decode 60] [--workers 2] [--experts-122b 16]
+    python bench/timeline.py [--models DIR] [--model 122b-layer|small|issue] [--decode 60] [--workers 2] [--experts-122b 16]
 
 Stamps (``time.perf_counter_ns``: CLOCK_MONOTONIC, one clock for every process) are taken around
 the backbone's steps (the step graph up to the router, the plan, the hand-over to the bus
@@ -13,8 +15,9 @@ are wrapped from here, and a worker loads the hook only from this script's PYTHO
 
 Prints JSON: per stage, milliseconds per token (median, 25th percentile, least) and where it
 runs. The stages A..O follow one token's critical path through the worker whose reply came
-last; the lines marked "beside" run alongside it. Stamps cost a few µs each; a monolithic
-decode of the same prompt is timed beside it, unstamped.
+last; the lines marked "beside" run alongside it, among them every worker's kernel time of the
+step added up (with more workers than cores, set it against the cores and the step's F..J).
+Stamps cost a few µs each; a monolithic decode of the same prompt is timed beside it, unstamped.
 """
 
 from __future__ import annotations
@@ -122,6 +125,9 @@ STAGES = {
 }
 
 
+SUMMED = "beside: every worker's kernels, summed"
+
+
 def timeline(events: list[tuple[int, int, int, str]], backbone: int, graphs_per_token: int = 2) -> dict:
     """Per token (from its first step graph's start to the next token's), each stage's
     milliseconds. Meant for a one-layer model (two graphs a token: the layer up to its router,
@@ -130,6 +136,7 @@ def timeline(events: list[tuple[int, int, int, str]], backbone: int, graphs_per_
     graph up to the router."""
     starts = [i for i, e in enumerate(events) if e[1] == backbone and e[3] == "graph0"][::graphs_per_token]
     per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
+    per_stage[SUMMED] = []
     per_stage["token"] = []
     for a, b in zip(starts, starts[1:]):
         token = events[a:b]
@@ -148,6 +155,8 @@ def timeline(events: list[tuple[int, int, int, str]], backbone: int, graphs_per_
         last = max(workers, key=lambda p: first[(p, "w_sent")][-1])
         others = [p for p in workers if p != last]
         per_stage["token"].append((events[b][0] - events[a][0]) / 1e6)
+        per_stage[SUMMED].append(sum(t1 - t0 for p in workers
+                                     for t0, t1 in zip(first[(p, "w_k0")], first.get((p, "w_k1"), ()))) / 1e6)
         for name, ((p0, e0, i0), (p1, e1, i1), _) in STAGES.items():
             pid = {"b": backbone, "w": last, "o": others[0] if others else None}
             t0 = (at if e0.startswith("graph") else first).get((pid[p0], e0))
@@ -157,6 +166,7 @@ def timeline(events: list[tuple[int, int, int, str]], backbone: int, graphs_per_
             if t0 and t1:
                 per_stage[name].append((t1[i1] - t0[i0]) / 1e6)
     where = {name: stage[2] for name, stage in STAGES.items()}
+    where[SUMMED] = "every worker (on a shared machine: against the cores, with F..J)"
     return {name: {"median_ms": round(statistics.median(v), 3), "p25_ms": round(sorted(v)[len(v) // 4], 3),
                    "min_ms": round(min(v), 3), "tokens": len(v), "where": where.get(name, "one decode step")}
             for name, v in per_stage.items() if v}
@@ -216,11 +226,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
     ap.add_argument("--decode", type=int, default=60)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", type=int, default=None, help="worker processes (default 2; 4 with --model issue)")
     ap.add_argument("--experts-122b", type=int, default=16)
-    ap.add_argument("--model", choices=("122b-layer", "small"), default="122b-layer",
-                    help="the model whose decode is stamped (small: its first layer step's stages)")
+    ap.add_argument("--model", choices=("122b-layer", "small", "issue"), default="122b-layer",
+                    help="the model whose decode is stamped (small, issue: its first layer step's stages)")
     args = ap.parse_args()
+    if args.workers is None:
+        args.workers = 4 if args.model == "issue" else 2
+    if args.workers < 1:
+        ap.error(f"--workers must be >= 1, got {args.workers}")
     from kvasir_bus.logs import configure
 
     configure("warning")
@@ -230,6 +244,10 @@ def main() -> None:
         big = models / "small-qwen3moe-q4_k.gguf"
         if not big.exists():
             synth_model(big, arch="qwen3moe", preset="small", qtype="q4_k", seed=0)
+    elif args.model == "issue":  # the file bench/engine.py and bench/dispatch.py use for it
+        big = models / "122b-layer-qwen3moe-q4_k-2x32.gguf"
+        if not big.exists():
+            synth_model(big, arch="qwen3moe", preset="122b-layer", qtype="q4_k", seed=0, layers=2, experts=32)
     else:
         big = models / f"122b-layer-qwen2moe-q4_k-{args.experts_122b}x.gguf"
         if not big.exists():
