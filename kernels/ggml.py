@@ -828,6 +828,7 @@ def repack_weight(w: QTensor) -> Repacked | None:
     old_cb, old_data = ctypes.c_void_p(), ctypes.c_void_p()
     lib.ggml_log_get(ctypes.byref(old_cb), ctypes.byref(old_data))
     lib.ggml_log_set(ctypes.cast(_quiet_log, ctypes.c_void_p), None)
+    advise_huge_pages(t.contents.data, lib.ggml_nbytes(t))  # before the copy touches its pages
     try:
         lib.ggml_backend_tensor_set(t, w.data.ctypes.data, 0, w.data.nbytes)  # repacks
     finally:
@@ -837,6 +838,26 @@ def repack_weight(w: QTensor) -> Repacked | None:
 
 
 _MADV_DONTNEED = 4  # Linux
+_MADV_HUGEPAGE = 14  # Linux
+HUGE_PAGE = 2 << 20  # x86-64's and arm64's (4 KiB pages) transparent huge page
+
+
+def advise_huge_pages(address: int, nbytes: int) -> int:
+    """Ask Linux to back the whole 2 MiB pages of ``[address, address + nbytes)`` with
+    transparent huge pages (``madvise(MADV_HUGEPAGE)``). A repacked weight is streamed through
+    at every token; with 4 KiB pages a 122B expert's 5.3 MB take some 1300 TLB entries, with huge
+    ones 3. llama.cpp's CPU buffers do not ask; this machine's THP setting is ``madvise``, where
+    nothing gets huge pages unasked. Honoured where THP is ``madvise`` or ``always``; where the
+    operator set ``never`` (``/sys/kernel/mm/transparent_hugepage/enabled``), or on another
+    system, nothing happens. Returns the bytes advised."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    start, end = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return 0
+    if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) != 0:
+        return 0  # no THP in this kernel (EINVAL): 4 KiB pages, as before
+    return end - start
 
 
 def _read_only_file_mapping(a: np.ndarray) -> bool:

@@ -146,3 +146,42 @@ def test_a_repacked_mapped_weight_lets_go_of_its_mapped_pages(tmp_path):
     copy = QTensor("in memory", w.ggml_type, w.ne, original.copy())
     assert ggml.release_mapped_pages(copy.data) == 0
     assert ggml.repack_weight(copy) is not None and np.array_equal(copy.data, original)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:  # a mapping's header line
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                inside = lo <= address < hi
+            elif inside and fields[0] == "VmFlags:":
+                return fields[1:]
+    return []
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="transparent huge pages are Linux's, and this kernel has none")
+def test_a_repacked_weight_asks_for_huge_pages():
+    """The repacked copy is read through at every token: its whole 2 MiB pages are advised as
+    transparent huge pages (``hg`` in the mapping's VmFlags), so few TLB entries cover it."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from kernels import ggml
+    from kernels.tensors import QTensor
+
+    if not ggml.available():
+        pytest.skip("ggml not available")
+    w = QTensor("big", T.Q4_K, (4096, 4096), np.zeros(4096 * 4096 // 256 * 144, np.uint8))  # 9.4 MB
+    rp = ggml.repack_weight(w)
+    if rp is None:
+        pytest.skip("no repacked Q4_K kernel on this CPU")
+    huge = ggml.HUGE_PAGE
+    start = -(-rp.ptr // huge) * huge
+    assert start + huge <= rp.ptr + rp.data.nbytes
+    assert "hg" in _vm_flags(start) and "hg" in _vm_flags(start + huge - 1)
+    assert "hg" not in _vm_flags(id(w))  # a Python object's heap was not advised
+    assert ggml.advise_huge_pages(rp.ptr, 4096) == 0  # less than a whole huge page: nothing to ask
