@@ -3,7 +3,7 @@
 issue``, of the first of the 2 layer steps of issue 10's configuration: the 122B's expert
 shapes, top-8 of 32 experts a layer, on 4 worker processes).
 
-    python bench/timeline.py [--models DIR] [--model 122b-layer|small|issue] [--decode 60] [--workers 2] [--experts-122b 16]
+    python bench/timeline.py [--models DIR] [--model 122b-layer|small|issue] [--decode 60] [--workers N] [--experts-122b 16]
 
 Stamps (``time.perf_counter_ns``: CLOCK_MONOTONIC, one clock for every process) are taken around
 the backbone's steps (the step graph up to the router, the plan, the hand-over to the bus
