@@ -852,11 +852,15 @@ def advise_huge_pages(address: int, nbytes: int) -> int:
     system, nothing happens. Returns the bytes advised."""
     if not sys.platform.startswith("linux"):
         return 0
-    start, end = -(-address // HUGE_PAGE) * HUGE_PAGE, (address + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if end <= start:
+    return _advise_whole(address, nbytes, HUGE_PAGE, _MADV_HUGEPAGE)  # 0 without THP (EINVAL)
+
+
+def _advise_whole(address: int, nbytes: int, unit: int, advice: int) -> int:
+    """``madvise(advice)`` on the whole ``unit``-sized pages of ``[address, address + nbytes)``;
+    the bytes advised, 0 if none are whole or the kernel refused."""
+    start, end = -(-address // unit) * unit, (address + nbytes) // unit * unit
+    if end <= start or _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) != 0:
         return 0
-    if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) != 0:
-        return 0  # no THP in this kernel (EINVAL): 4 KiB pages, as before
     return end - start
 
 
@@ -878,14 +882,7 @@ def release_mapped_pages(a: np.ndarray) -> int:
     (arrays in memory, other systems) is left alone. Returns the bytes released."""
     if not sys.platform.startswith("linux") or not _read_only_file_mapping(a):
         return 0
-    page = mmap.PAGESIZE
-    lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
-    start, end = -(-lo // page) * page, hi // page * page  # the pages wholly inside
-    if end <= start:
-        return 0
-    if _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) != 0:
-        return 0
-    return end - start
+    return _advise_whole(a.ctypes.data, a.nbytes, mmap.PAGESIZE, _MADV_DONTNEED)
 
 
 @functools.lru_cache(maxsize=None)
