@@ -8,7 +8,8 @@ experts computed by worker processes on an embedded nats-server, their ratio, th
 round trips per token (requests, and the serial waits: one per MoE layer), the messages the
 backbone sends per token, the bytes on the wire per token per layer, and the CPU milliseconds per
 token of each process (backbone, workers, nats-server: /proc, the least over the rounds): whether
-the machine's cores, not the wait, bound the sharded decode; and the backbone's engine thread's
+the machine's cores, not the wait, bound the sharded decode (``cores_busy``: that CPU over the wall
+time times the cores, the median of the rounds); and the backbone's engine thread's
 own CPU per token, with the part of it spent inside the dispatch (``run_layer``: planning,
 sending, taking the replies and booking them), against the engine thread of the monolithic
 decode. Monolithic and sharded
@@ -170,6 +171,8 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
         "serial_round_trips_per_token": cfg.n_layer,  # one wait per MoE layer per step
         "monolithic_cpu_ms_per_token": _cpu_ms_per_token(cpu["monolithic"], n_decode)["backbone"],
         "monolithic_engine_thread_cpu_ms_per_token": _cpu_ms_per_token(cpu["monolithic"], n_decode)["engine_thread"],
+        "cores": _cores(),
+        "monolithic_cores_busy": cores_busy(cpu["monolithic"], mono, n_decode),
     }
     for mode in modes:
         tag, d, sh = ("" if mode else "no_bundles_"), counted[mode], sharded[mode]
@@ -182,6 +185,7 @@ def bench_model(path: Path, workers: int, n_decode: int, n_prompt: int, rounds: 
             f"{tag}remote_fraction": round(d["remote"] / d["calls"], 3) if d["calls"] else None,
             f"{tag}wire_bytes_per_token_per_layer": round((d["bytes_out"] + d["bytes_in"]) / n_all / cfg.n_layer),
             f"sharded_{tag}cpu_ms_per_token": _cpu_ms_per_token(cpu[mode], n_decode),
+            f"sharded_{tag}cores_busy": cores_busy(cpu[mode], sh, n_decode),
         })
     return out
 
@@ -214,6 +218,21 @@ def _cpu_ms_per_token(rounds: list[tuple[float, ...]], n_decode: int) -> dict:
     names = ("backbone", "workers", "nats_server", "engine_thread", "engine_thread_in_dispatch")
     best = [min(r[i] for r in rounds) for i in range(len(rounds[0]))]
     return {name: round(1e3 * s / n_decode, 2) for name, s in zip(names, best)}
+
+
+def _cores() -> int:
+    """The cores this process may run on (the bench's processes share them)."""
+    return len(os.sched_getaffinity(0))
+
+
+def cores_busy(rounds: list[tuple[float, ...]], tok_s: list[float], n_decode: int, cores: int | None = None) -> float:
+    """How much of the machine the decode kept busy, the median over the rounds: the CPU seconds
+    of every process of a round (backbone, workers, nats-server) over its wall time times the
+    cores. Near 1, the cores bound the decode; well below, its serial waits do (the backbone's
+    dense graphs while the workers idle, messages queued behind another process)."""
+    cores = cores or _cores()
+    busy = [sum(r[:3]) / (n_decode / tps * cores) for r, tps in zip(rounds, tok_s)]
+    return round(float(np.median(busy)), 3)
 
 
 def wait_for_bundle_nodes(remote, n: int, timeout_s: float = 60.0) -> None:
