@@ -18,6 +18,9 @@ runs. The stages A..O follow one token's critical path through the worker whose 
 last; the lines marked "beside" run alongside it, among them every worker's kernel time of the
 step added up (with more workers than cores, set it against the cores and the step's F..J).
 Stamps cost a few µs each; a monolithic decode of the same prompt is timed beside it, unstamped.
+A "published" stamp is taken once its write has returned: when the process it wakes preempts the
+writer first, the hop after it comes out short, now and then below 0 (the least of "J" on 2 cores).
+The prompt's step is stamped but left out (``timeline``'s ``skip``).
 """
 
 from __future__ import annotations
@@ -128,13 +131,16 @@ STAGES = {
 SUMMED = "beside: every worker's kernels, summed"
 
 
-def timeline(events: list[tuple[int, int, int, str]], backbone: int, graphs_per_token: int = 2) -> dict:
+def timeline(events: list[tuple[int, int, int, str]], backbone: int, graphs_per_token: int = 2,
+             skip: int = 1) -> dict:
     """Per token (from its first step graph's start to the next token's), each stage's
     milliseconds. Meant for a one-layer model (two graphs a token: the layer up to its router,
     then the combine and head); with more layers every stage is the first layer's (its
     events up to the end of its ``run_layer``), and "N" is its combine with the next layer's
-    graph up to the router."""
-    starts = [i for i, e in enumerate(events) if e[1] == backbone and e[3] == "graph0"][::graphs_per_token]
+    graph up to the router. ``skip``: steps left out at the start: the stamped decode begins
+    with its prompt's step, whose multi-row bundles the first workers get while the send of
+    the others still runs (its "hop" would come out negative), and is no decode token."""
+    starts = [i for i, e in enumerate(events) if e[1] == backbone and e[3] == "graph0"][::graphs_per_token][skip:]
     per_stage: dict[str, list[float]] = {name: [] for name in STAGES}
     per_stage[SUMMED] = []
     per_stage["token"] = []
