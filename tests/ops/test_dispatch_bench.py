@@ -4,26 +4,11 @@ bound a sharded decode, so its arithmetic is pinned here."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # the script imports its neighbours, as when run
-    try:
-        spec = importlib.util.spec_from_file_location("dispatch_bench", ROOT / "bench" / "dispatch.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
+from tests.bench_script import load
 
 
 def test_cores_busy_is_every_process_cpu_over_wall_times_cores():
-    bench = _bench()
+    bench = load("dispatch")
     # 10 tokens at 20 tok/s: 0.5 s of wall on 2 cores. Round 1: 0.5 + 0.3 + 0.1 s of CPU (the
     # engine-thread figures after the first three are parts of the backbone's, not added).
     rounds = [(0.5, 0.3, 0.1, 0.45, 0.2), (0.25, 0.2, 0.05, 0.2, 0.1), (1.0, 0.8, 0.2, 0.9, 0.4)]

@@ -4,17 +4,11 @@ request's size) and report per-call CPU on both sides."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench_script import load
 
 
 def test_the_raw_floor_round_trips_through_a_real_server_and_counts_both_sides():
-    spec = importlib.util.spec_from_file_location("raw_floor", ROOT / "bench" / "raw_floor.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = module.bench_raw_floor(steps=50, per_step=3, size=123, warm=5)
+    out = load("raw_floor").bench_raw_floor(steps=50, per_step=3, size=123, warm=5)
     assert out["calls"] == 150 and out["per_step"] == 3 and out["payload_bytes"] == 123
     assert out["requester_cpu_us_per_call"] > 0 and out["responder_cpu_us_per_call"] >= 0
     assert out["calls_per_s"] > 0 and out["wall_us_per_step"] > 0

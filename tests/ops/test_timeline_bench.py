@@ -5,24 +5,10 @@ token and is left out (its hop to the last worker would come out below 0)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from tests.bench_script import load
 
-ROOT = Path(__file__).resolve().parents[2]
 BACKBONE, WORKER = 100, 200
 MS = 1_000_000  # ns
-
-
-def _bench():
-    sys.path.insert(0, str(ROOT / "bench"))  # the script imports its neighbours, as when run
-    try:
-        spec = importlib.util.spec_from_file_location("timeline_bench", ROOT / "bench" / "timeline.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    return module
 
 
 def _step(t0: int, hop_ms: float) -> list[tuple[int, int, int, str]]:
@@ -38,7 +24,7 @@ def _step(t0: int, hop_ms: float) -> list[tuple[int, int, int, str]]:
 
 
 def test_the_prompt_step_is_left_out_of_the_decode_tokens():
-    bench = _bench()
+    bench = load("timeline")
     # the prompt's step: its worker had its message 3 ms before the send returned; then 3 tokens
     events = _step(0, -3.0) + _step(20 * MS, 1.0) + _step(40 * MS, 1.5) + _step(60 * MS, 0.5) \
         + [(80 * MS, BACKBONE, 1, "graph0")]
