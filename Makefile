@@ -14,7 +14,14 @@ DEMO_PROMPT ?= Once upon a time, in a swarm of small machines,
 
 export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: demo test install clean bench
+# The official NATS CLI (tests/interop/ runs it against a real swarm): built once per machine
+# with Go into a cache folder; without Go the target says so and the interop tests skip.
+NATS_CLI_VERSION := v0.5.0
+NATS_CLI_DIR ?= $(HOME)/.cache/kvasir/natscli-$(NATS_CLI_VERSION)
+NATS_CLI := $(NATS_CLI_DIR)/nats
+export KVASIR_NATS_CLI ?= $(NATS_CLI)
+
+.PHONY: demo test install clean bench nats-cli
 
 install: $(STAMP)
 
@@ -34,8 +41,16 @@ $(DEMO_MODEL): | $(STAMP)
 demo: $(STAMP) $(DEMO_MODEL)
 	$(BIN)/kvasir up --model $(DEMO_MODEL) --workers 4 --prompt "$(DEMO_PROMPT)" -n 24 --check
 
-test: $(STAMP)
+test: $(STAMP) nats-cli
 	$(BIN)/python -m pytest -q
+
+nats-cli:
+	@if [ -x "$(NATS_CLI)" ]; then :; \
+	elif command -v go >/dev/null 2>&1; then \
+	  echo "building the nats CLI $(NATS_CLI_VERSION) with go install (once per machine) into $(NATS_CLI_DIR)"; \
+	  GOBIN="$(NATS_CLI_DIR)" go install github.com/nats-io/natscli/nats@$(NATS_CLI_VERSION) || \
+	    echo "nats-cli: go install failed: the interop tests will skip" >&2; \
+	else echo "nats-cli: no Go on this machine: tests/interop/ will skip (install Go to run them)" >&2; fi
 
 bench: $(STAMP)
 	$(BIN)/python bench/engine.py
