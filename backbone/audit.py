@@ -3,7 +3,10 @@
 The backbone holds every expert, so it can recompute any reply itself (BOINC's validation idea,
 with the backbone as the reference instead of a vote). Which replies are audited:
 
-* every reply of a node still on probation (its first ``probation`` replies);
+* every reply of a node still on probation: until ``probation`` of its replies have been audited
+  *and passed*, none of its replies is used unchecked. Verdicts for a layer step are taken before
+  any of the step's audits is judged, so a node that starts a step on probation has every reply
+  of that step audited (audit before use: a prefill step of 49 calls from a new node is 49 audits);
 * after that, one reply chosen at random in every window of ``ceil(1 / rate)`` consecutive
   replies of that node *on that layer* — so a node that lies on every reply of a layer is caught
   within ``2 * ceil(1 / rate) - 1`` of its lies there (the rest of the window it started lying in,
@@ -24,7 +27,21 @@ carry a label such as ``ggml-x86_64`` or ``numpy-aarch64``, see :func:`kernel_la
   a rounding boundary flips a whole quant step, so the bound must be loose (measured in
   ``tests/backbone/test_audit.py``): a liar whose error stays below it is not caught.
 
-A failed audit quarantines the node: its replies are ignored from then on.
+A failed audit quarantines the node: its replies are ignored from then on, and the dispatcher
+recomputes every reply of that node in the same layer step before the step's outputs are combined
+(:meth:`backbone.dispatch.RemoteExperts._finish_step`), so the lies of the step that caught it are
+never used. What a liar can get used, per layer, before it is caught (docs/trust.md):
+
+* from its first reply: none (probation audits and replaces every reply until it has passed);
+* after an honest stretch: at most ``2 * ceil(1 / rate) - 2`` of its lying replies on a layer
+  (:attr:`AuditConfig.max_replies_used`), whatever the step: the catching step's are recomputed,
+  and a step with ``2 * ceil(1 / rate) - 1`` or more of its replies on one layer always holds an
+  audited one. A reply is one call of one expert (all its rows: a prefill call of 40 rows is one
+  reply), one chunk of a call split over messages, or one call's answer inside a bundle.
+
+Per-node state is bounded (:data:`MAX_NODES` records, least recently heard evicted; an evicted node
+starts a fresh probation, which costs it audits, never trust). The quarantine set is bounded too
+(:data:`MAX_QUARANTINED`, oldest first out); a liar that falls out of it meets a fresh probation.
 
 Pure logic: no I/O, no clock; the caller computes the reference and publishes the verdicts.
 """
@@ -33,6 +50,8 @@ from __future__ import annotations
 
 import math
 import random
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +71,11 @@ QUANTIZED_TOLERANCE = 1e-2
 
 DEFAULT_RATE = 0.1
 DEFAULT_PROBATION = 16
+#: Nodes whose audit record (replies seen, passed audits, one window per layer) is kept. A record
+#: costs about 120 bytes plus about 150 per layer it answered on: 1,024 nodes on 48 layers ~ 7.5 MB.
+MAX_NODES = 1024
+#: Quarantined node names kept (a name is at most 64 bytes: ~ 8 MB at the cap).
+MAX_QUARANTINED = 65536
 
 
 @dataclass(frozen=True)
@@ -80,6 +104,21 @@ class AuditConfig:
         replies on that layer: it may start lying just after the window's audited reply, then the
         next window's audit may be its last reply (probation counts as audited)."""
         return 2 * self.window - 1 if self.window else 0
+
+    @property
+    def max_replies_used(self) -> int:
+        """Lying replies of a node on one layer that can be *used* before it is caught: the
+        catching step's replies are all recomputed, so one less than :attr:`max_replies_to_catch`;
+        0 for a liar that lies from its first reply (probation)."""
+        return max(0, self.max_replies_to_catch - 1)
+
+
+@dataclass
+class _Record:
+    seen: int = 0  # replies of this node (verdicts taken)
+    passed: int = 0  # audits of this node judged and passed
+    last_pass_at: float = 0.0  # when (time.time()) the last one passed (0: never)
+    windows: dict = field(default_factory=dict)  # layer -> _Window
 
 
 @dataclass
@@ -147,10 +186,46 @@ class Auditor:
         self.cfg = cfg
         self._window = cfg.window  # read twice per reply; the config's property computes it
         self._rng = random.Random(cfg.seed) if cfg.seed is not None else random.SystemRandom()
-        self._replies: dict[str, int] = {}  # node -> replies seen
-        self._windows: dict[tuple[str, int], _Window] = {}
-        self._quarantined: set[str] = set()
+        self._nodes: OrderedDict[str, _Record] = OrderedDict()  # least recently heard first
+        self._quarantined: OrderedDict[str, None] = OrderedDict()  # oldest first
         self.stats = AuditStats()
+        self.max_nodes = MAX_NODES
+        self.max_quarantined = MAX_QUARANTINED
+
+    def _record(self, node: str) -> _Record:
+        record = self._nodes.get(node)
+        if record is None:
+            record = self._nodes[node] = _Record()
+            while len(self._nodes) > self.max_nodes:
+                self._nodes.popitem(last=False)
+        else:
+            self._nodes.move_to_end(node)
+        return record
+
+    def on_probation(self, node: str) -> bool:
+        """Whether ``node`` has yet to pass ``probation`` audits (every reply of it is audited)."""
+        record = self._nodes.get(node)
+        return (record.passed if record is not None else 0) < self.cfg.probation
+
+    def last_pass_at(self, node: str) -> float:
+        """When the last audit of ``node`` passed (``time.time()``; 0.0: none on record)."""
+        record = self._nodes.get(node)
+        return record.last_pass_at if record is not None else 0.0
+
+    def quarantine(self, node: str, *, caught_here: bool = True) -> bool:
+        """Distrust ``node`` from now on: a failed audit here (``caught_here``: listed in
+        :attr:`stats`), or another backbone's quarantine heard on the bus or loaded from the
+        market. Returns whether it was new."""
+        if node in self._quarantined:
+            return False
+        self._quarantined[node] = None
+        while len(self._quarantined) > self.max_quarantined:
+            self._quarantined.popitem(last=False)
+        self._nodes.pop(node, None)
+        if caught_here:
+            self.stats.quarantined.append(node)
+            del self.stats.quarantined[:-self.max_quarantined]
+        return True
 
     def is_quarantined(self, node: str) -> bool:
         return node in self._quarantined
@@ -173,9 +248,9 @@ class Auditor:
         the verdict is still :meth:`should_audit`'s, taken when the reply is used."""
         if self.cfg.rate <= 0.0:
             return False
-        if self.cfg.rate >= 1.0 or self._replies.get(node, 0) + ahead < self.cfg.probation:
+        if self.cfg.rate >= 1.0 or self.on_probation(node):
             return True
-        window = self._window_of(node, layer)
+        window = self._window_of(self._record(node), layer)
         windows_on, at = divmod(window.seen + ahead, self._window)
         if not windows_on:
             return at == window.pick
@@ -187,20 +262,20 @@ class Auditor:
         """Called once per remote reply that would be used; True: recompute it locally."""
         if self.cfg.rate <= 0.0:
             return False
-        seen = self._replies.get(node, 0)
-        self._replies[node] = seen + 1
-        window = self._window_of(node, layer)
+        record = self._record(node)
+        record.seen += 1
+        window = self._window_of(record, layer)
         if window.seen == self._window:
             window.seen = 0
             window.pick = window.later.pop(0) if window.later else self._rng.randrange(self._window)
-        audit = window.seen == window.pick or seen < self.cfg.probation or self.cfg.rate >= 1.0
+        audit = window.seen == window.pick or record.passed < self.cfg.probation or self.cfg.rate >= 1.0
         window.seen += 1
         return audit
 
-    def _window_of(self, node: str, layer: int) -> _Window:
-        window = self._windows.get((node, layer))
+    def _window_of(self, record: _Record, layer: int) -> _Window:
+        window = record.windows.get(layer)
         if window is None:
-            window = self._windows[(node, layer)] = _Window(pick=self._rng.randrange(self._window))
+            window = record.windows[layer] = _Window(pick=self._rng.randrange(self._window))
         return window
 
     def judge(self, node: str, reply: np.ndarray, reference: np.ndarray, *, exact: bool,
@@ -209,9 +284,12 @@ class Auditor:
         :func:`rerun_backend` said); a failure quarantines ``node``. Returns whether it passed."""
         self.stats.audits += 1
         ok = replies_agree(reply, reference, same_kernel=exact, weight_type=weight_type)
-        if not ok:
-            self.stats.failures += 1
+        if ok:
             if node not in self._quarantined:
-                self._quarantined.add(node)
-                self.stats.quarantined.append(node)
+                record = self._record(node)
+                record.passed += 1
+                record.last_pass_at = time.time()
+        else:
+            self.stats.failures += 1
+            self.quarantine(node)
         return ok

@@ -472,7 +472,14 @@ class RemoteExperts:
                      outs: list[np.ndarray | None]) -> list[np.ndarray]:
         """Once every call is settled: book and accept the won ones (audits), compute the rest."""
         if step.calls:
-            for call, audited in self._book_wins(layer, step.calls):
+            # Audited calls first: a node caught by any of them loses every reply of this step
+            # (recomputed here below, uncredited), the ones taken before its failure included.
+            verdicts = self._book_wins(layer, step.calls)
+            verdicts.sort(key=lambda verdict: True not in verdict[1])
+            for call, audited in verdicts:
+                if True not in audited and any(self.auditor.is_quarantined(part.node) for part in call.won.parts):
+                    self.stats.layer(layer).recomputed += 1
+                    continue
                 outs[call.index] = self._accept(layer, call.expert, call.rows, call.won, audited,
                                                 references.get(call.index))
             for call in step.calls:

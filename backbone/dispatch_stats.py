@@ -35,6 +35,8 @@ class LayerStats:
     bundled_calls: int = 0  # calls sent in them (a call in several holders' bundles counts once)
     bundles_unheard: int = 0  # "no responders" on a node's bundle subject: its calls went per expert
     foreign: int = 0  # answers in a bundle reply for calls not sent in that bundle (dropped)
+    recomputed: int = 0  # won calls recomputed here: their node failed an audit in the same step
+    disputes: int = 0  # race losers whose reply differed from the winner's (both audited here)
 
     @property
     def local(self) -> int:

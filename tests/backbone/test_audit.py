@@ -14,7 +14,11 @@ from backbone.audit import (AuditConfig, Auditor, kernel_label, relative_error, 
 
 def test_probation_audits_every_first_reply_of_a_node():
     auditor = Auditor(AuditConfig(rate=0.01, probation=5, seed=1))
+    ref = np.ones((1, 4), np.float32)
     assert all(auditor.should_audit("new", layer=0) for _ in range(5))
+    assert all(auditor.should_audit("new", layer=0) for _ in range(7))  # none passed yet: still on probation
+    for _ in range(5):
+        assert auditor.judge("new", ref, ref, exact=True, weight_type=T.F32)
     later = [auditor.should_audit("new", layer=0) for _ in range(100)]
     assert 1 <= sum(later) <= 2  # one audit per window of 100 (the 5 of probation started it)
 
@@ -36,8 +40,10 @@ def test_a_liar_on_every_reply_is_caught_within_two_windows_less_one_after_any_h
     for seed in range(200):
         for honest in (0, 16, 100, 137):
             auditor = Auditor(AuditConfig(rate=0.1, probation=16, seed=seed))
+            ref = np.ones((1, 4), np.float32)
             for _ in range(honest):
-                auditor.should_audit("liar", 2)
+                if auditor.should_audit("liar", 2):
+                    auditor.judge("liar", ref, ref, exact=True, weight_type=T.F32)
             lies = 1
             while not auditor.should_audit("liar", 2):
                 lies += 1

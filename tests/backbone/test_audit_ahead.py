@@ -1,6 +1,10 @@
 """``Auditor.would_audit`` foretells ``should_audit`` exactly (the dispatcher computes audits ahead on it)."""
 
+import numpy as np
+
 from backbone.audit import AuditConfig, Auditor
+
+ref = np.ones((1, 4), np.float32)
 
 
 def test_would_audit_foretells_the_next_verdict_of_each_node_and_layer_and_counts_nothing():
@@ -13,6 +17,8 @@ def test_would_audit_foretells_the_next_verdict_of_each_node_and_layer_and_count
         verdict = auditor.should_audit(node, layer)
         assert all(a == verdict for a in asked), i
         verdicts.append(verdict)
+        if verdict:
+            auditor.judge(node, ref, ref, exact=True, weight_type=0)
     assert sum(verdicts) >= 200 // 4  # still about one in four, and the probation on top
     assert Auditor(AuditConfig(rate=0.0)).would_audit("n", 0) is False
     assert plain.would_audit("n", 0) is True  # on probation
@@ -29,3 +35,6 @@ def test_would_audit_foretells_a_whole_steps_verdicts_across_windows():
             again = [auditor.would_audit(node, layer, j) for j in range(k)]  # asking twice draws nothing new
             verdicts = [auditor.should_audit(node, layer) for _ in range(k)]
             assert foretold == again == verdicts, (rate, step)
+            for _ in range(sum(verdicts)):  # the step's audits are judged after its verdicts
+                auditor.judge(node, ref, ref, exact=True, weight_type=0)
+        assert not all(verdicts)  # past probation: windows decide
