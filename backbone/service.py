@@ -301,7 +301,7 @@ class BackboneService:
 
                 host, port = parse_listen(cfg.serve_weights)
                 run.weights = WeightsServer(self.engine.path, host=host, port=port, tokens=cfg.tokens,
-                                            advertise_host=cfg.advertise_host).start()
+                                            advertise_host=cfg.advertise_host, model=self.model).start()
             if cfg.serve_manifest:
                 from backbone.manifest import build_manifest, serve_manifest
 

@@ -50,6 +50,10 @@ IDLE_TIMEOUT_S = 60.0  # a kept-alive connection idle this long is closed
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _NODE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _WILDCARD = {"", "0.0.0.0", "::", "[::]"}
+#: The browser worker page's files (built from browser/ into this package folder).
+WORKER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static", "worker")
+WORKER_ASSETS = {"index.html": "text/html; charset=utf-8", "worker.js": "text/javascript; charset=utf-8",
+                 "kernel.mjs": "text/javascript; charset=utf-8"}
 
 
 def token_label(token: str) -> str:
@@ -101,7 +105,8 @@ class WeightsServer:
     """
 
     def __init__(self, path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 0,
-                 tokens: Iterable[str] = (), advertise_host: str | None = None) -> None:
+                 tokens: Iterable[str] = (), advertise_host: str | None = None,
+                 model: str | None = None) -> None:
         path = os.fspath(path)
         if not os.path.isfile(path):
             raise UsageError(f"{path}: no such file to serve")
@@ -119,6 +124,7 @@ class WeightsServer:
         self.requested_port = port
         self.tokens = tuple(t for t in tokens if t)
         self.advertise_host = advertise_host
+        self.model = model  # the fingerprint, told to the browser worker page (/worker/config.json)
         self.state = State.NEW
         self.port: int | None = None
         self._httpd: ThreadingHTTPServer | None = None
@@ -288,6 +294,9 @@ class _Handler(BaseHTTPRequestHandler):
         status, sent, token = 0, 0, None
         try:
             path = owner.files.get(unquote(url.path)[1:])
+            if path is None and (url.path == "/worker" or url.path.startswith("/worker/")):
+                status = self._worker_page(url.path, body)
+                return
             if path is None:
                 status = self._plain(404, f"not found: this server serves /{owner.filename}\n", body)
                 return
@@ -361,6 +370,37 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
             sent += len(data)
         return sent
+
+    def _worker_page(self, path: str, body: bool) -> int:
+        """``GET /worker``: the browser volunteer page; ``/worker/config.json``: the model it serves
+        and the file to fetch; ``/worker/<asset>``: the built page's files (backbone/static/worker,
+        built by ``make install`` from browser/). No token is needed to load the page itself: the
+        weights still need one."""
+        if path == "/worker/config.json":
+            import json
+
+            payload = json.dumps({"model": self.owner.model, "file": self.owner.filename,
+                                  "size": os.path.getsize(self.owner.path)}).encode()
+            return self._bytes(200, payload, "application/json", body)
+        name = "index.html" if path in ("/worker", "/worker/") else path[len("/worker/"):]
+        if name not in WORKER_ASSETS:
+            return self._plain(404, f"not found: {path}\n", body)
+        asset = os.path.join(WORKER_DIR, name)
+        if not os.path.isfile(asset):
+            return self._plain(404, "the browser worker is not built: run `make install` (needs npm), "
+                                    "or `npm ci && node build.mjs` in browser/\n", body)
+        with open(asset, "rb") as f:
+            return self._bytes(200, f.read(), WORKER_ASSETS[name], body)
+
+    def _bytes(self, status: int, payload: bytes, ctype: str, body: bool) -> int:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(payload)))
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+        if body:
+            self.wfile.write(payload)
+        return status
 
     def _plain(self, status: int, text: str, body: bool, headers: dict[str, str] | None = None) -> int:
         payload = text.encode()
