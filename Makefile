@@ -21,9 +21,21 @@ NATS_CLI_DIR ?= $(HOME)/.cache/kvasir/natscli-$(NATS_CLI_VERSION)
 NATS_CLI := $(NATS_CLI_DIR)/nats
 export KVASIR_NATS_CLI ?= $(NATS_CLI)
 
-.PHONY: demo test install clean bench nats-cli
+.PHONY: demo test install clean bench nats-cli browser-worker
 
-install: $(STAMP)
+install: $(STAMP) browser-worker
+
+# The browser worker page (GET /worker on the weights server): npm installs the NATS project's
+# JS client, msgpack and esbuild from browser/package-lock.json, and esbuild bundles the page
+# into backbone/static/worker/ (gitignored, shipped as package data). Without npm it says so and
+# the browser tests skip.
+BROWSER_OUT := backbone/static/worker/worker.js
+browser-worker: $(BROWSER_OUT)
+
+$(BROWSER_OUT): browser/package-lock.json browser/build.mjs browser/index.html $(wildcard browser/src/*.js)
+	@if command -v npm >/dev/null 2>&1; then \
+	  cd browser && npm ci --no-audit --no-fund --loglevel=error && node build.mjs; \
+	else echo "browser-worker: no npm on this machine: /worker is not built and tests/browser/ will skip" >&2; fi
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,10 +50,10 @@ $(DEMO_MODEL): | $(STAMP)
 	@mkdir -p $(MODELS)
 	$(BIN)/kvasir synth --arch qwen3moe --preset small --type q4_k --seed 0 --force -o $@
 
-demo: $(STAMP) $(DEMO_MODEL)
+demo: $(STAMP) browser-worker $(DEMO_MODEL)
 	$(BIN)/kvasir up --model $(DEMO_MODEL) --workers 4 --prompt "$(DEMO_PROMPT)" -n 24 --check
 
-test: $(STAMP) nats-cli
+test: $(STAMP) nats-cli browser-worker
 	$(BIN)/python -m pytest -q
 
 nats-cli:
