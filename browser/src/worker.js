@@ -34,7 +34,7 @@ function show() {
   ui.speed.textContent = rate ? `${rate.toFixed(1)} rows/s (${KERNEL})` : "-";
   ui.reward.textContent = `${S.reward.toFixed(4)} (${S.creditedRows} rows credited)`;
   ui.audits.textContent = S.quarantined ? "FAILED: quarantined by the backbone" :
-    (S.creditedRows ? `passed: ${S.creditedRows} rows credited, never quarantined` : "none failed");
+    `none failed, never quarantined (${S.creditedRows} rows credited by the ledger)`;
   ui.error.textContent = S.error; ui.error.hidden = !S.error;
 }
 function say(msg) { S.log.push(msg); if (S.log.length > 50) S.log.shift(); ui.log.textContent = S.log.slice(-8).join("\n"); }
