@@ -395,13 +395,14 @@ def cmd_verify(args) -> int:
     # llama.cpp runs in this process on the same libggml-cpu: the same tiled-matmul switch, and
     # its weights repacked exactly when ours are (its CPU extra buffer types, its default).
     ref = Reference(args.model, n_ctx=len(gen.all_tokens) + 8, n_batch=max(32, len(gen.all_tokens)),
-                    repack=ours["repack"])
+                    repack=ours["repack"], repack_experts=ours.get("repack_experts"))
     # batch-invariant: one batch of every position must give each row's bits; fast: the rows
     # as the generation computed them (the prompt at once, then each token alone)
     batched = ours["mode"] == "deterministic"
     logits = ref.logits(gen.all_tokens) if batched else ref.logits_as_generated(gen.all_tokens, len(prompt))
     report = compare(gen.logits_array(), logits)
     report["settings"] = {"ours": ours, "llama_cpp": {"tiled_mm": ours["tiled_mm"], "repack": ours["repack"],
+                                                      "repack_experts": ours.get("repack_experts", ours["repack"]),
                                                       "flash_attn": False, "threads": os.cpu_count(),
                                                       "eval": "one batch" if batched else "prompt, then one token at a time"}}
     if args.json:

@@ -4,6 +4,7 @@ the parity tests and the benchmarks."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import sys
 
@@ -59,10 +60,14 @@ class Reference:
     another order; our fast mode repacks the same weights, the deterministic mode none)."""
 
     def __init__(self, path: str | os.PathLike, n_ctx: int, n_threads: int | None = None, n_batch: int = 512,
-                 repack: bool = False, logits_all: bool = True):
+                 repack: bool = False, logits_all: bool = True, repack_experts: bool | None = None):
         llama_cpp = import_llama_cpp()
         self.path = os.fspath(path)
-        with _model_params(llama_cpp, use_extra_bufts=repack):
+        fields = {"use_extra_bufts": repack}
+        if repack and repack_experts is False:  # as our fast mode: routed experts plain (kernels.ggml.expert_layout)
+            self._overrides = _plain_experts_override()  # read by llama.cpp as it loads; kept with the model
+            fields["tensor_buft_overrides"] = ctypes.addressof(self._overrides[0])
+        with _model_params(llama_cpp, **fields):
             self.llm = quiet_llama(llama_cpp, self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                    logits_all=logits_all, flash_attn=False,
                                    n_threads=n_threads or os.cpu_count(),
@@ -101,6 +106,31 @@ class Reference:
             token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
         t2 = time.perf_counter()
         return len(prompt) / (t1 - t0), n / (t2 - t1)
+
+
+class _BuftOverride(ctypes.Structure):
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]  # llama_model_tensor_buft_override
+
+
+def _plain_experts_override() -> tuple:
+    """``tensor_buft_overrides`` that keep the routed experts' tensors (``*_exps*``) in a plain
+    host buffer while every other weight goes where llama.cpp puts it (its extra, repacking
+    buffer types). Overriding to ``ggml_backend_cpu_buffer_type()`` itself would not do: llama.cpp
+    then tries the extra types first. The type of a buffer made over host memory
+    (``ggml_backend_cpu_buffer_from_ptr``, "CPU_Mapped", the type of llama.cpp's own mapped
+    weights) is plain and not that pointer. Returns (the NULL-terminated array, what it needs
+    kept alive)."""
+    from kernels.ggml import aligned_empty, lib_dir
+
+    base = ctypes.CDLL(str(lib_dir() / "libggml-base.so"), mode=getattr(os, "RTLD_GLOBAL", ctypes.RTLD_GLOBAL))
+    base.ggml_backend_cpu_buffer_from_ptr.restype = ctypes.c_void_p
+    base.ggml_backend_cpu_buffer_from_ptr.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    base.ggml_backend_buffer_get_type.restype = ctypes.c_void_p
+    base.ggml_backend_buffer_get_type.argtypes = [ctypes.c_void_p]
+    host = aligned_empty(64)  # ggml asserts the buffer's alignment
+    buffer = base.ggml_backend_cpu_buffer_from_ptr(host.ctypes.data, host.nbytes)
+    buft = base.ggml_backend_buffer_get_type(buffer)
+    return (_BuftOverride * 2)(_BuftOverride(b"_exps", buft), _BuftOverride(None, None)), host, buffer
 
 
 @contextlib.contextmanager

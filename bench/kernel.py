@@ -1,11 +1,17 @@
-"""Expert FFN throughput: our ggml path vs raw ggml with a prebuilt graph, and the numpy backend.
+"""Expert FFN throughput: our ggml path vs the best raw ggml graph, and the numpy backend.
 
-Measures ``kernels.expert.expert_ffn`` (validation + a cached ggml graph rebound per call)
-against the minimum-overhead way to run the same ops: one ggml context and graph built once,
-then only ``ggml_graph_compute`` timed. Shape: one expert of the 122b layer (n_embd 3072,
-n_ff 1024), routed (``ggml_mul_mat_id``), Q4_K and Q8_0 weights, 1/8/64/512 rows. Also times
-the numpy backend (cached float64 weights) and checks that alternating numpy (OpenBLAS) and
-ggml (OpenMP) calls does not slow ggml's 1-row call down (threads.py's spin settings).
+Measures ``kernels.expert.expert_ffn`` (validation + a cached ggml graph rebound per call, the
+function a worker and the backbone's fallback run) against the minimum-overhead ways to run the
+same ops: one ggml context and graph built once, then only ``ggml_graph_compute`` timed, on the
+weights' plain bytes (``raw_plain``) and on the same weights in ggml's CPU repack buffer
+(``raw_repacked``, llama.cpp's default layout on CPU). ``ours_over_best`` is ours against the
+quicker of the two. Shape: one expert of the 122b layer (n_embd 3072, n_ff 1024), routed
+(``ggml_mul_mat_id``), Q4_K and Q8_0 weights, 1/8/64/512 rows, in the fast and the
+deterministic kernel modes (each in a child process: ggml fixes its mode as it loads). The three
+kernels are timed in interleaved rounds, each figure the least of the rounds (the machine may be
+shared). Also times the numpy backend (cached float64 weights), reports the repacked bytes a
+worker's expert slabs would cost (``expert_memory``), and checks that alternating numpy
+(OpenBLAS) and ggml (OpenMP) calls does not slow ggml's 1-row call down.
 
 ``--calls`` measures only what one call costs around ``ggml_graph_compute`` (issue 10): µs per
 ``expert_ffn`` call (routed, as a worker computes it) for a trivial expert (64x32 F32, 1 row),
@@ -13,7 +19,8 @@ a small-model expert (512x256 Q4_K, 1 and 8 rows) and a 122b expert (3072x1024 Q
 and the decode rate of the small Q4_K model (64-token prompt, 100 decode steps). Each figure is
 the least and the median of several timing loops: on a shared machine the least is the cost.
 
-Prints one JSON object. ``python -m bench.kernel [--quick | --calls]``; about a minute on 2 cores.
+Prints one JSON object (``--save``: also into bench/results/). ``python bench/kernel.py [--quick |
+--calls] [--mode fast|deterministic|both]``; about three minutes on 2 cores for both modes.
 """
 
 from __future__ import annotations
@@ -22,15 +29,20 @@ import argparse
 import ctypes
 import json
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 
 import kernels  # noqa: F401  (thread settings before numpy loads)
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
+from bench import record
 from kernels import backend, ggml
 from kernels.expert import expert_ffn
 from kernels.tensors import QTensor
@@ -64,27 +76,30 @@ def make_expert(qtype: T, seed: int) -> tuple[QTensor, QTensor, QTensor]:
 class RawGraph:
     """The expert FFN as one prebuilt ggml graph for a fixed n: only compute is left per call."""
 
-    def __init__(self, gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray):
+    def __init__(self, gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, rps=(None, None, None)):
+        """``rps``: the weights in the repack buffer (``ggml.repack_weight``), or None each."""
         lib = ggml.load()
         self.lib = lib
         n = x.shape[0]
         self.keep = [x, np.zeros(n, np.int32), np.empty((n, N_EMBD), np.float32),
-                     np.empty((3, n, N_FF), np.float32), gate.data, up.data, down.data]
+                     np.empty((3, n, N_FF), np.float32), gate.data, up.data, down.data, rps]
         x, ids_buf, self.out, scratch = self.keep[:4]
         params = ggml.InitParams(lib.tensor_overhead * 12 + lib.graph_overhead + 1024, None, True)
         self.ctx = lib.ggml_init(params)
         ctx = self.ctx
 
-        def new(t, ne, buf):
+        def new(t, ne, buf, rp=None):
             tensor = lib.ggml_new_tensor_3d(ctx, int(t), *ne) if len(ne) == 3 else lib.ggml_new_tensor_2d(ctx, int(t), *ne)
-            tensor.contents.data = buf.ctypes.data
+            tensor.contents.data = buf.ctypes.data if rp is None else rp.ptr
+            if rp is not None:  # what ggml's CPU backend dispatches the repacked kernel on
+                tensor.contents.buffer, tensor.contents.extra = ggml._repack_anchor(lib), rp.extra
             return tensor
 
         ids = new(T.I32, (1, n), ids_buf)
         xt = new(T.F32, (N_EMBD, 1, n), x)
-        gw = new(gate.ggml_type, (N_EMBD, N_FF, 1), gate.data)
-        uw = new(up.ggml_type, (N_EMBD, N_FF, 1), up.data)
-        dw = new(down.ggml_type, (N_FF, N_EMBD, 1), down.data)
+        gw = new(gate.ggml_type, (N_EMBD, N_FF, 1), gate.data, rps[0])
+        uw = new(up.ggml_type, (N_EMBD, N_FF, 1), up.data, rps[1])
+        dw = new(down.ggml_type, (N_FF, N_EMBD, 1), down.data, rps[2])
         g = lib.ggml_mul_mat_id(ctx, gw, xt, ids)
         g.contents.data = scratch[0].ctypes.data
         u = lib.ggml_mul_mat_id(ctx, uw, xt, ids)
@@ -164,63 +179,87 @@ def bench_calls(decode_model: str | None) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="shorter timing budgets (a smoke run)")
-    parser.add_argument("--calls", action="store_true",
-                        help="only the per-call cost: µs per expert call of four shapes, small-model decode tok/s")
-    parser.add_argument("--decode-model", default=None,
-                        help="--calls: the small Q4_K GGUF to decode (default: models/small-qwen3moe-q4_k.gguf, "
-                             "made if missing; 'none' skips decode)")
-    args = parser.parse_args(argv)
-    budget = 0.25 if args.quick else 1.0
+def interleaved(fns: dict, budget_s: float, rounds: int = 5) -> dict:
+    """Seconds per call of each fn, timed in ``rounds`` rounds that take every fn in turn (so
+    that another process's burst slows all of them alike): per round the median of the calls
+    filling ``budget_s / rounds``, and the least over the rounds."""
+    for fn in fns.values():
+        fn()
+    best = {name: float("inf") for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times: list[float] = []
+            start = time.perf_counter()
+            while len(times) < 2 or (time.perf_counter() - start < budget_s / rounds and len(times) < 100):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            best[name] = min(best[name], statistics.median(times))
+    return best
 
-    if not ggml.available():
-        print(json.dumps({"error": "ggml libraries not available (llama-cpp-python not installed)"}))
-        return 1
-    started = time.perf_counter()
-    if args.calls:
-        result = {"ggml": ggml.info(), "load_avg_start": os.getloadavg()[0]}
-        result.update(bench_calls(_decode_model(args.decode_model)))
-        result["load_avg_end"] = os.getloadavg()[0]
-        result["bench_seconds"] = round(time.perf_counter() - started, 1)
-        json.dump(result, sys.stdout, indent=1)
-        print()
-        return 0
-    result: dict = {
-        "shape": {"n_embd": N_EMBD, "n_ff": N_FF, "op": "mul_mat_id (routed expert)"},
-        "ggml": ggml.info(),
-        "cpu_count": os.cpu_count(),
-        "env": {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT", "OMP_WAIT_POLICY",
-                                                "OPENBLAS_NUM_THREADS", "KVASIR_THREADS")},
-        "load_avg_start": os.getloadavg()[0],
-        "rows_per_s": {},
-    }
+
+def rss_mb() -> float:
+    """This process's resident memory now, MiB (Linux /proc; the peak where that is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return round(int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def expert_memory() -> dict:
+    """What ``kernels.expert.prepare`` lays out anew for a worker's slabs of 8 experts of this
+    shape (Q4_K: the type ggml repacks here), and the resident memory around it: a worker's
+    expert slabs stay its slice's bytes (the routed experts are never repacked)."""
+    from kernels.expert import prepare
+
+    slabs = []
+    for name, ne in (("gate", (N_EMBD, N_FF, 8)), ("up", (N_EMBD, N_FF, 8)), ("down", (N_FF, N_EMBD, 8))):
+        rows = np.random.default_rng(5).standard_normal((ne[1] * ne[2], ne[0])).astype(np.float32) * 0.02
+        slabs.append(QTensor(f"blk.0.ffn_{name}_exps.weight", T.Q4_K, ne, ggml.quantize(rows, T.Q4_K)))
+    before = rss_mb()
+    laid_out = prepare(slabs)
+    return {"slab_bytes": sum(w.nbytes for w in slabs), "repacked_bytes": laid_out, "rss_mb_before": before,
+            "rss_mb_after": rss_mb(), "repack_enabled_for_dense": ggml.repack_enabled()}
+
+
+def bench_mode(budget: float) -> dict:
+    """Every row count and type in this process's kernel mode."""
+    result: dict = {"ggml": ggml.info(), "load_avg_start": os.getloadavg()[0], "rows_per_s": {}}
     numpy_backend = backend.get_backend("numpy")
     rng = np.random.default_rng(0)
     for qtype in (T.Q4_K, T.Q8_0):
         gate, up, down = make_expert(qtype, seed=int(qtype))
+        rps = tuple(ggml.repack_weight(w) for w in (gate, up, down))
+        if any(rp is None for rp in rps):
+            rps = None  # no repacked kernel for this type on this CPU
         per_type = {}
         for n in ROWS:
             x = rng.standard_normal((n, N_EMBD)).astype(np.float32)
-            raw = RawGraph(gate, up, down, x)
+            raws = {"raw_plain": RawGraph(gate, up, down, x)}
+            if rps is not None:
+                raws["raw_repacked"] = RawGraph(gate, up, down, x, rps)
             ours = expert_ffn(gate, up, down, x, routed=True, backend="ggml")
-            same = bool(np.array_equal(raw(), ours))
-            t_ours = timed(lambda: expert_ffn(gate, up, down, x, routed=True, backend="ggml"), budget)
-            t_raw = timed(raw, budget)
-            raw.close()
+            same = {name: bool(np.array_equal(raw(), ours)) for name, raw in raws.items()}
+            fns = {"ours": lambda: expert_ffn(gate, up, down, x, routed=True, backend="ggml"), **raws}
+            t = interleaved(fns, budget * len(fns))
+            for raw in raws.values():
+                raw.close()
             t_np = timed(lambda: expert_ffn(gate, up, down, x, routed=True, backend="numpy"), budget / 2, min_reps=2)
+            best = min((name for name in raws), key=t.__getitem__)
             per_type[str(n)] = {
-                "ours": round(n / t_ours, 1),
-                "raw_ggml": round(n / t_raw, 1),
-                "ours_over_raw": round(t_raw / t_ours, 3),  # rows/s ratio: 1.0 = no overhead
+                "ours": round(n / t["ours"], 1),
+                **{name: round(n / t[name], 1) for name in raws},
+                "best_raw": best,
+                "ours_over_best": round(t[best] / t["ours"], 3),  # rows/s ratio: 1.0 = the best raw graph's speed
+                "ours_over_raw_plain": round(t["raw_plain"] / t["ours"], 3),
                 "numpy": round(n / t_np, 1),
-                "ms_per_call": {"ours": round(t_ours * 1e3, 3), "raw_ggml": round(t_raw * 1e3, 3),
-                                "numpy": round(t_np * 1e3, 3)},
-                "ours_bit_identical_to_raw": same,
+                "ms_per_call": {**{name: round(v * 1e3, 3) for name, v in t.items()}, "numpy": round(t_np * 1e3, 3)},
+                "ours_bit_identical_to": same,
             }
         result["rows_per_s"][qtype.name.lower()] = per_type
         numpy_backend.cache.clear()
+    result["expert_memory"] = expert_memory()
 
     # Alternating numpy (OpenBLAS threads) and ggml (OpenMP threads) at 1 row.
     gate, up, down = make_expert(T.Q4_K, seed=99)
@@ -243,10 +282,72 @@ def main(argv: list[str] | None = None) -> int:
         "slowdown": round(inter / alone, 2),
     }
     result["load_avg_end"] = os.getloadavg()[0]
+    return result
+
+
+def _child(mode: str, quick: bool) -> dict:
+    """bench_mode in a fresh process of kernel mode ``mode``."""
+    env = dict(os.environ, KVASIR_KERNEL_MODE=mode)
+    env.pop("GGML_CPU_TILED_MM", None)  # the mode sets it
+    cmd = [sys.executable, os.path.abspath(__file__), "--child"] + (["--quick"] if quick else [])
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"error": f"exit {done.returncode}: {done.stderr[-500:]}"}
+    return json.loads(done.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="shorter timing budgets (a smoke run)")
+    parser.add_argument("--calls", action="store_true",
+                        help="only the per-call cost: µs per expert call of four shapes, small-model decode tok/s")
+    parser.add_argument("--mode", choices=("fast", "deterministic", "both"), default="both",
+                        help="the kernel modes to measure, each in a child process (default both)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--decode-model", default=None,
+                        help="--calls: the small Q4_K GGUF to decode (default: models/small-qwen3moe-q4_k.gguf, "
+                             "made if missing; 'none' skips decode)")
+    record.add_save_flag(parser)
+    args = parser.parse_args(argv)
+    budget = 0.25 if args.quick else 1.0
+
+    if not ggml.available():
+        print(json.dumps({"error": "ggml libraries not available (llama-cpp-python not installed)"}))
+        return 1
+    started = time.perf_counter()
+    if args.child:
+        json.dump(bench_mode(budget), sys.stdout)
+        print()
+        return 0
+    if args.calls:
+        result = {"ggml": ggml.info(), "load_avg_start": os.getloadavg()[0]}
+        result.update(bench_calls(_decode_model(args.decode_model)))
+        result["load_avg_end"] = os.getloadavg()[0]
+        result["bench_seconds"] = round(time.perf_counter() - started, 1)
+        json.dump(result, sys.stdout, indent=1)
+        print()
+        record.save(args, "kernel_calls", result)
+        return 0
+    result: dict = {
+        "shape": {"n_embd": N_EMBD, "n_ff": N_FF, "op": "mul_mat_id (routed expert)"},
+        "cpu_count": os.cpu_count(),
+        "env": {k: os.environ.get(k) for k in ("GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT", "OMP_WAIT_POLICY",
+                                                "OPENBLAS_NUM_THREADS", "KVASIR_THREADS", "KVASIR_REPACK")},
+        "load_avg_start": os.getloadavg()[0],
+        "modes": {},
+    }
+    for mode in (("fast", "deterministic") if args.mode == "both" else (args.mode,)):
+        print(f"kernel bench: {mode} mode", file=sys.stderr)
+        result["modes"][mode] = _child(mode, args.quick)
+    ratios = [v["ours_over_best"] for m in result["modes"].values() for t in m.get("rows_per_s", {}).values()
+              for v in t.values()]
+    result["min_ours_over_best"] = min(ratios) if ratios else None
+    result["load_avg_end"] = os.getloadavg()[0]
     result["bench_seconds"] = round(time.perf_counter() - started, 1)
     json.dump(result, sys.stdout, indent=1)
     print()
-    return 0
+    record.save(args, "kernel", result)
+    return 0 if all("error" not in m for m in result["modes"].values()) else 1
 
 
 def _decode_model(given: str | None) -> str | None:

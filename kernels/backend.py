@@ -314,7 +314,8 @@ def kernel_settings() -> dict:
     mode = kernel_mode()
     return {"backend": backend_name(), "mode": mode, "label": kernel_label(),
             "tiled_mm": mode == "fast", "one_row_as_two": mode == "deterministic",
-            "repack": _repack_setting(), "threads": _threads_setting(), "decode_threads": _decode_threads()}
+            "repack": _repack_setting(), "repack_experts": False,  # routed experts: kernels.ggml.expert_layout
+            "threads": _threads_setting(), "decode_threads": _decode_threads()}
 
 
 def _decode_threads() -> int:

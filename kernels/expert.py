@@ -77,10 +77,11 @@ def moe_step(gate: QTensor, up: QTensor, down: QTensor, k: int, *,
 
 def prepare(weights) -> int:
     """Lay ``weights`` (QTensors: 3-D expert slabs, dense matrices) out for this process's
-    kernels now rather than on their first call: ggml's repacking in the fast mode (a copy in
-    memory, about 0.6 GB/s on 2 cores), nothing otherwise. A worker does it before it announces
-    its experts and the backbone before it serves, so that no request waits a second for a
-    slab. Returns the bytes laid out anew."""
+    kernels now rather than on their first call: ggml's repacking of the dense matrices in the
+    fast mode (a copy in memory, about 0.6 GB/s on 2 cores), nothing otherwise. Routed experts'
+    slabs are never repacked (``kernels.ggml.expert_layout``): they count 0 here, and a worker's
+    resident memory stays its slice's size. The backbone does it before it serves, so that no
+    request waits a second for a weight. Returns the bytes laid out anew."""
     if backends.backend_name() != "ggml":
         return 0
     from kernels import ggml

@@ -366,6 +366,16 @@ def threads_for(work: int, tokens: int = 0) -> int:
     return decode_threads() if tokens == 1 else n_threads()
 
 
+def expert_threads(work: int) -> int:
+    """Threads for a routed-expert call of ``work`` multiply-adds (a worker's request, the
+    backbone's local layer): one for small products, else :func:`n_threads`, whatever the
+    rows. A decode graph (:func:`decode_threads`) has dozens of ops and a barrier after each; an
+    expert's has four, each of millions of multiply-adds for a 122B expert, where a second thread
+    halves the time (1-row Q8_0 at 3072x1024: 1.27k rows/s on one thread, 2.73k on two). The
+    thread count never changes the result."""
+    return 1 if work < SMALL_WORK else n_threads()
+
+
 # --- graphs and computation ---------------------------------------------------------------------
 
 # --- data addresses -----------------------------------------------------------------------------
@@ -717,11 +727,17 @@ def run_cached(key: tuple, build, arrays) -> None:
 # llama.cpp on this CPU puts Q4_0, Q4_K, IQ4_NL... weights into ggml_backend_cpu's "repack"
 # buffer type: the bytes are interleaved once, at load, for gemv/gemm kernels that round in
 # another order than vec_dot and switch kernels with the row count, so only the fast mode
-# repacks (the deterministic mode stays batch-invariant). As llama.cpp, every weight it has a
-# kernel for: dense ones (attention, shared expert, output head) and the routed experts' 3-D
-# slabs, whose repacked mul_mat_id takes each row through its expert alone (one gemv per row):
-# an expert's output does not depend on what else is in the batch, so a worker that repacks
-# its slice computes the bits of the backbone's one-graph layer (both announce ``-repack``).
+# repacks (the deterministic mode stays batch-invariant). Dense weights (attention, shared
+# expert, output head) are repacked where ggml has a kernel for them, as llama.cpp does.
+#
+# The routed experts are not (:func:`expert_layout`): ggml's repacked ``mul_mat_id`` takes every
+# row through a gemv of its own, so an expert called on many rows never reaches a gemm. Measured
+# at the 122B expert shape (3072x1024 Q4_K, 2 threads, ``bench/kernel.py``): repacked 1.06x the
+# plain layout at 1 row, 0.78x at 8, 0.33x at 64, 0.32x at 512. The plain ``mul_mat_id`` chooses
+# its kernel by the rows each expert gets (vec_dot below 8, the tiled kernel from 8 on in the
+# fast mode), so the choice by rows is ggml's own and holds inside one graph: the backbone's
+# one-graph layer and a worker's call of one expert give the same bits at every row count, with
+# no second copy of the experts in memory (a worker's resident memory stays its slice's size).
 
 ENV_REPACK = "KVASIR_REPACK"  # "0" turns repacking off in fast mode (default on, as llama.cpp: see repack_enabled)
 
@@ -783,13 +799,28 @@ def repack_enabled() -> bool:
     return load().repack
 
 
+def expert_layout(ggml_type: int, rows: int, mode: str | None = None) -> str:
+    """The layout a routed expert's weights are multiplied in for a call of ``rows`` rows:
+    ``"plain"`` (the GGUF's bytes) at every row count, type and mode. ggml's plain
+    ``mul_mat_id`` then picks its kernel by the rows that reach each expert (vec_dot below 8
+    rows, the tiled kernel from 8 in the fast mode), the same in a worker's call and in the
+    backbone's one-graph layer. The repacked layout is left out because ggml's repacked
+    ``mul_mat_id`` runs a gemv per row: at most 6% quicker at 1 row, 3x slower from 64 rows
+    (see the repacking notes above); choosing it below 8 rows only would split a layer's graph
+    by each expert's row count, which the in-graph router does not know when the graph is built.
+    The arguments are what both sides of a call see; kept so the rule is stated where it is
+    applied and tested (tests/kernels/test_expert_layout.py)."""
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    return "plain"
+
+
 def repacked(w: QTensor) -> Repacked | RepackedSlab | None:
-    """``w`` in the repack buffer (made once per tensor), or None where repacking is off or ggml
-    has no repacked kernel for its type and shape. An expert's 2-D view (``w.slab``) is found
-    in its 3-D tensor's repacking (made on first use of any of its experts): one copy of the
-    bytes, and the bits of the layer's one-graph ``mul_mat_id`` (ggml's repacked kernel takes
-    each row through its expert alone, whatever else is in the batch)."""
-    if not load().repack or len(w.ne) not in (2, 3):
+    """``w`` in the repack buffer (made once per tensor), or None where repacking is off, ggml
+    has no repacked kernel for its type and shape, or ``w`` holds routed experts (a 3-D slab or
+    an expert's 2-D view of one, ``w.slab``: :func:`expert_layout`). :func:`repack_weight`
+    repacks any weight on request (the benchmark's raw graphs, the tests)."""
+    if not load().repack or len(w.ne) != 2 or w.slab is not None:
         return None
     try:
         return _repacked[w]
@@ -958,8 +989,8 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
         return _one_row(matmul, w, x, routed=False)
     n = x.shape[0]
     lib = load()
-    threads = threads_for(n * w.ne[0] * w.ne[1], n)
-    rp = repacked(w)
+    threads = expert_threads(n * w.ne[0] * w.ne[1]) if routed else threads_for(n * w.ne[0] * w.ne[1], n)
+    rp = None if routed else repacked(w)  # a routed expert's layout: expert_layout
 
     def build() -> Graph:
         g = Graph(lib, n_tensors=5)
@@ -989,7 +1020,7 @@ class _FfnPlan:
     graph shape (types, sizes, biases, activation: never the weights' bytes, which are bound
     per call), so experts of one shape share their cached graphs."""
 
-    __slots__ = ("up", "down", "n_embd", "n_ff", "work", "shape_id", "weights", "rps")
+    __slots__ = ("up", "down", "n_embd", "n_ff", "work", "shape_id", "weights", "rps", "routed_weights")
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
         self.up, self.down = up, down
@@ -1002,6 +1033,8 @@ class _FfnPlan:
         # the addresses a call binds after x, in graph input order: weights, then bias rows
         self.weights = (*(weight_data(w, rp) for w, rp in zip((gate, up, down), self.rps)),
                         *(w.bias_ptr for w in (gate, up, down) if w.bias is not None))
+        # a routed call binds the plain bytes (expert_layout), whatever the dense calls use
+        self.routed_weights = (gate.ptr, up.ptr, down.ptr, *self.weights[3:])
 
 
 _ffn_plans: "weakref.WeakKeyDictionary[QTensor, _FfnPlan]" = weakref.WeakKeyDictionary()
@@ -1062,10 +1095,16 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     n = x.shape[0]
     if n == 1 and not routed and deterministic():  # batch invariance: see _one_row
         return _one_row(expert_ffn, gate, up, down, x, routed=False)
+    if routed:  # the plain layout at every row count (expert_layout), the team for any large call
+        threads = expert_threads(plan.work * n)
+        key = ("ffn", plan.shape_id, True, n, threads)
+        out = np.empty((n, plan.n_embd), dtype=np.float32)
+        run_cached(key, lambda: _build_ffn(gate, up, down, True, n, threads), (x, *plan.routed_weights, out))
+        return out
     threads = threads_for(plan.work * n, n)
-    key = ("ffn", plan.shape_id, routed, n, threads)
+    key = ("ffn", plan.shape_id, False, n, threads)
     out = np.empty((n, plan.n_embd), dtype=np.float32)
-    run_cached(key, lambda: _build_ffn(gate, up, down, routed, n, threads, plan.rps), (x, *plan.weights, out))
+    run_cached(key, lambda: _build_ffn(gate, up, down, False, n, threads, plan.rps), (x, *plan.weights, out))
     return out
 
 
@@ -1223,7 +1262,7 @@ def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.nd
     if not _ids_in_range(ids, E):  # ggml aborts on an id outside 0..E-1
         raise ValueError(f"expert ids out of range 0..{E - 1}")
     n, k = ids.shape
-    threads = threads_for(plan.work * n * k, n)
+    threads = expert_threads(plan.work * n * k)
     out = np.empty((n, k, n_embd), dtype=np.float32)
     run_cached(("moe", plan.shape_id, n, k, threads), lambda: _build_moe(plan, gate, up, down, n, k, threads),
                (x, ids, *plan.weights, out))
@@ -1336,7 +1375,7 @@ class MoeStep:
         self.x = np.zeros((1, n_embd), np.float32)
         self.ids = np.zeros((1, k), np.int32)
         self.out = np.zeros((1, k, n_embd), np.float32)
-        graph = _build_moe(plan, gate, up, down, 1, k, threads_for(plan.work * k, 1))
+        graph = _build_moe(plan, gate, up, down, 1, k, expert_threads(plan.work * k))
         try:
             graph.place()  # scratch memory of its own: it runs outside the cache, on its owner's thread
             for c, p in zip(graph.inputs, (address(self.x), address(self.ids), *plan.weights, address(self.out))):

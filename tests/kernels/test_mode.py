@@ -58,14 +58,15 @@ def need_ggml():
         pytest.skip("ggml not available")
 
 
-def test_default_mode_is_fast_with_llama_cpps_repacked_and_tiled_kernels(need_ggml):
+def test_default_mode_is_fast_with_repacked_dense_weights_and_tiled_kernels(need_ggml):
     got = _probe(None)
     assert got["settings"]["mode"] == "fast" and got["settings"]["tiled_mm"] is True
     if not got["settings"]["repack"]:
         pytest.skip("this ggml has no CPU repack buffer type")
     assert got["label"].endswith("-repack")
-    # a repacked K-quant expert takes each row through ggml's gemv alone, as llama.cpp's default
-    assert got["routed_batch_invariant"] is True
+    # the routed experts stay plain (kernels.ggml.expert_layout): 16 rows to one K-quant expert
+    # take the tiled kernel, not what each row gets alone (the same on a worker and the backbone)
+    assert got["routed_batch_invariant"] is False
 
 
 def test_fast_mode_without_repacking_takes_the_tiled_kernel(need_ggml):

@@ -1,6 +1,7 @@
-"""The routed experts' slabs repacked (fast mode's default, as llama.cpp's): an expert's bytes in
-its layer's repacking are the repacking of its own matrix, and every way the project computes
-an expert (the layer's one graph, one expert alone, a worker's slice) gives the same bits.
+"""The routed experts' slabs in the fast mode: never repacked (``kernels.ggml.expert_layout``:
+ggml's repacked ``mul_mat_id`` runs a gemv per row and loses 3x from 64 rows), so an expert's
+bytes are the mapped slice's and every way the project computes an expert (the layer's one
+graph, one expert alone, a worker's slice) gives the same bits; dense weights stay repacked.
 The suite runs in the deterministic mode (tests/conftest.py), which never repacks: each check
 runs in a child process in the fast mode."""
 
@@ -33,16 +34,10 @@ report = {"repack": ggml.repack_enabled(), "label": __import__("kernels.backend"
           "prepared_at_load": all(ggml._repacked.get(w) is not None for w in slabs)}  # before any call
 rps = [ggml.repacked(w) for w in slabs]
 report["slabs_repacked"] = [rp is not None for rp in rps]
-if all(report["slabs_repacked"]):
+report["dense_repacked"] = ggml.repacked(blk.attn_q) is not None
+report["expert_views_repacked"] = [ggml.repacked(w) is not None for w in weights.expert(0, 0)]
+if True:
     E = blk.ffn_gate_exps.n_expert
-    same_bytes = True
-    for e in (0, E - 1):
-        for w, rp in zip(weights.expert(0, e), rps):
-            alone = ggml.repack_weight(QTensor("copy", w.ggml_type, w.ne, w.data.copy()))
-            view = ggml.repacked(w)
-            same_bytes &= bool(np.array_equal(view.data, alone.data)) and view.ptr == rp.ptr + e * w.nbytes
-    report["expert_bytes_are_its_own_repacking"] = same_bytes
-    report["really_repacked"] = not np.array_equal(rps[0].data[:256], blk.ffn_gate_exps.data[:256])
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, engine.cfg.n_embd)).astype(np.float32)
     ids = np.array([[e % E, (e + 3) % E] for e in range(5)], np.int32)
@@ -67,8 +62,8 @@ if all(report["slabs_repacked"]):
     w = Worker(fresh, WorkerConfig(node="probe"))
     w._index_holdings()
     asyncio.run(w._prepare_kernels())  # what Worker.start does before it subscribes
-    report["worker_prepared"] = all(ggml._repacked.get(t) is not None
-                                    for h in fresh.holdings for t in fresh.holding_slabs(h)[0])
+    report["worker_repacked_nothing"] = all(ggml._repacked.get(t) is None
+                                            for h in fresh.holdings for t in fresh.holding_slabs(h)[0])
 print(json.dumps(report))
 """
 
@@ -82,19 +77,17 @@ def _probe(model: str, out: Path, repack: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])  # the report, after any log line
 
 
-def test_repacked_experts_give_the_same_bits_every_way_they_are_computed(models, tmp_path):
+def test_experts_stay_plain_and_give_the_same_bits_every_way_they_are_computed(models, tmp_path):
     got = _probe(str(models("qwen2moe", "q4_k")), tmp_path / "piece.gguf", "1")
     if not got["repack"]:
         pytest.skip("this ggml has no CPU repack buffer type")
-    if not all(got["slabs_repacked"]):
-        pytest.skip("no repacked Q4_K kernel on this CPU")
     assert got["label"].endswith("-repack")
-    assert got["really_repacked"]
-    assert got["prepared_at_load"]  # the engine repacked its slabs when it loaded, not on a first request
-    assert got["expert_bytes_are_its_own_repacking"]
+    assert got["slabs_repacked"] == [False] * 3 and got["expert_views_repacked"] == [False] * 3
+    assert not got["prepared_at_load"]  # no second copy of the experts
+    assert got["dense_repacked"]  # dense weights: llama.cpp's repacked layout
     assert got["one_graph_equals_each_expert_alone"]
     assert got["slice_equals_backbone"]
-    assert got["worker_prepared"]  # a worker repacks its slabs before it takes a request
+    assert got["worker_repacked_nothing"]  # a worker's resident memory stays its slice's bytes
 
 
 def test_without_repacking_nothing_is_repacked(models, tmp_path):

@@ -1,0 +1,132 @@
+"""The routed experts' kernel by the rows of each call (``kernels.ggml.expert_layout``), on both
+sides: the worker's expert function, the backbone's local fallback and audit path, and the
+backbone's one-graph layer give the same bits for the same call at 1, 8, 64 and 512 rows, in
+the fast and the deterministic mode; the experts cost no second copy in memory.
+
+ggml fixes its mode as it loads, so each mode runs in a child process (a tiny qwen2moe Q4_K:
+the type ggml repacks on this CPU, where the layouts would differ)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kernels import ggml
+
+ROOT = Path(__file__).resolve().parents[2]
+ROWS = (1, 8, 64, 512)
+
+PROBE = r"""
+import json, sys
+import numpy as np
+from backbone.model import Engine
+from kernels import ggml
+from kernels.expert import expert_ffn, prepare
+from modelfile.slice_file import load_slice
+from modelfile.slicer import plan_slice, write_slice
+
+engine = Engine(sys.argv[1])
+blk = engine.weights.layers[0]
+slabs = (blk.ffn_gate_exps, blk.ffn_up_exps, blk.ffn_down_exps)
+E, D = blk.ffn_gate_exps.ne[2], engine.cfg.n_embd
+write_slice(plan_slice(sys.argv[1], [((0, 0), (1, E - 1))]), sys.argv[2])  # experts 1..E-1 of layer 0
+piece = load_slice(sys.argv[2])
+rng = np.random.default_rng(7)
+report = {"mode": ggml.load().mode, "rows": {}}
+e, other = 1, E - 1
+for n in [int(v) for v in sys.argv[3].split(",")]:
+    x = rng.standard_normal((n, D)).astype(np.float32)
+    worker = expert_ffn(*piece.expert_weights(0, e), x, routed=True)  # what a worker answers
+    fallback = engine.local_experts.compute(0, e, x)  # the backbone's fallback and audits
+    # the backbone's one-graph layer: expert e gets these n rows among 3 rows of another expert
+    extra = rng.standard_normal((3, D)).astype(np.float32)
+    both = np.concatenate([x, extra])
+    ids = np.array([[e]] * n + [[other]] * 3, np.int32)
+    layer = engine.local_experts.run_ids(0, both, ids)[:, 0]
+    run_layer = engine.local_experts.run_layer(0, [(e, x), (other, extra)])
+    alone = [expert_ffn(*piece.expert_weights(0, e), x[i:i + 1], routed=True)[0] for i in (0, n - 1)]
+    report["rows"][str(n)] = {
+        "worker_equals_fallback": bool(np.array_equal(worker, fallback)),
+        "worker_equals_layer_graph": bool(np.array_equal(worker, layer[:n])),
+        "worker_equals_run_layer": bool(np.array_equal(worker, run_layer[0])),
+        "other_expert_equals_its_call": bool(np.array_equal(
+            layer[n:], expert_ffn(*piece.expert_weights(0, other), extra, routed=True))),
+        "rows_equal_each_alone": bool(np.array_equal(worker[0], alone[0]) and np.array_equal(worker[-1], alone[1])),
+    }
+report["layouts"] = [ggml.expert_layout(int(blk.ffn_gate_exps.ggml_type), n, report["mode"]) for n in (1, 8, 64, 512)]
+report["slab_repacked"] = [ggml.repacked(w) is not None for w in slabs]
+report["expert_view_repacked"] = [ggml.repacked(w) is not None for w in piece.expert_weights(0, e)]
+report["prepared_slab_bytes"] = prepare(list(slabs) + [t for h in piece.holdings for t in piece.holding_slabs(h)[0]])
+report["dense_repacked"] = ggml.repacked(blk.attn_q) is not None
+report["repack_enabled"] = ggml.repack_enabled()
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def need_ggml():
+    if not ggml.available():
+        pytest.skip("ggml not available")
+
+
+def _probe(model, out: Path, mode: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("GGML_CPU_TILED_MM", "KVASIR_REPACK")}
+    env.update(KVASIR_KERNEL_MODE=mode, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", PROBE, str(model), str(out), ",".join(map(str, ROWS))], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+def test_worker_fallback_and_layer_graph_give_the_same_bits_at_every_row_count(need_ggml, models, tmp_path, mode):
+    got = _probe(models("qwen2moe", "q4_k"), tmp_path / "piece.gguf", mode)
+    assert got["mode"] == mode
+    for n in ROWS:
+        r = got["rows"][str(n)]
+        assert r["worker_equals_fallback"], (mode, n)
+        assert r["worker_equals_layer_graph"], (mode, n)
+        assert r["worker_equals_run_layer"], (mode, n)
+        assert r["other_expert_equals_its_call"], (mode, n)
+        if mode == "deterministic" or n < 8:  # batch-invariant below the tiled kernel's 8 rows, always in det
+            assert r["rows_equal_each_alone"], (mode, n)
+    if mode == "fast":
+        # from 8 rows the fast mode's tiled kernel runs (another summation order): the kernel
+        # is chosen by the call's rows, and both sides chose the same one (asserted above)
+        assert not all(got["rows"][str(n)]["rows_equal_each_alone"] for n in ROWS if n >= 8)
+
+
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+def test_routed_experts_are_never_repacked_so_cost_no_second_copy(need_ggml, models, tmp_path, mode):
+    got = _probe(models("qwen2moe", "q4_k"), tmp_path / "piece.gguf", mode)
+    assert got["layouts"] == ["plain"] * 4
+    assert got["slab_repacked"] == [False] * 3 and got["expert_view_repacked"] == [False] * 3
+    assert got["prepared_slab_bytes"] == 0  # a worker's resident memory stays its slice's bytes
+    if mode == "fast" and got["repack_enabled"]:
+        assert got["dense_repacked"]  # dense weights keep llama.cpp's repacked layout
+    if mode == "deterministic":
+        assert not got["dense_repacked"]
+
+
+def test_the_layout_rule_takes_only_what_both_sides_see(need_ggml):
+    from gguf import GGMLQuantizationType as T
+
+    for qtype in (T.Q4_K, T.Q8_0, T.Q4_0, T.F16):
+        for rows in (1, 7, 8, 64, 512, 4096):
+            for mode in ("fast", "deterministic", None):
+                assert ggml.expert_layout(int(qtype), rows, mode) == "plain"
+    with pytest.raises(ValueError):
+        ggml.expert_layout(int(T.Q4_K), 0)
+
+
+def test_a_large_one_row_expert_call_gets_every_thread():
+    """1-row Q8_0 at the 122B shape ran on one thread (decode_threads, half the cores): half
+    of what ggml does with the team. Expert calls take the full team once they are large."""
+    work = 3 * 3072 * 1024
+    assert ggml.expert_threads(work) == ggml.n_threads()
+    assert ggml.expert_threads(ggml.SMALL_WORK - 1) == 1
