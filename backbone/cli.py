@@ -112,6 +112,11 @@ def add_spool_flag(p: argparse.ArgumentParser) -> None:
                    help="keep every won ledger event here until the market's stream stores it, so a "
                    "killed backbone loses none (sent on the next start, or by `kvasir ledger replay`); "
                    "default $XDG_STATE_HOME/kvasir/spool/<model>/<node>, 'off': no spool")
+    p.add_argument("--sign-key", metavar="FILE", default=None,
+                   help="nkey seed file (a plain SU... seed, or the backbone identity's .creds file) "
+                   "that signs ledger batches, routing statistics and quarantine events; "
+                   "$KVASIR_BACKBONE_SEED wins over it; neither: a fresh key per process, whose "
+                   "public key is logged at start (signing_key) for `kvasir market --trust-backbone`")
 
 
 def cmd_ledger_replay(args) -> int:

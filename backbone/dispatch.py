@@ -358,6 +358,7 @@ class RemoteExperts:
         self.timeout = AdaptiveTimeout(cfg)
         self.observe_reply = None  # metrics hook (backbone.metrics): (layer, seconds) of each winning reply
         self.replicas = None  # backbone.replicas.Replicas: hedged re-sends (balance mode), per-expert latency
+        self.signer = None  # kvasir_bus.signing.Signer: quarantine events carry its signature
         self._audit_lock = threading.Lock()  # two micro-batches accept replies at once; the audit windows count
         self._pending: dict[str, tuple[_Call, int]] = {}  # token -> (call, chunk)
         self._finished: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # token -> (how, layer, expert)
@@ -827,7 +828,9 @@ class RemoteExperts:
 
     async def _publish_quarantine(self, event: market_codec.Quarantine) -> None:
         try:
-            await self.nc.publish(self.subjects.quarantine(), event.encode(), headers=codec.headers_for(event))
+            payload = event.encode()
+            signed = self.signer.headers(payload) if self.signer is not None else {}
+            await self.nc.publish(self.subjects.quarantine(), payload, headers={**codec.headers_for(event), **signed})
         except Exception as exc:  # the bus is down: the node stays quarantined here all the same
             log.warning("quarantine_publish_failed", node=event.node, error=str(exc))
 

@@ -108,6 +108,7 @@ class MarketLink:
         self.dropped_events = 0
         self._no_market = False
         self._settled = asyncio.Event()  # set by a flush that left nothing unacknowledged
+        self.signer = None  # kvasir_bus.signing.Signer: every stored record carries its signature
         self.spool = spool
         self._spool_floor = 0        # the spool's size after its last compaction
         self.replayed_events = 0     # events this start found in the spool, not yet stored
@@ -410,8 +411,10 @@ class MarketLink:
         """Publish ``record`` into the stream (with its readable headers and the id the stream
         dedupes by) and wait for its acknowledgement; None if not stored."""
         try:
-            ack = await js.publish(subject, record.encode(), timeout=self.ack_timeout_s,
-                                   headers={**mc.headers_for(record), ledger_stream.MSG_ID: msg_id})
+            payload = record.encode()
+            signed = self.signer.headers(payload) if self.signer is not None else {}
+            ack = await js.publish(subject, payload, timeout=self.ack_timeout_s,
+                                   headers={**mc.headers_for(record), ledger_stream.MSG_ID: msg_id, **signed})
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # no JetStream, no stream yet, a timeout: keep it for later

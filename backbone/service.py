@@ -72,6 +72,7 @@ class BackboneConfig:
     replicas: ReplicaConfig = ReplicaConfig()  # race or balance (hedged) with the workers' replicas
     hot: HotConfig = HotConfig()  # compute an expert here when that beats its round trip
     spool: str | None = None  # ledger spool DIR (None: the default place, "off": none)
+    sign_key: str | None = None  # nkey seed file signing ledger/routing/quarantine (kvasir_bus.signing)
 
     def __post_init__(self) -> None:
         if self.wire_dtype not in WIRE_DTYPES:
@@ -104,6 +105,7 @@ class BackboneConfig:
             replicas=ReplicaConfig(mode=getattr(args, "replicas", None) or "race"),
             hot=HotConfig(mode=getattr(args, "hot", None) or "off"),
             spool=getattr(args, "spool", None),
+            sign_key=getattr(args, "sign_key", None),
         )
         values.update(fixed)
         return cls(**values)
@@ -275,6 +277,11 @@ class BackboneService:
             except BaseException:  # SIGTERM while the bus is unreachable: stop the reconnect loop too
                 pending.cancel()
                 raise
+            from kvasir_bus.signing import Signer
+
+            signer = Signer.load(cfg.sign_key)  # ledger, routing and quarantine carry its signature
+            log.info("signing_key", public_key=signer.public_key,
+                     note="a market trusts it with --trust-backbone (kvasir up wires it)")
             if cfg.market:
                 from backbone.market_link import MarketLink
                 from backbone.spool import Spool, resolve
@@ -282,11 +289,13 @@ class BackboneService:
                 where = resolve(cfg.spool, self.model, cfg.node)
                 run.link = MarketLink(run.nc, self.model, cfg.node, interval_s=cfg.market_interval_s,
                                       top_k=self.engine.cfg.n_expert_used, spool=Spool(where) if where else None)
+                run.link.signer = signer
             run.dispatch = RemoteExperts(run.bus, run.nc, self.model, self.engine.local_experts,
                                          self.engine.cfg.n_embd, cfg.dispatch,
                                          coverage=CoverageView(cfg.dispatch.uncovered_ttl_s, n_layer=self.engine.cfg.n_layer,
                                                                  n_expert=self.engine.cfg.n_expert),
                                          recorder=run.link)
+            run.dispatch.signer = signer
             run.replicas = run.dispatch.replicas = Replicas(cfg.replicas)
             run.experts = run.dispatch
             if cfg.hot.mode != "off":

@@ -207,9 +207,17 @@ def cmd_up(args) -> int:
         t0 = time.perf_counter()
         market = None
         if not args.no_market:
+            from kvasir_bus.signing import Signer
+
+            # The market counts ledger, routing and quarantine records only when this backbone signed
+            # them: its key is the --sign-key given, or the backbone identity's (--secure), or a fresh one.
+            signer = Signer.load(cfg.sign_key or (creds["backbone"] if creds else None))
+            if cfg.sign_key is None and not os.environ.get("KVASIR_BACKBONE_SEED"):
+                cfg = replace(cfg, sign_key=str(signer.write(logdir / "backbone-sign.nk")))
             db = args.db or str(logdir / "market.db")
             logf = stack.enter_context(open(logdir / "market.log", "w"))
-            market = _spawn_market(url, fp, db, logf, ["--creds", creds["market"]] if creds else [])
+            market = _spawn_market(url, fp, db, logf, [*(["--creds", creds["market"]] if creds else []),
+                                                       "--trust-backbone", signer.public_key])
             stack.callback(market.stop)
         backbone = stack.enter_context(BackboneService(engine, cfg))
         for i, (lo, hi) in enumerate(ranges):

@@ -82,6 +82,11 @@ def _add_market(subparsers: argparse._SubParsersAction) -> None:
                    help="ask the backbone for this model's manifest at start (repeatable; "
                    "models are also learned from traffic)")
     p.add_argument("--node", metavar="NAME", default="market", help="the market's id on the bus")
+    p.add_argument("--trust-backbone", action="append", default=[], metavar="KEY",
+                   help="a backbone's public nkey (U..., logged by the backbone as signing_key): ledger "
+                   "batches, routing statistics and quarantine events count only when signed by a "
+                   "trusted key (repeatable; `kvasir up` wires it). None given: unsigned records are "
+                   "accepted, as on a bus whose permissions alone say who may publish them")
     p.add_argument("--http", "--metrics", dest="http", metavar="[HOST:]PORT", default=None,
                    help="serve the live dashboard (/) and Prometheus metrics (/metrics) here "
                    "(host default 127.0.0.1; 0.0.0.0:PORT for every interface)")
@@ -95,6 +100,7 @@ def _cmd_market(args: argparse.Namespace) -> int:
     from kvasir_bus.logs import configure
     from market.demand import Policy
     from market.service import MarketConfig
+    from kvasir_bus.signing import check_public_key
 
     configure(args.log_level)
     for name, value in (("--expiry", args.expiry), ("--range-experts", args.range_experts),
@@ -109,7 +115,8 @@ def _cmd_market(args: argparse.Namespace) -> int:
                            assign_grace_s=args.grace, range_experts=args.range_experts,
                            demand_interval_s=args.demand_interval,
                            policy=Policy(max_replicas=args.max_replicas),
-                           models=tuple(_model_arg(m) for m in args.model))
+                           models=tuple(_model_arg(m) for m in args.model),
+                           trusted_backbones=tuple(check_public_key(k) for k in args.trust_backbone))
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     http = None

@@ -124,6 +124,7 @@ class MarketConfig:
     stream_manifest_wait_s: float = 30.0      # ledger events of a model without a manifest
     unbacked_retries: int = 3                 # a batch with an unbacked event is read again ...
     unbacked_retry_s: float = ledger_stream.ACK_WAIT_S  # ... this much later (a redelivery's delay)
+    trusted_backbones: tuple[str, ...] = ()  # public nkeys whose signed ledger/routing/quarantine count (none: any)
 
     def __post_init__(self) -> None:
         subjects.check_node(self.node)
@@ -220,6 +221,10 @@ class Market:
         self.beats = RateLimiter(self.cfg.heartbeat_rate, 2 * self.cfg.heartbeat_rate,
                                  total_rate=self.cfg.heartbeat_total_rate, max_keys=65_536)
         self.stream_applied = 0  # stream messages applied since start (tests wait on it)
+        from kvasir_bus.signing import Verifier
+
+        self.verifier = Verifier(self.cfg.trusted_backbones)  # kvasir_bus.signing: who may credit and quarantine
+        self.unsigned_refused = 0  # ledger, routing and quarantine records refused for their signature
         self._status_nc: Any = None       # the status connection (self.nc if none of its own)
         self._status_subs: list[Any] = []
         self._status_dropped = 0          # status requests dropped since that connection opened
@@ -610,9 +615,29 @@ class Market:
                 return f"experts {lo}..{hi - 1} of layer {layer}: the model has {lay.n_expert}"
         return None
 
+    def _signed(self, kind: str, msg: Any) -> bool:
+        """Whether a ledger, routing or quarantine record may count: always while no backbone key
+        is trusted (the bus's permissions decide who publishes), else only when a trusted key
+        signed its exact payload (:mod:`kvasir_bus.signing`). A refusal: one line a minute per kind."""
+        if not self.verifier.enforcing:
+            return True
+        from kvasir_bus.signing import SignatureError
+
+        try:
+            self.verifier.check(msg.data, msg.headers)
+            return True
+        except SignatureError as exc:
+            self.unsigned_refused += 1
+            self.refusals.warning(("unsigned", kind), f"{kind}_refused", subject=msg.subject, error=str(exc),
+                                  refused=self.unsigned_refused,
+                                  note="only records signed by a --trust-backbone key count")
+            return False
+
     async def _on_routing(self, msg: Any) -> None:
         model = self._model_of(msg.subject)
         if model is None:
+            return
+        if not self._signed("routing", msg):
             return
         try:
             stats = mc.decode_routing(msg.data)
@@ -786,6 +811,8 @@ class Market:
             return True
         model = self._model_of(m.subject)
         if model is None:
+            return True
+        if not self._signed(parts[2], m):
             return True
         decode = {"ledger": mc.decode_ledger, "routing": mc.decode_routing,
                   "quarantine": mc.decode_quarantine}[parts[2]]
