@@ -32,7 +32,7 @@ install: $(STAMP) browser-worker
 BROWSER_OUT := backbone/static/worker/worker.js
 browser-worker: $(BROWSER_OUT)
 
-$(BROWSER_OUT): browser/package-lock.json browser/build.mjs browser/index.html $(wildcard browser/src/*.js)
+$(BROWSER_OUT): browser/package-lock.json browser/build.mjs browser/index.html $(wildcard browser/src/*.js browser/src/*.mjs browser/src/*.wat)
 	@if command -v npm >/dev/null 2>&1; then \
 	  cd browser && npm ci --no-audit --no-fund --loglevel=error && node build.mjs; \
 	else echo "browser-worker: no npm on this machine: /worker is not built and tests/browser/ will skip" >&2; fi

@@ -8,8 +8,8 @@ Two parts, printed as one JSON object (``--save``: also into bench/results/):
   against ggml and the audit's tolerance for that type (backbone/audit.py), the bound a tab's
   reply must stay under.
 * ``speed``: rows/s at the 122B expert shape (n_embd 3072, n_ff 1024, Q4_K; 1 and 64 rows) of
-  the tab's kernel (node, the same JavaScript the page runs), the numpy worker and ggml, in the
-  same run.
+  the tab's kernels (node, the same code the page runs: WebAssembly SIMD for Q4_K, and the
+  plain-JS fallback), the numpy worker and ggml, in the same run.
 
 ``python bench/browser_kernel.py [--quick] [--save]``; needs node and llama-cpp-python.
 """
@@ -56,10 +56,10 @@ def make_expert(qtype: T, n_embd: int, n_ff: int, seed: int, glu: str = "swiglu"
     return weight("gate", n_ff, n_embd, bias), weight("up", n_ff, n_embd, bias), weight("down", n_embd, n_ff, bias)
 
 
-def run_js(experts, x: np.ndarray, repeats: int = 1) -> tuple[np.ndarray, list[float]]:
+def run_js(experts, x: np.ndarray, repeats: int = 1, wasm: bool = False) -> tuple[np.ndarray, list[float]]:
     gate, up, down = experts
     with tempfile.TemporaryDirectory() as d:
-        spec = {"rows": int(x.shape[0]), "repeats": repeats, "x": "x.f32", "glu": gate.glu}
+        spec = {"rows": int(x.shape[0]), "repeats": repeats, "x": "x.f32", "glu": gate.glu, "wasm": wasm}
         for name, w in (("gate", gate), ("up", up), ("down", down)):
             w.data.tofile(os.path.join(d, name))
             spec[name] = {"type": int(w.ggml_type), "ne0": int(w.ne[0]), "ne1": int(w.ne[1]), "file": name}
@@ -80,7 +80,7 @@ def rel(a, b) -> float:
 
 def errors(quick: bool) -> dict:
     g, npb = get_backend("ggml"), get_backend("numpy")
-    out = {}
+    out, wasm_differs = {}, []
     cases = [(t, "swiglu", False) for t in TYPES] + [("MXFP4", "swiglu_oai", True), ("Q4_K", "swiglu_oai", True)]
     for name, glu, bias in cases:
         qt = T[name]
@@ -92,10 +92,14 @@ def errors(quick: bool) -> dict:
                 ref = g.expert_ffn(*ex, x, routed=True)
                 js, _ = run_js(ex, x)
                 worst_js = max(worst_js, rel(js, ref))
+                wa, _ = run_js(ex, x, wasm=True)  # SIMD for Q4_K, the JS kernel for the rest
+                if not np.array_equal(wa, js):
+                    wasm_differs.append(name)
                 worst_np = max(worst_np, rel(npb.expert_ffn(*ex, x, routed=True), ref))
         key = name + ("+bias+swiglu_oai" if bias else "")
         out[key] = {"js_vs_ggml": worst_js, "numpy_vs_ggml": worst_np, "audit_tolerance": tolerance(qt)}
         print(f"{key}: js {worst_js:.3g}, numpy {worst_np:.3g}, tolerance {tolerance(qt):g}", file=sys.stderr)
+    out["wasm_equals_js_bitwise"] = not wasm_differs
     return out
 
 
@@ -116,11 +120,12 @@ def speed(quick: bool) -> dict:
         x = np.random.default_rng(rows).standard_normal((rows, 3072)).astype(np.float32)
         reps = 2 if quick or rows > 1 else 5
         _, js = run_js(ex, x, repeats=reps)
+        _, wa = run_js(ex, x, repeats=reps, wasm=True)
         npb.expert_ffn(*ex, x, routed=True)  # dequantise once (cached), as a worker does
         t_np = best(lambda: npb.expert_ffn(*ex, x, routed=True), reps)
         g.expert_ffn(*ex, x, routed=True)
         t_g = best(lambda: g.expert_ffn(*ex, x, routed=True), reps * 3)
-        out[f"rows_{rows}"] = {"js_rows_per_s": rows / min(js), "numpy_rows_per_s": rows / t_np,
+        out[f"rows_{rows}"] = {"wasm_simd_rows_per_s": rows / min(wa), "js_rows_per_s": rows / min(js), "numpy_rows_per_s": rows / t_np,
                                "ggml_rows_per_s": rows / t_g}
         print(f"rows {rows}: {out[f'rows_{rows}']}", file=sys.stderr)
     return out
@@ -134,7 +139,7 @@ def main() -> int:
     if not shutil.which("node"):
         print("browser_kernel: node is not on PATH", file=sys.stderr)
         return 2
-    result = {"kernel": "js-scalar (browser/src/kernel.js under node " +
+    result = {"kernel": "js-wasm32 (browser/src/q4k.wat, SIMD) and js-scalar (browser/src/kernel.js), under node " +
                         subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip() + ")",
               "errors": errors(args.quick), "speed_122b_q4_k": speed(args.quick)}
     print(json.dumps(result, indent=2))

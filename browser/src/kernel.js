@@ -209,8 +209,47 @@ export function weightBytes(t, ne0, ne1) {
   return (ne0 / tr[0]) * tr[1] * ne1;
 }
 
+// -- WebAssembly SIMD (src/q4k.wat): Q4_K rows, the same bits as dotQ4K --------------------
+let wasm = null;
+/** Instantiate the SIMD kernel from its bytes; false (and the JS kernel stays) where the
+ * browser lacks WebAssembly SIMD. */
+export function useWasm(bytes) {
+  try {
+    if (!WebAssembly.validate(bytes)) return false;
+    const inst = new WebAssembly.Instance(new WebAssembly.Module(bytes), {});
+    const mem = inst.exports.memory, need = 65536 * 4;
+    mem.grow(Math.ceil((need + 65536) / 65536));
+    new Float32Array(mem.buffer, 0, 65536).set(F16);
+    wasm = { q4k: inst.exports.q4k, mem, top: need, scratch: 0, scratchSize: 0 };
+    return true;
+  } catch { wasm = null; return false; }
+}
+export const kernelLabel = () => (wasm ? "js-wasm32" : "js-scalar");
+function walloc(n) {
+  const p = (wasm.top + 15) & ~15, end = p + n, have = wasm.mem.buffer.byteLength;
+  if (end > have) wasm.mem.grow(Math.ceil((end - have) / 65536));
+  wasm.top = end;
+  return p;
+}
+function wasmQ4K(W, x, n) {
+  const nb = W.ne0 / 256;
+  if (W._wasm !== wasm) { W._wp = walloc(W.data.byteLength); new Uint8Array(wasm.mem.buffer, W._wp, W.data.byteLength).set(W.data); W._wasm = wasm; }
+  const need = nb * 256 + nb * 64 + nb * 8 + W.ne1 * 4 + 64;
+  if (wasm.scratchSize < need) { wasm.scratch = walloc(need); wasm.scratchSize = need; }
+  const qp = wasm.scratch, bsp = (qp + nb * 256 + 15) & ~15, dp = (bsp + nb * 64 + 15) & ~15, op = (dp + nb * 8 + 15) & ~15;
+  const out = new Float32Array(n * W.ne1);
+  for (let r = 0; r < n; r++) {
+    const a = quantQ8K(x, r * W.ne0, W.ne0), buf = wasm.mem.buffer;
+    new Int8Array(buf, qp, nb * 256).set(a.q); new Int32Array(buf, bsp, nb * 16).set(a.bs); new Float64Array(buf, dp, nb).set(a.d);
+    wasm.q4k(W._wp, W.ne1, nb, qp, bsp, dp, 0, op);
+    out.set(new Float32Array(wasm.mem.buffer, op, W.ne1), r * W.ne1);
+  }
+  return out;
+}
+
 /** W {type, ne0, ne1, data: Uint8Array} times x (n rows of ne0 float32) -> n rows of ne1 float32. */
 export function matmul(W, x, n) {
+  if (wasm && W.type === 12) return wasmQ4K(W, x, n);
   const [block, size, fmt] = TRAITS[W.type];
   const nb = W.ne0 / block, rowBytes = nb * size, dot = DOTS[W.type], act = ACTS[fmt];
   const out = new Float32Array(n * W.ne1), len = block === 1 ? W.ne0 : nb;

@@ -10,10 +10,14 @@ import { wsconnect } from "@nats-io/nats-core";
 import { encode, decode } from "@msgpack/msgpack";
 import { readHeader } from "./gguf.js";
 import { sha256hex } from "./sha256.js";
-import { expertFfn, weightBytes, f16ToF32, TYPE_NAMES } from "./kernel.js";
+import { expertFfn, weightBytes, f16ToF32, TYPE_NAMES, useWasm, kernelLabel } from "./kernel.js";
+import q4kWasm from "./q4k.wat";
 
 const VERSION = "0.1.0-browser";
-const KERNEL = "js-scalar"; // the plain-JavaScript kernel (src/kernel.js)
+// Q4_K in WebAssembly SIMD where the browser has it (src/q4k.wat), else plain JavaScript; both
+// compute the same bits (bench/browser_kernel.py checks), the label says which one runs.
+useWasm(Uint8Array.from(atob(q4kWasm), (c) => c.charCodeAt(0)));
+const KERNEL = kernelLabel();
 const KINDS = ["gate", "up", "down", "gate_bias", "up_bias", "down_bias"];
 const MAX_ROWS = 4096, MAX_REQUEST = 8 * 1024 * 1024;
 const ID_RE = /^[A-Za-z0-9_.:-]{1,64}$/, NODE_RE = /^[A-Za-z0-9_-]{1,64}$/;

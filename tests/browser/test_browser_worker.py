@@ -224,7 +224,7 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
             full = {(layer, e) for layer in manifest.moe_layers for e in range(manifest.n_expert)}
             return held == full and {"tab-a", "tab-b", "py-0"} <= nodes.keys() and nodes
         nodes = wait_until(covered, 30, "two tabs and the Python worker to cover the model")
-        assert nodes["tab-a"].kernel == nodes["tab-b"].kernel == "js-scalar" != nodes["py-0"].kernel
+        assert nodes["tab-a"].kernel == nodes["tab-b"].kernel == "js-wasm32" != nodes["py-0"].kernel  # WebAssembly SIMD in Chromium
 
         # --audit 1: every reply recomputed and replaced: bit-identical, with the tabs winning calls.
         default_auditor = remote.auditor
