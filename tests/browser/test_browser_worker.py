@@ -194,6 +194,13 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
 
     tabs, procs = Tabs(), []
     try:
+        # A bus that does not answer is said in plain words, and retried with backoff.
+        tabs.open(page_url(swarm, "tab-nobus", budget).replace(swarm["server"].websocket_url, "ws://127.0.0.1:9"),
+                  "tab-nobus")
+        st = wait_until(lambda: (s := tabs.state("tab-nobus"))["state"] == "retrying" and s, 30, "the retry notice")
+        assert "unreachable" in st["error"] and "retrying in" in st["error"], st["error"]
+        tabs.close("tab-nobus")
+
         # A budget too small for one expert is said in plain words.
         tabs.open(page_url(swarm, "tab-small", 1000), "tab-small")
         st = wait_until(lambda: (s := tabs.state("tab-small"))["state"] == "error" and s, 30, "the small tab's error")
