@@ -62,7 +62,7 @@ import itertools
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from collections.abc import Coroutine
@@ -71,7 +71,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import structlog
 
-from backbone.audit import AuditConfig, Auditor, relative_error, rerun_backend
+from backbone.audit import AuditConfig, Auditor, relative_error, replies_agree, rerun_backend
 from backbone.coverage_view import CoverageView
 from backbone.dispatch_stats import DispatchStats, LayerStats
 from kvasir_bus import codec, lane, market_codec
@@ -166,7 +166,7 @@ class _Call:
     from then on only the loop thread writes it, until it is ``done``."""
 
     __slots__ = ("step", "index", "expert", "rows", "chunks", "tokens", "payloads", "parts", "left",
-                 "won", "done", "liar_timer", "nodes", "routes")
+                 "won", "done", "liar_timer", "nodes", "routes", "disputed")
 
     def __init__(self, step: _Step, index: int, expert: int, rows: np.ndarray, chunks: list[np.ndarray]):
         self.step, self.index, self.expert, self.rows, self.chunks = step, index, expert, rows, chunks
@@ -179,6 +179,7 @@ class _Call:
         self.liar_timer: asyncio.TimerHandle | None = None
         self.nodes: tuple[str, ...] = ()  # bundled: the nodes whose bundles carry it
         self.routes = 0  # bundles that may still answer it (0: ask on the expert's subject)
+        self.disputed = False  # a racing replica's reply differed from the winner's: recompute it here
 
 
 class _Answer(NamedTuple):
@@ -259,6 +260,9 @@ class _Step:
 
 _SETTLED = -1  # on a step's queue: every call is settled
 _FINISHED_KEPT = 65536  # settled calls' tokens remembered, to tell a late reply from a duplicate
+_WON_KEPT = 4096  # won chunks kept for comparison with a losing replica's reply (their rows and outputs) ...
+_WON_KEPT_BYTES = 32 << 20  # ... and at most this many bytes of outputs among them (prefill chunks are big)
+_DISPUTES_KEPT = 256  # disagreements waiting for the engine thread's audit
 
 
 def _release(step: _Step) -> None:
@@ -359,6 +363,11 @@ class RemoteExperts:
         self.observe_reply = None  # metrics hook (backbone.metrics): (layer, seconds) of each winning reply
         self.replicas = None  # backbone.replicas.Replicas: hedged re-sends (balance mode), per-expert latency
         self.signer = None  # kvasir_bus.signing.Signer: quarantine events carry its signature
+        # Race mode's free audits: each won chunk by token, so the losing replica's reply can be
+        # compared with it (bounded: the recent ones), and the disagreements for the engine thread.
+        self._won_recent: OrderedDict[str, tuple[_Call, int]] = OrderedDict()
+        self._disputes: deque = deque(maxlen=_DISPUTES_KEPT)
+        self._won_bytes = 0
         self._audit_lock = threading.Lock()  # two micro-batches accept replies at once; the audit windows count
         self._pending: dict[str, tuple[_Call, int]] = {}  # token -> (call, chunk)
         self._finished: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # token -> (how, layer, expert)
@@ -472,10 +481,15 @@ class RemoteExperts:
     def _finish_step(self, layer: int, calls, step: _Step, stats: LayerStats, references,
                      outs: list[np.ndarray | None]) -> list[np.ndarray]:
         """Once every call is settled: book and accept the won ones (audits), compute the rest."""
+        if self._disputes:
+            self._settle_disputes()
         if step.calls:
             # Audited calls first: a node caught by any of them loses every reply of this step
             # (recomputed here below, uncredited), the ones taken before its failure included.
             verdicts = self._book_wins(layer, step.calls)
+            for call, audited in verdicts:
+                if call.disputed:  # a racing replica disagreed: audit every part
+                    audited[:] = [True] * len(audited)
             verdicts.sort(key=lambda verdict: True not in verdict[1])
             for call, audited in verdicts:
                 if True not in audited and any(self.auditor.is_quarantined(part.node) for part in call.won.parts):
@@ -1170,6 +1184,7 @@ class RemoteExperts:
                 continue
             del pending[rid]
             finished[rid] = ("won", bundle.layer, call.expert)
+            self._keep_won(rid, call, 0)
             call.parts[0] = _Part(slice(0, len(rows)), rows, node, kernel)
             call.left -= 1
             if call.left == 0:
@@ -1196,6 +1211,7 @@ class RemoteExperts:
             return
         start = sum(len(c) for c in call.chunks[:k]) if k else 0
         call.parts[k] = _Part(slice(start, start + len(call.chunks[k])), part.rows, part.node, part.kernel)
+        self._keep_won(token, call, k)
         call.left -= 1
         if call.left == 0:
             self._win(call)
@@ -1221,6 +1237,60 @@ class RemoteExperts:
                 self._shows_life((layer, expert), decode())  # slow is not silent
             elif how == "won":
                 stats.duplicates += 1
+                self._compare_loser(token, decode())
+
+    def _keep_won(self, token: str, call: _Call, k: int) -> None:
+        if len(call.nodes) > 1 or not call.nodes:  # a replica may race it (a call in one bundle: none can)
+            won = self._won_recent
+            won[token] = (call, k)
+            self._won_bytes += call.chunks[k].nbytes
+            while len(won) > _WON_KEPT or self._won_bytes > _WON_KEPT_BYTES:
+                old_call, old_k = won.popitem(last=False)[1]
+                self._won_bytes -= old_call.chunks[old_k].nbytes
+
+    def _compare_loser(self, token: str, reply) -> None:
+        """A racing replica's reply to a call another node won: compare it with the winner's (the
+        same bits when both announce one kernel, the cross-kernel tolerance otherwise). On a
+        mismatch both are audited here (:meth:`_settle_disputes`, on the engine thread), and a
+        call whose step is still open is recomputed before it is used."""
+        entry = self._won_recent.pop(token, None)
+        if entry is None:
+            return
+        call, k = entry
+        self._won_bytes -= call.chunks[k].nbytes
+        if not isinstance(reply, (_Answer, codec.DispatchReply)):
+            return
+        winner = call.parts[k]
+        if winner is None or reply.node == winner.node or self.auditor.is_quarantined(reply.node) \
+                or self.auditor.is_quarantined(winner.node):
+            return
+        same = bool(winner.kernel) and reply.kernel == winner.kernel
+        layer = self._finished.get(token, ("", -1, -1))[1]
+        if layer < 0:
+            return
+        agree = reply.rows.shape == winner.out.shape and (
+            np.array_equal(reply.rows, winner.out) if same else
+            replies_agree(reply.rows, winner.out, same_kernel=False, weight_type=self.local.weight_type(layer)))
+        if agree:
+            return
+        self.stats.layer(layer).disputes += 1
+        call.disputed = True
+        loser = _Part(winner.rows, np.asarray(reply.rows, np.float32), reply.node, reply.kernel)
+        self._disputes.append((layer, call.expert, call.rows, winner, loser))
+
+    def _settle_disputes(self) -> None:
+        """Audit both sides of every disagreement between racing replicas (engine thread): the
+        one that differs from the backbone's own result is quarantined, as by any audit."""
+        while self._disputes:
+            try:
+                layer, expert, rows, winner, loser = self._disputes.popleft()
+            except IndexError:
+                return
+            reference = self.local.compute(layer, expert, rows)
+            with self._audit_lock:
+                for part in (winner, loser):
+                    if not self.auditor.is_quarantined(part.node):
+                        self._audit(layer, expert, rows, reference, part)
 
     def _shows_life(self, key: tuple[int, int], reply) -> bool:
         """A valid reply of an honest node, even one too late to use: the expert is not silent."""
