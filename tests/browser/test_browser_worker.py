@@ -32,7 +32,7 @@ from backbone.generate import generate
 from backbone.model import Engine
 from backbone.sampling import Sampler, SamplerConfig
 from backbone.service import BackboneConfig, BackboneService
-from backbone.weights_http import WORKER_DIR
+from backbone.weights_http import WORKER_DIR, WeightsServer
 from kvasir_bus import market_codec as mc
 from kvasir_bus.connect import connect
 from kvasir_bus.fingerprint import model_fingerprint
@@ -279,6 +279,20 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
         t.join(120)
         assert not t.is_alive()
         same_as_monolithic(result["tokens"], result["logits"], mono_tokens, mono_logits, "tab closed mid-generation")
+
+        # A slab that fails its SHA-256 is refused, in plain words: a second weights server
+        # serves a copy whose expert bytes were changed, against the real backbone's manifest.
+        bad = swarm["tmp"] / "doctored.gguf"
+        data = bytearray(Path(swarm["model"]).read_bytes())
+        for slab in manifest.slabs:
+            data[slab.offset] ^= 0xFF
+        bad.write_bytes(bytes(data))
+        with WeightsServer(bad, port=0, model=fp) as doctored:
+            url = page_url(swarm, "tab-bad", budget).replace(f":{weights.port}/", f":{doctored.port}/")
+            tabs.open(url, "tab-bad")
+            st = wait_until(lambda: (s := tabs.state("tab-bad"))["state"] == "error" and s, 60, "the hash error")
+            assert "failed its SHA-256 check" in st["error"] and st["holdings"], st["error"]
+            tabs.close("tab-bad")
     finally:
         tabs.quit()
         for p in procs:
