@@ -13,6 +13,10 @@ With node tokens configured, a request must carry one (``Authorization: Bearer T
 constant time and never logged; logs and counters name a token by the first 8 hex digits of
 its SHA-256.
 
+``GET /worker`` serves the browser volunteer page (built from ``browser/`` into
+``backbone/static/worker/`` by ``make install``; ``/worker/config.json`` tells it the model
+fingerprint and the file name): open ``/worker?nats=ws://BUS:WSPORT&budget=64MB&node=NAME``.
+
 The server counts the file bytes it sends (as they are handed to the connection), in all, per
 client (the ``X-Kvasir-Node`` header a worker sends, else the peer address) and per token, so
 tests can check what a volunteer downloaded. It runs on its own threads (``http.server``; no
