@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+import time
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
@@ -219,13 +221,26 @@ def test_a_reply_after_the_timeout_is_counted_late_and_changes_nothing(rig, bus)
 
 def test_racing_replicas_the_first_reply_wins_and_ours_drops_the_second(rig):
     remote, nc, local, recorder, _ = rig()
-    nc.answer = lambda subject, req: [reply(req, 3 * req.rows, "fast"), reply(req, 5 * req.rows, "slow")]
+    nc.answer = lambda subject, req: [reply(req, 3 * req.rows, "fast"), reply(req, 3 * req.rows, "slow")]
     (out,) = remote.run_layer(0, [(4, ROWS)])
     assert np.array_equal(out, 3 * ROWS)
     s = remote.stats.layer(0)
-    assert (s.remote, s.duplicates, s.invalid) == (1, 1, 0)
+    assert (s.remote, s.duplicates, s.invalid, s.disputes) == (1, 1, 0, 0)  # the replicas agree
     assert dict(remote.stats.nodes) == {"fast": 1}
     assert recorder.wins == [("fast", 0, 4, 2)]  # the loser is never paid
+
+
+def test_racing_replicas_that_disagree_are_both_audited_and_the_call_recomputed(rig):
+    remote, nc, local, recorder, _ = rig()  # no audits: only the disagreement makes one
+    nc.answer = lambda subject, req: [reply(req, 2 * req.rows, "honest"), reply(req, 5 * req.rows, "liar")]
+    (out,) = remote.run_layer(0, [(4, ROWS)])
+    assert np.array_equal(out, 2 * ROWS)
+    deadline = time.monotonic() + 10
+    while remote.stats.layer(0).disputes < 1 and time.monotonic() < deadline:  # the loser comes on the bus thread
+        time.sleep(0.005)
+    assert remote.stats.layer(0).disputes == 1
+    remote.run_layer(0, [(4, ROWS)])  # the next step audits both sides first
+    assert remote.auditor.quarantined == {"liar"}
 
 
 def test_no_responders_falls_back_at_once_and_then_stops_asking_until_the_ttl(rig):
@@ -558,7 +573,7 @@ def test_racing_bundle_nodes_the_first_answer_wins_per_call(rig, bus):
     remote, nc, local, recorder, _ = rig()
     heartbeat(bus, nc, "a")
     heartbeat(bus, nc, "b")
-    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 3 if node == "a" else 5)]
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 3)]  # replicas that agree (else: a dispute)
     outs = remote.run_layer(0, [(1, ROW), (2, ROW)])
     assert all(np.array_equal(o, 3 * ROW) for o in outs)
     bus.run(nc.flush())  # b's bundle may go out once a's answer has settled the step
