@@ -154,6 +154,7 @@ class _Running:
     subs: list = field(default_factory=list)
     service: object = None  # the $SRV micro service
     manifest_tally: micro.Tally = field(default_factory=micro.Tally)
+    quarantines: object = None  # backbone.quarantine_list.QuarantineList
 
 
 class BackboneService:
@@ -301,6 +302,11 @@ class BackboneService:
             if cfg.hot.mode != "off":
                 run.hot = run.experts = HotExperts(run.dispatch, run.replicas.book, cfg.hot)
             run.bus.run(run.dispatch.start())
+            from backbone.quarantine_list import QuarantineList
+
+            # Distrust what any trusted backbone caught: the market's list now, verdicts on the bus from now on.
+            run.quarantines = QuarantineList(run.nc, self.model, run.dispatch.auditor, own_key=signer.public_key)
+            run.bus.submit(run.quarantines.start(load=cfg.market))
             self.metrics = DispatchCollector(lambda: self._run.dispatch.stats if self._run else None, self.model)
             run.dispatch.observe_reply = self.metrics.observe_reply
             if run.link is not None:

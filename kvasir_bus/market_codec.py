@@ -841,6 +841,9 @@ def decode_quarantine(data: bytes, *, max_bytes: int = 64 * 1024) -> Quarantine:
     return decode(data, ("q",), Quarantine.what, max_bytes=max_bytes)
 
 
+MAX_QUARANTINED_LISTED = 4096  # quarantined nodes a market status lists (the most recent)
+
+
 @record
 @dataclass(frozen=True)
 class MarketStatus(Record):
@@ -863,6 +866,7 @@ class MarketStatus(Record):
     demand: tuple[DemandEntry, ...]
     totals: tuple[NodeTotals, ...]
     fallback_rate: float | None = None
+    quarantined: tuple[str, ...] = ()  # nodes a backbone caught (a backbone loads them at start), most recent
 
     def __post_init__(self) -> None:
         r = self.what
@@ -882,9 +886,14 @@ class MarketStatus(Record):
         s("totals", tuple_of(r, "totals", self.totals, NodeTotals, MAX_NODES,
                               build=lambda item: NodeTotals(*item)))
         s("fallback_rate", check_opt_float(r, "fallback_rate", self.fallback_rate, 0.0, 1.0))
+        if not isinstance(self.quarantined, (list, tuple)) or len(self.quarantined) > MAX_QUARANTINED_LISTED:
+            raise CodecError(f"{r}: field 'quarantined' must be a list of at most {MAX_QUARANTINED_LISTED} nodes",
+                             "quarantined")
+        s("quarantined", tuple(check_node(r, "quarantined", n) for n in self.quarantined))
 
     def body(self) -> dict[str, Any]:
-        return {"model": self.model, "market": self.market, "sent_at": self.sent_at,
+        extra = {"quarantined": list(self.quarantined)} if self.quarantined else {}  # absent: the old bytes
+        return {**extra, "model": self.model, "market": self.market, "sent_at": self.sent_at,
                 "manifest_known": self.manifest_known, "n_layer": self.n_layer,
                 "n_expert": self.n_expert, "range_experts": self.range_experts,
                 "expiry_s": self.expiry_s,
@@ -901,7 +910,8 @@ class MarketStatus(Record):
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> MarketStatus:
         return cls(**{f.name: need(body, cls.what, f.name) for f in fields(cls)
-                      if f.name != "fallback_rate"}, fallback_rate=body.get("fallback_rate"))
+                      if f.name not in ("fallback_rate", "quarantined")}, fallback_rate=body.get("fallback_rate"),
+                   quarantined=tuple(body.get("quarantined", ())))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Market": self.market, "Kvasir-Nodes": str(len(self.nodes))}

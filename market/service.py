@@ -952,4 +952,5 @@ class Market:
             range_experts=lay.range_experts if lay else self.cfg.range_experts,
             expiry_s=self.cfg.expiry_s, nodes=nodes,
             demand=stats.entries(lay) if stats is not None else (), totals=totals,
-            fallback_rate=sum(rates) / len(rates) if rates else None)
+            fallback_rate=sum(rates) / len(rates) if rates else None,
+            quarantined=tuple(sorted(ms.coverage.banned))[:mc.MAX_QUARANTINED_LISTED])
