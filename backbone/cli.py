@@ -312,6 +312,8 @@ def cmd_generate(args) -> int:
                        keep_logits=bool(args.dump_logits), on_token=on_token)
         if backbone is not None:
             stats = backbone.stats.to_dict()
+    if stream is not None:
+        sys.stdout.write(stream.flush())  # a truncated last character prints as U+FFFD, as in "text"
     if backbone is not None and backbone.market_link is not None:
         ledger = backbone.market_link.report()  # after stop: its last flush counted
     if args.dump_logits:

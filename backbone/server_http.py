@@ -359,7 +359,8 @@ class HttpServer:
                         return
                 elif kind == "done":
                     finished = True
-                    rest = stops.flush()
+                    rest, hit = stops.push(decoder.flush())  # a truncated character: U+FFFD, not dropped
+                    rest = rest if hit else rest + stops.flush()
                     if rest:
                         yield rest, None
                     yield "", value
