@@ -26,6 +26,7 @@ the engine thread and are handed to that loop.
 from __future__ import annotations
 
 import asyncio
+import re
 import itertools
 import uuid
 from typing import AsyncIterator
@@ -38,12 +39,22 @@ from backbone.tokenizer import StreamDecoder
 from kvasir_bus import generate_codec as gc
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.subjects import Subjects
+from kvasir_bus.throttle import ThrottledLog
 from kvasir_bus.wire import encode, headers_for
 
 log = structlog.get_logger("kvasir.generate_bus")
 
 QUEUE = gc.GENERATE_QUEUE  # the queue group every backbone of a model joins
 
+_INBOX_SUBJECT = re.compile(r"_INBOX(_[A-Z2-7]{1,64})?(\.[A-Za-z0-9_\-]{1,64}){1,8}")
+_refusals = ThrottledLog(log, 60.0)
+
+
+def reply_subject_ok(subject: str) -> bool:
+    """Whether a generate request's reply subject is inbox-shaped: ``_INBOX.<tokens>`` (nats
+    clients' default) or ``_INBOX_<nkey>.<tokens>`` (a ``kvasir creds`` identity's own prefix),
+    never a ``kvasir.`` service subject, a ``$`` system subject or a wildcard."""
+    return len(subject) <= 256 and _INBOX_SUBJECT.fullmatch(subject) is not None
 
 class GenerateRefused(KvasirError):
     """The backbone answered with an error reply; ``code`` says why (``overloaded``: retry)."""
@@ -73,6 +84,7 @@ class GenerateBus:
         self._tasks: set[asyncio.Task] = set()
         self._streams: dict[str, asyncio.Task] = {}  # request id -> the task streaming it
         self._feedback = ""  # this backbone's no-responders inbox: "<it>.<n>" for stream n
+        self.refused_subjects = 0  # requests whose reply subject is no inbox (dropped unanswered)
         self._feedback_ids: dict[str, str] = {}  # "<n>" -> request id (an id may hold dots)
         self._numbers = itertools.count()
 
@@ -102,6 +114,11 @@ class GenerateBus:
     async def _on_request(self, msg) -> None:
         if not msg.reply:
             return  # nowhere to answer: a publish without an inbox is not a request
+        if not reply_subject_ok(msg.reply):
+            self.refused_subjects += 1
+            _refusals.warning(("reply_subject",), "generate_reply_subject_refused", reply=msg.reply[:80],
+                              refused=self.refused_subjects, note="replies go only to _INBOX subjects")
+            return  # never publish tokens on a service subject (or into someone's non-inbox subject)
         try:
             req = gc.decode_generate_request(msg.data)
         except gc.CodecError as exc:
