@@ -221,7 +221,6 @@ class Auditor:
         self._quarantined[node] = None
         while len(self._quarantined) > self.max_quarantined:
             self._quarantined.popitem(last=False)
-        self._nodes.pop(node, None)
         if caught_here:
             self.stats.quarantined.append(node)
             del self.stats.quarantined[:-self.max_quarantined]

@@ -834,7 +834,8 @@ class RemoteExperts:
             log.warning("node_quarantined", node=part.node, layer=layer, expert=expert, kernel=part.kernel,
                         exact=exact, relative_error=error)
             event = market_codec.Quarantine(model=self.model, node=part.node, layer=layer, expert=expert,
-                                            kernel=part.kernel, exact=exact, error=error, at=time.time())
+                                            kernel=part.kernel, exact=exact, error=error, at=time.time(),
+                                            since=self.auditor.last_pass_at(part.node))
             self.bus.submit(self._publish_quarantine(event))
             if self.recorder is not None:
                 self.recorder.void(part.node)

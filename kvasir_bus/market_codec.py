@@ -805,10 +805,12 @@ class Quarantine(Record):
     exact: bool
     error: float
     at: float
+    since: float = 0.0  # the node's last passed audit (Unix time; 0: none): only its events from then on are void
 
     def __post_init__(self) -> None:
         r = self.what
         s = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        s("since", check_float(r, "since", self.since))
         s("model", check_model(r, self.model))
         s("node", check_node(r, "node", self.node))
         s("layer", check_index(r, "layer", self.layer))
@@ -823,13 +825,17 @@ class Quarantine(Record):
         s("at", check_float(r, "at", self.at))
 
     def body(self) -> dict[str, Any]:
-        return {f: getattr(self, f) for f in ("model", "node", "layer", "expert", "kernel", "exact",
+        body = {f: getattr(self, f) for f in ("model", "node", "layer", "expert", "kernel", "exact",
                                               "error", "at")}
+        if self.since:  # absent: the bytes of a verdict without it (everything of the node void)
+            body["since"] = self.since
+        return body
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> Quarantine:
         return cls(**{f: need(body, cls.what, f) for f in ("model", "node", "layer", "expert", "kernel",
-                                                             "exact", "error", "at")})
+                                                             "exact", "error", "at")},
+                   since=body.get("since", 0.0))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Model": self.model, "Kvasir-Node": self.node, "Kvasir-Layer": str(self.layer),

@@ -278,19 +278,20 @@ class Ledger:
             return None
         return out, accepted
 
-    def apply_quarantine(self, stream: str, seq: int, model: str, node: str, at: float) -> int | None:
-        """Quarantine ``node``: its events so far are void (unpaid: nothing in this ledger
-        pays out yet, so that is all of them) and it is refused from now on. Returns the rows
-        voided (None if ``node`` was quarantined before)."""
+    def apply_quarantine(self, stream: str, seq: int, model: str, node: str, at: float,
+                         since: float = 0.0) -> int | None:
+        """Quarantine ``node``: its events won at or after ``since`` (the backbone's time of its
+        last passed audit; 0: all of them) are void, audited work before stays credited, and it
+        is refused from now on. Returns the rows voided (None if ``node`` was quarantined before)."""
         with self._db:
             if self._db.execute("INSERT OR IGNORE INTO quarantined VALUES (?, ?, ?)",
                                 (model, node, at)).rowcount == 0:
                 return None
             self._note_seq(stream, seq)
             got = self._db.execute("SELECT sum(rows) FROM events WHERE model = ? AND node = ? AND "
-                                   "void = 0", (model, node)).fetchone()
-            self._db.execute("UPDATE events SET void = 1, reward = 0 WHERE model = ? AND node = ?",
-                             (model, node))
+                                   "void = 0 AND at >= ?", (model, node, since)).fetchone()
+            self._db.execute("UPDATE events SET void = 1, reward = 0 WHERE model = ? AND node = ? AND at >= ?",
+                             (model, node, since))
         return int(got[0] or 0)
 
     def quarantined(self, model: str) -> set[str]:

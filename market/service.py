@@ -843,13 +843,13 @@ class Market:
             await self._db(self.ledger.apply_routing, stream, seq, model, record.node, remote, msg_id)
         elif isinstance(record, mc.Quarantine):
             voided = await self._db(self.ledger.apply_quarantine, stream, seq, model,
-                                    record.node, record.at)
+                                    record.node, record.at, record.since)
             if ms.coverage.ban(record.node):
                 ms.stale = True
             ms.latency.pop(record.node, None)
             self.log.warning("node_quarantined", model=model, node=record.node,
                              layer=record.layer, expert=record.expert, error=record.error,
-                             rows_voided=voided)
+                             rows_voided=voided, since=record.since)
         else:
             last = m.metadata.num_delivered > self.cfg.unbacked_retries
             return await self._apply_batch(ms, seq, record, hold=not last)
