@@ -162,28 +162,50 @@ async def _serve(cfg, url, http=None) -> int:
 # -- kvasir status / rewards: asking the market ---------------------------------------------
 
 async def ask_market(nc, subject: str, timeout: float, attempt_s: float = 0.25):
-    """A request to the market that asks again (a fresh inbox each time) every ``attempt_s``
-    until ``timeout``: under a status flood the market sheds whole backlogs unread (see
-    :mod:`market.service`), a request among them with them. Raises the last failure:
-    ``NoRespondersError`` (no market, or one reconnecting its status connection) or
-    ``TimeoutError``."""
+    """A request to the market that waits for its answer up to ``timeout`` on one inbox, and asks
+    again on that same inbox every ``attempt_s`` (doubling each time): under a status flood the
+    market sheds whole backlogs unread (see :mod:`market.service`), a request among them with
+    them, while a slow answer (a big ledger) to an earlier ask still counts when it comes.
+    Raises the last failure: ``NoRespondersError`` (no market, or one reconnecting its status
+    connection) or ``TimeoutError``."""
     import asyncio
     import time
 
     import nats.errors
 
+    answers: asyncio.Queue = asyncio.Queue()
+
+    async def on_answer(msg):
+        answers.put_nowait(msg)
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=on_answer)
     deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
+    try:
+        next_ask, wait = 0.0, attempt_s
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise nats.errors.TimeoutError
+            if now >= next_ask:
+                await nc.publish(subject, b"", reply=inbox)
+                next_ask, wait = now + wait, min(2 * wait, 4.0)
+            try:
+                msg = await asyncio.wait_for(answers.get(), max(0.01, min(next_ask, deadline) - time.monotonic()))
+            except (asyncio.TimeoutError, TimeoutError):
+                continue
+            if msg.headers and msg.headers.get("Status") == "503":  # nobody on the subject (yet)
+                if deadline - time.monotonic() <= 0.05:
+                    raise nats.errors.NoRespondersError
+                await asyncio.sleep(0.05)
+                next_ask = 0.0
+                continue
+            return msg
+    finally:
         try:
-            return await nc.request(subject, b"", timeout=max(0.01, min(attempt_s, left)))
-        except nats.errors.NoRespondersError:
-            if left <= 0.05:
-                raise
-            await asyncio.sleep(0.05)
-        except (nats.errors.TimeoutError, TimeoutError):
-            if deadline - time.monotonic() <= 0:
-                raise
+            await sub.unsubscribe()
+        except Exception:
+            pass
 
 
 async def _ask(url: str | None, subject: str, timeout: float):
