@@ -8,8 +8,8 @@ weights' plain bytes (``raw_plain``) and on the same weights in ggml's CPU repac
 quicker of the two. Shape: one expert of the 122b layer (n_embd 3072, n_ff 1024), routed
 (``ggml_mul_mat_id``), Q4_K and Q8_0 weights, 1/8/64/512 rows, in the fast and the
 deterministic kernel modes (each in a child process: ggml fixes its mode as it loads). The three
-kernels are timed in interleaved rounds, each figure the least of the rounds (the machine may be
-shared). Also times the numpy backend (cached float64 weights), reports the repacked bytes a
+kernels are timed in interleaved rounds, each figure the least call of all rounds (the machine
+may be shared: see :func:`interleaved`). Also times the numpy backend (cached float64 weights), reports the repacked bytes a
 worker's expert slabs would cost (``expert_memory``), and checks that alternating numpy
 (OpenBLAS) and ggml (OpenMP) calls does not slow ggml's 1-row call down.
 
@@ -179,22 +179,23 @@ def bench_calls(decode_model: str | None) -> dict:
     return result
 
 
-def interleaved(fns: dict, budget_s: float, rounds: int = 5) -> dict:
-    """Seconds per call of each fn, timed in ``rounds`` rounds that take every fn in turn (so
-    that another process's burst slows all of them alike): per round the median of the calls
-    filling ``budget_s / rounds``, and the least over the rounds."""
+def interleaved(fns: dict, budget_s: float, rounds: int = 8) -> dict:
+    """Seconds per call of each fn: the least single call over ``rounds`` rounds that take every
+    fn in turn, each for about ``budget_s / rounds`` (at least two calls). On a machine shared
+    with other busy processes a call's time is its own cost plus whatever of the other
+    processes' time slices fell into it: the least call is the nearest to its own cost, and
+    interleaving gives every fn the same chances at a quiet moment."""
     for fn in fns.values():
         fn()
     best = {name: float("inf") for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times: list[float] = []
-            start = time.perf_counter()
-            while len(times) < 2 or (time.perf_counter() - start < budget_s / rounds and len(times) < 100):
+            calls, start = 0, time.perf_counter()
+            while calls < 2 or (time.perf_counter() - start < budget_s / rounds and calls < 200):
                 t0 = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - t0)
-            best[name] = min(best[name], statistics.median(times))
+                best[name] = min(best[name], time.perf_counter() - t0)
+                calls += 1
     return best
 
 

@@ -223,9 +223,11 @@ class Worker:
             self._routes[self.subjects.dispatch(layer, expert)] = (layer, expert, weights)
 
     async def _prepare_kernels(self) -> None:
-        """Repack every held slab for the fast mode's kernels (:func:`kernels.expert.prepare`)
-        before any subject is subscribed: on its first call a big slab would hold its request
-        for about a second, past the backbone's timeout. On a thread: the connection's loop
+        """Lay every held slab out for this process's kernels (:func:`kernels.expert.prepare`)
+        before any subject is subscribed: a layout made on a first call would hold its request
+        for about a second, past the backbone's timeout. Routed experts stay in their plain
+        layout (``kernels.ggml.expert_layout``), so today this lays out nothing and the
+        worker's resident memory stays its slice's size. On a thread: the connection's loop
         keeps answering the server's PINGs meanwhile."""
         slabs = [w for (triple, _, _), _ in self._holding_plan.values() for w in triple]
         t0 = time.perf_counter()
@@ -300,7 +302,8 @@ class Worker:
         return codec.Heartbeat(model=self.slice.fingerprint, node=self.cfg.node, holdings=self.slice.holdings,
                                budget_bytes=self.cfg.budget_bytes or self.slice.nbytes,
                                load=float(self.in_flight), served=self.served, version=__version__,
-                               kernel=self._kernel, sent_at=time.time(), bundles=self.takes_bundles)
+                               kernel=self._kernel, sent_at=time.time(), bundles=self.takes_bundles,
+                               oversubscribed=_cores_oversubscribed())
 
     async def _publish_heartbeat(self) -> None:
         await self.check_bundle_subject()
@@ -714,3 +717,14 @@ def _sender(reply: str | None) -> str:
 
 def _safe_id(request_id: str) -> str:
     return request_id if codec.is_id(request_id) else ""
+
+
+def _cores_oversubscribed() -> bool:
+    """This process's ggml threads exceed its share of the cores beside the other kvasir
+    compute processes on the machine (say, ``--threads 2`` on three workers of two cores)."""
+    from kvasir_bus import threads
+
+    try:
+        return threads.threads_over_share()
+    except Exception:  # never let the census cost a heartbeat
+        return False
