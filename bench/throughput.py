@@ -54,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from synth.model import synth_model  # noqa: E402
+from bench import record  # noqa: E402
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -303,6 +304,53 @@ def run_sharded(path: Path, n_workers: int, rtt_ms: float, args, threads: int | 
     return out
 
 
+def run_handstarted(path: Path, args) -> dict:
+    """Three workers started as a user starts them by hand (no KVASIR_THREADS from a launcher),
+    experts split three ways, ``kvasir serve --nats --http`` with its defaults; the workers'
+    default threads against ``--threads 1`` on each, and against every worker on every core (the
+    oversubscription a worker's default avoids), at ``--hand-concurrency`` streams."""
+    from backbone.model import Engine
+    from kvasir_bus.fingerprint import model_fingerprint
+    from kvasir_bus.server import SHARED_MACHINE_PROCS, EmbeddedNats
+    from launch.swarm import spawn_worker, split_experts, wait_for_nodes
+
+    engine = Engine(path)
+    fp, n_expert = model_fingerprint(engine.reader), engine.cfg.n_expert
+    del engine
+    os.environ.pop("KVASIR_THREADS", None)  # the workers inherit this environment, as from a shell
+    out = {"workers": 3, "results": {}}
+    modes = (("default", []), ("threads_1", ["--threads", "1"]),
+             ("all_cores", ["--threads", str(os.cpu_count() or 1)]))  # every worker on every core
+    for mode, extra in modes:
+        rows = out["results"][mode] = []
+        with EmbeddedNats(procs=SHARED_MACHINE_PROCS) as nats:
+            workers = [spawn_worker(nats.url, f"hand-{i}", ["--model", str(path), "--layer", "all",
+                                                            "--experts", f"{lo}-{hi}"], threads=None, extra=extra)
+                       for i, (lo, hi) in enumerate(split_experts(n_expert, 3))]
+            proc = None
+            try:
+                asyncio.run(wait_for_nodes(nats.url, fp, {w.node for w in workers}, procs=workers, timeout=300))
+                proc, url = start_server(path, max_active=max(args.hand_concurrency), threads=None, nats=nats.url)
+                time.sleep(2.5)  # a worker re-counts its machine's kvasir processes every 2 s: the server too
+                asyncio.run(run_clients(url, prompts(1, args.prompt_tokens), 2))  # warm up
+                for c in args.hand_concurrency:
+                    res = asyncio.run(run_clients(url, prompts(c, args.prompt_tokens), args.tokens))
+                    rows.append({"concurrency": c, **res})
+                    print(f"# hand-started 3 workers ({mode}), {c} streams: {res['tok_s']} tok/s",
+                          file=sys.stderr, flush=True)
+            finally:
+                if proc is not None:
+                    proc.terminate()
+                    proc.wait(timeout=30)
+                for w in workers:
+                    w.stop()
+    base = {r["concurrency"]: r["tok_s"] for r in out["results"]["threads_1"]}
+    for mode in ("default", "all_cores"):
+        out[f"{mode}_over_threads_1"] = {str(r["concurrency"]): round(r["tok_s"] / base[r["concurrency"]], 3)
+                                         for r in out["results"][mode] if base.get(r["concurrency"])}
+    return out
+
+
 # -- the reference server: llama-server -np 16, built from the same vendored llama.cpp -------------
 #
 # llama-cpp-python's sdist carries the llama.cpp it was built from (vendor/llama.cpp). The bench
@@ -495,6 +543,10 @@ def main() -> None:
     ap.add_argument("--mix-concurrency", type=int, nargs="+", default=[4, 16], metavar="C",
                     help="concurrencies of --micro-batches and --replicas (default 4 16)")
     ap.add_argument("--threads", type=int, default=None, help="threads for both engines (default: all cores)")
+    ap.add_argument("--handstarted", action="store_true",
+                    help="3 workers started as by hand (default threads) vs the same with --threads 1")
+    ap.add_argument("--hand-concurrency", type=int, nargs="+", default=[1, 8], metavar="C",
+                    help="streams for --handstarted (default 1 8)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
     ap.add_argument("--no-llama-server", action="store_true", help="skip the llama-server reference of (a)")
     ap.add_argument("--llama-server", metavar="BIN", default=None,
@@ -502,6 +554,7 @@ def main() -> None:
     ap.add_argument("--llama-src", metavar="DIR", default=None,
                     help="llama.cpp tree to build llama-server from (default: llama-cpp-python's sdist)")
     ap.add_argument("--llama-slots", type=int, default=16, help="llama-server -np (default 16)")
+    record.add_save_flag(ap)
     args = ap.parse_args()
     from kvasir_bus.logs import configure
 
@@ -530,7 +583,10 @@ def main() -> None:
         out["micro_batches"] = [run_micro_batches(path, rtt, args) for rtt in args.mix_rtt_ms]
     if args.replicas:
         out["replicas"] = run_replicas(path, args)
+    if args.handstarted:
+        out["handstarted"] = run_handstarted(path, args)
     print(json.dumps(out, indent=2))
+    record.save(args, "throughput", out)
 
 
 def run_local(path: Path, args, top: int, n_ctx: int, threads: int, out: dict) -> None:

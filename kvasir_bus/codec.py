@@ -286,6 +286,7 @@ class Heartbeat(Record):
     kernel: str
     sent_at: float
     bundles: bool = False
+    oversubscribed: bool = False  # its ggml threads exceed its share of the cores it shares
 
     def __post_init__(self) -> None:
         r = self.what
@@ -300,6 +301,7 @@ class Heartbeat(Record):
         s("kernel", check_label(r, "kernel", self.kernel))
         s("sent_at", check_float(r, "sent_at", self.sent_at))
         s("bundles", check_bool(r, "bundles", self.bundles))
+        s("oversubscribed", check_bool(r, "oversubscribed", self.oversubscribed))
 
     def body(self) -> dict[str, Any]:
         body = {"model": self.model, "node": self.node,
@@ -308,12 +310,15 @@ class Heartbeat(Record):
                 "kernel": self.kernel, "sent_at": self.sent_at}
         if self.bundles:  # only then: a heartbeat without bundles is byte for byte the old one
             body["bundles"] = True
+        if self.oversubscribed:  # likewise
+            body["oversubscribed"] = True
         return body
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> Heartbeat:
-        return cls(**{f.name: need(body, cls.what, f.name) for f in fields(cls) if f.name != "bundles"},
-                   bundles=body.get("bundles", False))
+        return cls(**{f.name: need(body, cls.what, f.name) for f in fields(cls)
+                      if f.name not in ("bundles", "oversubscribed")},
+                   bundles=body.get("bundles", False), oversubscribed=body.get("oversubscribed", False))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Node": self.node}

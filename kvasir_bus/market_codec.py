@@ -753,6 +753,7 @@ class NodeStatus:
     version: str
     kernel: str
     latency_ms: float | None = None
+    oversubscribed: bool = False  # its heartbeat says its threads exceed its share of its cores
 
     def __post_init__(self) -> None:
         r = "node status"
@@ -767,6 +768,7 @@ class NodeStatus:
         check_str(r, "version", self.version, max_len=64)
         check_str(r, "kernel", self.kernel, max_len=64)
         s("latency_ms", check_opt_float(r, "latency_ms", self.latency_ms))
+        s("oversubscribed", check_bool(r, "oversubscribed", self.oversubscribed))
 
 
 @dataclass(frozen=True)
@@ -907,7 +909,8 @@ class MarketStatus(Record):
                            "pending": holding_list(n.pending), "budget_bytes": n.budget_bytes,
                            "load": n.load, "served": n.served, "age_s": n.age_s,
                            "version": n.version, "kernel": n.kernel,
-                           **({} if n.latency_ms is None else {"latency_ms": n.latency_ms})}
+                           **({} if n.latency_ms is None else {"latency_ms": n.latency_ms}),
+                           **({"oversubscribed": True} if n.oversubscribed else {})}
                           for n in self.nodes],
                 "demand": _entry_list(self.demand),
                 "totals": [[t.node, t.events, t.rows, t.reward] for t in self.totals],

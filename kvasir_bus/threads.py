@@ -65,6 +65,120 @@ def default_threads(local_processes: int = 1) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_processes))
 
 
+#: The subcommands whose processes run ggml on this machine's cores.
+COMPUTE_COMMANDS = ("worker", "serve", "up", "generate")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _is_compute(argv: list[str]) -> bool:
+    """``kvasir worker ...`` / ``python -m kvasir_bus.cli serve ...`` and the like."""
+    for i, arg in enumerate(argv[:4]):
+        base = os.path.basename(arg)
+        if base == "kvasir" or arg == "kvasir_bus.cli":
+            return i + 1 < len(argv) and argv[i + 1] in COMPUTE_COMMANDS
+    return False
+
+
+def compute_processes(proc: str = "/proc") -> int:
+    """Kvasir compute processes running on this machine, this one included (at least 1).
+    Read from ``/proc/*/cmdline``; where there is no /proc, 1."""
+    count, me = 0, os.getpid()
+    try:
+        entries = os.listdir(proc)
+    except OSError:
+        return 1
+    for name in entries:
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(os.path.join(proc, name, "cmdline"), "rb") as f:
+                argv = f.read(4096).decode("utf-8", "replace").split("\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        count += _is_compute(argv)
+    return count + 1
+
+
+def shared_threads(processes: int | None = None, cores: int | None = None) -> int:
+    """Threads per ggml call so that the compute processes on this machine, each running this
+    many, do not ask for more threads than there are cores (one at least)."""
+    processes = compute_processes() if processes is None else processes
+    cores = usable_cores() if cores is None else cores
+    return max(1, cores // max(1, processes))
+
+
+def oversubscribed(threads: int | None = None, processes: int | None = None, cores: int | None = None) -> bool:
+    """Whether this machine's compute processes, at ``threads`` each (default: this process's
+    KVASIR_THREADS), ask for more threads than it has cores: their OpenMP teams then wait for
+    each other's time slices at every barrier."""
+    if threads is None:
+        threads = int(os.environ.get(ENV_THREADS) or usable_cores())
+    processes = compute_processes() if processes is None else processes
+    cores = usable_cores() if cores is None else cores
+    return threads * processes > cores
+
+
+def threads_over_share() -> bool:
+    """Whether this process runs more ggml threads (KVASIR_THREADS, else every core) than its
+    share of the cores beside the machine's other kvasir compute processes: its OpenMP team
+    then spins against theirs. At one thread each, more processes than cores is not flagged:
+    nothing a node could lower."""
+    mine = int(os.environ.get(ENV_THREADS) or usable_cores())
+    return mine > shared_threads()
+
+
+class CoreShare:
+    """Keeps this process's ggml threads (env KVASIR_THREADS, read at every ggml call) at its
+    share of the cores while other kvasir processes start and stop beside it: a hand-started
+    worker sees the workers started after it. A daemon thread re-counts every ``period_s``."""
+
+    def __init__(self, period_s: float = 2.0):
+        import threading
+
+        self.period_s, self.threads, self.processes = period_s, 1, 1
+        self._stop = threading.Event()
+        self.update()
+        self._thread = threading.Thread(target=self._run, name="kvasir-core-share", daemon=True)
+        self._thread.start()
+
+    def update(self) -> int:
+        self.processes = compute_processes()
+        self.threads = shared_threads(self.processes)
+        os.environ[ENV_THREADS] = str(self.threads)
+        return self.threads
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            try:
+                self.update()
+            except Exception:  # a /proc hiccup: keep the last share
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+_share: CoreShare | None = None
+
+
+def share_cores(period_s: float = 2.0) -> CoreShare | None:
+    """Start (once) keeping this process's threads at its share of the cores; see CoreShare.
+    A KVASIR_THREADS set before (by hand, or by ``kvasir up`` for its children) wins: None."""
+    global _share
+    if _share is None and os.environ.get(ENV_THREADS):
+        return None
+    if _share is None:
+        _share = CoreShare(period_s)
+    return _share
+
+
 def add_kernel_flags(p, *, deterministic: bool = True) -> None:
     """``--deterministic`` and ``--threads N`` on a command that computes (applied by
     ``kernels.backend.apply_kernel_flags`` before anything loads ggml)."""
@@ -74,7 +188,8 @@ def add_kernel_flags(p, *, deterministic: bool = True) -> None:
                        "alone, whatever else is batched (default: llama.cpp's faster default kernels)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="threads per ggml call (default: env KVASIR_THREADS, else this machine's "
-                   "cores split between the compute processes started here)")
+                   "cores split between the compute processes started here; a worker re-counts "
+                   "the kvasir processes on its machine every 2 s and takes its share)")
 
 
 for _key, _value in DEFAULTS.items():

@@ -48,6 +48,7 @@ class NodeEntry:
     kernel: str = ""
     sent_at: float = 0.0
     seen_at: float | None = None
+    oversubscribed: bool = False  # from its heartbeat: its threads exceed its share of its cores
 
     @property
     def counted(self) -> tuple[Holding, ...]:
@@ -134,7 +135,7 @@ class CoverageMap:
         entry = NodeEntry(node=hb.node, holdings=tuple(hb.holdings), pending=pending,
                           pending_until=until, budget_bytes=hb.budget_bytes, load=hb.load,
                           served=hb.served, version=hb.version, kernel=hb.kernel,
-                          sent_at=hb.sent_at, seen_at=now)
+                          sent_at=hb.sent_at, seen_at=now, oversubscribed=hb.oversubscribed)
         self._nodes[hb.node] = entry
         if old is None or old.seen_at is None:
             return True

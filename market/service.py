@@ -941,7 +941,8 @@ class Market:
             load=e.load, served=e.served,
             age_s=None if e.seen_at is None else max(0.0, now - e.seen_at),
             version=e.version, kernel=e.kernel,
-            latency_ms=ms.latency[e.node][0] if e.node in ms.latency else None)
+            latency_ms=ms.latency[e.node][0] if e.node in ms.latency else None,
+            oversubscribed=e.oversubscribed)
             for e in ms.coverage.nodes())
         totals = tuple(await self._db(self.ledger.totals, model))
         rates = [rate for rate, until in ms.fallback.values() if until >= now]

@@ -59,7 +59,8 @@ def status_json(st: MarketStatus) -> dict[str, Any]:
         "nodes": [{"node": n.node, "holdings": [list(h) for h in n.holdings],
                    "pending": [list(h) for h in n.pending], "budget_bytes": n.budget_bytes,
                    "load": n.load, "served": n.served, "age_s": n.age_s,
-                   "version": n.version, "kernel": n.kernel, "latency_ms": n.latency_ms}
+                   "version": n.version, "kernel": n.kernel, "latency_ms": n.latency_ms,
+                   "oversubscribed": n.oversubscribed}
                   for n in st.nodes],
         "demand": [_entry_json(e) for e in st.demand],
         "rewards": totals_json(st.totals),
@@ -133,6 +134,8 @@ def status_text(st: MarketStatus, top: int = 8) -> str:
                 held = (held + " " if n.holdings else "") + \
                     f"(pending {holdings_text(n.pending)})"
             t = rewards.get(n.node)
+            if n.oversubscribed:  # its ggml threads spin against other processes' on shared cores
+                held += " [cores oversubscribed]"
             rows.append([n.node, held, size(n.budget_bytes), f"{n.load:g}", str(n.served),
                          latency_text(n.latency_ms),
                          "never" if n.age_s is None else f"{n.age_s:.1f} s ago",

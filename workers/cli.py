@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from kvasir_bus.connect import add_connection_flags
-from kvasir_bus.threads import add_kernel_flags
+from kvasir_bus.threads import add_kernel_flags, share_cores
 from kvasir_bus.errors import KvasirError, UsageError
 from kvasir_bus.subjects import BALANCE_QUEUE
 
@@ -178,6 +178,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     from kernels.backend import apply_kernel_flags
 
     apply_kernel_flags(args)  # before the slice is read: ggml loads once, in this mode
+    if args.threads is None:
+        share_cores()  # workers started by hand beside each other split the cores, not spin on them
     cfg = WorkerConfig(node=node, heartbeat_s=args.heartbeat, max_rows=args.max_rows,
                        max_bytes=args.max_request_bytes, queue_group=args.queue_group or (BALANCE_QUEUE if args.replicas == "balance" else None),
                        metrics=args.metrics, bundles=args.bundles == "on",

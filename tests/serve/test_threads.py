@@ -1,0 +1,81 @@
+"""Hand-started workers split the cores: each counts the kvasir compute processes on its machine."""
+
+from __future__ import annotations
+
+import os
+
+from kvasir_bus import threads
+
+
+def fake_proc(tmp_path, cmdlines: dict[int, list[str]]):
+    for pid, argv in cmdlines.items():
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "cmdline").write_bytes("\0".join(argv).encode() + b"\0")
+    (tmp_path / "self").mkdir()  # not a pid
+    return str(tmp_path)
+
+
+def test_counts_the_kvasir_compute_processes_only(tmp_path):
+    proc = fake_proc(tmp_path, {
+        101: ["/work/.venv/bin/python", "/work/.venv/bin/kvasir", "worker", "--nats", "x", "--model", "m"],
+        102: ["/usr/bin/python3", "-m", "kvasir_bus.cli", "worker", "--node", "w2"],
+        103: ["kvasir", "serve", "--model", "m", "--http", ":0"],
+        104: ["kvasir", "status", "--nats", "x"],         # asks the market: no ggml
+        105: ["/usr/bin/bash", "-c", "echo kvasir worker"],  # mentions it, is not it
+        106: ["nats-server", "-p", "0"],
+    })
+    assert threads.compute_processes(proc) == 3 + 1  # the three, and this process
+    assert threads.compute_processes(str(tmp_path / "absent")) == 1
+
+
+def test_the_share_never_asks_for_more_threads_than_cores():
+    assert threads.shared_threads(processes=1, cores=2) == 2
+    assert threads.shared_threads(processes=4, cores=2) == 1  # three workers and a backbone
+    assert threads.shared_threads(processes=3, cores=16) == 5
+    assert not threads.oversubscribed(threads=1, processes=2, cores=2)
+    assert threads.oversubscribed(threads=2, processes=4, cores=2)
+
+
+def test_core_share_sets_this_process_threads_and_a_launcher_setting_wins(monkeypatch):
+    monkeypatch.delenv(threads.ENV_THREADS, raising=False)
+    share = threads.CoreShare(period_s=3600)
+    try:
+        assert os.environ[threads.ENV_THREADS] == str(share.threads)
+        assert share.threads == threads.shared_threads(share.processes)
+        assert 1 <= share.threads <= threads.usable_cores()
+    finally:
+        share.stop()
+    monkeypatch.setenv(threads.ENV_THREADS, "3")
+    monkeypatch.setattr(threads, "_share", None)
+    assert threads.share_cores() is None  # KVASIR_THREADS (or --threads) set by hand: kept
+    assert os.environ[threads.ENV_THREADS] == "3"
+
+
+def test_an_oversubscribed_node_says_so_in_its_heartbeat_and_kvasir_status_shows_it():
+    from kvasir_bus.codec import Heartbeat, decode_heartbeat
+    from kvasir_bus.market_codec import MarketStatus, NodeStatus, decode_status_reply
+    from kvasir_bus.wire import Holding
+    from market.coverage import CoverageMap
+    from market.show import status_json, status_text
+
+    fp = "0123456789abcdef"
+    beat = dict(model=fp, node="w-1", holdings=((0, 0, 8),), budget_bytes=1 << 20, load=0.0, served=0,
+                version="0.1.0", kernel="ggml", sent_at=1.0)
+    calm, busy = Heartbeat(**beat), Heartbeat(**beat, oversubscribed=True)
+    assert "oversubscribed" not in calm.body()  # an unflagged heartbeat keeps the old bytes
+    assert decode_heartbeat(busy.encode()).oversubscribed and not decode_heartbeat(calm.encode()).oversubscribed
+
+    cov = CoverageMap(expiry_s=10.0, grace_s=5.0)
+    cov.observe(busy, now=1.0)
+    assert [e.oversubscribed for e in cov.nodes()] == [True]  # the market keeps what the node said
+
+    def status(flag: bool) -> MarketStatus:
+        node = NodeStatus("w-1", (Holding(0, 0, 8),), (), 1 << 20, 0.0, 0, 1.0, "0.1.0", "ggml",
+                          oversubscribed=flag)
+        return MarketStatus(model=fp, market="market", sent_at=1.0, manifest_known=False, n_layer=1,
+                            n_expert=8, range_experts=8, expiry_s=10.0, nodes=(node,), demand=(), totals=())
+
+    st = decode_status_reply(status(True).encode())
+    assert st.nodes[0].oversubscribed and status_json(st)["nodes"][0]["oversubscribed"]
+    assert "[cores oversubscribed]" in status_text(st)
+    assert "oversubscribed" not in status_text(status(False))
