@@ -168,13 +168,16 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
                    "(port 0: any free port; without --nats every expert is local)")
     p.add_argument("--model-name", metavar="NAME", default=None, help="model id in the API (default: the file's stem)")
     p.add_argument("--ctx", type=int, default=None, metavar="N", help="context size (default: the model's)")
-    p.add_argument("--max-active", type=int, default=16, metavar="N", help="sequences per engine step (default 16)")
+    p.add_argument("--max-active", type=int, default=None, metavar="N",
+                   help="the most sequences per engine step (default 1024: memory decides, see --kv-mb)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="waiting requests beyond which the server answers 429 (default 64)")
     p.add_argument("--step-tokens", type=int, default=256, metavar="N",
                    help="tokens per engine step, decode tokens plus prompt chunks (default 256)")
     p.add_argument("--kv-mb", type=float, default=None, metavar="MB",
-                   help="bound on the KV caches of the active sequences (default: --max-active full contexts)")
+                   help="bound on the KV caches of the active sequences; a request is admitted while its "
+                   "reserved cache (prompt + max_tokens) fits (default: half the memory available at start, "
+                   "at most --max-active full contexts; the start line says what one stream costs)")
     p.add_argument("--micro-batches", type=int, default=1, metavar="N",
                    help="lanes of sequences stepped at once, on threads of their own: with 2, one computes "
                    "its attention while the other waits for its remote experts (default 1)")
@@ -226,7 +229,10 @@ def http_config(args):
     host, port = parse_http(args.http)
     if args.kv_mb is not None and not args.kv_mb > 0:
         raise UsageError(f"--kv-mb must be positive, got {args.kv_mb}")
-    sched = SchedulerConfig(max_active=args.max_active, max_queue=args.max_queue, step_tokens=args.step_tokens,
+    from backbone.scheduler import MAX_ACTIVE
+
+    sched = SchedulerConfig(max_active=MAX_ACTIVE if args.max_active is None else args.max_active, max_queue=args.max_queue,
+                            step_tokens=args.step_tokens,
                             kv_bytes=int(args.kv_mb * 2**20) if args.kv_mb else None,
                             deterministic=args.deterministic, micro_batches=args.micro_batches)
     return ServerConfig(host=host, port=port, model_name=args.model_name or Path(args.model).stem, scheduler=sched)

@@ -6,8 +6,11 @@ chunks fill whatever the per-step token budget leaves after the decode tokens (c
 prefill: a long prompt never stalls the streams already decoding). The engine groups the rows
 of the whole step by expert, so every selected expert is asked once per layer for all of them.
 
-Admission: at most ``max_active`` sequences run, and their KV caches (reserved for the prompt
-plus ``max_tokens``, in the engine's 256-cell chunks) fit ``kv_bytes``; the rest wait in a FIFO
+Admission is by memory: the active sequences' KV caches (reserved for the prompt plus
+``max_tokens``, in the engine's 256-cell chunks, plus a delta-net layer's fixed state) fit
+``kv_bytes`` (default: the lesser of ``max_active`` full contexts and half the memory available
+when the server starts; see :func:`stream_bytes`), and at most ``max_active`` run (``kvasir
+serve`` sets it to :data:`MAX_ACTIVE`, so memory decides); the rest wait in a FIFO
 queue of at most ``max_queue`` requests, beyond which :meth:`Scheduler.submit` raises
 :class:`Overloaded` (the HTTP layer answers 429 with ``Retry-After``). A cancelled request (its
 client went away, or a stop string ended it) is dropped, and its KV cache freed, at the start
@@ -47,6 +50,40 @@ log = structlog.get_logger("kvasir.scheduler")
 
 
 MAX_MICRO_BATCHES = 4
+#: The most sequences one server runs at once (``kvasir serve``'s default: memory decides below it).
+MAX_ACTIVE = 1024
+#: The share of the memory available at start that the KV caches may take by default.
+MEMORY_SHARE = 0.5
+
+
+def stream_bytes(cfg, tokens: int, n_ctx: int | None = None) -> dict:
+    """What one stream of ``tokens`` (prompt plus generated) costs in memory, from the model's
+    shapes: float16 K and V per attention layer and token (``per_token``), allocated in 256-cell
+    chunks (``kv``), plus a delta-net layer's conv and recurrent state, float32, whatever the
+    length (``state``); ``total`` = kv + state."""
+    from kernels import dense
+
+    attn = [il for il in range(cfg.n_layer) if not cfg.is_recurrent(il)]
+    per_token = len(attn) * 2 * cfg.n_head_kv * cfg.head_dim * 2
+    state = 0
+    for il in range(cfg.n_layer):
+        if cfg.is_recurrent(il):
+            state += 4 * (cfg.ssm_conv_channels * (cfg.ssm_conv_kernel - 1)
+                          + cfg.ssm_v_heads * cfg.ssm_head_dim * cfg.ssm_head_dim)
+    kv = dense.cache_cells_for(tokens, n_ctx) * per_token
+    return {"per_token": per_token, "kv": kv, "state": state, "total": kv + state}
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (/proc/meminfo MemAvailable; None where unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class Overloaded(KvasirError):
@@ -69,9 +106,6 @@ class SchedulerConfig:
                 raise UsageError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise UsageError(f"max-queue must be >= 0, got {self.max_queue}")
-        if self.step_tokens < self.max_active:
-            raise UsageError(f"step-tokens ({self.step_tokens}) must be at least max-active "
-                             f"({self.max_active}): every active sequence decodes one token per step")
         if not 1 <= self.micro_batches <= MAX_MICRO_BATCHES:
             raise UsageError(f"micro-batches must be 1..{MAX_MICRO_BATCHES}, got {self.micro_batches}")
         if self.kv_bytes is not None and self.kv_bytes <= 0:
@@ -153,9 +187,14 @@ class Scheduler:
     def __init__(self, engine, cfg: SchedulerConfig = SchedulerConfig()):
         self.engine, self.cfg = engine, cfg
         c = engine.cfg
-        self.cell_bytes = c.n_layer * 2 * c.n_head_kv * c.head_dim * 2  # K and V, float16
-        self.kv_bytes = cfg.kv_bytes if cfg.kv_bytes is not None else \
-            cfg.max_active * self._cells(engine.n_ctx) * self.cell_bytes
+        cost = stream_bytes(c, engine.n_ctx, engine.n_ctx)
+        self.cell_bytes, self.state_bytes = cost["per_token"], cost["state"]  # K and V float16; delta-net state
+        self.kv_bytes = cfg.kv_bytes
+        if self.kv_bytes is None:
+            self.kv_bytes = cfg.max_active * cost["total"]
+            free = available_memory()
+            if free:  # admission by memory: never plan on more than a share of what is there
+                self.kv_bytes = max(cost["total"], min(self.kv_bytes, int(free * MEMORY_SHARE)))
         self.stats = Stats()
         self.on_step = None  # metrics hook (backbone.metrics): (tokens generated) after each step
         self._queue: list[Job] = []
@@ -202,6 +241,15 @@ class Scheduler:
 
         return dense.cache_cells_for(n, self.engine.n_ctx)
 
+    def _reserve(self, tokens: int) -> int:
+        return self._cells(tokens) * self.cell_bytes + self.state_bytes
+
+    def stream_cost(self) -> dict:
+        """One stream's memory on this engine (:func:`stream_bytes`) and how many full-context
+        streams the bound admits."""
+        cost = stream_bytes(self.engine.cfg, self.engine.n_ctx, self.engine.n_ctx)
+        return {**cost, "bound": self.kv_bytes, "full_context_streams": self.kv_bytes // cost["total"]}
+
     def check(self, request: GenRequest) -> None:
         """Raise :class:`UsageError` for a request that could never run here."""
         n = len(request.prompt)
@@ -212,14 +260,14 @@ class Scheduler:
         if n + request.max_tokens > self.engine.n_ctx:
             raise UsageError(f"the prompt ({n} tokens) plus max_tokens ({request.max_tokens}) exceeds "
                              f"the context of {self.engine.n_ctx} tokens")
-        need = self._cells(n + request.max_tokens) * self.cell_bytes
+        need = self._reserve(n + request.max_tokens)
         if need > self.kv_bytes:
             raise UsageError(f"the request needs {need} bytes of KV cache; this server's bound is {self.kv_bytes}")
 
     def submit(self, request: GenRequest, on_event: Callable[[Event], None]) -> Job:
         """Queue a request; raises :class:`UsageError` or :class:`Overloaded`."""
         self.check(request)
-        job = Job(request, on_event, self._cells(len(request.prompt) + request.max_tokens) * self.cell_bytes)
+        job = Job(request, on_event, self._reserve(len(request.prompt) + request.max_tokens))
         with self._cond:
             if self._stopping or not self._threads:
                 raise Overloaded("the server is not running")
@@ -289,6 +337,8 @@ class Scheduler:
         mine = [j for j in self._active if j.lane == lane]
         batch = [(j, np.asarray([j.pending])) for j in mine if not j.prefilling]
         budget = self.cfg.step_tokens - len(batch)
+        if budget <= 0:  # more streams decode than the budget: prompts still move on
+            budget = max(1, self.cfg.step_tokens // 4)
         for job in mine:
             if budget <= 0:
                 break

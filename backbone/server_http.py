@@ -191,8 +191,12 @@ class HttpServer:
             except BaseException:
                 await self.stop()
                 raise
+        cost = self.scheduler.stream_cost()  # admission is by memory: say what one stream costs
         log.info("http_serving", url=self.url, model=self.cfg.model_name, n_ctx=self.engine.n_ctx,
-                 max_active=self.cfg.scheduler.max_active, deterministic=self.cfg.scheduler.deterministic)
+                 max_active=self.cfg.scheduler.max_active, deterministic=self.cfg.scheduler.deterministic,
+                 kv_bytes_per_token=cost["per_token"], state_bytes_per_stream=cost["state"],
+                 full_context_stream_mib=round(cost["total"] / 2**20, 2),
+                 kv_bound_mib=round(cost["bound"] / 2**20, 1), full_context_streams=cost["full_context_streams"])
         return self.url
 
     def _count_step(self, tokens: int) -> None:

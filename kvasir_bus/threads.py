@@ -149,9 +149,15 @@ class CoreShare:
         self._thread.start()
 
     def update(self) -> int:
+        before = self.threads if hasattr(self, "_thread") else None
         self.processes = compute_processes()
         self.threads = shared_threads(self.processes)
         os.environ[ENV_THREADS] = str(self.threads)
+        if self.threads != before:
+            import structlog
+
+            structlog.get_logger("kvasir.threads").info(
+                "threads_shared", threads=self.threads, kvasir_processes=self.processes, cores=usable_cores())
         return self.threads
 
     def _run(self) -> None:

@@ -120,8 +120,15 @@ def test_requests_that_cannot_run_are_refused_up_front(engine):
                             (GenRequest((1,) * 200, 100), "exceeds the context")]:
             with pytest.raises(UsageError, match=needle):
                 sched.submit(req, Collector())
-    with pytest.raises(UsageError, match="step-tokens"):
-        SchedulerConfig(max_active=16, step_tokens=8)
+
+
+def test_more_streams_than_step_tokens_still_read_their_prompts(engine):
+    """Admission is by memory, so more sequences may decode than a step's token budget: the
+    prompts of newcomers still move on (a share of the budget), and every stream completes."""
+    reqs = [GenRequest(p, max_tokens=3, stop_on_eos=False) for p in prompts(12, seed=4)]
+    with Scheduler(engine, SchedulerConfig(max_active=16, step_tokens=8)) as sched:
+        outs, stats = run_all(sched, reqs)
+    assert stats["completed"] == 12 and all(len(o.tokens) == 3 for o in outs)
 
 
 def test_stop_text_holds_back_partial_matches_and_cuts_at_the_first_stop():
