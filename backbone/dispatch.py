@@ -843,9 +843,8 @@ class RemoteExperts:
 
     async def _publish_quarantine(self, event: market_codec.Quarantine) -> None:
         try:
-            payload = event.encode()
-            signed = self.signer.headers(payload) if self.signer is not None else {}
-            await self.nc.publish(self.subjects.quarantine(), payload, headers={**codec.headers_for(event), **signed})
+            signed = self.signer.headers(event.encode()) if self.signer is not None else {}  # the same bytes as sent
+            await self.nc.publish(self.subjects.quarantine(), event.encode(), headers={**codec.headers_for(event), **signed})
         except Exception as exc:  # the bus is down: the node stays quarantined here all the same
             log.warning("quarantine_publish_failed", node=event.node, error=str(exc))
 

@@ -411,9 +411,9 @@ class MarketLink:
         """Publish ``record`` into the stream (with its readable headers and the id the stream
         dedupes by) and wait for its acknowledgement; None if not stored."""
         try:
-            payload = record.encode()
-            signed = self.signer.headers(payload) if self.signer is not None else {}
-            ack = await js.publish(subject, payload, timeout=self.ack_timeout_s,
+            # msgpack encodes a record to the same bytes every time: the signature covers what is sent
+            signed = self.signer.headers(record.encode()) if self.signer is not None else {}
+            ack = await js.publish(subject, record.encode(), timeout=self.ack_timeout_s,
                                    headers={**mc.headers_for(record), ledger_stream.MSG_ID: msg_id, **signed})
         except asyncio.CancelledError:
             raise

@@ -213,7 +213,8 @@ def cmd_up(args) -> int:
             # them: its key is the --sign-key given, or the backbone identity's (--secure), or a fresh one.
             signer = Signer.load(cfg.sign_key or (creds["backbone"] if creds else None))
             if cfg.sign_key is None and not os.environ.get("KVASIR_BACKBONE_SEED"):
-                cfg = replace(cfg, sign_key=str(signer.write(logdir / "backbone-sign.nk")))
+                keydir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvasir-key-")))
+                cfg = replace(cfg, sign_key=str(signer.write(keydir / "backbone-sign.nk")))
             db = args.db or str(logdir / "market.db")
             logf = stack.enter_context(open(logdir / "market.log", "w"))
             market = _spawn_market(url, fp, db, logf, [*(["--creds", creds["market"]] if creds else []),
