@@ -46,11 +46,14 @@ import structlog
 from kvasir_bus import __version__
 from kernels.tensors import split_part_paths
 from kvasir_bus.errors import UsageError
+from kvasir_bus.throttle import ThrottledLog
 
 log = structlog.get_logger("kvasir.weights")
 
 CHUNK_BYTES = 1 << 20
 IDLE_TIMEOUT_S = 60.0  # a kept-alive connection idle this long is closed
+MAX_CONNECTIONS = 256  # open connections (one thread each) at most; more are closed at accept
+MAX_CONNECTIONS_PER_ADDRESS = 32  # of them, from one client address
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _NODE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _WILDCARD = {"", "0.0.0.0", "::", "[::]"}
@@ -142,6 +145,7 @@ class WeightsServer:
         self.unauthorized = 0
         self.by_client: dict[str, int] = {}
         self.by_token: dict[str, int] = {}
+        self.refused_connections = 0  # over the connection caps (see _admit)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> "WeightsServer":
@@ -151,7 +155,8 @@ class WeightsServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         server_cls = type("_Server", (ThreadingHTTPServer,), {"address_family": family,
                                                               "daemon_threads": True,
-                                                              "handle_error": _handle_error})
+                                                              "handle_error": _handle_error,
+                                                              "verify_request": self._admit})
         try:
             self._httpd = server_cls((self.host, self.requested_port), handler)
         except OSError as exc:
@@ -165,6 +170,26 @@ class WeightsServer:
         log.info("weights_serving", url=self.url, file=self.path, size=os.path.getsize(self.path),
                  auth=bool(self.tokens))
         return self
+
+    def _admit(self, request, client_address) -> bool:
+        """Whether a new connection gets a thread: at most :data:`MAX_CONNECTIONS` open, and
+        :data:`MAX_CONNECTIONS_PER_ADDRESS` of them from one address (a slow client holds no more
+        than that; each is closed after :data:`IDLE_TIMEOUT_S` of silence). Refused: closed at once."""
+        with self._lock:
+            conns = list(self._conns)
+        mine = 0
+        for conn in conns:
+            try:
+                mine += conn.getpeername()[0] == client_address[0]
+            except OSError:
+                pass
+        if len(conns) < MAX_CONNECTIONS and mine < MAX_CONNECTIONS_PER_ADDRESS:
+            return True
+        self.refused_connections += 1
+        _refusals.warning(("connections", client_address[0]), "weights_connection_refused",
+                          client=client_address[0], open=len(conns), from_client=mine,
+                          refused=self.refused_connections)
+        return False
 
     def stop(self) -> None:
         """Stop listening and close every open connection (idempotent)."""
@@ -254,6 +279,8 @@ def _handle_error(server, request, client_address) -> None:
     log.debug("weights_connection_error", client=client_address[0],
               error=f"{type(exc).__name__}: {exc}")
 
+
+_refusals = ThrottledLog(log, 60.0)
 
 class _Handler(BaseHTTPRequestHandler):
     owner: WeightsServer
