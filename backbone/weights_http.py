@@ -52,8 +52,8 @@ log = structlog.get_logger("kvasir.weights")
 
 CHUNK_BYTES = 1 << 20
 IDLE_TIMEOUT_S = 60.0  # a kept-alive connection idle this long is closed
-MAX_CONNECTIONS = 256  # open connections (one thread each) at most; more are closed at accept
-MAX_CONNECTIONS_PER_ADDRESS = 32  # of them, from one client address
+MAX_CONNECTIONS = 512  # open connections (one thread each) at most; more are closed at accept
+MAX_CONNECTIONS_PER_ADDRESS = 256  # of them, from one client address (loopback swarms share one: 200 concurrent range reads stay served)
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 _NODE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _WILDCARD = {"", "0.0.0.0", "::", "[::]"}

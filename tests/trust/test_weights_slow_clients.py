@@ -13,9 +13,10 @@ from backbone.weights_http import WeightsServer
 EXTRA = 40
 
 
-def test_connections_past_the_cap_get_no_thread_and_the_server_still_answers(tmp_path):
+def test_connections_past_the_cap_get_no_thread_and_the_server_still_answers(tmp_path, monkeypatch):
     blob = tmp_path / "w.bin"
     blob.write_bytes(bytes(range(256)) * 64)
+    monkeypatch.setattr(weights_http, "MAX_CONNECTIONS_PER_ADDRESS", 16)  # the default is 256: a quick test
     cap = weights_http.MAX_CONNECTIONS_PER_ADDRESS
     with WeightsServer(blob, port=0, host="127.0.0.1") as srv:
         before = threading.active_count()
