@@ -110,7 +110,8 @@ async def one_client(session, url: str, prompt: list[int], n: int) -> dict:
 async def run_clients(url: str, batch: list[list[int]], n: int) -> dict:
     import aiohttp
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as session:
+    connector = aiohttp.TCPConnector(limit=0)  # aiohttp's default 100 would cap the streams at 100
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600), connector=connector) as session:
         t0 = time.perf_counter()
         results = await asyncio.gather(*(one_client(session, url, p, n) for p in batch))
         wall = time.perf_counter() - t0
