@@ -179,10 +179,11 @@ def test_a_liar_from_its_first_reply_changes_no_token_in_fresh_backbone_runs(bun
     assert won > 0  # the liar won races against the honest worker
 
 
-def test_a_node_caught_in_a_step_loses_every_reply_of_that_step(model, prompt, monolithic, bus):
+def test_a_node_caught_in_a_step_loses_every_reply_of_that_step(model, prompt, monolithic, nats_server):
     """A liar alone on the bus, honest through a whole generation (probation passed, its replies
     used unchecked after), then lying on everything: the prefill step that catches it holds more of
     its replies than one audit window, and every one of them is recomputed before the combine."""
+    bus = nats_server  # its own server: the module's honest worker would race it
     engine = Engine(model)
     cfg = BackboneConfig(model_path=str(model), nats_url=bus.url, market=False, serve_manifest=False)
     with liars.BusLiar(model, bus.url, lambda out, layer, n: out, node="sleeper") as liar:
