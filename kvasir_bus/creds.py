@@ -83,6 +83,9 @@ class Deployment:
     websocket: str | None
     websocket_tls: tuple[str, str] | None  # (cert file, key file) for wss:// on the listener
     identities: tuple[Identity, ...]
+    #: "nkey": users listed in accounts.conf (reload to add one); "jwt": NATS decentralised auth,
+    #: an operator and accounts whose users are JWTs signed by the account key (no reload).
+    auth: str = "nkey"
 
     def names(self) -> set[str]:
         return {i.name for i in self.identities}
@@ -189,8 +192,12 @@ def _identity_lines(ident: Identity, client_keys: tuple[str, ...]) -> str:
     return f"      # {ident.name} ({ident.role})\n      {json.dumps(user)}"
 
 
-def render_accounts(dep: Deployment) -> str:
-    """``accounts.conf``: the two accounts and every user, with ``$SYS`` for the operator."""
+def render_accounts(dep: Deployment, directory: Path | None = None) -> str:
+    """``accounts.conf``: the two accounts and every user, with ``$SYS`` for the operator; in
+    JWT mode the operator, system account and account resolver (:func:`render_trust`)."""
+    if dep.auth == "jwt":
+        assert directory is not None
+        return render_trust(directory)
     users = [i for i in dep.identities if i.role != "operator"]
     ops = [i for i in dep.identities if i.role == "operator"]
     return "\n".join([
@@ -250,8 +257,11 @@ def _save(directory: Path, dep: Deployment) -> None:
              "websocket_tls": list(dep.websocket_tls) if dep.websocket_tls else None,
              "identities": [{"name": i.name, "role": i.role, "public_key": i.public_key}
                             for i in dep.identities]}
+    if dep.auth == "jwt":
+        state["auth"] = "jwt"
+        _write_user_creds(directory, dep)
     for name, text in ((STATE_FILE, json.dumps(state, indent=2) + "\n"),
-                       ("accounts.conf", render_accounts(dep)),
+                       ("accounts.conf", render_accounts(dep, directory)),
                        ("nats.conf", render_server(dep, str((directory / "jetstream").resolve())))):
         tmp = directory / f".{name}.tmp"
         tmp.write_text(text)
@@ -267,7 +277,8 @@ def load(directory: str | os.PathLike) -> Deployment:
             listen=state["listen"], websocket=state["websocket"],
             websocket_tls=tuple(state["websocket_tls"]) if state["websocket_tls"] else None,
             identities=tuple(Identity(i["name"], i["role"], i["public_key"])
-                             for i in state["identities"]))
+                             for i in state["identities"]),
+            auth=state.get("auth", "nkey"))
     except FileNotFoundError:
         raise UsageError(f"{directory} holds no deployment ({STATE_FILE} missing): "
                          "create one with `kvasir creds init`") from None
@@ -275,16 +286,23 @@ def load(directory: str | os.PathLike) -> Deployment:
         raise UsageError(f"{path} is unreadable: {exc}") from None
 
 
-def _new_identity(directory: Path, name: str, role: str) -> Identity:
+def _new_identity(directory: Path, name: str, role: str, auth: str = "nkey") -> Identity:
     seed, public = new_seed()
+    if auth == "jwt":  # the standard .creds file is written by _save, with its user JWT
+        _write_secret(directory / USER_SEED_DIR / f"{name}.nk", seed)
+        return Identity(name, role, public)
     _write_secret(directory / f"{name}.creds", seed, f"{IDENTITY_HEADER} {name} ({role})\n")
     return Identity(name, role, public)
 
 
 def init(directory: str | os.PathLike, listen: str, workers: list[str], *,
          websocket: str | None = None,
-         websocket_tls: tuple[str, str] | None = None, clients: list[str] = ()) -> Deployment:
-    """Create ``directory`` with every identity of a deployment and its server config."""
+         websocket_tls: tuple[str, str] | None = None, clients: list[str] = (),
+         auth: str = "nkey") -> Deployment:
+    """Create ``directory`` with every identity of a deployment and its server config.
+    ``auth="jwt"``: NATS decentralised auth (:func:`render_trust`)."""
+    if auth not in ("nkey", "jwt"):
+        raise UsageError(f"auth {auth!r}: expected nkey or jwt")
     _check_hostport(listen, "--listen")
     if websocket is not None:
         _check_hostport(websocket, "--websocket")
@@ -305,10 +323,12 @@ def init(directory: str | os.PathLike, listen: str, workers: list[str], *,
         raise UsageError(f"{out} exists and is not empty: choose a new directory (keys are "
                          "never overwritten)")
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
-    idents = [_new_identity(out, role, role) for role in ROLES]
-    idents += [_new_identity(out, name, "worker") for name in workers]
-    idents += [_new_identity(out, name, "client") for name in clients]
-    dep = Deployment(listen, websocket, websocket_tls, tuple(idents))
+    if auth == "jwt":
+        _init_trust(out)
+    idents = [_new_identity(out, role, role, auth) for role in ROLES]
+    idents += [_new_identity(out, name, "worker", auth) for name in workers]
+    idents += [_new_identity(out, name, "client", auth) for name in clients]
+    dep = Deployment(listen, websocket, websocket_tls, tuple(idents), auth)
     _save(out, dep)
     return dep
 
@@ -341,7 +361,145 @@ def _add(directory: str | os.PathLike, name: str, kind: str) -> Identity:
     out = Path(directory)
     dep = load(out)
     _check_name(name, dep.names(), kind)
-    ident = _new_identity(out, name, kind)
+    ident = _new_identity(out, name, kind, dep.auth)
     _save(out, Deployment(dep.listen, dep.websocket, dep.websocket_tls,
-                          dep.identities + (ident,)))
+                          dep.identities + (ident,), dep.auth))
     return ident
+
+
+# -- JWT mode: an operator, two accounts, users signed by the account key ---------------------------
+TRUST_DIR = "trust"  # DIR/trust/: operator.nk, account.nk, sys-account.nk (seeds, 0600), revocations.json
+USER_SEED_DIR = "trust/users"  # DIR/trust/users/NAME.nk: each identity's user seed (0600)
+_TRUST_KEYS = ("operator", "account", "sys-account")
+
+
+def _init_trust(out: Path) -> None:
+    from kvasir_bus import jwt
+
+    (out / TRUST_DIR).mkdir(mode=0o700)
+    (out / USER_SEED_DIR).mkdir(mode=0o700)
+    for name, kind in zip(_TRUST_KEYS, ("operator", "account", "account")):
+        seed, _ = jwt.new_keypair(kind)
+        _write_secret(out / TRUST_DIR / f"{name}.nk", seed)
+
+
+def trust_seed(directory: str | os.PathLike, which: str) -> bytes:
+    """The seed of ``which`` ("operator", "account", "sys-account") of a JWT deployment."""
+    return read_seed_file(Path(directory) / TRUST_DIR / f"{which}.nk")
+
+
+def read_seed_file(path: Path) -> bytes:
+    try:
+        return path.read_bytes().strip()
+    except OSError as exc:
+        raise UsageError(f"cannot read key file {path}: {exc.strerror or exc}") from None
+
+
+def revocations(directory: str | os.PathLike) -> dict[str, int]:
+    """User public key -> Unix time revoked, of a JWT deployment's account."""
+    path = Path(directory) / TRUST_DIR / "revocations.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def account_public(directory: str | os.PathLike) -> str:
+    from kvasir_bus import jwt
+
+    return jwt.public_of(trust_seed(directory, "account"))
+
+
+def account_claims_jwt(directory: str | os.PathLike, extra_revocations: dict[str, int] | None = None) -> str:
+    """The KVASIR account JWT (signed by the operator) with the deployment's revocations."""
+    from kvasir_bus import jwt
+
+    revs = {**revocations(directory), **(extra_revocations or {})}
+    return jwt.account_jwt(trust_seed(directory, "operator"), account_public(directory), ACCOUNT,
+                           jetstream=True, revocations=revs)
+
+
+def render_trust(directory: Path) -> str:
+    """The operator-mode part of the server config: the operator JWT, the system account and a
+    ``full`` account resolver (its files in DIR/trust/resolver), preloaded with both account
+    JWTs; an updated account JWT (a revocation) is pushed at runtime on
+    ``$SYS.REQ.CLAIMS.UPDATE`` (:func:`revoke`), no reload."""
+    from kvasir_bus import jwt
+
+    op = trust_seed(directory, "operator")
+    sys_pub = jwt.public_of(trust_seed(directory, "sys-account"))
+    op_jwt = jwt.operator_jwt(op, "kvasir", sys_pub)
+    sys_jwt = jwt.account_jwt(op, sys_pub, SYSTEM_ACCOUNT)
+    acc = account_claims_jwt(directory)
+    resolver_dir = (directory / TRUST_DIR / "resolver").resolve()
+    return "\n".join([
+        "# generated by `kvasir creds init --jwt`: NATS decentralised auth. Users are JWTs signed",
+        "# by the account key (DIR/trust/account.nk): adding one needs no reload.",
+        f"operator: {json.dumps(op_jwt)}",
+        f"system_account: {sys_pub}",
+        "resolver {",
+        "  type: full",
+        f"  dir: {json.dumps(str(resolver_dir))}",
+        "  allow_delete: false",
+        '  interval: "2m"',
+        "}",
+        "resolver_preload {",
+        f"  {account_public(directory)}: {json.dumps(acc)}",
+        f"  {sys_pub}: {json.dumps(sys_jwt)}",
+        "}",
+        ""])
+
+
+def _write_user_creds(directory: Path, dep: Deployment) -> None:
+    """Every identity's standard ``.creds`` file: its user JWT (its rights as claims) and seed."""
+    from kvasir_bus import jwt
+
+    acc = trust_seed(directory, "account")
+    sys_acc = trust_seed(directory, "sys-account")
+    for ident in dep.identities:
+        seed = read_seed_file(directory / USER_SEED_DIR / f"{ident.name}.nk")
+        if ident.role == "operator":
+            token = jwt.user_jwt(sys_acc, ident.public_key, ident.name, None)
+        else:
+            token = jwt.user_jwt(acc, ident.public_key, ident.name,
+                                 permissions(ident.role, ident.name, ident.public_key, dep.client_keys()))
+        path = directory / f"{ident.name}.creds"
+        tmp = directory / f".{ident.name}.creds.tmp"
+        tmp.unlink(missing_ok=True)
+        _write_secret(tmp, jwt.creds_text(token, seed).encode().rstrip(b"\n"))
+        tmp.replace(path)
+
+
+def issue_user(directory: str | os.PathLike, name: str, role: str, user_public: str,
+               expires: int | None = None) -> str:
+    """A user JWT for ``user_public`` (a key the caller holds the seed of), signed by the
+    deployment's account key: how enrolment gives a volunteer worker its rights."""
+    from kvasir_bus import jwt
+
+    perms = permissions(role, name, user_public, load(directory).client_keys())
+    return jwt.user_jwt(trust_seed(directory, "account"), user_public, name, perms, expires=expires)
+
+
+def revoke(directory: str | os.PathLike, public_key: str, when: int | None = None) -> str:
+    """Revoke user key ``public_key`` in a JWT deployment: recorded in DIR/trust/revocations.json
+    and in the configs (a restarted server keeps it); returns the updated account JWT, which
+    :func:`push_account` sends to a running server."""
+    import time as _time
+
+    out = Path(directory)
+    revs = revocations(out)
+    revs[public_key] = int(_time.time() if when is None else when)
+    path = out / TRUST_DIR / "revocations.json"
+    tmp = out / TRUST_DIR / ".revocations.json.tmp"
+    tmp.write_text(json.dumps(revs, indent=2, sort_keys=True) + "\n")
+    tmp.replace(path)
+    dep = load(out)
+    _save(out, dep)
+    return account_claims_jwt(out)
+
+
+async def push_account(nc, account_jwt_token: str, timeout: float = 5.0) -> dict:
+    """Send an account JWT to a running server's resolver (``$SYS.REQ.CLAIMS.UPDATE``) over a
+    connection of the system account's user (the ``operator`` identity); the server's answer."""
+    msg = await nc.request("$SYS.REQ.CLAIMS.UPDATE", account_jwt_token.encode(), timeout=timeout)
+    try:
+        return json.loads(msg.data)
+    except ValueError:
+        return {"raw": msg.data.decode(errors="replace")}

@@ -44,6 +44,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="worker identities (each worker's --node)")
     init.add_argument("--clients", metavar="NAME,NAME", default="",
                       help="client identities of the generate API (kvasir.<model>.generate)")
+    init.add_argument("--jwt", action="store_true",
+                      help="NATS decentralised auth: an operator and an account (DIR/trust/), each "
+                      "identity a standard .creds file (user JWT signed by the account, its rights "
+                      "as claims) that nats-py, nats.js and the nats CLI read; adding a worker needs "
+                      "no reload and a key can be revoked at runtime. Migrating an nkey deployment: "
+                      "kvasir creds init NEWDIR --jwt with the same --listen/--workers/--clients, "
+                      "then restart nats-server -c NEWDIR/nats.conf and hand out NEWDIR's .creds")
     init.set_defaults(func=cmd_init)
     add = sub.add_parser("add-worker", help="add one worker identity to DIR",
                          epilog="then: nats-server --signal reload  (or restart the server)")
@@ -75,7 +82,7 @@ def cmd_init(args: argparse.Namespace) -> int:
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     clients = [c.strip() for c in args.clients.split(",") if c.strip()]
     dep = creds.init(args.dir, args.listen, workers, websocket=args.websocket, websocket_tls=tls,
-                     clients=clients)
+                     clients=clients, auth="jwt" if args.jwt else "nkey")
     out = Path(args.dir)
     for ident in dep.identities:
         print(f"{ident.role:9s} {out / (ident.name + '.creds')}  {ident.public_key}")
