@@ -63,6 +63,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import record  # noqa: E402  (bench/record.py: --save)
 
 # llama.cpp's own default for the tiled kernel is on; the child for "as users run it" gets an
 # environment without our switches so that llama.cpp decides.
@@ -219,6 +221,7 @@ def main() -> None:
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    record.add_save_flag(ap)
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.model, args.prompt_tokens, args.decode, args.repeat)))
@@ -255,6 +258,7 @@ def main() -> None:
     # they are only as good as the load was steady (2-thread runs suffer most from it).
     out["load_average_after"] = [round(v, 2) for v in os.getloadavg()]
     print(json.dumps(out, indent=2))
+    record.save(args, "engine", out)
 
 
 if __name__ == "__main__":
