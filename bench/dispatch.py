@@ -57,6 +57,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvasir_bus  # noqa: E402,F401  (thread settings before numpy loads)
+from bench import record  # noqa: E402  (--save)
 import numpy as np  # noqa: E402
 
 from backbone.dispatch import DispatchConfig  # noqa: E402
@@ -498,6 +499,7 @@ def main() -> None:
                     help="sharded with bundles (one message per worker per layer step), without (one per "
                     "expert), or both in the same run (default both)")
     ap.add_argument("--echo", metavar="URL", help=argparse.SUPPRESS)  # the floor's responder process
+    record.add_save_flag(ap)
     args = ap.parse_args()
     if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
         ap.error(f"--audit-rate must be between 0 and 1, got {args.audit_rate}")
@@ -525,9 +527,10 @@ def main() -> None:
                 synth_model(tiny, arch="qwen3moe", preset="tiny", qtype="f32", seed=0, **extra)
             results[f"top-{k}"] = bench_overhead(tiny, args.overhead_decode, args.prompt_tokens, args.rounds,
                                                  args.bundles)
-        print(json.dumps({"bench": "dispatch-overhead", "transport": "loopback NATS (embedded nats-server)",
-                          "kernel_mode": os.environ.get("KVASIR_KERNEL_MODE", "fast"),
-                          "results": results}, indent=2))
+        out = {"bench": "dispatch-overhead", "transport": "loopback NATS (embedded nats-server)",
+               "kernel_mode": os.environ.get("KVASIR_KERNEL_MODE", "fast"), "results": results}
+        print(json.dumps(out, indent=2))
+        record.save(args, "dispatch_overhead", out)
         return
     small = models / "small-qwen3moe-q4_k.gguf"
     if not small.exists():
@@ -549,6 +552,7 @@ def main() -> None:
                                    args.rounds_ratio, args.bundles, args.audit_rate))
     out = {"bench": "dispatch", "transport": "loopback NATS (embedded nats-server)", "results": results}
     print(json.dumps(out, indent=2))
+    record.save(args, "dispatch", out)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvasir_bus  # noqa: E402,F401  (thread settings before numpy loads)
+from bench import record  # noqa: E402  (--save)
 import numpy as np  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
@@ -128,14 +129,16 @@ def main() -> None:
     ap.add_argument("--audit", type=float, default=0.1, help="audit rate (the default's 0.1)")
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--rounds", type=int, default=5)
+    record.add_save_flag(ap)
     args = ap.parse_args()
     if not 1 <= args.calls <= N_EXPERT:
         ap.error(f"--calls must be 1..{N_EXPERT}")
     from kvasir_bus.logs import configure
 
     configure("warning")
-    print(json.dumps({"bench": "dispatch-inproc", **bench(args.calls, args.hidden, args.audit, args.steps,
-                                                           args.rounds)}, indent=2))
+    out = {"bench": "dispatch-inproc", **bench(args.calls, args.hidden, args.audit, args.steps, args.rounds)}
+    print(json.dumps(out, indent=2))
+    record.save(args, "dispatch_inproc", out)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kvasir_bus  # noqa: E402,F401  (thread settings before numpy loads)
+from bench import record  # noqa: E402  (--save)
 import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--messages", type=int, default=100_000, help="messages per subject (default 100000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rss-slack", type=float, default=0.10, help="allowed RSS growth after warm-up (0.10)")
+    record.add_save_flag(ap)
     args = ap.parse_args(argv)
 
     from backbone.generate import generate
@@ -234,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     report["checks"] = checks
     report["ok"] = all(checks.values())
     print(json.dumps(report))
+    record.save(args, "fuzz", report)
     return 0 if report["ok"] else 1
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import record  # noqa: E402  (--save)
 from kvasir_bus.server import SHARED_MACHINE_PROCS, EmbeddedNats  # noqa: E402
 
 SUBJECTS = 8  # the responder listens on floor.0 .. floor.7, as bench_floor's echo does
@@ -147,11 +148,14 @@ def main() -> None:
     ap.add_argument("--per-step", type=int, default=2)
     ap.add_argument("--size", type=int, default=300)
     ap.add_argument("--echo", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the responder process
+    record.add_save_flag(ap)
     args = ap.parse_args()
     if args.echo:
         _echo(args.echo)
         return
-    print(json.dumps({"bench": "raw-nats-floor", **bench_raw_floor(args.steps, args.per_step, args.size)}, indent=2))
+    out = {"bench": "raw-nats-floor", **bench_raw_floor(args.steps, args.per_step, args.size)}
+    print(json.dumps(out, indent=2))
+    record.save(args, "raw_floor", out)
 
 
 if __name__ == "__main__":

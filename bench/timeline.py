@@ -41,6 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvasir_bus  # noqa: E402,F401  (thread settings before numpy loads)
+from bench import record  # noqa: E402  (--save)
 import numpy as np  # noqa: E402
 
 import backbone.model as model  # noqa: E402
@@ -236,6 +237,7 @@ def main() -> None:
     ap.add_argument("--experts-122b", type=int, default=16)
     ap.add_argument("--model", choices=("122b-layer", "small", "issue"), default="122b-layer",
                     help="the model whose decode is stamped (small, issue: its first layer step's stages)")
+    record.add_save_flag(ap)
     args = ap.parse_args()
     if args.workers is None:
         args.workers = 4 if args.model == "issue" else 2
@@ -258,7 +260,9 @@ def main() -> None:
         big = models / f"122b-layer-qwen2moe-q4_k-{args.experts_122b}x.gguf"
         if not big.exists():
             synth_model(big, arch="qwen2moe", preset="122b-layer", qtype="q4_k", seed=0, experts=args.experts_122b)
-    print(json.dumps({"bench": "timeline", "result": run(big, args.workers, args.decode)}, indent=2))
+    out = {"bench": "timeline", "model": args.model, "result": run(big, args.workers, args.decode)}
+    print(json.dumps(out, indent=2))
+    record.save(args, "timeline", out)
 
 
 if __name__ == "__main__":
