@@ -267,6 +267,8 @@ def cmd_up(args) -> int:
         gen = generate(engine, prompt, args.n, Sampler(SamplerConfig()), stop_on_eos=True, keep_logits=args.check)
         stats = backbone.stats.to_dict()
         result = {"nats": url, "model": fp, "text": tok.decode(gen.tokens), "tokens": gen.tokens,
+                  # a kvasir synth model: the text is noise, the report below is the point
+                  "random_weights": engine.reader.fields.get("kvasir.synth.seed") is not None,
                   "workers": served_by(stats["per_node"], {w.node: f"{lo}-{hi}" for w, (lo, hi) in zip(workers, ranges)}),
                   "dispatch": stats["totals"],
                   "decode_tokens_per_s": round((len(gen.tokens) - 1) / gen.decode_s, 2)
@@ -302,9 +304,26 @@ def served_by(per_node: dict, started: dict[str, str]) -> dict[str, dict]:
     return {n: {"experts": started.get(n, "-"), **per_node.get(n, {"calls": 0, "rows": 0})} for n in nodes}
 
 
+def demo_note(result: dict) -> str | None:
+    """The line printed before the text of a model with random weights (``kvasir synth``): its
+    text is noise, so say what the run shows instead."""
+    if not result.get("random_weights"):
+        return None
+    shows = ["which node computed which experts"]
+    if "check" in result:
+        shows.insert(0, "that the logits are bit-identical to the monolithic run's")
+    if result.get("rewards"):
+        shows.append("what the ledger paid each")
+    listed = shows[0] if len(shows) == 1 else ", ".join(shows[:-1]) + " and " + shows[-1]
+    return (f"random weights (a kvasir synth model), so the text below is noise; the run shows {listed} "
+            "(kvasir verify compares the engine with llama.cpp)")
+
+
 def _print_report(result: dict, n_prompt: int) -> None:
     t = result["dispatch"]
-    print(f"\n{result['text']}\n")
+    note = demo_note(result)
+    print(f"\n{note}" if note else "")
+    print(f"{result['text']}\n")
     print(f"expert calls ({n_prompt} prompt tokens, {len(result['tokens'])} generated, "
           f"{result['decode_tokens_per_s']} tokens/s):")
     for node, w in result["workers"].items():

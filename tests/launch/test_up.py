@@ -23,6 +23,7 @@ def test_up_runs_the_swarm_and_checks_it_against_the_monolithic_run(tmp_path):
     result = json.loads(proc.stdout)
     assert result["check"]["bit_identical"] and result["check"]["tokens_equal"]
     assert result["check"]["max_abs_diff"] == 0.0
+    assert result["random_weights"] is True  # a kvasir synth model: the report says its text is noise
     assert set(result["workers"]) == {"worker-0", "worker-1", "worker-2"}
     assert sum(w["calls"] for w in result["workers"].values()) == result["dispatch"]["calls"] > 0
     paid = {n["node"]: n["rows"] for n in result["rewards"]["nodes"]}
@@ -51,3 +52,22 @@ def test_up_starts_its_nats_server_on_one_go_thread(models, monkeypatch, capsys)
         assert main(["up", "--model", str(model), "--workers", "0", "--no-market", *extra]) == 2
         assert "stopped here by the test" in capsys.readouterr().err
     assert asked == [server.SHARED_MACHINE_PROCS] * 2 == [1, 1]
+
+
+def test_up_says_before_the_text_that_random_weights_make_it_noise(capsys):
+    """`make demo` prints random-weight text: the line before it says so and what the run shows."""
+    from launch.up import _print_report
+
+    result = {"text": "koeightedrn bani", "tokens": [1, 2, 3], "decode_tokens_per_s": 10.0,
+              "workers": {"worker-0": {"experts": "0-7", "calls": 4, "rows": 6}},
+              "dispatch": {"local": 0, "rows_local": 0, "no_responders": 0, "timeouts": 0, "invalid": 0},
+              "rewards": {"nodes": [{"node": "worker-0", "rows": 6, "reward": 6.0}]},
+              "check": {"tokens_equal": True, "positions": 5, "max_abs_diff": 0.0, "bit_identical": True},
+              "random_weights": True}
+    _print_report(result, 2)
+    lines = capsys.readouterr().out.splitlines()
+    note = lines.index(next(line for line in lines if line.startswith("random weights")))
+    assert lines[note + 1] == "koeightedrn bani"
+    assert "noise" in lines[note] and "bit-identical" in lines[note] and "ledger paid" in lines[note]
+    _print_report({**result, "random_weights": False}, 2)
+    assert "random weights" not in capsys.readouterr().out
