@@ -20,7 +20,8 @@ def register(sub) -> None:
     p = sub.add_parser(
         "generate", help="generate text with an MoE GGUF model",
         description="Generate text with an MoE GGUF model: on this node alone, or with the expert "
-        "workers on a NATS bus (--nats).")
+        "workers on a NATS bus (--nats).",
+        epilog="example: kvasir generate --model models/small-qwen3moe-q4_k.gguf --prompt 'Once upon a time' -n 16")
     p.add_argument("--model", required=True, metavar="FILE", help="the GGUF model")
     p.add_argument("--prompt", required=True, metavar="TEXT", help="the prompt text")
     p.add_argument("-n", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
@@ -41,7 +42,8 @@ def register(sub) -> None:
     p = sub.add_parser(
         "verify", help="compare our engine's logits with llama.cpp's on the same tokens",
         description="Run llama.cpp and our engine on the same tokens (the prompt, then N greedy "
-        "steps of our engine) and report how closely the logits agree.")
+        "steps of our engine) and report how closely the logits agree.",
+        epilog="example: kvasir verify --deterministic --model models/small-qwen3moe-q4_k.gguf")
     p.add_argument("--model", required=True, metavar="FILE", help="the GGUF model")
     p.add_argument("--prompt", default=DEFAULT_VERIFY_PROMPT, metavar="TEXT",
                    help="the prompt (default: a built-in paragraph)")
@@ -53,13 +55,15 @@ def register(sub) -> None:
 
     p = sub.add_parser(
         "ledger", help="the backbone's ledger spool",
-        description="Operate on a backbone's ledger spool (won events not yet stored by the market's stream).")
+        description="Operate on a backbone's ledger spool (won events not yet stored by the market's stream).",
+        epilog="example: kvasir ledger replay --spool ~/.local/state/kvasir/spool/MODEL/NODE --nats nats://host:4222")
     ledger = p.add_subparsers(dest="ledger_command", metavar="ACTION", parser_class=type(p))
     ledger.required = True
     p = ledger.add_parser("replay", help="send a (dead) backbone's spooled wins to the ledger stream",
                           description="Send every won event a backbone's spool holds that the ledger stream "
                           "has not acknowledged, under the ids it was first sent with (the stream and the "
-                          "market count each once), then compact the spool.")
+                          "market count each once), then compact the spool.",
+                          epilog="example: kvasir ledger replay --spool DIR --nats nats://host:4222")
     p.add_argument("--spool", required=True, metavar="DIR", help="the spool directory")
     p.add_argument("--nats", metavar="URL", default=None, help="the bus (default: $NATS_URL, else local)")
     add_connection_flags(p)

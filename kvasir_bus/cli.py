@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvasir",
         description="Swarm inference for Mixture-of-Experts GGUF models, sharded at the grain "
         "of single experts over NATS.",
+        epilog="quick start: kvasir synth --preset small --type q4_k -o small.gguf; "
+        "kvasir up --model small.gguf --workers 4 --prompt 'Hello' --check   "
+        "(kvasir COMMAND --help for each command's flags and an example)",
     )
     parser.add_argument("--version", action="version", version=f"kvasir {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)

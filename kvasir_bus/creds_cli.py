@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "creds", help="create a deployment's identities and its nats-server config",
         description="One identity per node: an nkey seed file per backbone, market, observer, "
         "operator, worker and client of the generate API, and a nats-server config granting "
-        "each only its own rights.")
+        "each only its own rights.",
+        epilog="example: kvasir creds init /etc/kvasir --listen 0.0.0.0:4222 --workers phone1,lan2")
     sub = p.add_subparsers(dest="creds_command", metavar="ACTION", parser_class=type(p))
     sub.required = True
     init = sub.add_parser("init", help="create DIR with every identity and DIR/nats.conf",

@@ -46,7 +46,9 @@ def register(sub) -> None:
         description="Start an embedded nats-server (unless --nats is given), the coverage market, "
         "the backbone, and N worker processes that split every layer's experts between them "
         "(--workers 0: none; volunteers can join). With --prompt, generate, report who computed "
-        "what and what the ledger paid, and exit; otherwise keep the swarm up until Ctrl-C.")
+        "what and what the ledger paid, and exit; otherwise keep the swarm up until Ctrl-C.",
+        epilog="example (make demo): kvasir up --model models/small-qwen3moe-q4_k.gguf --workers 4 "
+        "--prompt 'Once upon a time' -n 24 --check")
     p.add_argument("--model", required=True, metavar="FILE", help="the GGUF model")
     p.add_argument("--workers", type=int, default=2, metavar="N",
                    help="worker processes splitting the experts (default 2; 0: none, only volunteers)")
@@ -82,18 +84,20 @@ def register(sub) -> None:
         "serve", help="run the backbone as a service on a bus: manifest, weights, dispatch",
         description="Run the backbone on an existing NATS bus until Ctrl-C: answer manifest "
         "requests for the model (the market and volunteers need them) and, with --serve-weights, "
-        "serve the GGUF over HTTP with Range support so volunteers can download their experts.")
+        "serve the GGUF over HTTP with Range support so volunteers can download their experts.",
+        epilog="example: kvasir serve --model m.gguf --http 127.0.0.1:8000 --nats nats://host:4222   "
+        "(without --nats every expert is local)")
     p.add_argument("--model", required=True, metavar="FILE", help="the GGUF model")
     p.add_argument("--nats", metavar="URL", default=None,
                    help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
     add_connection_flags(p)
+    add_http_flags(p)  # the flags most runs of serve give come first in --help
+    add_weights_flags(p)
     add_audit_flags(p)
     add_replica_flags(p)
     p.add_argument("--timeout-ms", type=float, default=None, metavar="MS",
                    help="per-expert reply timeout (default: adaptive)")
     add_spool_flag(p)
-    add_weights_flags(p)
-    add_http_flags(p)
     p.set_defaults(func=cmd_serve)
 
 

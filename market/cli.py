@@ -257,7 +257,8 @@ def _add_status(subparsers: argparse._SubParsersAction) -> None:
         "status", help="show the coverage map, demand and workers, as the market sees them",
         description="Ask the running market for its view: per model, the coverage grid "
         "(layers x expert ranges, replicas per cell), demand, each worker with its holdings, "
-        "budget, load and last heartbeat, rewards, and the backbone's fallback rate.")
+        "budget, load and last heartbeat, rewards, and the backbone's fallback rate.",
+        epilog="example: kvasir status --nats nats://127.0.0.1:4222")
     p.add_argument("--nats", metavar="URL", default=None, help=_NATS_HELP)
     add_connection_flags(p)
     p.add_argument("--model", metavar="FP", default=None,
@@ -287,7 +288,8 @@ def _add_rewards(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "rewards", help="rows served and reward earned per node (from the market's ledger)",
         description="Print rows served and reward per node: read from the ledger file "
-        f"(--db, default {DEFAULT_DB}) or asked of the running market (--nats).")
+        f"(--db, default {DEFAULT_DB}) or asked of the running market (--nats).",
+        epilog="example: kvasir rewards --nats nats://127.0.0.1:4222")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--db", metavar="FILE", default=None,
                        help=f"the market's ledger file (default: {DEFAULT_DB})")

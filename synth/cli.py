@@ -49,7 +49,9 @@ def register(subparsers) -> None:
         "tokenizer that llama.cpp loads. Presets: tiny (unit tests), small (demo, benchmarks), "
         "122b-layer (the 122B model's per-expert shapes, 1 layer, written streaming). Size "
         "flags override the preset. K-quant types need rows that are a multiple of 256; "
-        "matrices that do not fit fall back like llama.cpp's quantizer (with a warning).")
+        "matrices that do not fit fall back like llama.cpp's quantizer (with a warning).",
+        epilog="example (the demo's model): kvasir synth --arch qwen3moe --preset small --type q4_k "
+        "--seed 0 -o models/small-qwen3moe-q4_k.gguf")
     p.add_argument("--arch", choices=ARCH_CHOICES, default="qwen3moe",
                    help="architecture family (mixtral = llama.cpp's llama with experts; qwen35moe = "
                    "Qwen3.5 MoE, gated delta-net + gated attention; default %(default)s)")
@@ -80,7 +82,8 @@ def register(subparsers) -> None:
         description="Print a MoE GGUF's architecture, sizes, bytes per expert slab (gate+up+down "
         "of one expert in one layer), the share of the file that routed experts make up, the "
         "model fingerprint and the type of every tensor group. For a slice (kvasir slice, a "
-        "volunteer's download): the source's fingerprint and shapes, and the experts it holds.")
+        "volunteer's download): the source's fingerprint and shapes, and the experts it holds.",
+        epilog="example: kvasir info models/small-qwen3moe-q4_k.gguf --json")
     p.add_argument("file", metavar="FILE.gguf")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_info)
