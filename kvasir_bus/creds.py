@@ -131,6 +131,7 @@ def permissions(role: str, name: str, public_key: str, client_keys: tuple[str, .
                                       f"{_P}.*.market.status", *_JS_BACKBONE,
                                       *(f"{inbox_prefix_for(k)}.>" for k in client_keys)]},
                 "subscribe": {"allow": [f"{_P}.*.manifest", f"{_P}.*.coverage.*", inbox,
+                                        subjects.ALL_QUARANTINE,  # other backbones' signed verdicts
                                         f"{_GENERATE} {GENERATE_QUEUE}", _GENERATE_CANCEL,  # the queue group only
                                         *service_subjects(role)]},
                 "allow_responses": True}
@@ -498,7 +499,8 @@ def revoke(directory: str | os.PathLike, public_key: str, when: int | None = Non
 async def push_account(nc, account_jwt_token: str, timeout: float = 5.0) -> dict:
     """Send an account JWT to a running server's resolver (``$SYS.REQ.CLAIMS.UPDATE``) over a
     connection of the system account's user (the ``operator`` identity); the server's answer."""
-    msg = await nc.request("$SYS.REQ.CLAIMS.UPDATE", account_jwt_token.encode(), timeout=timeout)
+    claims = account_jwt_token.encode("ascii")  # a JWT's text, not a bus record: no Kvasir headers
+    msg = await nc.request("$SYS.REQ.CLAIMS.UPDATE", claims, timeout=timeout)
     try:
         return json.loads(msg.data)
     except ValueError:
