@@ -1,0 +1,325 @@
+"""``kvasir calibrate``: what each piece of the swarm costs on this machine, for one model's shapes.
+
+Measured with the project's own code, nothing modelled:
+
+* **backbone dense path** (``--role backbone|both``): the engine itself (:class:`backbone.model.
+  Engine`) stepping B sequences at a context of C tokens, with an expert backend that timestamps
+  every layer's call (:class:`_Clock`), so a step splits into each layer's dense part (attention or
+  delta-net, norms, router), the shared expert (run while the routed experts are away), the
+  routed experts and the head. Fitted per layer kind as ``c0 + c_row * B + c_ctx * B * C``.
+* **expert kernel** (every role): :meth:`backbone.experts.LocalExperts.run_layer`, the ggml graph a
+  worker runs for a bundle (``kernels.expert.moe_ffn``), on ``calls`` experts of ``rows`` rows,
+  with the worker's threads (``--threads``, default 1 as :func:`launch.swarm.spawn_worker` gives
+  co-located workers); fitted as ``c0 + c_call * calls + c_row * rows``.
+* **dispatch** (``--role backbone|both``): one real ``kvasir worker`` process holding every expert
+  on an embedded nats-server, the backbone's :class:`backbone.service.BackboneService` in this
+  process; B-row decode steps with bundles on and off. The process CPU of the sharded steps less
+  that of the same steps with a backend that computes nothing gives the backbone's CPU per
+  message, per call and per row (least squares over the runs); the worker process's CPU less its
+  kernel's gives its CPU per message; nats-server's CPU per message relayed; the wall time left
+  over per layer step (wake-ups, the loopback) is ``hop_s``. Bytes per message, call and row are
+  the dispatcher's own counters.
+
+The profile records the model's shapes and fingerprint: ``kvasir plan`` refuses a profile of
+another model unless told to rescale it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+from planner.profile import PROFILE_KIND, PROFILE_VERSION
+
+
+def _say(msg: str) -> None:
+    print(f"calibrate: {msg}", file=sys.stderr, flush=True)
+
+
+def _proc_cpu_s(pid: int) -> float:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def fit(xs: list[list[float]], ys: list[float]) -> list[float]:
+    """Non-negative least squares by clipping: the coefficients of ``y = x . c`` (a negative
+    coefficient is set to 0 and the rest refitted; costs are never negative)."""
+    X, y = np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    keep = list(range(X.shape[1]))
+    coef = np.zeros(X.shape[1])
+    while keep:
+        c, *_ = np.linalg.lstsq(X[:, keep], y, rcond=None)
+        if (c >= 0).all():
+            coef[keep] = c
+            break
+        keep.pop(int(np.argmin(c)))
+    return [float(v) for v in coef]
+
+
+class _Clock:
+    """An expert backend that computes the experts locally (or not at all: ``null``) and
+    timestamps each layer: entry, after the caller's overlapped work, exit."""
+
+    def __init__(self, local, null: bool = False):
+        self.local, self.null, self.marks = local, null, []
+
+    def run_layer(self, layer, calls, while_waiting=None):
+        t0 = time.perf_counter()
+        if while_waiting is not None:
+            while_waiting()
+        t1 = time.perf_counter()
+        if self.null:
+            outs = [np.zeros_like(rows) for _, rows in calls]
+        else:
+            outs = self.local.run_layer(layer, calls)
+        self.marks.append((layer, t0, t1, time.perf_counter(), len(calls), sum(len(r) for _, r in calls)))
+        return outs
+
+
+def _sequences(engine, n: int, ctx: int, rng) -> list:
+    """``n`` sequences with ``ctx`` prompt tokens read (in one batched prefill step)."""
+    seqs = [engine.new_sequence() for _ in range(n)]
+    engine.forward([(s, rng.integers(0, engine.cfg.n_vocab, ctx)) for s in seqs], all_logits=False)
+    return seqs
+
+
+def _decode_step(engine, seqs, rng) -> None:
+    engine.forward([(s, rng.integers(0, engine.cfg.n_vocab, 1)) for s in seqs], all_logits=False)
+
+
+def measure_dense(engine, rows: list[int], contexts: list[int], steps: int) -> dict:
+    """Per layer kind: (B, C, seconds) samples of the dense part, the shared expert's, the
+    head's, the local kernel's; fitted."""
+    cfg = engine.cfg
+    clock = _Clock(engine.local_experts)
+    rng = np.random.default_rng(0)
+    samples = {"attention": [], "recurrent": [], "shared": [], "head": []}
+    for ctx in contexts:
+        for b in rows:
+            engine.use_experts(None)
+            seqs = _sequences(engine, b, ctx, rng)
+            engine.use_experts(clock)
+            _decode_step(engine, seqs, rng)  # warm this shape's graphs
+            per = {k: [] for k in samples}
+            for _ in range(steps):
+                clock.marks = []
+                t_start = time.perf_counter()
+                _decode_step(engine, seqs, rng)
+                t_end = time.perf_counter()
+                prev = t_start
+                for (layer, t0, t1, t2, _, _) in clock.marks:
+                    kind = "recurrent" if cfg.is_recurrent(layer) else "attention"
+                    per[kind].append(t0 - prev)
+                    per["shared"].append(t1 - t0)
+                    prev = t2
+                per["head"].append(t_end - prev)
+            n_ctx = ctx + steps // 2 + 1
+            for k, v in per.items():
+                if v:
+                    # The median over the steps (and layers of a kind): the least disturbed figure
+                    # on a shared machine, unlike a mean.
+                    samples[k].append((b, n_ctx, float(np.percentile(v, 25))))
+            step_ms = 1e3 * sum(float(np.median(v)) * (cfg.n_layer if k != "head" else 1) for k, v in per.items()
+                                if v and k in ("attention", "head"))
+            _say(f"dense path: {b} rows at context {ctx}: ~{step_ms:.2f} ms per step without the routed experts")
+    engine.use_experts(None)
+    out = {}
+    for kind in ("attention", "recurrent"):
+        s = samples[kind]
+        if s:
+            c0, c_row, c_ctx = fit([[1, b, b * c] for b, c, _ in s], [t for *_, t in s])
+            out[kind] = {"c0_s": c0, "c_row_s": c_row, "c_row_ctx_s": c_ctx, "samples": s}
+    for kind in ("shared", "head"):
+        s = samples[kind]
+        c0, c_row = fit([[1, b] for b, _, _ in s], [t for *_, t in s])
+        out[kind] = {"c0_s": c0, "c_row_s": c_row, "samples": s}
+    return out
+
+
+def measure_kernel(engine, threads: int, quick: bool) -> dict:
+    """The expert kernel a worker runs for one layer step (``moe_ffn`` of ``calls`` experts on
+    ``rows`` rows in all), with ``threads`` ggml threads: fitted ``c0 + c_call * calls + c_row * rows``."""
+    from kernels.ggml import ENV_THREADS
+
+    cfg = engine.cfg
+    local = engine.local_experts
+    rng = np.random.default_rng(1)
+    grid = [(1, 1), (1, 8), (1, 32), (4, 4), (8, 8), (8, 32), (16, 16), (32, 32), (8, 128)]
+    if quick:
+        grid = [(1, 1), (1, 16), (8, 8), (8, 32), (16, 16)]
+    grid = [(min(c, cfg.n_expert), r) for c, r in grid]
+    old = os.environ.get(ENV_THREADS)
+    os.environ[ENV_THREADS] = str(threads)
+    samples = []
+    try:
+        for n_calls, n_rows in grid:
+            per = max(1, n_rows // n_calls)
+            experts = rng.choice(cfg.n_expert, n_calls, replace=False)
+            calls = [(int(e), rng.standard_normal((per, cfg.n_embd)).astype(np.float32)) for e in experts]
+            local.run_layer(0, calls)
+            times = []
+            deadline = time.perf_counter() + (0.15 if quick else 0.4)
+            while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 200):
+                layer = int(rng.integers(0, cfg.n_layer))  # another layer's weights: cold as a worker's
+                t0 = time.perf_counter()
+                local.run_layer(layer, calls)
+                times.append(time.perf_counter() - t0)
+            samples.append((n_calls, per * n_calls, float(np.percentile(times, 25))))
+    finally:
+        if old is None:
+            os.environ.pop(ENV_THREADS, None)
+        else:
+            os.environ[ENV_THREADS] = old
+    c0, c_call, c_row = fit([[1, c, r] for c, r, _ in samples], [t for *_, t in samples])
+    _say(f"expert kernel ({threads} thread(s)): {1e6 * c0:.0f} us + {1e6 * c_call:.0f} us per expert "
+         f"+ {1e6 * c_row:.1f} us per row")
+    return {"threads": threads, "c0_s": c0, "c_call_s": c_call, "c_row_s": c_row, "samples": samples}
+
+
+def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int = 3, progress=_say) -> dict:
+    """Real dispatch to one worker process over an embedded nats-server (module docstring)."""
+    from backbone.audit import AuditConfig
+    from backbone.dispatch import DispatchConfig
+    from backbone.service import BackboneConfig, BackboneService
+    from kvasir_bus.fingerprint import model_fingerprint
+    from kvasir_bus.server import SHARED_MACHINE_PROCS, EmbeddedNats
+    from launch.swarm import spawn_worker, wait_for_nodes
+
+    cfg = engine.cfg
+    fp = model_fingerprint(engine.reader)
+    rng = np.random.default_rng(2)
+    runs = []
+    with EmbeddedNats(procs=SHARED_MACHINE_PROCS) as server:
+        worker = spawn_worker(server.url, "calibrate-0", ["--model", path, "--layer", "all",
+                                                          "--experts", f"0-{cfg.n_expert - 1}"])
+        try:
+            asyncio.run(wait_for_nodes(server.url, fp, {worker.node}, procs=[worker], timeout=300))
+            role = BackboneConfig(model_path=path, nats_url=server.url, market=False, serve_manifest=False,
+                                  dispatch=DispatchConfig(timeout_s=5.0, audit=AuditConfig(rate=0.0)))
+            with BackboneService(engine, role) as backbone:
+                remote = backbone.dispatch
+                deadline = time.monotonic() + 30
+                while remote.coverage.bundle_nodes < 1 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                null = _Clock(engine.local_experts, null=True)
+                for b in rows:
+                    engine.use_experts(None)
+                    seqs = _sequences(engine, b, 16, rng)
+                    for bundles in (True, False):
+                        remote.bundles = bundles
+                        best = None
+                        for _ in range(rounds):  # the quietest round counts: others share the cores
+                            engine.use_experts(remote)
+                            _decode_step(engine, seqs, rng)  # warm
+                            before = remote.stats.to_dict()["totals"]
+                            w0, c0, k0, n0 = time.perf_counter(), time.process_time(), \
+                                _proc_cpu_s(worker.proc.pid), _proc_cpu_s(server.pid)
+                            for _ in range(steps):
+                                _decode_step(engine, seqs, rng)
+                            wall = time.perf_counter() - w0
+                            cpu, wcpu, ncpu = time.process_time() - c0, _proc_cpu_s(worker.proc.pid) - k0, \
+                                _proc_cpu_s(server.pid) - n0
+                            after = remote.stats.to_dict()["totals"]
+                            d = {k: after[k] - before[k] for k in ("calls", "remote", "local", "bytes_out",
+                                                                   "bytes_in", "bundles", "bundled_calls")}
+                            engine.use_experts(null)
+                            _decode_step(engine, seqs, rng)
+                            w1, c1 = time.perf_counter(), time.process_time()
+                            for _ in range(steps):
+                                _decode_step(engine, seqs, rng)
+                            null_wall, null_cpu = time.perf_counter() - w1, time.process_time() - c1
+                            layer_steps = steps * cfg.n_layer
+                            messages = d["bundles"] + d["calls"] - d["local"] - d["bundled_calls"]
+                            run = {"rows": b, "bundles": bundles, "steps": steps, "wall_s": wall, "cpu_s": cpu,
+                                   "worker_cpu_s": wcpu, "nats_cpu_s": ncpu, "null_wall_s": null_wall,
+                                   "null_cpu_s": null_cpu, "layer_steps": layer_steps, "messages": messages,
+                                   "calls": d["remote"], "local_calls": d["local"],
+                                   "rows_sent": b * cfg.n_expert_used * steps * cfg.n_layer,
+                                   "bytes_out": d["bytes_out"], "bytes_in": d["bytes_in"]}
+                            if best is None or wall - null_wall < best["wall_s"] - best["null_wall_s"]:
+                                best = run
+                        runs.append(best)
+                        wall, null_wall, messages, layer_steps = best["wall_s"], best["null_wall_s"], \
+                            best["messages"], best["layer_steps"]
+                        progress(f"dispatch: {b} rows, bundles {'on' if bundles else 'off'}: "
+                                 f"{1e3 * wall / steps:.1f} ms per step ({1e3 * null_wall / steps:.1f} without experts), "
+                                 f"{messages / layer_steps:.1f} messages per layer step")
+                engine.use_experts(None)
+        finally:
+            worker.stop()
+    return {"runs": runs}
+
+
+def fit_dispatch(runs: list[dict], kernel: dict) -> dict:
+    """Per-message, per-call and per-row costs of the backbone, the worker and nats-server, and
+    the wall time left over per layer step, from :func:`measure_dispatch`'s runs."""
+    def kern(r):  # the worker's kernel seconds for these messages
+        return r["messages"] * kernel["c0_s"] + r["calls"] * kernel["c_call_s"] + r["rows_sent"] * kernel["c_row_s"]
+
+    # The backbone's part from the wall clock, not its CPU: its process CPU counts threads that
+    # spin while they wait (ggml's OpenMP team, the event loop), which cost no step time. With one
+    # worker the chain of a layer step is serial (backbone, nats-server, worker, nats-server,
+    # backbone), so the backbone's part is the step's wall time less the dense path's, the
+    # worker's CPU and nats-server's; fitted per layer step (``hop_s``: wake-ups, the loopback),
+    # per message and per call.
+    xs = [[r["layer_steps"], r["messages"], r["calls"]] for r in runs]
+    ys = [max(0.0, r["wall_s"] - r["null_wall_s"] - r["worker_cpu_s"] - r["nats_cpu_s"]) for r in runs]
+    hop, per_msg, per_call = fit(xs, ys)
+    bb = [per_msg, per_call, 0.0]
+    cpu_fit = fit([[r["messages"], r["calls"]] for r in runs], [max(0.0, r["cpu_s"] - r["null_cpu_s"]) for r in runs])
+    worker_msg = float(np.median([max(0.0, r["worker_cpu_s"] - kern(r)) / max(1, r["messages"]) for r in runs]))
+    nats_msg = float(np.median([r["nats_cpu_s"] / max(1, 2 * r["messages"]) for r in runs]))
+    hops = [hop]
+    out_b = [r["bytes_out"] / max(1, r["messages"]) for r in runs]
+    return {"backbone_per_message_s": bb[0], "backbone_per_call_s": bb[1], "backbone_per_row_s": bb[2],
+            "worker_per_message_s": worker_msg, "nats_per_message_s": nats_msg,
+            "hop_s": float(np.median(hops)), "backbone_cpu_per_message_s": cpu_fit[0],
+            "backbone_cpu_per_call_s": cpu_fit[1], "bytes_out_per_message_mean": float(np.mean(out_b)), "runs": runs}
+
+
+def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_threads: int = 1) -> dict:
+    """The profile of this machine for the model at ``path`` (module docstring)."""
+    import kvasir_bus  # noqa: F401  (thread settings before ggml loads)
+    from backbone.model import Engine
+    from planner.shapes import from_gguf
+
+    if threads:
+        os.environ["KVASIR_THREADS"] = str(threads)
+    shapes = from_gguf(path)
+    t_start = time.perf_counter()
+    _say(f"{shapes.name}: {shapes.n_layer} layers, {shapes.n_expert} experts of {shapes.expert_bytes} bytes, "
+         f"top-{shapes.n_expert_used}; role {role}{' (quick)' if quick else ''}")
+    engine = Engine(path, n_ctx=4096)
+    profile = {"kind": PROFILE_KIND, "version": PROFILE_VERSION, "model": shapes.to_dict(), "role": role,
+               "machine": {"host": platform.node(), "cpus": os.cpu_count(), "machine": platform.machine(),
+                           "load_avg_1m_before": round(os.getloadavg()[0], 2),
+                           "backbone_threads": threads or None, "worker_threads": worker_threads},
+               "quick": quick}
+    profile["worker"] = {"kernel": measure_kernel(engine, worker_threads, quick)}
+    if role in ("backbone", "both"):
+        rows = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
+        contexts = [16, 96] if quick else [16, 128, 384]
+        dense = measure_dense(engine, rows, contexts, steps=3 if quick else 6)
+        local = measure_kernel(engine, threads or max(1, (os.cpu_count() or 2) // 2), quick)
+        runs = measure_dispatch(engine, path, [1, 8] if quick else [1, 4, 16, 32], steps=6 if quick else 12,
+                                rounds=2 if quick else 3)["runs"]
+        disp = fit_dispatch(runs, profile["worker"]["kernel"])
+        profile["backbone"] = {"dense": dense, "local_kernel": local, "dispatch": disp}
+        profile["worker"]["per_message_s"] = disp["worker_per_message_s"]
+        profile["nats"] = {"per_message_s": disp["nats_per_message_s"]}
+        _say(f"backbone per message {1e6 * disp['backbone_per_message_s']:.0f} us, per call "
+             f"{1e6 * disp['backbone_per_call_s']:.0f} us; "
+             f"worker per message {1e6 * disp['worker_per_message_s']:.0f} us; nats-server per message "
+             f"{1e6 * disp['nats_per_message_s']:.0f} us; left-over wall per layer step {1e6 * disp['hop_s']:.0f} us")
+    profile["wire"] = {"row_bytes": 4 * shapes.n_embd, "call_bytes": 96, "message_bytes": 1024,
+                       "note": "f32 rows; a bundle carries its step's rows once (the union), "
+                               "its reply every call's output rows"}
+    profile["machine"]["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+    profile["seconds"] = round(time.perf_counter() - t_start, 1)
+    _say(f"done in {profile['seconds']} s")
+    return profile

@@ -1,0 +1,148 @@
+"""A calibrated profile (``kvasir calibrate``'s JSON) as the cost functions the simulator uses.
+
+Every cost is a fitted line in what it grows with (rows, experts, context). A profile belongs to
+the model it was measured on: :func:`costs_for` refuses another model's unless ``rescale`` says
+to scale it, and then scales each cost by the bytes it streams (a dense layer's weights, an
+expert's slabs) and the context term by the KV width, and says so in ``Costs.notes``.
+``backbone_cores``: a backbone with that many cores instead of the profile's, its dense path
+assumed to scale linearly with them (stated as such wherever it is used); the dispatch runs on
+the engine's and the bus's threads and does not scale.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from kvasir_bus.errors import UsageError
+from planner.shapes import Shapes
+
+PROFILE_KIND = "kvasir-profile"
+PROFILE_VERSION = 1
+
+
+def load(path: str) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise UsageError(f"--profile {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"--profile {path}: not JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("kind") != PROFILE_KIND or data.get("version") != PROFILE_VERSION:
+        raise UsageError(f"--profile {path}: not a kvasir profile of version {PROFILE_VERSION} "
+                         "(make one with kvasir calibrate)")
+    if "model" not in data or "worker" not in data:
+        raise UsageError(f"--profile {path}: incomplete (no model or worker section)")
+    return data
+
+
+@dataclass(frozen=True)
+class Line:
+    """``c0 + c1 * x1 + c2 * x2`` (seconds)."""
+
+    c0: float = 0.0
+    c1: float = 0.0
+    c2: float = 0.0
+
+    def __call__(self, x1: float = 0.0, x2: float = 0.0) -> float:
+        return self.c0 + self.c1 * x1 + self.c2 * x2
+
+    def scaled(self, k: float, k2: float | None = None) -> "Line":
+        return Line(self.c0 * k, self.c1 * k, self.c2 * (k if k2 is None else k2))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per piece of work, for one model's shapes on one backbone and one kind of worker."""
+
+    attention: Line  # per layer: (rows, rows * context)
+    recurrent: Line  # per layer: (rows, rows * context)
+    shared: Line  # per layer: (rows,), overlapped with the routed experts' wait
+    head: Line  # per step: (rows,)
+    backbone_kernel: Line  # a local fallback or audit of a layer: (calls, rows)
+    worker_kernel: Line  # one message of a worker: (calls, rows)
+    backbone_per_message: float
+    backbone_per_call: float
+    backbone_per_row: float
+    worker_per_message: float
+    nats_per_message: float
+    hop: float  # wall time per layer step at zero round trip beyond the CPU (wake-ups, loopback)
+    row_bytes: int
+    call_bytes: int
+    message_bytes: int
+    backbone_threads: int  # the cores the dense path keeps busy while it runs
+    notes: tuple[str, ...] = field(default=())
+
+
+def _line(d: dict, a: str, b: str | None = None) -> Line:
+    return Line(float(d.get("c0_s", 0.0)), float(d.get(a, 0.0)), float(d.get(b, 0.0)) if b else 0.0)
+
+
+def same_model(profile: dict, shapes: Shapes) -> bool:
+    m = profile["model"]
+    if shapes.fingerprint and m.get("fingerprint"):
+        return shapes.fingerprint == m["fingerprint"]
+    return shapes.name == m.get("name")
+
+
+def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: dict | None = None,
+              backbone_cores: int | None = None, where: str = "--profile") -> Costs:
+    """The cost functions for ``shapes`` from ``profile`` (its backbone part) and ``worker`` (a
+    worker profile's kernel, default the profile's own)."""
+    measured = Shapes.from_dict(profile["model"])
+    notes = []
+    if not same_model(profile, shapes):
+        if not rescale:
+            raise UsageError(f"{where}: calibrated for {measured.name} ({measured.fingerprint or 'no fingerprint'}), "
+                             f"not {shapes.name} ({shapes.fingerprint or 'published shape'}); calibrate on this "
+                             "model, or pass --rescale to scale the profile by the weights' bytes")
+        notes.append(f"profile of {measured.name} rescaled to {shapes.name} by weight bytes")
+    if "backbone" not in profile:
+        raise UsageError(f"{where}: a worker-only profile (kvasir calibrate --role worker) has no backbone costs")
+    b = profile["backbone"]
+    dense, disp = b["dense"], b["dispatch"]
+
+    def ratio(new: int, old: int) -> float:
+        return new / old if old else 1.0
+
+    k_attn = ratio(shapes.dense_bytes_attention, measured.dense_bytes_attention)
+    kv_new, kv_old = shapes.n_head_kv * shapes.head_dim, measured.n_head_kv * measured.head_dim
+    k_ctx = ratio(kv_new, kv_old) * ratio(shapes.n_head, measured.n_head)
+    attention = _line(dense["attention"], "c_row_s", "c_row_ctx_s") if "attention" in dense else Line()
+    if "recurrent" in dense:
+        recurrent = _line(dense["recurrent"], "c_row_s", "c_row_ctx_s")
+        k_rec = ratio(shapes.dense_bytes_recurrent, measured.dense_bytes_recurrent)
+    else:  # never measured: a delta-net layer costs like an attention layer of its bytes, no context term
+        recurrent = Line(attention.c0, attention.c1, 0.0)
+        k_rec = ratio(shapes.dense_bytes_recurrent, measured.dense_bytes_attention)
+        if shapes.n_recurrent_layers:
+            notes.append("delta-net layers costed as attention layers of their bytes (none in the profile's model)")
+    k_exp = ratio(shapes.expert_bytes, measured.expert_bytes)
+    k_head = ratio(shapes.head_bytes, measured.head_bytes)
+    k_row = ratio(shapes.n_embd, measured.n_embd)
+    threads = int(profile["machine"].get("backbone_threads") or max(1, (profile["machine"].get("cpus") or 2) // 2))
+    core_k = 1.0
+    if backbone_cores:
+        core_k = threads / backbone_cores
+        notes.append(f"backbone dense path scaled from {threads} to {backbone_cores} cores (linear: optimistic)")
+        threads = backbone_cores
+    wk = (worker or profile["worker"])["kernel"]
+    w_exp = k_exp
+    if worker is not None and not same_model(worker, shapes):
+        w_exp = ratio(shapes.expert_bytes, Shapes.from_dict(worker["model"]).expert_bytes)
+    return Costs(
+        attention=attention.scaled(k_attn * core_k, k_ctx * core_k),
+        recurrent=recurrent.scaled(k_rec * core_k),
+        shared=_line(dense["shared"], "c_row_s").scaled(k_attn * core_k),
+        head=_line(dense["head"], "c_row_s").scaled(k_head * core_k),
+        backbone_kernel=Line(b["local_kernel"]["c0_s"], b["local_kernel"]["c_call_s"],
+                             b["local_kernel"]["c_row_s"]).scaled(k_exp * core_k),
+        worker_kernel=Line(wk["c0_s"], wk["c_call_s"], wk["c_row_s"]).scaled(w_exp),
+        backbone_per_message=disp["backbone_per_message_s"], backbone_per_call=disp["backbone_per_call_s"],
+        backbone_per_row=disp["backbone_per_row_s"] * k_row,
+        worker_per_message=float((worker or profile)["worker"].get("per_message_s",
+                                                                 profile["worker"].get("per_message_s", 0.0))),
+        nats_per_message=profile["nats"]["per_message_s"], hop=disp["hop_s"],
+        row_bytes=4 * shapes.n_embd, call_bytes=int(profile["wire"]["call_bytes"]),
+        message_bytes=int(profile["wire"]["message_bytes"]), backbone_threads=threads, notes=tuple(notes))
