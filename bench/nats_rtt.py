@@ -151,6 +151,9 @@ def main() -> None:
     args = p.parse_args()
     if args.calls < 10 or args.rounds < 1:
         p.error("--calls must be >= 10 and --rounds >= 1")
+    from kvasir_bus.logs import configure
+
+    configure("warning")  # stdout is the JSON; the bus's own log lines stay out of it
     cli = find_cli()
     version = subprocess.run([cli, "--version"], capture_output=True, text=True).stdout.strip()
 
