@@ -38,7 +38,7 @@ def find_cli() -> tuple[str | None, str]:
     found = shutil.which("nats")
     if found:
         return found, ""
-    why = ("no Go on this machine" if shutil.which("go") is None else "not built yet (run `make nats-cli`)")
+    why = ("no Go on this machine" if shutil.which("go") is None else "not built yet: run `make nats-cli`")
     return None, (f"the official nats CLI {VERSION} is not here ({why}; looked at ${ENV}, {CACHE}, PATH)")
 
 
