@@ -334,6 +334,30 @@ def init(directory: str | os.PathLike, listen: str, workers: list[str], *,
     return dep
 
 
+def migrate(old: str | os.PathLike, new: str | os.PathLike) -> Deployment:
+    """Write the nkey deployment ``old`` as a JWT deployment in ``new``: the same listeners,
+    identities and user keys (each node keeps its public key, hence its inbox), a new operator
+    and account, a standard ``.creds`` file per identity. ``old`` is left as it was."""
+    src = Path(old)
+    dep = load(src)
+    if dep.auth == "jwt":
+        raise UsageError(f"{old} is a JWT deployment already: nothing to migrate")
+    out = Path(new)
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"{out} exists and is not empty: choose a new directory (keys are "
+                         "never overwritten)")
+    from kvasir_bus.connect import read_seed
+
+    seeds = {i.name: read_seed(src / f"{i.name}.creds") for i in dep.identities}
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _init_trust(out)
+    for name, seed in seeds.items():
+        _write_secret(out / USER_SEED_DIR / f"{name}.nk", seed)
+    moved = Deployment(dep.listen, dep.websocket, dep.websocket_tls, dep.identities, "jwt")
+    _save(out, moved)
+    return moved
+
+
 def add_worker(directory: str | os.PathLike, name: str) -> Identity:
     """Add worker ``name`` to the deployment in ``directory``; the configs are rewritten.
 

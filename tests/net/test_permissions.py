@@ -1,4 +1,5 @@
-"""Under `kvasir creds` identities the server itself refuses every act outside a role's job."""
+"""Under `kvasir creds` identities the server itself refuses every act outside a role's job, in
+both modes: JWT (the default: rights carried in each user JWT) and nkey (users in the config)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,17 @@ from kvasir_bus.errors import KvasirError
 from kvasir_bus.subjects import Subjects
 
 M = Subjects("abc123")
+
+
+@pytest.fixture(params=["jwt", "nkey"])
+def deployment(request, tmp_path):
+    """``kvasir creds init`` in both modes (overrides tests/net/conftest.py's nkey one)."""
+    from kvasir_bus import creds
+    from tests.net.conftest import WORKERS
+
+    out = tmp_path / "dep"
+    creds.init(out, "127.0.0.1:0", list(WORKERS), websocket="127.0.0.1:0", auth=request.param)
+    return out
 
 
 class Client:
@@ -140,14 +152,24 @@ def test_a_worker_answers_a_request_and_reads_only_its_own_replies(deployment, s
 def test_anonymous_and_unknown_keys_are_refused(deployment, secure_server, arun, tmp_path):
     from kvasir_bus.creds import new_seed
 
+    from kvasir_bus import jwt
+
     stranger = tmp_path / "stranger.creds"
     stranger.write_bytes(new_seed()[0] + b"\n")
+    # A well-formed .creds file whose JWT a foreign account signed (not this operator's).
+    foreign_account, _ = jwt.new_keypair("account")
+    seed, public = jwt.new_keypair("user")
+    forged = tmp_path / "forged.creds"
+    forged.write_text(jwt.creds_text(jwt.user_jwt(foreign_account, public, "w1", None), seed))
 
     async def go():
         with pytest.raises(KvasirError, match="[Aa]uthorization"):
             await connect(secure_server.url, "anon", options=ConnectOptions(), connect_deadline=3)
         with pytest.raises(KvasirError, match="[Aa]uthorization"):
             await connect(secure_server.url, "stranger", options=ConnectOptions(creds=str(stranger)),
+                          connect_deadline=3)
+        with pytest.raises(KvasirError, match="[Aa]uthorization"):
+            await connect(secure_server.url, "forged", options=ConnectOptions(creds=str(forged)),
                           connect_deadline=3)
 
     arun(go())
