@@ -309,6 +309,10 @@ def test_micro_stats_count_the_generation(ops, swarm, generation):
     [bb] = stats
     ep = {e["name"]: e for e in bb["endpoints"]}
     assert ep["dispatch"]["num_requests"] > 0 and ep["dispatch"]["num_errors"] == 0  # no fallback
+    # every expert call the backbone made was answered by exactly one worker (no replicas here)
+    workers = json.loads(ops.run("micro", "stats", "kvasir-worker", "--json").stdout)
+    served = sum(e["num_requests"] for w in workers for e in w["endpoints"] if e["name"] == "experts")
+    assert served == ep["dispatch"]["num_requests"], (served, ep["dispatch"])
 
 
 # ---- the ledger stream -------------------------------------------------------------------------
