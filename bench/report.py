@@ -335,9 +335,24 @@ def rewrite(text: str, names: tuple[str, ...], records: list[dict], path: str) -
     return out
 
 
-def rendered(repo: Path = REPO, results_dir: Path | None = None) -> dict[str, tuple[str, str]]:
-    """path -> (as committed, as rendered)."""
+def tracked_results(repo: Path = REPO) -> set[str] | None:
+    """The names of the saved runs git tracks (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "ls-files", "bench/results"], cwd=repo, capture_output=True, text=True,
+                             timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {Path(line).name for line in out.stdout.split()} if out.returncode == 0 else None
+
+
+def rendered(repo: Path = REPO, results_dir: Path | None = None,
+             only: set[str] | None = None) -> dict[str, tuple[str, str]]:
+    """path -> (as it is, as rendered); ``only``: the names of the saved runs to use (default all)."""
     records = record.load_all(results_dir or repo / "bench" / "results")
+    if only is not None:
+        records = [r for r in records if r["_file"] in only]
     out = {}
     for rel, names in TARGETS.items():
         text = (repo / rel).read_text(encoding="utf-8")
@@ -349,9 +364,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="example: python bench/report.py --check")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file differs from its rendering")
+    ap.add_argument("--tracked", action="store_true",
+                    help="use only the saved runs git tracks (what the committed tables must equal), not new files")
     args = ap.parse_args(argv)
     stale = []
-    for rel, (old, new) in rendered().items():
+    for rel, (old, new) in rendered(only=tracked_results() if args.tracked else None).items():
         if old != new:
             stale.append(rel)
             if not args.check:

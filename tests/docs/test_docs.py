@@ -94,21 +94,25 @@ def test_the_four_readers_start_from_the_readmes_first_screen():
 
 def test_the_committed_tables_are_what_report_py_renders():
     report = _report()
-    for rel, (committed, rendered) in report.rendered(ROOT).items():
+    # the saved runs git tracks: a run another job saved a moment ago is not committed yet
+    for rel, (committed, rendered) in report.rendered(ROOT, only=report.tracked_results(ROOT)).items():
         assert committed == rendered, f"{rel} differs from bench/report.py's rendering: run python bench/report.py"
 
 
 def test_report_check_exits_1_on_a_stale_table(tmp_path):
     """``--check`` on a copy whose headline lost a row says so and exits 1; the real tree exits 0."""
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "report.py"), "--check"], capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "report.py"), "--check", "--tracked"],
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     report = _report()
     (tmp_path / "docs").mkdir()
     (tmp_path / "bench" / "results").mkdir(parents=True)
     for rel in report.TARGETS:
         (tmp_path / rel).write_text((ROOT / rel).read_text(encoding="utf-8"), encoding="utf-8")
+    tracked = report.tracked_results(ROOT)
     for f in (ROOT / "bench" / "results").glob("*.json"):
+        if f.name not in tracked:
+            continue
         (tmp_path / "bench" / "results" / f.name).write_text(f.read_text(encoding="utf-8"), encoding="utf-8")
     assert all(old == new for old, new in report.rendered(tmp_path).values())
     stale = (tmp_path / "README.md").read_text(encoding="utf-8").replace("| 0.", "| 9.", 1)
