@@ -221,6 +221,23 @@ def render_dispatch(rec: dict) -> list[str]:
             "", provenance(rec)]
 
 
+def render_nats_rtt(rec: dict) -> list[str]:
+    res = rec["result"]
+    labels = {"cli": "`nats bench` requester and responder (NATS itself)",
+              "nats_py": "nats.py requester, `nats bench` responder", "dispatch": "dispatch call to a `kvasir worker`"}
+    rows = [[labels.get(mode, mode), num(b.get("p50_us")), num(b.get("mean_us")), num(b.get("p99_us")),
+             num(b.get("calls_per_s"))] for mode, b in res.get("best", {}).items()]
+    return [f"One request in flight at a time on one nats-server, {num(res.get('request_bytes'))}-byte requests "
+            f"(the size of a one-row dispatch request of the tiny model), {num(res.get('calls_per_round'))} calls per "
+            f"round, each mode's best of {num(res.get('rounds'))} alternating rounds (nats CLI {res.get('nats_cli')}).",
+            "", *table(["requester, responder", "p50 µs", "mean µs", "p99 µs", "calls/s"], rows), "",
+            f"Dispatch / `nats bench` p50: {num(res.get('ratio_dispatch_over_cli_p50'))}; nats.py / `nats bench`: "
+            f"{num(res.get('ratio_nats_py_over_cli_p50'))}; dispatch / nats.py: "
+            f"{num(res.get('ratio_dispatch_over_nats_py_p50'))}. The CLI's raw publish rate (16-byte messages, no "
+            f"subscriber): {num(res.get('cli_pub_16B_msgs_per_s'))} messages/s.",
+            "", provenance(rec)]
+
+
 def render_generic(rec: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in list(rec["result"])[:12])
     return [f"Saved fields: {keys}.", "", provenance(rec)]
@@ -238,6 +255,7 @@ SECTIONS = [
     ("Hand-started workers sharing the cores (`bench/throughput.py --handstarted`)", "throughput",
      has_section("handstarted"), render_handstarted),
     ("Dispatch: sharded against monolithic decode (`bench/dispatch.py`)", "dispatch", None, render_dispatch),
+    ("A remote call's round trip against raw NATS (`bench/nats_rtt.py`)", "nats_rtt", None, render_nats_rtt),
     ("Expert kernel against raw ggml (`bench/kernel.py`)", "kernel", None, render_kernel),
     ("Browser worker kernels (`bench/browser_kernel.py`)", "browser_kernel", None, render_browser),
 ]
@@ -292,6 +310,11 @@ def headline_rows(records: list[dict]) -> list[list[str]]:
             rows.append([f"decode, every expert on {num(m.get('workers'))} workers, `{m.get('model', '?')}`",
                          "monolithic decode, same run", num(m.get("ratio_sharded_over_monolithic")),
                          short_cmd(rec), when(rec)])
+    rec = latest(records, "nats_rtt")
+    if rec and rec["result"].get("ratio_dispatch_over_cli_p50") is not None:
+        rows.append(["a remote expert call's round trip, p50 (a time: lower is better)",
+                     "`nats bench` request/reply, same server", num(rec["result"]["ratio_dispatch_over_cli_p50"]),
+                     short_cmd(rec), when(rec)])
     rec = latest(records, "kernel")
     if rec:
         fast = rec["result"].get("modes", {}).get("fast", {}).get("rows_per_s", {})
