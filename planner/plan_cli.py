@@ -76,6 +76,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--audit", type=float, default=0.0, metavar="R", help="share of remote replies recomputed on the backbone (0..1, default 0)")
     p.add_argument("--replicas", choices=("race", "balance"), default="race",
                    help="replicas of an expert (past one worker per expert index): race (all compute) or balance (one, hedged)")
+    p.add_argument("--replicated", action="store_true",
+                   help="every worker holds every expert (default: the experts split over the workers, "
+                   "repeated past one worker per expert index)")
     p.add_argument("--bundles", choices=("on", "off"), default="on", help="one message per worker per layer step (default on)")
     p.add_argument("--micro-batches", type=int, default=1, metavar="M", help="lanes of streams in flight on the backbone (1..4, default 1)")
     p.add_argument("--hot", type=float, default=0.0, metavar="F", help="share of calls the backbone computes itself (hot experts, default 0)")
@@ -175,7 +178,8 @@ def points(args) -> list[dict]:
                              timeout_s=args.timeout_ms / 1000.0 if args.timeout_ms else None,
                              colocated_cores=args.colocated, worker_cores=args.worker_cores,
                              uplink_bps=args.uplink_mbps * 1e6, max_active=args.max_active,
-                             step_tokens=max(256, args.max_active), seed=args.seed)
+                             step_tokens=max(256, args.max_active), replicated=args.replicated,
+                             seed=args.seed)
                 r = simulate(shapes, costs, cfg, worker_costs)
                 print(f"plan: {workers} workers, {streams} streams, rtt {1000 * float(np.median(rtt)):.0f} ms: "
                       f"{r.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)

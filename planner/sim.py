@@ -63,6 +63,7 @@ class Config:
     uplink_bps: float = 0.0  # 0: unbounded
     max_active: int = 1024
     step_tokens: int = 1024
+    replicated: bool = False  # every worker holds every expert (replicas of the whole model)
     seed: int = 0
 
 
@@ -157,7 +158,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
     if shapes.n_recurrent_layers == 0:
         kinds = ["attention"] * L
     moe_layer = [il >= L - shapes.n_moe_layers for il in range(L)]  # DeepSeek-V3: the first 3 are dense
-    holders = holders_of(E, cfg.workers)
+    holders = [list(range(cfg.workers))] * E if cfg.replicated else holders_of(E, cfg.workers)
     routing = _Routing(E, K, rng)
     rtt = [cfg.rtt_s[w % len(cfg.rtt_s)] for w in range(max(1, cfg.workers))]
 
@@ -262,6 +263,9 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         answered: dict[int, float] = {}
         wait_for: set[int] = {e for _, es in messages for e in es}
         row_b = costs.row_bytes
+        # In phases, each in time order (the pools serve work in the order it is handed to
+        # them): the requests through nats-server, the workers, the replies back.
+        flights = []
         for w, es in messages:
             rows_m = sum(int(counts[e]) for e in es)
             union = min(rows, rows_m) if cfg.bundles else rows_m
@@ -272,14 +276,17 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
             totals["messages"] += 1
             depart = uplink.run(t_sent, out_b * 8 / cfg.uplink_bps) if cfg.uplink_bps else t_sent
             at_nats = nats_pool.run(depart, costs.nats_per_message)
-            arrive = at_nats + rtt[w] / 2
+            flights.append((at_nats + rtt[w] / 2, w, es, rows_m))
+        done_at = []
+        for arrive, w, es, rows_m in sorted(flights, key=lambda f: f[0]):
             if stopped(w, arrive):
                 continue  # a frozen worker: never answers
             wc = kinds_of_worker[w % len(kinds_of_worker)]
             work = wc.worker_per_message + wc.worker_kernel(len(es), rows_m)
-            done = worker_pools[w].run(arrive, work)
-            back = nats_pool.run(done + rtt[w] / 2, costs.nats_per_message)
-            got = disp_pool.run(back, costs.backbone_per_message / 2 + rows_m * costs.backbone_per_row / 2)
+            done_at.append((worker_pools[w].run(arrive, work) + rtt[w] / 2, w, es, rows_m))
+        for back, w, es, rows_m in sorted(done_at, key=lambda f: f[0]):
+            relayed = nats_pool.run(back, costs.nats_per_message)
+            got = disp_pool.run(relayed, costs.backbone_per_message / 2 + rows_m * costs.backbone_per_row / 2)
             for e in es:
                 if e not in answered or got < answered[e]:
                     answered[e] = got
@@ -404,7 +411,8 @@ def _bounds(shapes: Shapes, costs: Costs, cfg: Config) -> dict:
            if dense > 0 else None}
     # Worker compute: every row's K experts, at the kernel's per-row cost, on every worker's cores.
     w_cores = max(1, cfg.workers) * cfg.worker_cores if not cfg.colocated_cores else cfg.colocated_cores
-    replicas = max(1, cfg.workers // shapes.n_expert) if cfg.replicas == "race" else 1
+    replicas = (cfg.workers if cfg.replicated else max(1, cfg.workers // shapes.n_expert)) \
+        if cfg.replicas == "race" else 1
     per_token = shapes.n_moe_layers * shapes.n_expert_used * costs.worker_kernel.c2 * replicas
     out["worker_compute_tok_s"] = round(w_cores / per_token, 2) if per_token > 0 and cfg.workers else None
     r = min(cfg.rtt_s)

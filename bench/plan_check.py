@@ -1,0 +1,182 @@
+"""`kvasir plan` against reality: a grid of swarms this machine can run, measured and predicted.
+
+One run: ``kvasir calibrate`` on the model (a profile made in this run, on this machine, under
+this load), then every configuration of the grid for real -- an embedded nats-server, ``kvasir
+worker`` processes (through bench/throughput.py's delaying proxy for an injected round trip),
+``kvasir serve --http --nats`` and streaming clients (bench/throughput.py's ``Swarm`` and
+``run_clients``, imported, not copied) -- each beside ``kvasir plan``'s prediction for the same
+configuration with ``--colocated <cores>`` (every process here shares this machine's cores).
+Prints JSON: per configuration the measured and predicted tokens/s and p50 inter-token latency
+and their errors (predicted / measured - 1), and whether each is within the goal (15% tokens/s,
+25% p50 ITL). ``--save`` records it in bench/results/ (with the load average).
+
+    python bench/plan_check.py [--tokens 16] [--quick-calibrate] [--grid full|reduced] [--save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import record  # noqa: E402
+from bench.throughput import Swarm, prompts, run_clients  # noqa: E402
+
+TOKENS_GOAL, ITL_GOAL = 0.15, 0.25
+
+# (label, workers, rtt_ms, streams, extra): each group shares one swarm and one server.
+FULL_GRID = [
+    {"workers": 1, "rtt_ms": 0, "streams": [1, 8]},
+    {"workers": 2, "rtt_ms": 0, "streams": [1, 16]},
+    {"workers": 4, "rtt_ms": 0, "streams": [4, 32]},
+    {"workers": 2, "rtt_ms": 20, "streams": [4, 16]},
+    {"workers": 2, "rtt_ms": 50, "streams": [8, 32]},
+    {"workers": 2, "rtt_ms": 0, "streams": [8], "audit": 0.1},
+    {"workers": 2, "rtt_ms": 0, "streams": [8], "replicate": "race"},
+    {"workers": 2, "rtt_ms": 0, "streams": [8], "replicate": "balance"},
+    {"workers": 2, "rtt_ms": 20, "streams": [8], "stop_at_s": 1.0, "timeout_ms": 300},
+]
+REDUCED_GRID = [
+    {"workers": 1, "rtt_ms": 0, "streams": [1]},
+    {"workers": 2, "rtt_ms": 20, "streams": [4]},
+]
+
+
+def calibrate(model: Path, out: Path, quick: bool) -> None:
+    cmd = [sys.executable, "-m", "planner", "calibrate", "--model", str(model), "-o", str(out)]
+    subprocess.run(cmd + (["--quick"] if quick else []), check=True, stdout=subprocess.DEVNULL,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def predict(model: Path, profile: Path, group: dict, streams: int, tokens: int, prompt: int,
+            max_active: int) -> dict:
+    """`kvasir plan --json` for one configuration (the real CLI, in a child)."""
+    cmd = [sys.executable, "-m", "planner", "plan", "--model", str(model), "--profile", str(profile),
+           "--workers", str(group["workers"]), "--streams", str(streams), "--tokens", str(tokens),
+           "--prompt-tokens", str(prompt), "--rtt-ms", str(group["rtt_ms"]), "--audit", str(group.get("audit", 0)),
+           "--colocated", str(os.cpu_count() or 2), "--max-active", str(max_active), "--json",
+           "--timeout-ms", str(group.get("timeout_ms", 2000))]
+    if group.get("replicate"):
+        cmd += ["--replicas", group["replicate"], "--replicated"]
+    if group.get("stop_at_s") is not None:
+        cmd += ["--stop-at", str(group["stop_at_s"])]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if res.returncode != 0:
+        raise SystemExit(f"kvasir plan failed: {res.stderr.strip()}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+async def _clients_with_stop(url: str, batch, tokens: int, pid: int | None, at_s: float | None) -> dict:
+    handle = None
+    if pid is not None and at_s is not None:
+        handle = asyncio.get_running_loop().call_later(at_s, os.kill, pid, signal.SIGSTOP)
+    try:
+        return await run_clients(url, batch, tokens)
+    finally:
+        if handle is not None:
+            handle.cancel()
+
+
+def measure(model: Path, group: dict, tokens: int, prompt: int) -> list[dict]:
+    mode = group.get("replicate")
+    swarm = Swarm(model, group["workers"], group["rtt_ms"], replicas=mode or "race", replicate=bool(mode))
+    rows = []
+    try:
+        top = max(group["streams"])
+        extra = ["--audit", str(group.get("audit", 0)), "--timeout-ms", str(group.get("timeout_ms", 2000))]
+        if mode:
+            extra += ["--replicas", mode]
+        proc, url = swarm.serve(top, extra)
+        try:
+            for s in group["streams"]:
+                stop_pid = swarm.workers[0].proc.pid if group.get("stop_at_s") is not None else None
+                load0 = os.getloadavg()[0]
+                res = asyncio.run(_clients_with_stop(url, prompts(s, prompt), tokens, stop_pid, group.get("stop_at_s")))
+                if stop_pid is not None:
+                    os.kill(stop_pid, signal.SIGCONT)
+                res["load_avg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+                rows.append({"streams": s, **res})
+                print(f"# measured {group}, {s} streams: {res['tok_s']} tok/s, ITL p50 {res['itl_ms']['p50']} ms",
+                      file=sys.stderr, flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    finally:
+        swarm.close()
+    return rows
+
+
+def run(model: Path, grid: list[dict], tokens: int, prompt: int, quick_calibrate: bool, workdir: Path) -> dict:
+    profile = workdir / "profile.json"
+    t0 = time.time()
+    calibrate(model, profile, quick_calibrate)
+    print(f"# calibrated in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    configs = []
+    for group in grid:
+        measured = measure(model, group, tokens, prompt)
+        for m in measured:
+            p = predict(model, profile, group, m["streams"], tokens, prompt, max(group["streams"]))
+            err_t = p["tokens_per_s"] / m["tok_s"] - 1
+            itl_m, itl_p = m["itl_ms"]["p50"], p["itl_ms"]["p50"]
+            err_i = (itl_p / itl_m - 1) if itl_m and itl_p else None
+            configs.append({
+                "workers": group["workers"], "rtt_ms": group["rtt_ms"], "streams": m["streams"],
+                "audit": group.get("audit", 0), "replicas": group.get("replicate") or "split",
+                "stop_at_s": group.get("stop_at_s"),
+                "measured": {"tokens_per_s": m["tok_s"], "itl_ms": m["itl_ms"], "ttft_ms": m["ttft_ms"],
+                             "load_avg_1m": m["load_avg_1m"]},
+                "predicted": {"tokens_per_s": p["tokens_per_s"], "itl_ms": p["itl_ms"], "ttft_ms": p["ttft_ms"],
+                              "bottleneck": p["bottleneck"]},
+                "tokens_per_s_error": round(err_t, 3), "itl_p50_error": None if err_i is None else round(err_i, 3),
+                "within_goal": abs(err_t) <= TOKENS_GOAL and (err_i is None or abs(err_i) <= ITL_GOAL)})
+    errs = [abs(c["tokens_per_s_error"]) for c in configs]
+    ierrs = [abs(c["itl_p50_error"]) for c in configs if c["itl_p50_error"] is not None]
+    return {"bench": "plan_check", "model": model.name, "cpus": os.cpu_count(), "tokens": tokens,
+            "prompt_tokens": prompt, "goal": {"tokens_per_s": TOKENS_GOAL, "itl_p50": ITL_GOAL},
+            "profile": json.loads(profile.read_text()), "configs": configs,
+            "summary": {"configurations": len(configs), "within_goal": sum(c["within_goal"] for c in configs),
+                        "max_tokens_per_s_error": round(max(errs), 3) if errs else None,
+                        "mean_abs_tokens_per_s_error": round(sum(errs) / len(errs), 3) if errs else None,
+                        "max_itl_p50_error": round(max(ierrs), 3) if ierrs else None}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", default="qwen3moe")
+    ap.add_argument("--type", default="q4_k")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
+    ap.add_argument("--tokens", type=int, default=16, help="generated per client (default 16)")
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--grid", choices=("full", "reduced"), default="full")
+    ap.add_argument("--quick-calibrate", action="store_true", help="kvasir calibrate --quick")
+    record.add_save_flag(ap)
+    args = ap.parse_args()
+    from kvasir_bus.logs import configure
+    from synth.model import synth_model
+    import tempfile
+
+    configure("warning")
+    path = Path(args.models) / f"{args.preset}-{args.arch}-{args.type}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        synth_model(path, arch=args.arch, preset=args.preset, qtype=args.type, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run(path, FULL_GRID if args.grid == "full" else REDUCED_GRID, args.tokens, args.prompt_tokens,
+                  args.quick_calibrate, Path(tmp))
+    out["profile"] = {k: out["profile"][k] for k in ("machine", "seconds", "quick")}
+    print(json.dumps(out, indent=2))
+    record.save(args, "plan_check", out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The simulator and the plan command on hand-made profiles: answers worked out by hand."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvasir_bus.cli import main
+from planner import profile as prof
+from planner.png import plot_sweep
+from planner.shapes import Shapes, published
+from planner.sim import Config, holders_of, simulate
+
+TOY = Shapes(name="toy", arch="qwen3moe", fingerprint="f00dfeed", n_layer=2, n_moe_layers=2, n_attention_layers=2,
+             n_embd=64, n_expert=8, n_expert_used=2, n_ff_exp=32, n_head=4, n_head_kv=2, head_dim=16, n_vocab=256,
+             expert_bytes=6000, dense_bytes_attention=20000, dense_bytes_recurrent=0, head_bytes=16000)
+
+# Seconds, chosen so that each term of the arithmetic below can be told apart.
+DENSE, HEAD, PER_MSG, PER_CALL, NATS, W_MSG, K0, K_CALL, K_ROW, HOP = \
+    1e-3, 2e-4, 3e-5, 5e-6, 7e-6, 1.1e-4, 1.3e-5, 1.7e-5, 1.9e-5, 2.3e-5
+
+
+def toy_profile(shapes: Shapes = TOY, **worker) -> dict:
+    kernel = {"c0_s": K0, "c_call_s": K_CALL, "c_row_s": K_ROW, **worker}
+    return {
+        "kind": prof.PROFILE_KIND, "version": prof.PROFILE_VERSION, "model": shapes.to_dict(), "role": "both",
+        "machine": {"cpus": 2, "backbone_threads": 1},
+        "worker": {"kernel": kernel, "per_message_s": W_MSG},
+        "backbone": {"dense": {"attention": {"c0_s": DENSE, "c_row_s": 0.0, "c_row_ctx_s": 0.0},
+                               "shared": {"c0_s": 0.0, "c_row_s": 0.0}, "head": {"c0_s": HEAD, "c_row_s": 0.0}},
+                     "local_kernel": {"c0_s": K0, "c_call_s": K_CALL, "c_row_s": K_ROW},
+                     "dispatch": {"backbone_per_message_s": PER_MSG, "backbone_per_call_s": PER_CALL,
+                                  "backbone_per_row_s": 0.0, "hop_s": HOP}},
+        "nats": {"per_message_s": NATS}, "wire": {"call_bytes": 96, "message_bytes": 1024}}
+
+
+def test_zero_rtt_one_worker_equals_the_profile_arithmetic():
+    costs = prof.costs_for(toy_profile(), TOY)
+    r = simulate(TOY, costs, Config(workers=1, streams=1, tokens=8, prompt_tokens=1))
+    # One row, top-2: two calls in one bundle to the one worker, per layer: the dense part, the
+    # backbone's planning (half a message's cost and both calls), nats-server both ways, the
+    # worker's message and kernel (2 experts, 2 rows), the reply's half, the left-over hop.
+    layer = DENSE + PER_MSG + 2 * PER_CALL + 2 * NATS + W_MSG + K0 + 2 * K_CALL + 2 * K_ROW + HOP
+    step = TOY.n_layer * layer + HEAD
+    assert r.itl_ms["p50"] == pytest.approx(1000 * step, abs=0.01)
+    assert r.ttft_ms["p50"] == pytest.approx(1000 * step, abs=0.01)  # a 1-token prompt is one step
+    assert r.tokens_per_s == pytest.approx(1 / step, rel=1e-3)
+    assert r.messages_per_token == pytest.approx(TOY.n_layer)
+
+
+def test_more_workers_never_reduce_throughput_when_workers_are_the_bottleneck():
+    costs = prof.costs_for(toy_profile(c_row_s=2e-3, c_call_s=1e-3), TOY)
+    rates = []
+    for n in (1, 2, 4, 8):
+        r = simulate(TOY, costs, Config(workers=n, streams=32, tokens=8))
+        rates.append(r.tokens_per_s)
+        if n == 1:
+            assert r.bottleneck == "worker compute"
+    assert rates == sorted(rates) and rates[-1] > 2 * rates[0]
+
+
+def test_predictions_never_beat_the_three_bounds():
+    costs = prof.costs_for(toy_profile(), TOY)
+    for workers, streams, rtt in ((1, 1, 0.02), (4, 16, 0.05), (8, 64, 0.04)):
+        r = simulate(TOY, costs, Config(workers=workers, streams=streams, tokens=16, rtt_s=(rtt,)))
+        for name, bound in r.bounds.items():
+            if bound is not None:
+                assert r.tokens_per_s <= bound * 1.0001, name
+
+
+def test_a_frozen_worker_costs_one_timeout_then_its_experts_run_locally():
+    costs = prof.costs_for(toy_profile(), TOY)
+    cfg = Config(workers=2, streams=1, tokens=32, stop_at_s=0.01, timeout_s=0.2)
+    r = simulate(TOY, costs, cfg)
+    assert r.timeouts >= 1 and r.local_fraction > 0.2
+    assert r.itl_ms["p95"] >= 200 or max(0, r.timeouts) == 1  # the step that waited the timeout
+
+
+def test_placement_splits_then_replicates():
+    assert holders_of(8, 2) == [[0]] * 4 + [[1]] * 4
+    assert holders_of(4, 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_a_profile_of_another_model_is_refused_unless_rescaled():
+    other = published("qwen35moe-122b-a10b")
+    with pytest.raises(prof.UsageError, match="calibrated for toy"):
+        prof.costs_for(toy_profile(), other)
+    costs = prof.costs_for(toy_profile(), other, rescale=True)
+    assert costs.notes and costs.worker_kernel.c1 > K_CALL  # bigger experts cost more
+
+
+@pytest.fixture
+def profile_file(tmp_path):
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps(toy_profile(published("gpt-oss-120b"))))
+    return path
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--shape", "nope"], "unknown"),
+    (["--shape", "gpt-oss-120b", "--workers", "-3"], "integers >= 1"),
+    (["--shape", "gpt-oss-120b", "--audit", "2"], "between 0 and 1"),
+    (["--shape", "deepseek-v3"], "calibrated for gpt-oss-120b"),
+])
+def test_bad_input_is_one_line_and_exit_2(profile_file, capsys, argv, says):
+    assert main(["plan", "--profile", str(profile_file), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
+
+
+def test_a_sweep_prints_json_and_plots_a_png(profile_file, tmp_path, capsys):
+    png = tmp_path / "sweep.png"
+    assert main(["plan", "--profile", str(profile_file), "--shape", "gpt-oss-120b", "--workers", "1,4,16",
+                 "--streams", "4", "--tokens", "4", "--rtt-ms", "40", "--json", "--plot", str(png)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["workers"] for r in rows] == [1, 4, 16]
+    for r in rows:
+        assert {"tokens_per_s", "ttft_ms", "itl_ms", "bottleneck"} <= set(r)
+        assert set(r["itl_ms"]) == {"p50", "p95"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_nothing_writes_nothing(tmp_path):
+    plot_sweep([], str(tmp_path / "none.png"))
+    assert not (tmp_path / "none.png").exists()
