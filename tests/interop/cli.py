@@ -129,9 +129,15 @@ class Msg:
     def block(self) -> str:
         return "\n".join(self.lines).rstrip("\n") + "\n"
 
+    def body(self) -> list[str]:
+        """The payload's lines (after the header block and its blank line)."""
+        rest = self.lines[1 + len(self.headers):]
+        return [ln for ln in rest if ln.strip()]
+
 
 def parse_sub(text: str) -> list[Msg]:
-    """The messages ``nats sub --headers-only`` printed: subject, reply subject, headers."""
+    """The messages ``nats sub`` printed: subject, reply subject, headers, and the payload lines
+    (none with ``--headers-only``; one JSON line each with ``--translate 'python -m kvasir_bus.msgjson'``)."""
     msgs: list[Msg] = []
     for line in text.splitlines():
         m = _RECEIVED.match(line)

@@ -48,7 +48,11 @@ def render(text: str, outputs: Path = OUTPUTS) -> str:
 def main() -> int:
     for doc in DOCS:
         text = doc.read_text()
-        new = render(text)
+        try:
+            new = render(text)
+        except FileNotFoundError as exc:
+            print(f"render: error: {exc}", file=sys.stderr)
+            return 2
         if new != text:
             doc.write_text(new)
             print(f"rendered {', '.join(names(text))} into {doc.relative_to(REPO)}", file=sys.stderr)

@@ -210,25 +210,35 @@ class Sub:
         return "\n".join(self.lines) + "\n"
 
 
+HOT_PATH = ("kvasir.*.n.*", "kvasir.*.x.>")
+
+
 @pytest.fixture(scope="module")
 def generation(ops, swarm):
-    """A generation requested with ``nats req`` while ``nats sub --headers-only`` watches the bus;
-    returns (the request's run, what the subscription printed)."""
+    """A generation requested with ``nats req`` while two ``nats sub`` watch the bus: one with
+    ``--headers-only`` on everything (replies too), one decoding every payload off the hot path;
+    returns (the request's run, what each subscription printed)."""
     fp = swarm.fingerprint
-    sub = Sub(ops, "sub", "kvasir.>", "_INBOX.>", "--headers-only")
+    heads = Sub(ops, "sub", "kvasir.>", "_INBOX.>", "--headers-only")
+    ignore = [a for subject in HOT_PATH for a in ("-I", subject)]
+    readable = Sub(ops, "sub", "kvasir.>", "--translate", translate(), *ignore)
+    subs = (heads, readable)
     try:
-        sub.wait_for(lambda t: "Kvasir-Kind: heartbeat" in t, "heartbeat (is the subscription live?)")
+        for sub in subs:
+            sub.wait_for(lambda t: "Kvasir-Kind: heartbeat" in t, "heartbeat (is the subscription live?)")
         argv, packed, shown = generate_argv(fp)
         req = ops.run(*argv, input=packed, stdin_from=shown, timeout=60)
-        sub.wait_for(lambda t: f'"kvasir.{fp}.ledger"' in t and f'"kvasir.{fp}.routing"' in t,
-                     "ledger batch and routing statistics after the generation")
+        for sub in subs:
+            sub.wait_for(lambda t: f'"kvasir.{fp}.ledger"' in t and f'"kvasir.{fp}.routing"' in t
+                         and (sub is heads or ('"t": "lb"' in t and '"t": "rs"' in t)),
+                         "ledger batch and routing statistics after the generation")
     finally:
-        text = sub.stop()
-    return req, Run(sub.shown, 0, text, "")
+        texts = [sub.stop() for sub in subs]
+    return req, Run(heads.shown, 0, texts[0], ""), Run(readable.shown, 0, texts[1], "")
 
 
 def test_generate_request_built_by_the_cli_streams_tokens_then_done(generation, swarm):
-    req, _ = generation
+    req = generation[0]
     assert req.returncode == 0, req.text
     check_generate(req.text, swarm.fingerprint)
     record("req-generate", req.transcript())
@@ -293,11 +303,51 @@ def sub_excerpt(run: Run, fp: str) -> str:
 
 
 def test_sub_shows_headers_off_the_hot_path_and_none_on_it(generation, swarm):
-    _, sub = generation
+    sub = generation[1]
     check_sub(sub.stdout, swarm.fingerprint)
     excerpt = sub_excerpt(sub, swarm.fingerprint)
     check_sub(excerpt, swarm.fingerprint)
     record("sub-headers", excerpt)
+
+
+KIND_OF = {"heartbeat": "hb", "demand_map": "dm", "routing_stats": "rs", "ledger_batch": "lb"}
+
+
+def check_sub_readable(text: str, fp: str) -> None:
+    msgs = parse_sub(text)
+    if msgs and not msgs[-1].body():
+        msgs.pop()  # stopped while the translator ran for the last message
+    msgs = [m for m in msgs if m.subject != f"kvasir.{fp}.generate"]  # the CLI's own request
+    assert msgs and not [m for m in msgs if re.fullmatch(rf"kvasir\.{fp}\.(x\..*|n\..*)", m.subject)]
+    kinds = set()
+    for m in msgs:
+        lines = m.body()
+        assert len(lines) == 1, m.block()
+        body = json.loads(lines[0])  # every payload off the hot path decodes as one record
+        kind = m.headers["Kvasir-Kind"]
+        kinds.add(kind)
+        assert m.headers["Kvasir-Version"] == str(body["v"]) == "1", m.block()
+        assert body["model"] == m.headers["Kvasir-Model"] == fp, m.block()
+        if kind in KIND_OF:
+            assert body["t"] == KIND_OF[kind], m.block()
+        if kind == "heartbeat":
+            assert body["node"] == m.headers["Kvasir-Node"] and m.subject.endswith("." + body["node"])
+    assert {"heartbeat", "routing_stats", "ledger_batch"} <= kinds, kinds
+
+
+def test_sub_with_translate_reads_every_message_off_the_hot_path(generation, swarm):
+    sub = generation[2]
+    check_sub_readable(sub.stdout, swarm.fingerprint)
+    msgs = parse_sub(sub.stdout)
+    picked, seen = [], set()
+    for m in msgs:
+        key = m.headers.get("Kvasir-Kind", m.subject)
+        if key not in seen and m.body():
+            seen.add(key)
+            picked.append(m)
+    excerpt = f"$ {sub.shown}\n" + "\n".join(m.block() for m in picked)
+    check_sub_readable(excerpt, swarm.fingerprint)
+    record("sub-readable", excerpt)
 
 
 def test_micro_stats_count_the_generation(ops, swarm, generation):
