@@ -4,6 +4,11 @@ creds where ``tests/net/test_permissions.py`` says, with the CLI printing the se
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import time
+
 import pytest
 
 from kvasir_bus import jwt
@@ -11,7 +16,7 @@ from kvasir_bus.cli import main as kvasir
 from kvasir_bus.server import EmbeddedNats
 from kvasir_bus.subjects import Subjects
 from tests.interop.cli import Cli, record
-from tests.interop.test_swarm import Sub
+from tests.interop.test_swarm import ROLES, Sub
 
 M = Subjects("abc123")
 IDENTITIES = ("operator", "backbone", "market", "observer", "w1")
@@ -25,7 +30,8 @@ def user_key(creds_file) -> str:
 @pytest.fixture(scope="module")
 def secure(nats_cli, tmp_path_factory):
     out = tmp_path_factory.mktemp("creds") / "dep"
-    assert kvasir(["creds", "init", str(out), "--listen", "127.0.0.1:0", "--workers", "w1", "--jwt"]) == 0
+    assert kvasir(["creds", "init", str(out), "--listen", "127.0.0.1:0", "--workers", "w1,worker-0,worker-1",
+                   "--jwt"]) == 0
     with EmbeddedNats(config=out / "nats.conf", port=None, host=None) as server:
         cli = Cli(nats_cli, server.url, tmp_path_factory.mktemp("nats-cli-home"), {str(out): "DIR"})
         yield out, cli
@@ -112,3 +118,79 @@ def test_a_worker_is_refused_where_the_permission_tests_say(secure):
     # a worker may not ask the services either
     r = cli.run(*w1, *inbox, "micro", "ping", "--timeout", "1s")
     assert violation("Publish", "$SRV.PING") in r.text, r.text
+
+
+# ---- a whole swarm under its identities, seen by the observer's CLI ----------------------------
+
+def observer(dep) -> list[str]:
+    obs = dep / "observer.creds"
+    return ["--creds", str(obs), "--inbox-prefix", f"_INBOX_{user_key(obs)}"]
+
+
+@pytest.fixture(scope="module")
+def secure_swarm(secure, models, tmp_path_factory):
+    """backbone (kvasir serve), market and two workers, each under its own JWT identity."""
+    dep, cli = secure
+    model = models("qwen3moe", "q8_0")
+    logs = tmp_path_factory.mktemp("secure-logs")
+    base = [sys.executable, "-m", "kvasir_bus.cli"]
+    procs = []
+
+    def spawn(name: str, *args: str) -> None:
+        log = open(logs / f"{name}.log", "w")
+        procs.append(subprocess.Popen([*base, *args, "--nats", cli.url, "--creds", str(dep / f"{name}.creds")],
+                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
+
+    try:
+        spawn("backbone", "serve", "--model", str(model), "--spool", "off")
+        for i, experts in enumerate(("0-3", "4-7")):
+            spawn(f"worker-{i}", "worker", "--model", str(model), "--layer", "all", "--experts", experts)
+        spawn("market", "market", "--db", str(logs / "market.db"))
+        end = time.monotonic() + 90
+        services = []
+        while time.monotonic() < end and len(services) < 4:
+            r = cli.run(*observer(dep), "micro", "list", "--json")
+            services = json.loads(r.stdout) if r.returncode == 0 and r.stdout.startswith("[") else []
+            if any(p.poll() is not None for p in procs):
+                break
+        if len(services) < 4:
+            tails = {p.name: p.read_text()[-500:] for p in logs.glob("*.log")}
+            raise AssertionError(f"the secure swarm did not come up: {services}\n{tails}")
+        yield dep, cli, services
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_the_observer_sees_every_role_of_a_swarm_under_creds(secure_swarm):
+    dep, cli, services = secure_swarm
+    assert sorted(s["name"] for s in services) == sorted([*ROLES, "kvasir-worker"])
+    nodes = sorted(s["metadata"]["node"] for s in services)
+    assert nodes == ["backbone", "market", "worker-0", "worker-1"]  # each its identity's name
+    ping = cli.run(*observer(dep), "micro", "ping")
+    assert ping.returncode == 0 and "iolation" not in ping.text, ping.text
+    assert sorted(ln.split()[0] for ln in ping.text.splitlines() if ln.startswith("kvasir-")) == sorted(
+        [*ROLES, "kvasir-worker"]), ping.text
+    record("creds-observer-ping", ping.transcript().replace(user_key(dep / "observer.creds"), "<observer key>"))
+    # and it reads the workers' heartbeats
+    sub = Sub(cli, "--creds", str(dep / "observer.creds"), "sub", "kvasir.*.coverage.*", "--headers-only")
+    try:
+        sub.wait_for(lambda t: '.coverage.worker-0"' in t and '.coverage.worker-1"' in t, "both workers' heartbeats")
+    finally:
+        sub.stop()
+
+
+def test_a_workers_creds_may_not_ask_the_services_nor_hear_another_worker(secure_swarm):
+    dep, cli, services = secure_swarm
+    fp = next(s["metadata"]["model"] for s in services if s["name"] == "kvasir-worker")
+    w0 = ["--creds", str(dep / "worker-0.creds"), "--inbox-prefix", f"_INBOX_{user_key(dep / 'worker-0.creds')}"]
+    r = cli.run(*w0, "micro", "ping", "--timeout", "1s")
+    assert violation("Publish", "$SRV.PING") in r.text, r.text
+    other = Subjects(fp).node("worker-1")
+    r = cli.run(*w0, "sub", other, "--count", "1")
+    assert r.returncode == 1 and violation("Subscription", other) in r.text, r.text
