@@ -70,3 +70,6 @@ def test_the_stored_refusals_say_what_the_server_refused():
     tc.check_refused_publish(stored("creds-worker-dispatch"), "kvasir.abc123.x.0.1")
     assert 'Permissions Violation for Subscription to "_INBOX.>"' in stored("creds-worker-inbox")
     assert "Authorization Violation" in stored("creds-anonymous")
+    ping = stored("creds-observer-ping")
+    assert "--inbox-prefix _INBOX_" in ping.splitlines()[0]
+    ts.check_micro_ping(ping.partition("\n")[2], fingerprint())  # all four roles answered the observer
