@@ -2,7 +2,7 @@
 #   make demo   - build the small synthetic model and run the swarm on it
 #   make test   - run the test suite
 # Both create .venv and install what they need on first use (llama-cpp-python compiles from
-# source, about 5 minutes on 2 cores; pip caches the wheel for next time).
+# source once per machine, about 5 minutes on 2 cores, into ~/.cache/kvasir/wheels).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -40,10 +40,34 @@ $(BROWSER_OUT): browser/package-lock.json browser/build.mjs browser/index.html $
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
+# llama-cpp-python is built once per machine into a wheel folder of ours, keyed by its version and
+# build flags (pip's own cache keys a source build by the sdist alone, not by CMAKE_ARGS). Where
+# the CPU has AMX, -march=native would compile in ggml's AMX matmul, and that crashes (SIGSEGV in
+# ggml_backend_amx_mul_mat) on the Q4_K models the tests synthesise, at llama.cpp's defaults: it is
+# built without AMX there, and with every other instruction set of the machine.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPU_HAS_AMX := $(shell grep -qs amx_int8 /proc/cpuinfo && echo 1)
+ifeq ($(LLAMA_CPU_HAS_AMX),1)
+LLAMA_VARIANT := native-noamx
+LLAMA_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+export LLAMA_CMAKE_ARGS := -DCMAKE_C_FLAGS="$(LLAMA_NO_AMX)" -DCMAKE_CXX_FLAGS="$(LLAMA_NO_AMX)"
+else
+LLAMA_VARIANT := native
+export LLAMA_CMAKE_ARGS :=
+endif
+LLAMA_WHEELS ?= $(HOME)/.cache/kvasir/wheels/llama-cpp-python-$(LLAMA_CPP_VERSION)-$(LLAMA_VARIANT)
+
+$(STAMP): pyproject.toml Makefile | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
-	@echo "installing kvasir-bus with the backbone and test extras (llama-cpp-python builds from source the first time: ~5 min)"
-	$(BIN)/python -m pip install --quiet -e '.[backbone,test]'
+	@if ! ls "$(LLAMA_WHEELS)"/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1; then \
+	  echo "building llama-cpp-python $(LLAMA_CPP_VERSION) ($(LLAMA_VARIANT)) once per machine into $(LLAMA_WHEELS): ~5 min"; \
+	  mkdir -p "$(LLAMA_WHEELS)" && \
+	  CMAKE_ARGS="$$LLAMA_CMAKE_ARGS" $(BIN)/python -m pip wheel --quiet --no-deps --no-cache-dir \
+	    -w "$(LLAMA_WHEELS)" llama-cpp-python==$(LLAMA_CPP_VERSION); \
+	fi
+	@echo "installing kvasir-bus with the backbone and test extras"
+	$(BIN)/python -m pip install --quiet --find-links "$(LLAMA_WHEELS)" -e '.[backbone,test]' \
+	  llama-cpp-python==$(LLAMA_CPP_VERSION)
 	touch $@
 
 $(DEMO_MODEL): | $(STAMP)
