@@ -30,6 +30,7 @@ from backbone.cli import (add_audit_flags, add_http_flags, add_replica_flags, ad
 from backbone.service import BackboneConfig, BackboneService
 from backbone.generate import generate
 from backbone.model import Engine
+from launch.supervise import Supervisor
 from launch.swarm import WorkerProcess, spawn_worker, split_experts, wait_for_nodes
 from kernels.backend import apply_kernel_flags
 from kvasir_bus.connect import ConnectOptions, add_connection_flags
@@ -78,6 +79,9 @@ def register(sub) -> None:
     p.add_argument("--logs", metavar="DIR", default=None,
                    help="keep the market's and each worker's log here (default: a temporary "
                    "directory, removed at exit)")
+    p.add_argument("--restart-backoff", type=float, default=1.0, metavar="S",
+                   help="a worker or the market that dies is started again after S seconds, doubled "
+                   "at each restart up to 30 s (default 1; 0: never restart)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser(
@@ -159,6 +163,8 @@ def cmd_up(args) -> int:
     configure("warning" if quiet and sys.stderr.isatty() else "info")
     if args.n < 0:
         raise UsageError(f"-n must be >= 0, got {args.n}")
+    if not 0 <= args.restart_backoff <= 30:
+        raise UsageError(f"--restart-backoff must be between 0 and 30 seconds, got {args.restart_backoff:g}")
     if args.db is not None and not args.no_market:
         from market.cli import check_db_dir
 
@@ -221,17 +227,20 @@ def cmd_up(args) -> int:
                 cfg = replace(cfg, sign_key=str(signer.write(keydir / "backbone-sign.nk")))
             db = args.db or str(logdir / "market.db")
             logf = stack.enter_context(open(logdir / "market.log", "w"))
-            market = _spawn_market(url, fp, db, logf, [*(["--creds", creds["market"]] if creds else []),
-                                                       "--trust-backbone", signer.public_key])
-            stack.callback(market.stop)
+            market_args = [*(["--creds", creds["market"]] if creds else []), "--trust-backbone", signer.public_key]
+            market = _spawn_market(url, fp, db, logf, market_args)
+            stack.callback(lambda: market.stop())  # the one running now (the supervisor may restart it)
         backbone = stack.enter_context(BackboneService(engine, cfg))
+        def start_worker(i: int, lo: int, hi: int, mode: str = "w") -> WorkerProcess:
+            logf = stack.enter_context(open(logdir / f"worker-{i}.log", mode))
+            return spawn_worker(url, f"worker-{i}", ["--model", args.model, "--layer", "all",
+                                                     "--experts", f"{lo}-{hi}"], log_file=logf,
+                                extra=["--replicas", cfg.replicas.mode,
+                                       "--fast-paths", getattr(args, "fast_paths", "on"),
+                                       *(["--creds", creds[f"worker-{i}"]] if creds else [])])
+
         for i, (lo, hi) in enumerate(ranges):
-            logf = stack.enter_context(open(logdir / f"worker-{i}.log", "w"))
-            workers.append(spawn_worker(url, f"worker-{i}", ["--model", args.model, "--layer", "all",
-                                                            "--experts", f"{lo}-{hi}"], log_file=logf,
-                                        extra=["--replicas", cfg.replicas.mode,
-                                               "--fast-paths", getattr(args, "fast_paths", "on"),
-                                               *(["--creds", creds[f"worker-{i}"]] if creds else [])]))
+            workers.append(start_worker(i, lo, hi))
         # Workers load their experts before their first heartbeat: on a big model that is
         # minutes, so a log file hears how many are ready every 10 s (a terminal waits quietly).
         ready = None if sys.stderr.isatty() else LogProgress("up_workers_ready", unit="workers", model=fp)
@@ -243,6 +252,25 @@ def cmd_up(args) -> int:
                                            progress=ready))
         except KvasirError as exc:
             raise KvasirError(f"{exc}; worker logs: {_tails(workers)}") from None
+        # From here on a worker or the market that dies is restarted with back-off (its experts run
+        # on the backbone meanwhile); the supervisor stops first at exit, then every child.
+        supervisor = Supervisor(backoff_s=max(args.restart_backoff, 0.001))
+        for i, ((lo, hi), w) in enumerate(zip(ranges, workers)):
+            supervisor.add(w.node, lambda i=i, lo=lo, hi=hi: start_worker(i, lo, hi, "a"), child=w,
+                           on_start=lambda child, i=i: workers.__setitem__(i, child))
+        if market is not None:
+            def start_market() -> _MarketProcess:
+                return _spawn_market(url, fp, db, stack.enter_context(open(logdir / "market.log", "a")),
+                                     market_args)
+
+            def market_started(child: _MarketProcess) -> None:
+                nonlocal market
+                market = child
+
+            supervisor.add("market", start_market, child=market, on_start=market_started)
+        if args.restart_backoff > 0:
+            supervisor.start()
+        stack.callback(supervisor.stop)
         print(f"swarm up: {url}, model {fp} ({engine.cfg.arch}, {engine.cfg.n_layer} layers x "
               f"{engine.cfg.n_expert} experts), {len(workers)} workers in {time.perf_counter() - t0:.1f} s: "
               + ", ".join(f"{w.node} experts {lo}-{hi}" for w, (lo, hi) in zip(workers, ranges)), file=out)
@@ -403,11 +431,8 @@ def _tails(workers: list[WorkerProcess]) -> str:
 
 
 def _wait_for_interrupt(workers: list[WorkerProcess]) -> None:
+    """Until Ctrl-C or SIGTERM; dead children are the supervisor's (launch/supervise.py)."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        dead = [w.node for w in workers if not w.alive()]
-        if dead:
-            log.warning("worker_exited", nodes=dead)
-            workers[:] = [w for w in workers if w.alive()]
+    stop.wait()
