@@ -343,7 +343,7 @@ def demo_note(result: dict) -> str | None:
         return None
     shows = ["which node computed which experts"]
     if "check" in result:
-        shows.insert(0, "that the logits are bit-identical to the monolithic run's")
+        shows.insert(0, "whether the logits are bit-identical to the monolithic run's (the last line)")
     if result.get("rewards"):
         shows.append("what the ledger paid each")
     listed = shows[0] if len(shows) == 1 else ", ".join(shows[:-1]) + " and " + shows[-1]
