@@ -90,6 +90,13 @@ def _add_market(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--http", "--metrics", dest="http", metavar="[HOST:]PORT", default=None,
                    help="serve the live dashboard (/) and Prometheus metrics (/metrics) here "
                    "(host default 127.0.0.1; 0.0.0.0:PORT for every interface)")
+    p.add_argument("--keep-events", type=int, default=100_000, metavar="N",
+                   help="ledger events kept one by one (default 100000, about 25 MB); older ones, and "
+                   "any older than --fold-after, are folded into per node and range totals, so the "
+                   "file grows with nodes and ranges, not with calls")
+    p.add_argument("--fold-after", type=float, default=600.0, metavar="S",
+                   help="fold ledger events older than S seconds (default 600, the ledger stream's "
+                   "duplicate window); a folded event can no longer be voided by a quarantine")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=_cmd_market)
 
@@ -109,6 +116,9 @@ def _cmd_market(args: argparse.Namespace) -> int:
         _positive(name, value)
     if args.grace < 0:
         raise UsageError(f"--grace must be >= 0, got {args.grace}")
+    if args.keep_events < 0 or args.fold_after < 0:
+        raise UsageError(f"--keep-events and --fold-after must be >= 0, got {args.keep_events} and "
+                         f"{args.fold_after:g}")
     check_db_dir(args.db)
     try:
         cfg = MarketConfig(node=args.node, db_path=args.db, expiry_s=args.expiry,
@@ -116,7 +126,8 @@ def _cmd_market(args: argparse.Namespace) -> int:
                            demand_interval_s=args.demand_interval,
                            policy=Policy(max_replicas=args.max_replicas),
                            models=tuple(_model_arg(m) for m in args.model),
-                           trusted_backbones=tuple(check_public_key(k) for k in args.trust_backbone))
+                           trusted_backbones=tuple(check_public_key(k) for k in args.trust_backbone),
+                           keep_events=args.keep_events, fold_after_s=args.fold_after)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     http = None

@@ -24,6 +24,14 @@ refused ("unbacked"). A quarantined node's events are void (reward 0; ``void`` =
 later events are refused. The model manifests the market learned are kept too, so a restarted
 market can check the stream's events against the geometry with no backbone on the bus.
 
+The file grows with nodes and ranges, not with calls: :meth:`Ledger.fold` (the market runs it
+every few seconds) folds events older than the replay window, and all but the newest
+``keep`` of them, into ``folded`` (per model, node, layer and expert: what a node needs to check
+its pay), and remembers each backbone's ``horizon``, the newest ``at`` folded, refusing its events
+at or before it as ``late``. ``node_totals`` keeps each node's events, rows and reward as they are
+stored, voided and folded, so a status reads one row per node at any ledger size. A quarantine
+voids only events still kept one by one.
+
 Not thread-safe by itself: the service calls it from one worker thread.
 """
 
@@ -86,6 +94,31 @@ CREATE TABLE IF NOT EXISTS routing_ids (
     msg_id      TEXT NOT NULL,
     PRIMARY KEY (model, source, msg_id)
 );
+CREATE INDEX IF NOT EXISTS events_by_time ON events (recorded_at);
+CREATE TABLE IF NOT EXISTS node_totals (
+    model       TEXT NOT NULL,
+    node        TEXT NOT NULL,
+    events      INTEGER NOT NULL,
+    rows        INTEGER NOT NULL,
+    reward      REAL NOT NULL,
+    PRIMARY KEY (model, node)
+);
+CREATE TABLE IF NOT EXISTS folded (
+    model       TEXT NOT NULL,
+    node        TEXT NOT NULL,
+    layer       INTEGER NOT NULL,
+    expert      INTEGER NOT NULL,
+    events      INTEGER NOT NULL,
+    rows        INTEGER NOT NULL,
+    reward      REAL NOT NULL,
+    PRIMARY KEY (model, node, layer, expert)
+);
+CREATE TABLE IF NOT EXISTS horizons (
+    model       TEXT NOT NULL,
+    source      TEXT NOT NULL,
+    at          REAL NOT NULL,
+    PRIMARY KEY (model, source)
+);
 CREATE TABLE IF NOT EXISTS assignments (
     model       TEXT NOT NULL,
     node        TEXT NOT NULL,
@@ -124,6 +157,11 @@ class Ledger:
                 cols = {r[1] for r in self._db.execute("PRAGMA table_info(events)")}
                 if "void" not in cols:  # a ledger file from before issue 8
                     self._db.execute("ALTER TABLE events ADD COLUMN void INTEGER NOT NULL DEFAULT 0")
+                if not self._db.execute("SELECT 1 FROM node_totals LIMIT 1").fetchone():
+                    # a ledger file without running totals: count them once, from its events
+                    self._db.execute(
+                        "INSERT INTO node_totals SELECT model, node, count(*), sum(rows), sum(reward) "
+                        "FROM events WHERE void = 0 GROUP BY model, node")
                 self._db.commit()
             self._db.execute("SELECT count(*) FROM events").fetchone()
         except sqlite3.DatabaseError as exc:
@@ -157,12 +195,27 @@ class Ledger:
                      event.at, rate, rate * event.rows, source, batch_id, now))
                 if cur.rowcount == 1:
                     accepted += 1
+                    self._add_totals(model, event.node, 1, event.rows, rate * event.rows)
                 else:
                     duplicates += 1
         return accepted, duplicates
 
+    def _add_totals(self, model: str, node: str, events: int, rows: int, reward: float) -> None:
+        """Inside a transaction: move ``node``'s running totals (negative: voided)."""
+        self._db.execute("INSERT INTO node_totals VALUES (?, ?, ?, ?, ?) ON CONFLICT (model, node) DO UPDATE "
+                         "SET events = events + excluded.events, rows = rows + excluded.rows, "
+                         "reward = reward + excluded.reward", (model, node, events, rows, reward))
+
     def totals(self, model: str | None = None) -> list[NodeTotals]:
-        """Events, rows and reward per node (of one model, or of all), sorted by node."""
+        """Events, rows and reward per node (of one model, or of all), sorted by node: the
+        running totals, kept as events are stored, voided and folded (a read of one row per
+        node, whatever the ledger's size)."""
+        if self._has("node_totals"):
+            where, args = ("WHERE model = ?", [model]) if model else ("", [])
+            rows = self._db.execute(
+                f"SELECT node, sum(events), sum(rows), sum(reward) FROM node_totals {where} "
+                "GROUP BY node HAVING sum(events) > 0 ORDER BY node", args).fetchall()
+            return [NodeTotals(node, int(n), int(r or 0), max(0.0, float(w or 0.0))) for node, n, r, w in rows]
         cols = {r[1] for r in self._db.execute("PRAGMA table_info(events)")}
         conds, args = (["model = ?"], [model]) if model else ([], [])
         if "void" in cols:  # void events (a quarantined node's) earn nothing and count nothing
@@ -173,8 +226,50 @@ class Ledger:
             "GROUP BY node ORDER BY node", args).fetchall()
         return [NodeTotals(node, int(n), int(r or 0), float(w or 0.0)) for node, n, r, w in rows]
 
+    def _has(self, table: str) -> bool:
+        return self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                (table,)).fetchone() is not None
+
     def models(self) -> list[str]:
+        if self._has("node_totals"):
+            return [m for (m,) in self._db.execute("SELECT DISTINCT model FROM node_totals ORDER BY 1")]
         return [m for (m,) in self._db.execute("SELECT DISTINCT model FROM events ORDER BY 1")]
+
+    # -- folding ----------------------------------------------------------------------------
+    def fold(self, before: float, keep: int = 100_000) -> int:
+        """Fold the events recorded before ``before`` (the market's clock), and all but the
+        newest ``keep``, into per (model, node, layer, expert) totals, and delete them: the file
+        grows with nodes and ranges, not with calls. Returns the events folded.
+
+        What a folded event can no longer do: be voided by a later quarantine (its node had
+        passed its audits until then), or be told apart from a replay of itself: so each
+        backbone's ``horizon``, the newest ``at`` folded of its events, refuses its events at or
+        before it as ``late`` from then on."""
+        if keep < 0:
+            raise ValueError("keep must be >= 0")
+        with self._db:
+            n = self._db.execute("SELECT count(*) FROM events").fetchone()[0]
+            cut = before
+            if n > keep:
+                got = self._db.execute("SELECT recorded_at FROM events ORDER BY recorded_at "
+                                       "LIMIT 1 OFFSET ?", (n - keep,)).fetchone()
+                cut = max(cut, got[0])
+            self._db.execute(
+                "INSERT INTO folded SELECT model, node, layer, expert, count(*), sum(rows), sum(reward) "
+                "FROM events WHERE recorded_at < ? AND void = 0 GROUP BY model, node, layer, expert "
+                "ON CONFLICT (model, node, layer, expert) DO UPDATE SET events = events + excluded.events, "
+                "rows = rows + excluded.rows, reward = reward + excluded.reward", (cut,))
+            self._db.execute(
+                "INSERT INTO horizons SELECT model, source, max(at) FROM events WHERE recorded_at < ? "
+                "GROUP BY model, source ON CONFLICT (model, source) DO UPDATE SET at = max(at, excluded.at)",
+                (cut,))
+            return self._db.execute("DELETE FROM events WHERE recorded_at < ?", (cut,)).rowcount
+
+    def horizon(self, model: str, source: str) -> float | None:
+        """The newest ``at`` folded of ``source``'s events (None: none folded)."""
+        got = self._db.execute("SELECT at FROM horizons WHERE model = ? AND source = ?",
+                               (model, source)).fetchone()
+        return float(got[0]) if got else None
 
     # -- pending assignments ----------------------------------------------------------------
     def save_assignment(self, model: str, node: str, holdings: Iterable[Holding], budget: int,
@@ -242,14 +337,18 @@ class Ledger:
         backs it may still be on its way (the stream redelivers what a dead market took
         after what came later): the caller asks for the batch again later, and the last time
         without ``hold``."""
-        out = dict(accepted=0, duplicates=0, unbacked=0, quarantined=0)
+        out = dict(accepted=0, duplicates=0, unbacked=0, quarantined=0, late=0)
         accepted: list[LedgerEvent] = []
         try:
             with self._db:
                 banned = self.quarantined(model)
+                horizon = self.horizon(model, source)
                 for event, rate in priced:
                     if event.node in banned:
                         out["quarantined"] += 1
+                        continue
+                    if horizon is not None and event.at <= horizon:
+                        out["late"] += 1  # older than what was folded: it may be a replay of it
                         continue
                     if self._db.execute("SELECT 1 FROM events WHERE event_id = ?",
                                         (event.event_id,)).fetchone():
@@ -271,6 +370,7 @@ class Ledger:
                         "reward, source, batch_id, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                         (event.event_id, model, event.node, event.layer, event.expert, event.rows,
                          event.at, rate, rate * event.rows, source, batch_id, now))
+                    self._add_totals(model, event.node, 1, event.rows, rate * event.rows)
                     out["accepted"] += 1
                     accepted.append(event)
                 self._note_seq(stream, seq)
@@ -288,8 +388,10 @@ class Ledger:
                                 (model, node, at)).rowcount == 0:
                 return None
             self._note_seq(stream, seq)
-            got = self._db.execute("SELECT sum(rows) FROM events WHERE model = ? AND node = ? AND "
-                                   "void = 0 AND at >= ?", (model, node, since)).fetchone()
+            got = self._db.execute("SELECT sum(rows), count(*), sum(reward) FROM events WHERE model = ? "
+                                   "AND node = ? AND void = 0 AND at >= ?", (model, node, since)).fetchone()
+            if got[1]:
+                self._add_totals(model, node, -got[1], -int(got[0] or 0), -float(got[2] or 0.0))
             self._db.execute("UPDATE events SET void = 1, reward = 0 WHERE model = ? AND node = ? AND at >= ?",
                              (model, node, since))
         return int(got[0] or 0)
@@ -301,7 +403,7 @@ class Ledger:
     def served(self) -> list[tuple[str, str, int, int]]:
         """Every (model, node, layer, expert) with a credited event: who answered for what."""
         return list(self._db.execute("SELECT DISTINCT model, node, layer, expert FROM events "
-                                     "WHERE void = 0"))
+                                     "WHERE void = 0 UNION SELECT model, node, layer, expert FROM folded"))
 
     def save_manifest(self, model: str, data: bytes) -> None:
         with self._db:

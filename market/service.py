@@ -125,6 +125,9 @@ class MarketConfig:
     unbacked_retries: int = 3                 # a batch with an unbacked event is read again ...
     unbacked_retry_s: float = ledger_stream.ACK_WAIT_S  # ... this much later (a redelivery's delay)
     trusted_backbones: tuple[str, ...] = ()  # public nkeys whose signed ledger/routing/quarantine count (none: any)
+    fold_after_s: float = 600.0               # events older than this are folded into totals ...
+    keep_events: int = 100_000                # ... and all but this many newest (Ledger.fold)
+    fold_interval_s: float = 10.0             # how often the ledger is folded
 
     def __post_init__(self) -> None:
         subjects.check_node(self.node)
@@ -133,6 +136,8 @@ class MarketConfig:
                      "unbacked_retry_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not (self.fold_after_s >= 0 and self.keep_events >= 0 and self.fold_interval_s > 0):
+            raise ValueError("fold_after_s and keep_events must be >= 0, fold_interval_s > 0")
         if self.unbacked_retries < 0:
             raise ValueError(f"unbacked_retries must be >= 0, got {self.unbacked_retries}")
         if self.assign_grace_s < 0 or self.volunteer_wait_s < 0 or self.range_experts < 1 \
@@ -550,9 +555,26 @@ class Market:
             self.log.debug("demand_changed", model=ms.name, holes=len(dm.holes))
         ms.last_signature, ms.last_published = sig, now
 
+    async def _fold(self) -> None:
+        """Fold the ledger (see :meth:`market.ledger.Ledger.fold`): its file stays the size of
+        ``keep_events`` events plus one row per node and range."""
+        t0 = time.perf_counter()
+        folded = await self._db(self.ledger.fold, self.clock() - self.cfg.fold_after_s, self.cfg.keep_events)
+        if folded:
+            self.log.info("ledger_folded", events=folded, ms=round((time.perf_counter() - t0) * 1e3, 1))
+
     async def _tick_loop(self) -> None:
+        next_fold = 0.0
         while self.state is State.RUNNING:
             now = self.clock()
+            if time.monotonic() >= next_fold:
+                next_fold = time.monotonic() + self.cfg.fold_interval_s
+                try:
+                    await self._fold()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the ledger stays correct unfolded; say so and go on
+                    self.log.error("ledger_fold_failed", error=f"{type(exc).__name__}: {exc}"[:200])
             for ms in list(self.models.values()):
                 try:
                     self._expire(ms, now)
