@@ -42,8 +42,19 @@ def _say(msg: str) -> None:
 
 
 def _proc_cpu_s(pid) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds of a process (every live thread) or, as ``self/task/TID``, of one thread: the
+    scheduler's nanosecond counts (schedstat), not /proc/stat's 10 ms ticks, which a short
+    calibration of a small model could not resolve."""
+    base = f"/proc/{pid}"
+    tasks = [base] if "/task/" in str(pid) else [f"{base}/task/{t}" for t in os.listdir(f"{base}/task")]
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return total / 1e9
 
 
 def fit(xs: list[list[float]], ys: list[float]) -> list[float]:
@@ -318,8 +329,9 @@ def fit_dispatch(runs: list[dict], kernel: dict, dense: dict | None = None, n_la
     per_msg, per_call = fit(xs, [r["engine_dispatch_cpu_s"] + r["bus_thread_cpu_s"] for r in runs])
     bb = [per_msg, per_call, 0.0]
     cpu_fit = fit(xs, [max(0.0, r["cpu_s"] - r["null_cpu_s"]) for r in runs])
-    worker_msg = float(np.median([max(0.0, r["worker_cpu_s"] - kern(r)) / max(1, r["messages"]) for r in runs]))
-    nats_msg = float(np.median([r["nats_cpu_s"] / max(1, 2 * r["messages"]) for r in runs]))
+    messages = sum(r["messages"] for r in runs)
+    worker_msg = max(0.0, sum(r["worker_cpu_s"] - kern(r) for r in runs)) / max(1, messages)
+    nats_msg = sum(r["nats_cpu_s"] for r in runs) / max(1, 2 * messages)
     # What is left of the wall time per layer step, beyond the CPU of the chain (wake-ups, the
     # loopback, the scheduler): from the quietest runs, the least.
     hops = []
@@ -332,6 +344,70 @@ def fit_dispatch(runs: list[dict], kernel: dict, dense: dict | None = None, n_la
             "worker_per_message_s": worker_msg, "nats_per_message_s": nats_msg,
             "hop_s": float(np.median(hops)), "backbone_cpu_per_message_s": cpu_fit[0],
             "backbone_cpu_per_call_s": cpu_fit[1], "bytes_out_per_message_mean": float(np.mean(out_b)), "runs": runs}
+
+
+def _stream(url: str, max_tokens: int) -> tuple[float, float, int]:
+    """One streaming completion of a 1-token prompt: (time to first token, total, tokens)."""
+    import http.client
+    import json
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    body = json.dumps({"model": "calibrate", "prompt": [1], "max_tokens": max_tokens, "temperature": 0,
+                       "stream": True, "ignore_eos": True})
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first, n = None, 0
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
+                n += 1
+                first = first or time.perf_counter() - t0
+    conn.close()
+    return first or 0.0, time.perf_counter() - t0, n
+
+
+def measure_serving(path: str, step_s: float, rounds: int = 5) -> dict:
+    """What ``kvasir serve --http`` adds around the engine: per request (the HTTP exchange,
+    admission, the first event) and per streamed token (its SSE event), from one server with every
+    expert local: a 1-token request's time to first token less one engine step, and a 16-token
+    request's time per token past the first less one step. ``step_s``: a 1-row step here."""
+    import re
+    import subprocess
+
+    cmd = [sys.executable, "-m", "kvasir_bus.cli", "serve", "--model", path, "--http", "127.0.0.1:0",
+           "--model-name", "calibrate"]
+    if os.environ.get("KVASIR_KERNEL_MODE") == "deterministic":
+        cmd.append("--deterministic")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        match = re.search(r"(http://\S+)/v1", proc.stdout.readline())
+        if not match:
+            return {"request_s": 0.0, "token_s": 0.0, "note": "the server did not start"}
+        url = match.group(1)
+        _stream(url, 2)
+        firsts, per_token = [], []
+        for _ in range(rounds):
+            first, _, _ = _stream(url, 1)
+            firsts.append(first)
+            f16, total, n = _stream(url, 16)
+            if n > 1:
+                per_token.append((total - f16) / (n - 1))
+        request_s = max(0.0, min(firsts) - step_s)
+        token_s = max(0.0, min(per_token) - step_s) if per_token else 0.0
+        _say(f"serving: {1e3 * request_s:.2f} ms per request, {1e3 * token_s:.2f} ms per streamed token "
+             "beyond the engine's step")
+        return {"request_s": request_s, "token_s": token_s, "first_token_s": firsts, "per_token_s": per_token}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_threads: int = 1) -> dict:
@@ -350,7 +426,8 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
     profile = {"kind": PROFILE_KIND, "version": PROFILE_VERSION, "model": shapes.to_dict(), "role": role,
                "machine": {"host": platform.node(), "cpus": os.cpu_count(), "machine": platform.machine(),
                            "load_avg_1m_before": round(os.getloadavg()[0], 2),
-                           "backbone_threads": threads or None, "worker_threads": worker_threads},
+                           "backbone_threads": threads or None, "worker_threads": worker_threads,
+                           "kernel_mode": os.environ.get("KVASIR_KERNEL_MODE", "fast")},
                "quick": quick}
     profile["worker"] = {"kernel": measure_kernel(engine, worker_threads, quick)}
     if role in ("backbone", "both"):
@@ -362,7 +439,10 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
                                 rounds=3)["runs"]
         dense["n_attention"], dense["n_recurrent"] = shapes.n_attention_layers, shapes.n_recurrent_layers
         disp = fit_dispatch(runs, profile["worker"]["kernel"], dense, shapes.n_layer)
-        profile["backbone"] = {"dense": dense, "local_kernel": local, "dispatch": disp}
+        one_row = dense_step_s(dense, shapes.n_layer, 1, 2) + shapes.n_moe_layers * (
+            local["c0_s"] + shapes.n_expert_used * local["c_call_s"] + shapes.n_expert_used * local["c_row_s"])
+        serving = measure_serving(path, one_row)
+        profile["backbone"] = {"dense": dense, "local_kernel": local, "dispatch": disp, "serving": serving}
         profile["worker"]["per_message_s"] = disp["worker_per_message_s"]
         profile["nats"] = {"per_message_s": disp["nats_per_message_s"]}
         _say(f"backbone per message {1e6 * disp['backbone_per_message_s']:.0f} us, per call "

@@ -35,6 +35,9 @@ def _add_calibrate(subparsers) -> None:
     p.add_argument("--role", choices=("backbone", "worker", "both"), default="both",
                    help="backbone: the dense path, the dispatch and a worker beside it; worker: the expert "
                    "kernel only (what a phone or laptop owner runs); both (default) = backbone")
+    p.add_argument("--deterministic", action="store_true",
+                   help="measure the batch-invariant kernels (what kvasir serve --deterministic runs; "
+                   "default: the fast ones)")
     p.add_argument("--quick", action="store_true", help="fewer, shorter samples (seconds; for tests)")
     p.set_defaults(func=cmd_calibrate)
 
@@ -44,8 +47,11 @@ def cmd_calibrate(args) -> int:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    from kernels.backend import apply_kernel_flags
     from planner.calibrate import calibrate
     from planner.shapes import from_gguf
+
+    apply_kernel_flags(argparse.Namespace(deterministic=args.deterministic, threads=None))
 
     from_gguf(args.model)  # a clear error before anything loads
     profile = calibrate(args.model, args.threads, args.role, args.quick, args.worker_threads)

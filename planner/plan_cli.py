@@ -90,6 +90,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--timeout-ms", type=float, default=None, metavar="MS", help="fixed per-request timeout (default: adaptive)")
     p.add_argument("--colocated", type=int, default=0, metavar="CORES",
                    help="backbone, nats-server and every worker share one machine of CORES cores (as on one test box)")
+    p.add_argument("--background-load", type=float, default=0.0, metavar="R",
+                   help="with --colocated: other programs' runnable threads on those cores, on average (a shared "
+                   "test machine); each task then runs on a time-shared core")
     p.add_argument("--backbone-cores", type=int, default=None, metavar="N",
                    help="a backbone of N cores, its dense path scaled linearly from the profile's (optimistic; said in the output)")
     p.add_argument("--worker-cores", type=int, default=1, metavar="N", help="cores per worker for its kernel (default 1)")
@@ -130,7 +133,7 @@ def check(args) -> None:
         raise UsageError(f"--hot must be between 0 and 1, got {args.hot}")
     if not 1 <= args.micro_batches <= 4:
         raise UsageError(f"--micro-batches must be 1..4, got {args.micro_batches}")
-    for name in ("prompt_tokens", "churn", "churn_down", "colocated", "uplink_mbps"):
+    for name in ("prompt_tokens", "churn", "churn_down", "colocated", "uplink_mbps", "background_load"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     for name in ("worker_cores", "max_active"):
@@ -179,6 +182,7 @@ def points(args) -> list[dict]:
                              colocated_cores=args.colocated, worker_cores=args.worker_cores,
                              uplink_bps=args.uplink_mbps * 1e6, max_active=args.max_active,
                              step_tokens=max(256, args.max_active), replicated=args.replicated,
+                             background_runnable=args.background_load,
                              seed=args.seed)
                 r = simulate(shapes, costs, cfg, worker_costs)
                 print(f"plan: {workers} workers, {streams} streams, rtt {1000 * float(np.median(rtt)):.0f} ms: "

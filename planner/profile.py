@@ -72,6 +72,8 @@ class Costs:
     call_bytes: int
     message_bytes: int
     backbone_threads: int  # the cores the dense path keeps busy while it runs
+    request: float = 0.0  # kvasir serve's HTTP exchange and admission, per request
+    token: float = 0.0  # its streamed event, per token
     notes: tuple[str, ...] = field(default=())
 
 
@@ -131,11 +133,23 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
     w_exp = k_exp
     if worker is not None and not same_model(worker, shapes):
         w_exp = ratio(shapes.expert_bytes, Shapes.from_dict(worker["model"]).expert_bytes)
+    # A dense line's fixed part is partly the weights streamed (scales with their bytes) and partly
+    # overhead (graph launch, Python; does not): the streamed part at the bandwidth the local
+    # kernel reached on one expert's slabs (its per-expert cost), the rest kept as it is.
+    lk = b["local_kernel"]
+    bw = measured.expert_bytes / lk["c_call_s"] if lk.get("c_call_s") else 0.0
+
+    def split(line: Line, old_bytes: int, k: float, k2: float | None = None) -> Line:
+        if k == 1.0 or not bw:
+            return line.scaled(k, k2)
+        streamed = min(line.c0, old_bytes / bw)
+        return Line(line.c0 - streamed + streamed * k, line.c1 * k, line.c2 * (k if k2 is None else k2))
+
     return Costs(
-        attention=attention.scaled(k_attn * core_k, k_ctx * core_k),
-        recurrent=recurrent.scaled(k_rec * core_k),
+        attention=split(attention, measured.dense_bytes_attention, k_attn, k_ctx).scaled(core_k),
+        recurrent=split(recurrent, measured.dense_bytes_recurrent or measured.dense_bytes_attention, k_rec).scaled(core_k),
         shared=_line(dense["shared"], "c_row_s").scaled(k_attn * core_k),
-        head=_line(dense["head"], "c_row_s").scaled(k_head * core_k),
+        head=split(_line(dense["head"], "c_row_s"), measured.head_bytes, k_head).scaled(core_k),
         backbone_kernel=Line(b["local_kernel"]["c0_s"], b["local_kernel"]["c_call_s"],
                              b["local_kernel"]["c_row_s"]).scaled(k_exp * core_k),
         worker_kernel=Line(wk["c0_s"], wk["c_call_s"], wk["c_row_s"]).scaled(w_exp),
@@ -145,4 +159,6 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
                                                                  profile["worker"].get("per_message_s", 0.0))),
         nats_per_message=profile["nats"]["per_message_s"], hop=disp["hop_s"],
         row_bytes=4 * shapes.n_embd, call_bytes=int(profile["wire"]["call_bytes"]),
-        message_bytes=int(profile["wire"]["message_bytes"]), backbone_threads=threads, notes=tuple(notes))
+        message_bytes=int(profile["wire"]["message_bytes"]), backbone_threads=threads,
+        request=float(b.get("serving", {}).get("request_s", 0.0)), token=float(b.get("serving", {}).get("token_s", 0.0)),
+        notes=tuple(notes))

@@ -64,6 +64,9 @@ class Config:
     max_active: int = 1024
     step_tokens: int = 1024
     replicated: bool = False  # every worker holds every expert (replicas of the whole model)
+    # Colocated only: other programs' runnable threads on the same cores, on average. Each of our
+    # tasks then gets a time-shared core: it takes max(1, (R + 1) / cores) times its CPU time.
+    background_runnable: float = 0.0
     seed: int = 0
 
 
@@ -165,6 +168,10 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
     # Resources. Colocated: one pool of cores for everything (the backbone's dense graphs, its
     # dispatch thread, nats-server and every worker).
     if cfg.colocated_cores:
+        stretch = max(1.0, (cfg.background_runnable + 1.0) / cfg.colocated_cores)
+        if stretch > 1.0:
+            costs = _stretched(costs, stretch)
+            kinds_of_worker = [_stretched(c, stretch) for c in kinds_of_worker]
         shared = Pool(cfg.colocated_cores)
         dense_pool = disp_pool = nats_pool = shared
         worker_pools = [shared] * max(1, cfg.workers)
@@ -320,7 +327,9 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
     fed = [0] * S
     produced = [0] * S
     stamps: list[list[float]] = [[] for _ in range(S)]
-    events = [(0.0, lane) for lane in range(lanes) if active[lane]]
+    # kvasir serve takes each request in (HTTP, admission) before its first step.
+    t0 = costs.request * (1 if S <= 1 else 1)
+    events = [(t0, lane) for lane in range(lanes) if active[lane]]
     heapq.heapify(events)
     makespan = 0.0
     steps = 0
@@ -346,6 +355,9 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         for il in range(L):
             t = layer_step(t, il, rows, ctx_rows)
         t = dense_pool.run(t, costs.head(len(decoding) + len(chunks)))
+        emitting = len(decoding) + sum(1 for s, c in chunks.items() if fed[s] + c >= P)
+        if costs.token and emitting:  # each token's streamed event (the HTTP layer, on the GIL)
+            t = disp_pool.run(t, costs.token * emitting)
         steps += 1
         finished = []
         for s in decoding:
@@ -397,6 +409,17 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         bottleneck="", bounds=bounds, seconds=round(span, 4), timeouts=timeouts)
     result.bottleneck = _bottleneck(result, cfg)
     return result
+
+
+def _stretched(c: Costs, k: float) -> Costs:
+    """Every CPU cost of ``c`` times ``k`` (a time-shared core); the wire's bytes unchanged."""
+    from dataclasses import replace
+
+    lines = {n: getattr(c, n).scaled(k) for n in ("attention", "recurrent", "shared", "head", "backbone_kernel",
+                                                   "worker_kernel")}
+    return replace(c, **lines, backbone_per_message=c.backbone_per_message * k, backbone_per_call=c.backbone_per_call * k,
+                   backbone_per_row=c.backbone_per_row * k, worker_per_message=c.worker_per_message * k,
+                   nats_per_message=c.nats_per_message * k, hop=c.hop * k, request=c.request * k, token=c.token * k)
 
 
 def _bounds(shapes: Shapes, costs: Costs, cfg: Config) -> dict:
