@@ -431,8 +431,8 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
                "quick": quick}
     profile["worker"] = {"kernel": measure_kernel(engine, worker_threads, quick)}
     if role in ("backbone", "both"):
-        rows = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
-        contexts = [16, 96] if quick else [16, 128, 384]
+        rows = [1, 4, 16] if quick else [1, 4, 16, 32]
+        contexts = [16, 96] if quick else [16, 256]
         dense = measure_dense(engine, rows, contexts, steps=4 if quick else 6, rounds=2)
         local = measure_kernel(engine, threads or max(1, (os.cpu_count() or 2) // 2), quick)
         runs = measure_dispatch(engine, path, [1, 8] if quick else [1, 4, 16, 32], steps=6 if quick else 12,

@@ -82,6 +82,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--bundles", choices=("on", "off"), default="on", help="one message per worker per layer step (default on)")
     p.add_argument("--micro-batches", type=int, default=1, metavar="M", help="lanes of streams in flight on the backbone (1..4, default 1)")
     p.add_argument("--hot", type=float, default=0.0, metavar="F", help="share of calls the backbone computes itself (hot experts, default 0)")
+    p.add_argument("--remote-layers", type=int, default=None, metavar="N",
+                   help="only the first N MoE layers are served by workers, the backbone computes the rest "
+                   "(default: every layer)")
+    p.add_argument("--worker-speedup", type=float, default=1.0, metavar="F",
+                   help="workers' expert kernels F times faster than the profile's (a GPU worker; an assumption, "
+                   "stated as such; default 1)")
     p.add_argument("--churn", type=float, default=0.0, metavar="MTBF_S",
                    help="workers die after an exponential lifetime of this mean (s) and come back (0: never)")
     p.add_argument("--churn-down", type=float, default=60.0, metavar="S", help="mean time a dead worker stays away (default 60)")
@@ -145,6 +151,10 @@ def check(args) -> None:
         raise UsageError(f"--timeout-ms must be positive, got {args.timeout_ms}")
     if args.stop_at is not None and args.stop_at < 0:
         raise UsageError(f"--stop-at must be >= 0, got {args.stop_at}")
+    if args.remote_layers is not None and args.remote_layers < 0:
+        raise UsageError(f"--remote-layers must be >= 0, got {args.remote_layers}")
+    if not args.worker_speedup > 0:
+        raise UsageError(f"--worker-speedup must be positive, got {args.worker_speedup}")
     if args.prompt_tokens < 1:
         raise UsageError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
 
@@ -182,7 +192,8 @@ def points(args) -> list[dict]:
                              colocated_cores=args.colocated, worker_cores=args.worker_cores,
                              uplink_bps=args.uplink_mbps * 1e6, max_active=args.max_active,
                              step_tokens=max(256, args.max_active), replicated=args.replicated,
-                             background_runnable=args.background_load,
+                             background_runnable=args.background_load, remote_layers=args.remote_layers,
+                             worker_speedup=args.worker_speedup,
                              seed=args.seed)
                 r = simulate(shapes, costs, cfg, worker_costs)
                 print(f"plan: {workers} workers, {streams} streams, rtt {1000 * float(np.median(rtt)):.0f} ms: "

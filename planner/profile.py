@@ -139,11 +139,17 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
     lk = b["local_kernel"]
     bw = measured.expert_bytes / lk["c_call_s"] if lk.get("c_call_s") else 0.0
 
+    # Its per-row part is the multiply-adds of those weights: at other shapes, the rate the local
+    # kernel reached per row and weight byte (a small model's dense rows are mostly overhead, so
+    # scaling its own per-row figure by the bytes would overstate a big model's).
+    per_row_byte = lk.get("c_row_s", 0.0) / measured.expert_bytes if measured.expert_bytes else 0.0
+
     def split(line: Line, old_bytes: int, k: float, k2: float | None = None) -> Line:
         if k == 1.0 or not bw:
             return line.scaled(k, k2)
         streamed = min(line.c0, old_bytes / bw)
-        return Line(line.c0 - streamed + streamed * k, line.c1 * k, line.c2 * (k if k2 is None else k2))
+        c1 = old_bytes * k * per_row_byte if per_row_byte else line.c1 * k
+        return Line(line.c0 - streamed + streamed * k, c1, line.c2 * (k if k2 is None else k2))
 
     return Costs(
         attention=split(attention, measured.dense_bytes_attention, k_attn, k_ctx).scaled(core_k),

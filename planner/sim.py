@@ -38,6 +38,8 @@ import numpy as np
 from planner.profile import Costs
 from planner.shapes import Shapes
 
+FAST = True  # the vectorised path where it applies (tests compare it with the general one)
+
 RTT_DISTS = {  # (median ms, lognormal sigma): a LAN, a WAN path, through a CDN edge (a relay)
     "lan": (1.0, 0.3), "wan": (40.0, 0.35), "cdn": (90.0, 0.35)}
 
@@ -67,6 +69,8 @@ class Config:
     # Colocated only: other programs' runnable threads on the same cores, on average. Each of our
     # tasks then gets a time-shared core: it takes max(1, (R + 1) / cores) times its CPU time.
     background_runnable: float = 0.0
+    remote_layers: int | None = None  # only the first N MoE layers ask workers; the rest run here
+    worker_speedup: float = 1.0  # workers' kernels this many times faster than the profile's (a GPU)
     seed: int = 0
 
 
@@ -181,7 +185,17 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         disp_pool, nats_pool = Pool(1), Pool(1)
         worker_pools = [Pool(cfg.worker_cores) for _ in range(max(1, cfg.workers))]
     uplink = Pool(1)
-    worker_busy_extra = [0.0] * max(1, cfg.workers)
+    # Dedicated machines, one core per worker, one kind of worker, no uplink bound: every message
+    # of a layer step at once in numpy (the same arithmetic; a 1024-worker sweep in seconds).
+    fast = FAST and cfg.bundles and not cfg.colocated_cores and cfg.worker_cores == 1 and not cfg.uplink_bps \
+        and len(kinds_of_worker) == 1
+    rtt_arr = np.asarray(rtt, dtype=float)
+    worker_free = np.zeros(max(1, cfg.workers))
+
+    def stopped_arr(t: float) -> np.ndarray | None:
+        if cfg.stop_at_s is None:
+            return None
+        return np.arange(max(1, cfg.workers)) == 0
 
     # Churn: per worker, alternating up and down intervals (exponential), precomputed lazily.
     down: dict[int, list[tuple[float, float]]] = {}
@@ -225,6 +239,8 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         counts = routing.counts(rows)
         chosen = np.nonzero(counts)[0]
         n_hot = int(round(cfg.hot_fraction * len(chosen)))
+        if cfg.remote_layers is not None and il - (L - shapes.n_moe_layers) >= cfg.remote_layers:
+            n_hot = len(chosen)  # a layer the backbone keeps: every expert here, as without workers
         local_calls: list[int] = list(chosen[:n_hot]) if n_hot else []
         by_node: dict[int, list[int]] = {}
         for e in chosen[n_hot:]:
@@ -270,39 +286,43 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         answered: dict[int, float] = {}
         wait_for: set[int] = {e for _, es in messages for e in es}
         row_b = costs.row_bytes
-        # In phases, each in time order (the pools serve work in the order it is handed to
-        # them): the requests through nats-server, the workers, the replies back.
-        flights = []
-        for w, es in messages:
-            rows_m = sum(int(counts[e]) for e in es)
-            union = min(rows, rows_m) if cfg.bundles else rows_m
-            out_b = union * row_b + len(es) * costs.call_bytes + costs.message_bytes
-            in_b = rows_m * row_b + len(es) * costs.call_bytes + costs.message_bytes
-            totals["bytes_out"] += out_b
-            totals["bytes_in"] += in_b
-            totals["messages"] += 1
-            depart = uplink.run(t_sent, out_b * 8 / cfg.uplink_bps) if cfg.uplink_bps else t_sent
-            at_nats = nats_pool.run(depart, costs.nats_per_message)
-            flights.append((at_nats + rtt[w] / 2, w, es, rows_m))
-        done_at = []
-        for arrive, w, es, rows_m in sorted(flights, key=lambda f: f[0]):
-            if stopped(w, arrive):
-                continue  # a frozen worker: never answers
-            wc = kinds_of_worker[w % len(kinds_of_worker)]
-            work = wc.worker_per_message + wc.worker_kernel(len(es), rows_m)
-            done_at.append((worker_pools[w].run(arrive, work) + rtt[w] / 2, w, es, rows_m))
-        for back, w, es, rows_m in sorted(done_at, key=lambda f: f[0]):
-            relayed = nats_pool.run(back, costs.nats_per_message)
-            got = disp_pool.run(relayed, costs.backbone_per_message / 2 + rows_m * costs.backbone_per_row / 2)
-            for e in es:
-                if e not in answered or got < answered[e]:
-                    answered[e] = got
-            lat = got - t_sent
-            if srtt is None:
-                srtt, rttvar = lat, lat / 2
-            else:
-                rttvar = 0.75 * rttvar + 0.25 * abs(srtt - lat)
-                srtt = 0.875 * srtt + 0.125 * lat
+        if fast and messages and len({w for w, _ in messages}) == len(messages):
+            srtt, rttvar = _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_free, nats_pool,
+                                         disp_pool, answered, totals, srtt, rttvar, stopped_arr(t_sent))
+        else:
+            # In phases, each in time order (the pools serve work in the order it is handed to
+            # them): the requests through nats-server, the workers, the replies back.
+            flights = []
+            for w, es in messages:
+                rows_m = sum(int(counts[e]) for e in es)
+                union = min(rows, rows_m) if cfg.bundles else rows_m
+                out_b = union * row_b + len(es) * costs.call_bytes + costs.message_bytes
+                in_b = rows_m * row_b + len(es) * costs.call_bytes + costs.message_bytes
+                totals["bytes_out"] += out_b
+                totals["bytes_in"] += in_b
+                totals["messages"] += 1
+                depart = uplink.run(t_sent, out_b * 8 / cfg.uplink_bps) if cfg.uplink_bps else t_sent
+                at_nats = nats_pool.run(depart, costs.nats_per_message)
+                flights.append((at_nats + rtt[w] / 2, w, es, rows_m))
+            done_at = []
+            for arrive, w, es, rows_m in sorted(flights, key=lambda f: f[0]):
+                if stopped(w, arrive):
+                    continue  # a frozen worker: never answers
+                wc = kinds_of_worker[w % len(kinds_of_worker)]
+                work = wc.worker_per_message + wc.worker_kernel(len(es), rows_m) / cfg.worker_speedup
+                done_at.append((worker_pools[w].run(arrive, work) + rtt[w] / 2, w, es, rows_m))
+            for back, w, es, rows_m in sorted(done_at, key=lambda f: f[0]):
+                relayed = nats_pool.run(back, costs.nats_per_message)
+                got = disp_pool.run(relayed, costs.backbone_per_message / 2 + rows_m * costs.backbone_per_row / 2)
+                for e in es:
+                    if e not in answered or got < answered[e]:
+                        answered[e] = got
+                lat = got - t_sent
+                if srtt is None:
+                    srtt, rttvar = lat, lat / 2
+                else:
+                    rttvar = 0.75 * rttvar + 0.25 * abs(srtt - lat)
+                    srtt = 0.875 * srtt + 0.125 * lat
         missing = wait_for - set(answered)
         end = max([t_engine, *answered.values()]) if answered else t_engine
         if missing:  # a frozen holder: the timeout, then computed here; silent from now on
@@ -389,6 +409,8 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
     gaps = [b - a for st in stamps for a, b in zip(st, st[1:])]
     span = max(makespan, 1e-12)
     worker_util = [p.busy / span / p.size for p in worker_pools] if not shared else []
+    if fast:
+        worker_util = list(totals.get("worker_busy", np.zeros(len(worker_pools))) / span)
     util = {
         "backbone_dense": round(dense_pool.busy / span / dense_pool.size, 3) if not shared else None,
         "backbone_dispatch": round(disp_pool.busy / span, 3) if not shared else None,
@@ -409,6 +431,65 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         bottleneck="", bounds=bounds, seconds=round(span, 4), timeouts=timeouts)
     result.bottleneck = _bottleneck(result, cfg)
     return result
+
+
+def _fifo(ready: np.ndarray, cost: np.ndarray, free: float) -> np.ndarray:
+    """End times of jobs on one FIFO server, in the order given: e_i = max(e_{i-1}, r_i) + c_i,
+    e_{-1} = ``free``, as a closed form (max-plus: e_i = C_i + max(free, max_{j<=i} r_j - C_{j-1}))."""
+    c = np.cumsum(cost)
+    prev = np.concatenate([[0.0], c[:-1]])
+    return c + np.maximum(free, np.maximum.accumulate(ready - prev))
+
+
+def _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_free, nats_pool, disp_pool,
+                  answered, totals, srtt, rttvar, frozen):
+    """The three phases of a layer step's messages (requests through nats-server, the workers,
+    the replies) for messages to distinct single-core workers, vectorised."""
+    ws = np.fromiter((w for w, _ in messages), dtype=np.int64, count=len(messages))
+    n_calls = np.fromiter((len(es) for _, es in messages), dtype=float, count=len(messages))
+    rows_m = np.fromiter((sum(int(counts[e]) for e in es) for _, es in messages), dtype=float, count=len(messages))
+    union = np.minimum(rows, rows_m) if cfg.bundles else rows_m
+    row_b = costs.row_bytes
+    totals["bytes_out"] += float(np.sum(union * row_b + n_calls * costs.call_bytes + costs.message_bytes))
+    totals["bytes_in"] += float(np.sum(rows_m * row_b + n_calls * costs.call_bytes + costs.message_bytes))
+    totals["messages"] += len(messages)
+    M = len(messages)
+    nc = costs.nats_per_message
+    at_nats = _fifo(np.full(M, t_sent), np.full(M, nc), nats_pool.free[0])
+    nats_pool.free[0] = float(at_nats[-1])
+    nats_pool.busy += M * nc
+    arrive = at_nats + rtt_arr[ws] / 2
+    k = costs.worker_kernel
+    work = costs.worker_per_message + (k.c0 + k.c1 * n_calls + k.c2 * rows_m) / cfg.worker_speedup
+    done = np.maximum(worker_free[ws], arrive) + work
+    live = np.ones(M, bool) if frozen is None else ~frozen[ws]
+    worker_free[ws[live]] = done[live]
+    busy = totals.setdefault("worker_busy", np.zeros(len(worker_free)))
+    np.add.at(busy, ws[live], work[live])
+    back = (done + rtt_arr[ws] / 2)[live]
+    idx = np.nonzero(live)[0]
+    if not len(idx):
+        return srtt, rttvar
+    order = np.argsort(back, kind="stable")
+    back, idx = back[order], idx[order]
+    relayed = _fifo(back, np.full(len(idx), nc), nats_pool.free[0])
+    nats_pool.free[0] = float(relayed[-1])
+    nats_pool.busy += len(idx) * nc
+    handle = costs.backbone_per_message / 2 + rows_m[idx] * costs.backbone_per_row / 2
+    got = _fifo(relayed, handle, disp_pool.free[0])
+    disp_pool.free[0] = float(got[-1])
+    disp_pool.busy += float(np.sum(handle))
+    for g, i in zip(got.tolist(), idx.tolist()):
+        for e in messages[i][1]:
+            if e not in answered or g < answered[e]:
+                answered[e] = g
+    for lat in (got - t_sent).tolist():  # the adaptive timeout's smoothing, reply by reply
+        if srtt is None:
+            srtt, rttvar = lat, lat / 2
+        else:
+            rttvar = 0.75 * rttvar + 0.25 * abs(srtt - lat)
+            srtt = 0.875 * srtt + 0.125 * lat
+    return srtt, rttvar
 
 
 def _stretched(c: Costs, k: float) -> Costs:
@@ -447,7 +528,7 @@ def _bottleneck(r: Result, cfg: Config) -> str:
     """The busiest resource, named as the issue names them; below 70% busy everywhere, the round
     trips (links: the steps wait on the wire). A swarm that computes most calls locally for lack
     of workers is coverage-bound."""
-    if r.local_fraction > 0.5 and cfg.hot_fraction < 0.5:
+    if r.local_fraction > 0.5 and cfg.hot_fraction < 0.5 and cfg.remote_layers is None:
         return "coverage"
     u = r.utilisation
     if "colocated_cores" in u:
