@@ -36,6 +36,7 @@ from typing import AsyncIterator
 import structlog
 from aiohttp import web
 
+from backbone.http_guard import GuardConfig, OneLineLog, listen
 from backbone.metrics import DispatchCollector, backbone_registry
 from backbone.chat import parse_messages, template_for
 from backbone.sampling import SamplerConfig
@@ -57,6 +58,7 @@ class ServerConfig:
     model_name: str = "model"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_body_bytes: int = 8 << 20
+    guard: GuardConfig = GuardConfig()  # connection caps, header/body read timeouts
     # The bus API (backbone.generate_bus): with a model fingerprint, the server also answers
     # kvasir.<bus_model>.generate on the bus at bus_url (None: $NATS_URL, else the default).
     bus_model: str | None = None
@@ -161,6 +163,8 @@ class HttpServer:
         self.created = int(time.time())
         self.url: str | None = None
         self._runner = None
+        self._listener = None  # the asyncio server in front of aiohttp's (backbone/http_guard.py)
+        self.http_limits = None
         self.bus = None  # the GenerateBus, when cfg.bus_model is set
         self._nc = None
 
@@ -174,16 +178,19 @@ class HttpServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", metrics_handler(backbone_registry(self.metrics)))
         # Cancel the handler of a client that disconnects: its sequence is dropped at once.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # aiohttp's malformed-request tracebacks become one line each (backbone/http_guard.py)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, logger=OneLineLog(),
+                               keepalive_timeout=self.cfg.guard.keepalive_timeout_s)
         await runner.setup()
-        try:
-            await web.TCPSite(runner, self.cfg.host, self.cfg.port).start()
+        try:  # connection caps and header/body read timeouts around aiohttp's handler
+            self._listener, self.http_limits = await listen(runner.server, self.cfg.host, self.cfg.port,
+                                                            self.cfg.guard)
         except OSError as exc:
             await runner.cleanup()
             raise UsageError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: {exc.strerror or exc}") from None
         self._runner = runner
         self.scheduler.start()
-        host, port = runner.addresses[0][:2]
+        host, port = self._listener.sockets[0].getsockname()[:2]
         self.url = f"http://{host}:{port}"
         if self.cfg.bus_model is not None:
             try:
@@ -215,6 +222,8 @@ class HttpServer:
         if self._runner is None:
             return
         runner, self._runner = self._runner, None
+        if self._listener is not None:  # no new connections; runner.cleanup() closes the open ones
+            self._listener.close()
         if self.bus is not None:
             await self.bus.stop()
         self.scheduler.stop()
