@@ -238,6 +238,17 @@ def render_nats_rtt(rec: dict) -> list[str]:
             "", provenance(rec)]
 
 
+def render_ledger(rec: dict) -> list[str]:
+    res = rec["result"]
+    rows = [[num(r.get("events")), num(r.get("kept_events")), num(r.get("totals_ms")), num(r.get("scan_totals_ms")),
+             num(r.get("file_mb")), num(r.get("unfolded_file_mb"))] for r in res.get("sizes", [])]
+    return [f"One-row wins applied as the market applies them, folded after each batch of 5,000 "
+            f"(`--keep-events {num(res.get('keep_events'))}`): the totals a status reads (median of 20) beside "
+            "a GROUP BY over every event, and the file with and without folding.",
+            "", *table(["events applied", "kept one by one", "totals ms", "GROUP BY ms", "file MB",
+                        "unfolded MB"], rows), "", provenance(rec)]
+
+
 def render_generic(rec: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in list(rec["result"])[:12])
     return [f"Saved fields: {keys}.", "", provenance(rec)]
@@ -258,6 +269,7 @@ SECTIONS = [
     ("A remote call's round trip against raw NATS (`bench/nats_rtt.py`)", "nats_rtt", None, render_nats_rtt),
     ("Expert kernel against raw ggml (`bench/kernel.py`)", "kernel", None, render_kernel),
     ("Browser worker kernels (`bench/browser_kernel.py`)", "browser_kernel", None, render_browser),
+    ("The market's ledger at size (`bench/ledger.py`)", "ledger", None, render_ledger),
 ]
 KNOWN = {bench for _, bench, _, _ in SECTIONS}
 
