@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
 import platform
 import sys
 import time
@@ -213,7 +214,10 @@ def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int
                                                           "--experts", f"0-{cfg.n_expert - 1}"])
         try:
             asyncio.run(wait_for_nodes(server.url, fp, {worker.node}, procs=[worker], timeout=300))
-            role = BackboneConfig(model_path=path, nats_url=server.url, market=False, serve_manifest=False,
+            # As kvasir serve --nats runs it (routing statistics and ledger events for a market, a
+            # spool for them), with audits off and a timeout no reply here comes near.
+            role = BackboneConfig(model_path=path, nats_url=server.url, serve_manifest=False,
+                                  spool=os.path.join(tempfile.mkdtemp(prefix="kvasir-calibrate-"), "spool"),
                                   dispatch=DispatchConfig(timeout_s=5.0, audit=AuditConfig(rate=0.0)))
             with BackboneService(engine, role) as backbone:
                 remote = backbone.dispatch
@@ -321,29 +325,34 @@ def fit_dispatch(runs: list[dict], kernel: dict, dense: dict | None = None, n_la
     def kern(r):  # the worker's kernel seconds for these messages
         return r["messages"] * kernel["c0_s"] + r["calls"] * kernel["c_call_s"] + r["rows_sent"] * kernel["c_row_s"]
 
-    # The backbone's part from its dispatching threads' CPU (the engine thread inside run_layer:
-    # planning, encoding, booking; the bus thread: publishing, taking replies): CPU time is what
-    # the work costs whatever else shares the cores, where wall time on a loaded machine is not.
-    # Not the process's CPU: that counts ggml's OpenMP team spinning while it waits.
-    xs = [[r["messages"], r["calls"]] for r in runs]
-    per_msg, per_call = fit(xs, [r["engine_dispatch_cpu_s"] + r["bus_thread_cpu_s"] for r in runs])
-    bb = [per_msg, per_call, 0.0]
-    cpu_fit = fit(xs, [max(0.0, r["cpu_s"] - r["null_cpu_s"]) for r in runs])
+    # The worker as it runs in place (its process's CPU: the kernel on cold weights, decoding,
+    # encoding, its event loop), fitted per message, per call and per row: the kernel timed in
+    # this process alone (``kernel``) misses a third to a half of it.
+    wfit = fit([[r["messages"], r["calls"], r["rows_sent"]] for r in runs], [r["worker_cpu_s"] for r in runs])
     messages = sum(r["messages"] for r in runs)
     worker_msg = max(0.0, sum(r["worker_cpu_s"] - kern(r) for r in runs)) / max(1, messages)
     nats_msg = sum(r["nats_cpu_s"] for r in runs) / max(1, 2 * messages)
-    # What is left of the wall time per layer step, beyond the CPU of the chain (wake-ups, the
-    # loopback, the scheduler): from the quietest runs, the least.
-    hops = []
-    for r in runs:
-        chain = per_msg * r["messages"] + per_call * r["calls"] + r["worker_cpu_s"] + r["nats_cpu_s"]
-        hops.append(max(0.0, r["wall_s"] - r["null_wall_s"] - chain) / r["layer_steps"])
-    hops = [min(hops)] if hops else [0.0]
+    # The backbone's part from the wall clock of the quietest round: with one worker the chain of a
+    # layer step is serial (backbone, nats-server, worker, nats-server, backbone), so it is the
+    # step's wall time less the dense path's, the worker's CPU and nats-server's. Its threads' CPU
+    # would not do: the process's counts ggml's OpenMP team spinning while it waits, and a
+    # bundle's reply is taken on a thread of the bus client's. Fitted per layer step (``hop_s``:
+    # wake-ups, the loopback), per message and per call.
+    xs = [[r["layer_steps"], r["messages"], r["calls"]] for r in runs]
+    ys = [max(0.0, r["wall_s"] - r["null_wall_s"] - r["worker_cpu_s"] - r["nats_cpu_s"]) for r in runs]
+    hop, per_msg, per_call = fit(xs, ys)
+    bb = [per_msg, per_call, 0.0]
+    cpu_fit = fit([[r["messages"], r["calls"]] for r in runs],
+                  [r["engine_dispatch_cpu_s"] + r["bus_thread_cpu_s"] for r in runs])
+    hops = [hop]
     out_b = [r["bytes_out"] / max(1, r["messages"]) for r in runs]
     return {"backbone_per_message_s": bb[0], "backbone_per_call_s": bb[1], "backbone_per_row_s": bb[2],
             "worker_per_message_s": worker_msg, "nats_per_message_s": nats_msg,
+            "worker_in_place": {"c0_s": wfit[0], "c_call_s": wfit[1], "c_row_s": wfit[2],
+                                "note": "per message, call and row, the worker process's CPU in place"},
             "hop_s": float(np.median(hops)), "backbone_cpu_per_message_s": cpu_fit[0],
-            "backbone_cpu_per_call_s": cpu_fit[1], "bytes_out_per_message_mean": float(np.mean(out_b)), "runs": runs}
+            "backbone_cpu_per_call_s": cpu_fit[1], "backbone_cpu_note": "the engine and bus threads' CPU, for "
+            "comparison (a bundle's reply is taken elsewhere)", "bytes_out_per_message_mean": float(np.mean(out_b)), "runs": runs}
 
 
 def _stream(url: str, max_tokens: int) -> tuple[float, float, int]:
@@ -444,6 +453,7 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
         serving = measure_serving(path, one_row)
         profile["backbone"] = {"dense": dense, "local_kernel": local, "dispatch": disp, "serving": serving}
         profile["worker"]["per_message_s"] = disp["worker_per_message_s"]
+        profile["worker"]["in_place"] = disp["worker_in_place"]
         profile["nats"] = {"per_message_s": disp["nats_per_message_s"]}
         _say(f"backbone per message {1e6 * disp['backbone_per_message_s']:.0f} us, per call "
              f"{1e6 * disp['backbone_per_call_s']:.0f} us; "

@@ -129,7 +129,11 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
         core_k = threads / backbone_cores
         notes.append(f"backbone dense path scaled from {threads} to {backbone_cores} cores (linear: optimistic)")
         threads = backbone_cores
-    wk = (worker or profile["worker"])["kernel"]
+    # A worker's costs as measured in place (kvasir calibrate's dispatch runs) where there are; a
+    # device's own kernel timing (--role worker) with its per-message figure otherwise.
+    wsrc = (worker or profile)["worker"]
+    wk = wsrc.get("in_place") or wsrc["kernel"]
+    w_msg = 0.0 if "in_place" in wsrc else float(wsrc.get("per_message_s", profile["worker"].get("per_message_s", 0.0)))
     w_exp = k_exp
     if worker is not None and not same_model(worker, shapes):
         w_exp = ratio(shapes.expert_bytes, Shapes.from_dict(worker["model"]).expert_bytes)
@@ -161,8 +165,7 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
         worker_kernel=Line(wk["c0_s"], wk["c_call_s"], wk["c_row_s"]).scaled(w_exp),
         backbone_per_message=disp["backbone_per_message_s"], backbone_per_call=disp["backbone_per_call_s"],
         backbone_per_row=disp["backbone_per_row_s"] * k_row,
-        worker_per_message=float((worker or profile)["worker"].get("per_message_s",
-                                                                 profile["worker"].get("per_message_s", 0.0))),
+        worker_per_message=w_msg,
         nats_per_message=profile["nats"]["per_message_s"], hop=disp["hop_s"],
         row_bytes=4 * shapes.n_embd, call_bytes=int(profile["wire"]["call_bytes"]),
         message_bytes=int(profile["wire"]["message_bytes"]), backbone_threads=threads,

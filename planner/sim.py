@@ -216,7 +216,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
     def stopped(w: int, t: float) -> bool:
         return cfg.stop_at_s is not None and w == 0 and t >= cfg.stop_at_s
 
-    silent: set[int] = set()  # expert indices of a stopped worker, computed locally at once
+    silent: set[tuple[int, int]] = set()  # (layer, expert) of a stopped worker: computed locally at once
     srtt: float | None = None
     rttvar = 0.0
     timeouts = 0
@@ -246,9 +246,9 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         for e in chosen[n_hot:]:
             e = int(e)
             live = [w for w in holders[e] if not is_down(w, t)]
-            if not live or e in silent:
+            if not live or (il, e) in silent:
                 local_calls.append(e)
-                if e in silent:  # the probe still goes
+                if (il, e) in silent:  # the probe still goes
                     for w in live:
                         by_node.setdefault(w, [])
                 continue
@@ -330,7 +330,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
             deadline = t_sent + current_timeout()
             missing_rows = sum(int(counts[e]) for e in missing)
             end = max(end, dense_pool.run(deadline, costs.backbone_kernel(len(missing), missing_rows)))
-            silent.update(missing)
+            silent.update((il, e) for e in missing)
             local_calls.extend(missing)
         totals["calls"] += len(chosen)
         totals["local"] += len(local_calls)

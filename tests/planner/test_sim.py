@@ -73,8 +73,9 @@ def test_a_frozen_worker_costs_one_timeout_then_its_experts_run_locally():
     costs = prof.costs_for(toy_profile(), TOY)
     cfg = Config(workers=2, streams=1, tokens=32, stop_at_s=0.01, timeout_s=0.2)
     r = simulate(TOY, costs, cfg)
-    assert r.timeouts >= 1 and r.local_fraction > 0.2
-    assert r.itl_ms["p95"] >= 200 or max(0, r.timeouts) == 1  # the step that waited the timeout
+    assert 1 <= r.timeouts <= TOY.n_layer * TOY.n_expert  # once per (layer, expert) of the frozen one at most
+    assert r.local_fraction > 0.2
+    assert r.seconds >= 0.2 * r.timeouts  # each timeout waited in full
 
 
 def test_placement_splits_then_replicates():
@@ -124,3 +125,19 @@ def test_a_sweep_prints_json_and_plots_a_png(profile_file, tmp_path, capsys):
 def test_plot_of_nothing_writes_nothing(tmp_path):
     plot_sweep([], str(tmp_path / "none.png"))
     assert not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.parametrize("cfg", [
+    Config(workers=4, streams=16, tokens=8, rtt_s=(0.01, 0.03)),
+    Config(workers=16, streams=8, tokens=8, rtt_s=(0.02,), stop_at_s=0.05, timeout_s=0.1),
+    Config(workers=3, streams=5, tokens=6, replicated=True, audit=0.1),
+])
+def test_the_vectorised_path_gives_the_general_paths_answer(cfg, monkeypatch):
+    from planner import sim
+
+    costs = prof.costs_for(toy_profile(), TOY)
+    fast = simulate(TOY, costs, cfg)
+    monkeypatch.setattr(sim, "FAST", False)
+    slow = simulate(TOY, costs, cfg)
+    assert (fast.tokens_per_s, fast.itl_ms, fast.ttft_ms, fast.timeouts) == \
+        (slow.tokens_per_s, slow.itl_ms, slow.ttft_ms, slow.timeouts)
