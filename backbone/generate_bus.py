@@ -56,6 +56,16 @@ def reply_subject_ok(subject: str) -> bool:
     never a ``kvasir.`` service subject, a ``$`` system subject or a wildcard."""
     return len(subject) <= 256 and _INBOX_SUBJECT.fullmatch(subject) is not None
 
+
+def client_of(reply: str) -> str:
+    """Who asked, for the scheduler's fair share, from an inbox-shaped reply subject: under
+    ``kvasir creds`` the identity's own prefix ``_INBOX_<nkey>`` (the server lets no one else
+    use it); on an open bus the connection's inbox prefix (``_INBOX.`` and the first 12
+    characters of nats clients' NUID, fixed per connection), which a flooder can vary: the
+    fair share holds against a stranger only where the bus names its clients."""
+    head, _, rest = reply.partition(".")
+    return head if head.startswith("_INBOX_") else f"{head}.{rest[:12]}"
+
 class GenerateRefused(KvasirError):
     """The backbone answered with an error reply; ``code`` says why (``overloaded``: retry)."""
 
@@ -83,6 +93,8 @@ class GenerateBus:
         self._subs: list = []
         self._tasks: set[asyncio.Task] = set()
         self._streams: dict[str, asyncio.Task] = {}  # request id -> the task streaming it
+        self._requests: dict[str, gc.GenerateRequest] = {}  # request id -> the request (its cancel_hash)
+        self.refused_cancels = 0  # cancels without the request's secret
         self._feedback = ""  # this backbone's no-responders inbox: "<it>.<n>" for stream n
         self.refused_subjects = 0  # requests whose reply subject is no inbox (dropped unanswered)
         self._feedback_ids: dict[str, str] = {}  # "<n>" -> request id (an id may hold dots)
@@ -129,9 +141,11 @@ class GenerateBus:
                                "a stream with this request id is running here already")
             return
         number = str(next(self._numbers))
-        task = asyncio.ensure_future(self._serve(req, msg.reply, f"{self._feedback}.{number}"))
+        task = asyncio.ensure_future(self._serve(req, msg.reply, f"{self._feedback}.{number}",
+                                                 client_of(msg.reply)))
         self._tasks.add(task)
         self._streams[req.request_id] = task
+        self._requests[req.request_id] = req
         self._feedback_ids[number] = req.request_id
         task.add_done_callback(lambda t, rid=req.request_id, n=number: self._forget(rid, n, t))
 
@@ -140,11 +154,13 @@ class GenerateBus:
         self._feedback_ids.pop(number, None)
         if self._streams.get(request_id) is task:
             del self._streams[request_id]
+            self._requests.pop(request_id, None)
 
     def _drop(self, request_id: str, why: str) -> None:
         """End the stream of ``request_id`` if this backbone runs it: its task's ``finally``
         cancels the job, and the scheduler frees the sequence at its next step."""
         task = self._streams.pop(request_id, None)
+        self._requests.pop(request_id, None)
         if task is not None and not task.done():
             self.dropped[why] += 1
             log.info("generate_dropped", request_id=request_id, why=why, node=self.node)
@@ -155,6 +171,16 @@ class GenerateBus:
             cancel = gc.decode_generate_cancel(msg.data)
         except gc.CodecError as exc:  # no reply: a cancel is fire and forget
             log.warning("generate_bad_cancel", error=str(exc))
+            return
+        request = self._requests.get(cancel.request_id)
+        if request is None:
+            return  # not held here (another backbone's, or finished): ignored
+        if not request.may_cancel(cancel.token):  # only the requester holds the secret
+            self.refused_cancels += 1
+            _refusals.warning(("cancel",), "generate_cancel_refused", request_id=cancel.request_id,
+                              refused=self.refused_cancels,
+                              why="no token" if not cancel.token else "wrong token" if request.cancel_hash
+                              else "the request carried no cancel_hash")
             return
         self._drop(cancel.request_id, "cancel")
 
@@ -173,7 +199,7 @@ class GenerateBus:
     async def _send(self, inbox: str, record, feedback: str = "") -> None:
         await self.nc.publish(inbox, encode(record), reply=feedback, headers=headers_for(record))
 
-    async def _serve(self, req: gc.GenerateRequest, inbox: str, feedback: str) -> None:
+    async def _serve(self, req: gc.GenerateRequest, inbox: str, feedback: str, client: str = "") -> None:
         rid = req.request_id
         try:
             prompt = list(req.prompt_ids) or self.tokenizer.encode(req.prompt_text)
@@ -181,7 +207,8 @@ class GenerateBus:
             if any(t >= n_vocab for t in prompt):
                 raise UsageError(f"prompt token ids must be in 0..{n_vocab - 1}")
             request = GenRequest(tuple(prompt), req.max_tokens,
-                                 SamplerConfig(req.temperature, req.top_p, req.seed), req.stop_on_eos)
+                                 SamplerConfig(req.temperature, req.top_p, req.seed), req.stop_on_eos,
+                                 client=client)
             events = LoopEvents()
             job = self.scheduler.submit(request, events.push)
         except Overloaded as exc:
@@ -250,15 +277,16 @@ async def generate(nc, model: str, request: gc.GenerateRequest, timeout_s: float
             # any no-responders status for a later token, and counts the stream as cancelled,
             # not as gone (tokens that come in between are dropped with the subscription).
             if not ended:
-                await cancel(nc, model, request.request_id)
+                await cancel(nc, model, request)
             await sub.unsubscribe()
         except Exception:  # the connection closed under us: the subscription went with it
             pass
 
 
-async def cancel(nc, model: str, request_id: str) -> None:
-    """Tell the backbones of ``model`` to drop the stream ``request_id`` (fire and forget)."""
-    msg = gc.GenerateCancel(request_id)
+async def cancel(nc, model: str, request: gc.GenerateRequest) -> None:
+    """Tell the backbones of ``model`` to drop ``request``'s stream (fire and forget): the
+    cancel carries the request's secret, so no one else can."""
+    msg = gc.GenerateCancel(request.request_id, request.cancel_token)
     await nc.publish(Subjects(model).generate_cancel(), encode(msg), headers=headers_for(msg))
 
 
@@ -278,4 +306,6 @@ async def generate_all(nc, model: str, request: gc.GenerateRequest, timeout_s: f
 def new_request(prompt: str | list[int], max_tokens: int = 16, **sampling) -> gc.GenerateRequest:
     """A request with a fresh id; ``prompt`` text or token ids."""
     ids, text = (list(prompt), "") if isinstance(prompt, (list, tuple)) else ((), prompt)
-    return gc.GenerateRequest(uuid.uuid4().hex, tuple(ids), text, max_tokens, **sampling)
+    token, digest = gc.new_cancel_token()
+    return gc.GenerateRequest(uuid.uuid4().hex, tuple(ids), text, max_tokens, **sampling,
+                              cancel_hash=digest, cancel_token=token)

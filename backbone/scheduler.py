@@ -12,7 +12,13 @@ Admission is by memory: the active sequences' KV caches (reserved for the prompt
 when the server starts; see :func:`stream_bytes`), and at most ``max_active`` run (``kvasir
 serve`` sets it to :data:`MAX_ACTIVE`, so memory decides); the rest wait in a FIFO
 queue of at most ``max_queue`` requests, beyond which :meth:`Scheduler.submit` raises
-:class:`Overloaded` (the HTTP layer answers 429 with ``Retry-After``). A cancelled request (its
+:class:`Overloaded` (the HTTP layer answers 429 with ``Retry-After``).
+
+Fair share: each request names its ``client`` (a bus identity's inbox prefix, an HTTP API key
+or address). One client may hold at most ``max_queue_per_client`` of the waiting places, so a
+flood from one leaves room for the others, and a free slot goes to the waiting request whose
+client runs the fewest streams (the earliest among equals): another client's request waits for
+the next slot that frees, never behind a flooder's queue. A cancelled request (its
 client went away, or a stop string ended it) is dropped, and its KV cache freed, at the start
 of the next step.
 
@@ -86,6 +92,9 @@ def available_memory() -> int | None:
     return None
 
 
+MAX_CLIENTS_REMEMBERED = 4096  # clients whose last admission the fair share remembers
+
+
 class Overloaded(KvasirError):
     """The queue is full: try again later."""
 
@@ -94,6 +103,7 @@ class Overloaded(KvasirError):
 class SchedulerConfig:
     max_active: int = 16  # sequences in one step
     max_queue: int = 64  # waiting requests beyond which submit() refuses
+    max_queue_per_client: int | None = None  # waiting places one client may hold (None: a quarter of max_queue, >= 1)
     step_tokens: int = 256  # tokens per engine step: decode tokens + prefill chunks
     kv_bytes: int | None = None  # bound on the reserved KV caches (None: max_active full contexts)
     deterministic: bool = False
@@ -106,6 +116,8 @@ class SchedulerConfig:
                 raise UsageError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:
             raise UsageError(f"max-queue must be >= 0, got {self.max_queue}")
+        if self.max_queue_per_client is not None and self.max_queue_per_client < 1:
+            raise UsageError(f"max-queue-per-client must be >= 1, got {self.max_queue_per_client}")
         if not 1 <= self.micro_batches <= MAX_MICRO_BATCHES:
             raise UsageError(f"micro-batches must be 1..{MAX_MICRO_BATCHES}, got {self.micro_batches}")
         if self.kv_bytes is not None and self.kv_bytes <= 0:
@@ -120,6 +132,7 @@ class GenRequest:
     max_tokens: int
     sampler: SamplerConfig = SamplerConfig()
     stop_on_eos: bool = True
+    client: str = ""  # who asked, for the fair share ("" : one anonymous client)
 
 
 # Events passed to on_event: ("token", id), ("done", "stop" | "length"), ("error", message).
@@ -198,6 +211,8 @@ class Scheduler:
         self.stats = Stats()
         self.on_step = None  # metrics hook (backbone.metrics): (tokens generated) after each step
         self._queue: list[Job] = []
+        self._admissions = 0  # jobs admitted so far
+        self._admitted_at: dict[str, int] = {}  # client -> its last admission's number (bounded)
         self._active: list[Job] = []
         self._reserved = 0
         self._cond = threading.Condition()
@@ -275,6 +290,11 @@ class Scheduler:
             if waiting >= self.cfg.max_queue:  # ahead of it, this many could not start now
                 self.stats.rejected += 1
                 raise Overloaded(f"{len(self._queue)} requests are already waiting")
+            free = max(0, self.cfg.max_active - len(self._active))
+            mine = sum(j.request.client == request.client for j in self._queue) - free  # of its, waiting
+            if waiting >= 0 and mine >= self.per_client_queue:  # it would wait: within its share?
+                self.stats.rejected += 1
+                raise Overloaded(f"this client has {mine} requests waiting already (its share of the queue)")
             self.stats.submitted += 1
             self._queue.append(job)
             self._cond.notify_all()
@@ -294,6 +314,22 @@ class Scheduler:
 
     # -- the engine thread ------------------------------------------------------------------
 
+    @property
+    def per_client_queue(self) -> int:
+        got = self.cfg.max_queue_per_client
+        return got if got is not None else max(1, self.cfg.max_queue // 4)
+
+    def _next_queued(self) -> int:
+        """Under the lock, the queue not empty: the index of the waiting job to admit next:
+        its client runs the fewest streams; among equals, the client admitted longest ago (round
+        robin), then the earliest queued."""
+        running: dict[str, int] = {}
+        for j in self._active:
+            running[j.request.client] = running.get(j.request.client, 0) + 1
+        last = self._admitted_at
+        return min(range(len(self._queue)), key=lambda i: (
+            running.get(self._queue[i].request.client, 0), last.get(self._queue[i].request.client, 0), i))
+
     def _can_admit(self, job: Job) -> bool:
         return len(self._active) < self.cfg.max_active and self._reserved + job.reserved_bytes <= self.kv_bytes
 
@@ -303,7 +339,8 @@ class Scheduler:
         if dropped:
             self._queue = [j for j in self._queue if not j.cancelled]
             self.stats.cancelled += len(dropped)
-        return any(j.lane == lane for j in self._active) or bool(self._queue and self._can_admit(self._queue[0]))
+        return any(j.lane == lane for j in self._active) or bool(
+            self._queue and self._can_admit(self._queue[self._next_queued()]))
 
     def _admit(self, lane: int) -> None:
         """Under the lock: drop this lane's cancelled jobs (the other lanes' may be inside a
@@ -312,8 +349,13 @@ class Scheduler:
             self._release(job)
             self.stats.cancelled += 1
         admitted = False
-        while self._queue and self._can_admit(self._queue[0]):
-            job = self._queue.pop(0)
+        while self._queue and self._can_admit(self._queue[self._next_queued()]):
+            job = self._queue.pop(self._next_queued())
+            self._admissions += 1
+            self._admitted_at.pop(job.request.client, None)
+            self._admitted_at[job.request.client] = self._admissions  # newest last
+            while len(self._admitted_at) > MAX_CLIENTS_REMEMBERED:
+                del self._admitted_at[next(iter(self._admitted_at))]
             job.seq = self.engine.new_sequence()
             job.sampler = Sampler(job.request.sampler)
             counts = [0] * self.cfg.micro_batches

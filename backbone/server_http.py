@@ -340,12 +340,24 @@ class HttpServer:
 
     # -- generation -------------------------------------------------------------------------
 
-    async def _generate(self, p: Params, counts: dict) -> AsyncIterator[tuple[str, str | None]]:
+    @staticmethod
+    def _client(request) -> str:
+        """Who asks, for the scheduler's fair share: the API key's hash when one is sent, else
+        the client's address."""
+        auth = request.headers.get("Authorization", "")
+        if auth.startswith("Bearer ") and len(auth) > 7:
+            import hashlib
+
+            return "key:" + hashlib.sha256(auth[7:].encode()).hexdigest()[:16]
+        return "addr:" + str(request.remote or "?")
+
+    async def _generate(self, p: Params, counts: dict, client: str = "") -> AsyncIterator[tuple[str, str | None]]:
         """Yields (text piece, None) while generating, then ("", finish_reason). The job is
         submitted before the first yield, so a refusal is still a plain error reply."""
         events = LoopEvents()
         try:
-            job = self.scheduler.submit(GenRequest(p.prompt, p.max_tokens, p.sampler, p.stop_on_eos), events.push)
+            job = self.scheduler.submit(GenRequest(p.prompt, p.max_tokens, p.sampler, p.stop_on_eos, client=client),
+                                        events.push)
         except Overloaded as exc:
             retry = self.cfg.scheduler.retry_after_s
             raise ApiError(429, f"the server is busy ({exc}); retry in {retry} s", type="rate_limit_error",
@@ -390,7 +402,7 @@ class HttpServer:
         obj = "chat.completion" if chat else "text_completion"
         counts = {"prompt_tokens": len(p.prompt), "completion_tokens": 0}
         t0 = time.perf_counter()
-        gen = self._generate(p, counts)
+        gen = self._generate(p, counts, self._client(request))
 
         def usage() -> dict:
             return {**counts, "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}

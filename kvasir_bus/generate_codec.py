@@ -32,7 +32,11 @@ The prompt is either token ids or text (the backbone tokenizes it, with its BOS)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import hmac
+import re
+import secrets
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
 from kvasir_bus.wire import (  # noqa: F401 (the names callers know generate_codec by)
@@ -46,6 +50,18 @@ MAX_NEW_TOKENS = 1 << 20
 MAX_PIECE_CHARS = 4096  # one token's text (a token is at most a few hundred bytes)
 FINISH_REASONS = ("stop", "length")
 GENERATE_MAX_BYTES = 8 << 20  # a request; every reply is far smaller
+_HASH_RE = re.compile(r"(?:[0-9a-f]{64})?")
+
+
+def cancel_hash(token: str) -> str:
+    """The ``cancel_hash`` a request carries for the secret ``token`` (sha256 of its UTF-8, hex)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_cancel_token() -> tuple[str, str]:
+    """A fresh secret and its hash: ``(token, cancel_hash)``."""
+    token = secrets.token_hex(16)
+    return token, cancel_hash(token)
 #: The NATS queue group every backbone serves ``kvasir.<model>.generate`` in (the
 #: ``kvasir creds`` config lets a backbone subscribe to generate in this group only).
 GENERATE_QUEUE = "kvasir-backbones"
@@ -71,10 +87,16 @@ class GenerateRequest(Record):
     top_p: float = 1.0
     seed: int = 0
     stop_on_eos: bool = True
+    # sha256 (hex) of a secret the client keeps: only a cancel that carries the secret drops
+    # this request (empty: no cancel message can; the client leaving still ends it)
+    cancel_hash: str = ""
+    # the secret itself, kept by the client that made the request; never on the wire
+    cancel_token: str = field(default="", compare=False, repr=False)
 
     def __post_init__(self) -> None:
         r, s = self.what, lambda name, value: object.__setattr__(self, name, value)
         check_id(r, "request_id", self.request_id)
+        check_str(r, "cancel_hash", self.cancel_hash, _HASH_RE, max_len=64, what="64 lower-case hex digits")
         ids = self.prompt_ids
         if not isinstance(ids, (list, tuple)):
             raise fail(r, "prompt_ids", f"must be a list of token ids, got {type(ids).__name__}")
@@ -100,13 +122,17 @@ class GenerateRequest(Record):
         return {"request_id": self.request_id, "prompt_ids": list(self.prompt_ids),
                 "prompt_text": self.prompt_text, "max_tokens": self.max_tokens,
                 "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "stop_on_eos": self.stop_on_eos}
+                "stop_on_eos": self.stop_on_eos, **({"cancel_hash": self.cancel_hash} if self.cancel_hash else {})}
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> GenerateRequest:
         return cls(**{f: need(body, cls.what, f) for f in (
             "request_id", "prompt_ids", "prompt_text", "max_tokens", "temperature", "top_p", "seed",
-            "stop_on_eos")})
+            "stop_on_eos")}, cancel_hash=body.get("cancel_hash", ""))
+
+    def may_cancel(self, token: str) -> bool:
+        """Whether a cancel carrying ``token`` is this request's own (constant-time compare)."""
+        return bool(self.cancel_hash) and hmac.compare_digest(cancel_hash(token), self.cancel_hash)
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Request": self.request_id, "Kvasir-Max-Tokens": str(self.max_tokens)}
@@ -197,16 +223,18 @@ class GenerateCancel(Record):
     what: ClassVar[str] = "generate cancel"
 
     request_id: str
+    token: str = ""  # the secret whose sha256 the request carried as cancel_hash
 
     def __post_init__(self) -> None:
         check_id(self.what, "request_id", self.request_id)
+        check_str(self.what, "token", self.token, max_len=128)
 
     def body(self) -> dict[str, Any]:
-        return {"request_id": self.request_id}
+        return {"request_id": self.request_id, **({"token": self.token} if self.token else {})}
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> GenerateCancel:
-        return cls(need(body, cls.what, "request_id"))
+        return cls(need(body, cls.what, "request_id"), body.get("token", ""))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Request": self.request_id}

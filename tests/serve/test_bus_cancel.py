@@ -116,9 +116,14 @@ def test_a_cancel_drops_a_queued_request_and_strangers_cancels_are_ignored(nats_
                 sub = await nc.subscribe(inbox)
                 await nc.publish(Subjects(fp).generate(), encode(queued), reply=inbox, headers=headers_for(queued))
                 await until(lambda: sched.snapshot()["queued"] == 1, "the second request queued")
-                await cancel(nc, fp, "no-such-request")  # nobody runs it: ignored
+                await cancel(nc, fp, new_request([1], 1))  # nobody runs it: ignored
                 await nc.publish(Subjects(fp).generate_cancel(), b"not a cancel")  # logged, ignored
-                await cancel(nc, fp, queued.request_id)  # never started: it leaves the queue
+                for stranger in (gc.GenerateCancel(queued.request_id), gc.GenerateCancel(queued.request_id, "guess")):
+                    await nc.publish(Subjects(fp).generate_cancel(), encode(stranger))  # no secret: ignored
+                await nc.flush()
+                await until(lambda: bb.server.bus.refused_cancels == 2, "the strangers' cancels refused")
+                assert sched.snapshot()["queued"] == 1
+                await cancel(nc, fp, queued)  # with its secret; never started: it leaves the queue
                 await until(lambda: sched.snapshot()["queued"] == 0, "the queued request dropped")
                 assert sched.snapshot()["active"] == 1  # the running stream is untouched
                 await first.aclose()
@@ -142,3 +147,14 @@ def test_cancel_records_round_trip_and_validate():
             gc.GenerateCancel(bad)
     with pytest.raises(gc.CodecError):
         gc.decode_generate_cancel(gc.GenerateToken("r", 0, 1).encode())
+    # only the requester's secret cancels: the request carries its hash, never the secret itself
+    req = new_request("hello", 4)
+    assert req.cancel_token and req.cancel_token.encode() not in req.encode()
+    back = gc.decode_generate_request(req.encode())
+    assert back.cancel_hash == req.cancel_hash and back.cancel_token == ""
+    assert back.may_cancel(req.cancel_token) and not back.may_cancel("") and not back.may_cancel("guess")
+    with_token = gc.GenerateCancel(req.request_id, req.cancel_token)
+    assert gc.decode_generate_cancel(with_token.encode()) == with_token
+    assert not gc.GenerateRequest("r", (1,)).may_cancel("")  # no hash: no message cancels it
+    with pytest.raises(gc.CodecError, match="cancel_hash"):
+        gc.GenerateRequest("r", (1,), cancel_hash="abc")

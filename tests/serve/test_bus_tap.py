@@ -49,7 +49,7 @@ def test_tap_decodes_a_live_generate_stream(nats_server, models, arun):
             await ready.wait()
             req = new_request([1, 2, 3], 3, stop_on_eos=False)
             await generate_all(client, fp, req)
-            await cancel(client, fp, req.request_id)  # too late: ignored, but shown
+            await cancel(client, fp, req)  # too late: ignored, but shown
             shown = await watching
             await watch.close()
             await client.close()
