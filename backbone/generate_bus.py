@@ -57,6 +57,19 @@ def reply_subject_ok(subject: str) -> bool:
     return len(subject) <= 256 and _INBOX_SUBJECT.fullmatch(subject) is not None
 
 
+#: While a request waits for a slot, every QUEUED_PROBE_S its client's inbox gets an empty
+#: message with the header ``Kvasir-Kind: generate_queued`` and the stream's reply subject: a
+#: client gone without a cancel is then found (NATS' no-responders) and its request leaves the
+#: queue at once, not when it reaches the front. Clients skip it (an empty body, no record).
+QUEUED_PROBE_S = 1.0
+QUEUED_KIND = "generate_queued"
+
+
+def is_queued_notice(msg) -> bool:
+    """Whether a message on a generate client's inbox is the backbone's "still queued" notice."""
+    return not msg.data and bool(msg.headers) and msg.headers.get("Kvasir-Kind") == QUEUED_KIND
+
+
 def client_of(reply: str) -> str:
     """Who asked, for the scheduler's fair share, from an inbox-shaped reply subject: under
     ``kvasir creds`` the identity's own prefix ``_INBOX_<nkey>`` (the server lets no one else
@@ -221,7 +234,16 @@ class GenerateBus:
         decoder, index, finished = StreamDecoder(self.tokenizer), 0, False
         try:
             while True:
-                kind, value = await events.next()
+                if job.seq is not None or index:  # running: no timer on the hot path
+                    kind, value = await events.next()
+                else:
+                    try:
+                        kind, value = await asyncio.wait_for(events.next(), QUEUED_PROBE_S)
+                    except asyncio.TimeoutError:
+                        if job.seq is None and not job.cancelled:  # still waiting for a slot: is the client there?
+                            await self.nc.publish(inbox, b"", reply=feedback, headers={
+                                "Kvasir-Kind": QUEUED_KIND, "Kvasir-Request": rid, "Kvasir-Node": self.node})
+                        continue
                 if kind == "token":
                     text = "" if (req.stop_on_eos and value == self.eos_id) else decoder.push(value)
                     await self._send(inbox, gc.GenerateToken(rid, index, value, text[:gc.MAX_PIECE_CHARS]), feedback)
@@ -256,6 +278,8 @@ async def generate(nc, model: str, request: gc.GenerateRequest, timeout_s: float
             if msg.headers and msg.headers.get("Status") == "503":
                 ended = True
                 raise NoBackbone(f"no backbone serves model {model} on this bus")
+            if is_queued_notice(msg):
+                continue  # still waiting for a slot on the backbone (it checks we are here)
             rec = gc.decode_generate_reply(msg.data)
             if isinstance(rec, gc.ErrorReply):
                 ended = True

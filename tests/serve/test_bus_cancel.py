@@ -158,3 +158,33 @@ def test_cancel_records_round_trip_and_validate():
     assert not gc.GenerateRequest("r", (1,)).may_cancel("")  # no hash: no message cancels it
     with pytest.raises(gc.CodecError, match="cancel_hash"):
         gc.GenerateRequest("r", (1,), cancel_hash="abc")
+
+
+def test_a_queued_request_whose_client_vanished_leaves_the_queue_before_it_reaches_the_front(
+        nats_server, model, fp, arun):
+    with one_slot_backbone(model, nats_server.url, fp) as bb:
+        sched = bb.server.scheduler
+
+        async def go():
+            runner, vanisher = await connect(nats_server.url, "runner"), await connect(nats_server.url, "vanisher")
+            try:
+                stream = generate(runner, fp, new_request([1, 2, 3], LONG, stop_on_eos=False))
+                await stream.__anext__()  # running: it holds the only slot
+                queued = new_request([4, 5], 4, stop_on_eos=False)
+                inbox = vanisher.new_inbox()
+                sub = await vanisher.subscribe(inbox)
+                await vanisher.publish(Subjects(fp).generate(), encode(queued), reply=inbox, headers=headers_for(queued))
+                await until(lambda: sched.snapshot()["queued"] == 1, "the second request queued")
+                notice = await sub.next_msg(timeout=30)  # the backbone checks the client is there
+                assert notice.data == b"" and notice.headers["Kvasir-Kind"] == "generate_queued"
+                await vanisher.close()  # gone without a cancel
+                await until(lambda: sched.snapshot()["queued"] == 0, "the vanished client's request dropped")
+                assert sched.snapshot()["active"] == 1  # the running stream goes on
+                assert bb.server.bus.dropped["gone"] == 1
+                await stream.aclose()
+            finally:
+                for nc in (runner, vanisher):
+                    if not nc.is_closed:
+                        await nc.close()
+
+        arun(go(), timeout=120)
