@@ -338,10 +338,11 @@ def fit_dispatch(runs: list[dict], kernel: dict, dense: dict | None = None, n_la
     # would not do: the process's counts ggml's OpenMP team spinning while it waits, and a
     # bundle's reply is taken on a thread of the bus client's. Fitted per layer step (``hop_s``:
     # wake-ups, the loopback), per message and per call.
-    xs = [[r["layer_steps"], r["messages"], r["calls"]] for r in runs]
+    xs = [[r["messages"], r["calls"], r["rows_sent"]] for r in runs]
     ys = [max(0.0, r["wall_s"] - r["null_wall_s"] - r["worker_cpu_s"] - r["nats_cpu_s"]) for r in runs]
-    hop, per_msg, per_call = fit(xs, ys)
-    bb = [per_msg, per_call, 0.0]
+    per_msg, per_call, per_row = fit(xs, ys)
+    hop = 0.0
+    bb = [per_msg, per_call, per_row]
     cpu_fit = fit([[r["messages"], r["calls"]] for r in runs],
                   [r["engine_dispatch_cpu_s"] + r["bus_thread_cpu_s"] for r in runs])
     hops = [hop]
@@ -380,11 +381,14 @@ def _stream(url: str, max_tokens: int) -> tuple[float, float, int]:
     return first or 0.0, time.perf_counter() - t0, n
 
 
-def measure_serving(path: str, step_s: float, rounds: int = 5) -> dict:
+def measure_serving(path: str, step_s, rounds: int = 5, streams: int = 8) -> dict:
     """What ``kvasir serve --http`` adds around the engine: per request (the HTTP exchange,
-    admission, the first event) and per streamed token (its SSE event), from one server with every
-    expert local: a 1-token request's time to first token less one engine step, and a 16-token
-    request's time per token past the first less one step. ``step_s``: a 1-row step here."""
+    admission, the first event) and per streamed token (its SSE event, the clients reading it),
+    from one server with every expert local: a 1-token request's time to first token less one
+    engine step, and ``streams`` concurrent 16-token requests' time per step past the first less
+    one engine step of that many rows, per token. ``step_s(rows)``: the engine's step here."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import re
     import subprocess
 
@@ -400,14 +404,16 @@ def measure_serving(path: str, step_s: float, rounds: int = 5) -> dict:
         url = match.group(1)
         _stream(url, 2)
         firsts, per_token = [], []
-        for _ in range(rounds):
-            first, _, _ = _stream(url, 1)
-            firsts.append(first)
-            f16, total, n = _stream(url, 16)
-            if n > 1:
-                per_token.append((total - f16) / (n - 1))
-        request_s = max(0.0, min(firsts) - step_s)
-        token_s = max(0.0, min(per_token) - step_s) if per_token else 0.0
+        with ThreadPoolExecutor(streams) as pool:
+            for _ in range(rounds):
+                first, _, _ = _stream(url, 1)
+                firsts.append(first)
+                runs = list(pool.map(lambda _: _stream(url, 16), range(streams)))
+                gaps = [(total - f) / (n - 1) for f, total, n in runs if n > 1]
+                if gaps:
+                    per_token.append((float(np.median(gaps)) - step_s(streams)) / streams)
+        request_s = max(0.0, min(firsts) - step_s(1))
+        token_s = max(0.0, min(per_token)) if per_token else 0.0
         _say(f"serving: {1e3 * request_s:.2f} ms per request, {1e3 * token_s:.2f} ms per streamed token "
              "beyond the engine's step")
         return {"request_s": request_s, "token_s": token_s, "first_token_s": firsts, "per_token_s": per_token}
@@ -448,9 +454,13 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
                                 rounds=3)["runs"]
         dense["n_attention"], dense["n_recurrent"] = shapes.n_attention_layers, shapes.n_recurrent_layers
         disp = fit_dispatch(runs, profile["worker"]["kernel"], dense, shapes.n_layer)
-        one_row = dense_step_s(dense, shapes.n_layer, 1, 2) + shapes.n_moe_layers * (
-            local["c0_s"] + shapes.n_expert_used * local["c_call_s"] + shapes.n_expert_used * local["c_row_s"])
-        serving = measure_serving(path, one_row)
+        def engine_step(rows: int) -> float:  # every expert local, as the server below runs
+            E, k = shapes.n_expert, shapes.n_expert_used
+            distinct = E * (1 - (1 - k / E) ** rows)
+            return dense_step_s(dense, shapes.n_layer, rows, 24) + shapes.n_moe_layers * (
+                local["c0_s"] + distinct * local["c_call_s"] + rows * k * local["c_row_s"])
+
+        serving = measure_serving(path, engine_step)
         profile["backbone"] = {"dense": dense, "local_kernel": local, "dispatch": disp, "serving": serving}
         profile["worker"]["per_message_s"] = disp["worker_per_message_s"]
         profile["worker"]["in_place"] = disp["worker_in_place"]

@@ -267,8 +267,11 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 messages.append((w, es))
             else:
                 messages.extend((w, [e]) for e in es)
-        n_calls = sum(len(es) for _, es in messages)
-        rows_calls = sum(int(counts[e]) for _, es in messages for e in es)
+        # A call's planning, booking and records are paid once whatever its replicas (race sends it
+        # to every holder; the losers' replies are compared and dropped: a message's cost).
+        unique = {e for _, es in messages for e in es}
+        n_calls = len(unique)
+        rows_calls = sum(int(counts[e]) for e in unique)
         send_cpu = len(messages) * costs.backbone_per_message / 2 + n_calls * costs.backbone_per_call \
             + rows_calls * costs.backbone_per_row / 2
         t_sent = disp_pool.run(t, send_cpu)
