@@ -92,7 +92,7 @@ def errors(quick: bool) -> dict:
                 ref = g.expert_ffn(*ex, x, routed=True)
                 js, _ = run_js(ex, x)
                 worst_js = max(worst_js, rel(js, ref))
-                wa, _ = run_js(ex, x, wasm=True)  # SIMD for Q4_K, the JS kernel for the rest
+                wa, _ = run_js(ex, x, wasm=True)  # SIMD for Q4_K, Q5_K, Q6_K, Q8_0; the JS kernel for the rest
                 if not np.array_equal(wa, js):
                     wasm_differs.append(name)
                 worst_np = max(worst_np, rel(npb.expert_ffn(*ex, x, routed=True), ref))
@@ -139,7 +139,7 @@ def main() -> int:
     if not shutil.which("node"):
         print("browser_kernel: node is not on PATH", file=sys.stderr)
         return 2
-    result = {"kernel": "js-wasm32 (browser/src/q4k.wat, SIMD) and js-scalar (browser/src/kernel.js), under node " +
+    result = {"kernel": "js-wasm32 (browser/src/simd.wat, SIMD for Q4_K, Q5_K, Q6_K, Q8_0) and js-scalar (browser/src/kernel.js), under node " +
                         subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip() + ")",
               "errors": errors(args.quick), "speed_122b_q4_k": speed(args.quick)}
     print(json.dumps(result, indent=2))

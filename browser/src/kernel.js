@@ -209,18 +209,24 @@ export function weightBytes(t, ne0, ne1) {
   return (ne0 / tr[0]) * tr[1] * ne1;
 }
 
-// -- WebAssembly SIMD (src/q4k.wat): Q4_K rows, the same bits as dotQ4K --------------------
+// -- WebAssembly SIMD (src/simd.wat): Q4_K, Q5_K, Q6_K and Q8_0 rows, the same bits as the
+// dots above (the integer dot is exact in both; the float64 steps are the same operations in
+// the same order). The other types run the JS dots.
 let wasm = null;
-/** Instantiate the SIMD kernel from its bytes; false (and the JS kernel stays) where the
- * browser lacks WebAssembly SIMD. */
+// ggml type -> [export name, activation format]
+const WASM_DOTS = { 8: ["q8_0", "q8_0"], 12: ["q4k", "q8_K"], 13: ["q5k", "q8_K"], 14: ["q6k", "q8_K"] };
+/** Instantiate the SIMD kernels from their bytes; false (and the JS kernel stays) where the
+ * browser lacks WebAssembly SIMD. ``useWasm(null)``: back to the JS kernel. */
 export function useWasm(bytes) {
+  wasm = null;
+  if (!bytes) return false;
   try {
     if (!WebAssembly.validate(bytes)) return false;
     const inst = new WebAssembly.Instance(new WebAssembly.Module(bytes), {});
     const mem = inst.exports.memory, need = 65536 * 4;
     mem.grow(Math.ceil((need + 65536) / 65536));
     new Float32Array(mem.buffer, 0, 65536).set(F16);
-    wasm = { q4k: inst.exports.q4k, mem, top: need, scratch: 0, scratchSize: 0 };
+    wasm = { fn: inst.exports, mem, top: need, scratch: 0, scratchSize: 0 };
     return true;
   } catch { wasm = null; return false; }
 }
@@ -231,17 +237,19 @@ function walloc(n) {
   wasm.top = end;
   return p;
 }
-function wasmQ4K(W, x, n) {
-  const nb = W.ne0 / 256;
+function wasmMatmul(W, x, n) {
+  const [name, fmt] = WASM_DOTS[W.type], kq = fmt === "q8_K", block = kq ? 256 : 32, nb = W.ne0 / block;
+  // a weight's bytes are copied into the module's memory once (W keeps where)
   if (W._wasm !== wasm) { W._wp = walloc(W.data.byteLength); new Uint8Array(wasm.mem.buffer, W._wp, W.data.byteLength).set(W.data); W._wasm = wasm; }
-  const need = nb * 256 + nb * 64 + nb * 8 + W.ne1 * 4 + 64;
+  const need = nb * block + nb * 64 + nb * 8 + W.ne1 * 4 + 64;
   if (wasm.scratchSize < need) { wasm.scratch = walloc(need); wasm.scratchSize = need; }
-  const qp = wasm.scratch, bsp = (qp + nb * 256 + 15) & ~15, dp = (bsp + nb * 64 + 15) & ~15, op = (dp + nb * 8 + 15) & ~15;
-  const out = new Float32Array(n * W.ne1);
+  const qp = wasm.scratch, bsp = (qp + nb * block + 15) & ~15, dp = (bsp + nb * 64 + 15) & ~15, op = (dp + nb * 8 + 15) & ~15;
+  const out = new Float32Array(n * W.ne1), fn = wasm.fn[name];
   for (let r = 0; r < n; r++) {
-    const a = quantQ8K(x, r * W.ne0, W.ne0), buf = wasm.mem.buffer;
-    new Int8Array(buf, qp, nb * 256).set(a.q); new Int32Array(buf, bsp, nb * 16).set(a.bs); new Float64Array(buf, dp, nb).set(a.d);
-    wasm.q4k(W._wp, W.ne1, nb, qp, bsp, dp, 0, op);
+    const a = (kq ? quantQ8K : quantQ80)(x, r * W.ne0, W.ne0), buf = wasm.mem.buffer; // after any grow
+    new Int8Array(buf, qp, nb * block).set(a.q); new Float64Array(buf, dp, nb).set(a.d);
+    if (kq) new Int32Array(buf, bsp, nb * 16).set(a.bs);
+    fn(W._wp, W.ne1, nb, qp, bsp, dp, 0, op);
     out.set(new Float32Array(wasm.mem.buffer, op, W.ne1), r * W.ne1);
   }
   return out;
@@ -249,7 +257,7 @@ function wasmQ4K(W, x, n) {
 
 /** W {type, ne0, ne1, data: Uint8Array} times x (n rows of ne0 float32) -> n rows of ne1 float32. */
 export function matmul(W, x, n) {
-  if (wasm && W.type === 12) return wasmQ4K(W, x, n);
+  if (wasm && WASM_DOTS[W.type]) return wasmMatmul(W, x, n);
   const [block, size, fmt] = TRAITS[W.type];
   const nb = W.ne0 / block, rowBytes = nb * size, dot = DOTS[W.type], act = ACTS[fmt];
   const out = new Float32Array(n * W.ne1), len = block === 1 ? W.ne0 : nb;

@@ -11,12 +11,13 @@ import { encode, decode } from "@msgpack/msgpack";
 import { readHeader } from "./gguf.js";
 import { sha256hex } from "./sha256.js";
 import { expertFfn, weightBytes, f16ToF32, TYPE_NAMES, useWasm, kernelLabel } from "./kernel.js";
-import q4kWasm from "./q4k.wat";
+import simdWasm from "./simd.wat";
 
 const VERSION = "0.1.0-browser";
-// Q4_K in WebAssembly SIMD where the browser has it (src/q4k.wat), else plain JavaScript; both
-// compute the same bits (bench/browser_kernel.py checks), the label says which one runs.
-useWasm(Uint8Array.from(atob(q4kWasm), (c) => c.charCodeAt(0)));
+// Q4_K, Q5_K, Q6_K and Q8_0 in WebAssembly SIMD where the browser has it (src/simd.wat), else
+// plain JavaScript; both compute the same bits (tests/browser/test_kernel_node.py checks), the
+// label says which one runs.
+useWasm(Uint8Array.from(atob(simdWasm), (c) => c.charCodeAt(0)));
 const KERNEL = kernelLabel();
 const KINDS = ["gate", "up", "down", "gate_bias", "up_bias", "down_bias"];
 const MAX_ROWS = 4096, MAX_REQUEST = 8 * 1024 * 1024;
