@@ -132,6 +132,9 @@ class WeightsServer:
         self.tokens = tuple(t for t in tokens if t)
         self.advertise_host = advertise_host
         self.model = model  # the fingerprint, told to the browser worker page (/worker/config.json)
+        # Tests only: the page then honours ``&lie=1`` (its replies corrupted, to be caught by the
+        # audit). Off unless set here or by env KVASIR_WORKER_TEST_LIES=1; never a CLI flag.
+        self.worker_test_lies = os.environ.get("KVASIR_WORKER_TEST_LIES") == "1"
         self.state = State.NEW
         self.port: int | None = None
         self._httpd: ThreadingHTTPServer | None = None
@@ -410,8 +413,11 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/worker/config.json":
             import json
 
-            payload = json.dumps({"model": self.owner.model, "file": self.owner.filename,
-                                  "size": os.path.getsize(self.owner.path)}).encode()
+            config = {"model": self.owner.model, "file": self.owner.filename,
+                      "size": os.path.getsize(self.owner.path)}
+            if self.owner.worker_test_lies:
+                config["test_lies"] = True
+            payload = json.dumps(config).encode()
             return self._bytes(200, payload, "application/json", body)
         name = "index.html" if path in ("/worker", "/worker/") else path[len("/worker/"):]
         if name not in WORKER_ASSETS:

@@ -27,7 +27,7 @@ const ui = {};
 const S = window.kvasir = {
   state: "starting", error: "", model: "", node: "", holdings: [], assignedBytes: 0,
   headerBytes: 0, slabBytes: 0, served: 0, rows: 0, computeMs: 0, reward: 0, creditedRows: 0,
-  quarantined: false, errors: 0, log: [],
+  quarantined: false, errors: 0, lying: false, log: [],
 };
 
 function show() {
@@ -38,8 +38,11 @@ function show() {
   ui.rows.textContent = `${S.rows} rows in ${S.served} calls`;
   ui.speed.textContent = rate ? `${rate.toFixed(1)} rows/s (${KERNEL})` : "-";
   ui.reward.textContent = `${S.reward.toFixed(4)} (${S.creditedRows} rows credited)`;
-  ui.audits.textContent = S.quarantined ? "FAILED: quarantined by the backbone" :
-    `none failed, never quarantined (${S.creditedRows} rows credited by the ledger)`;
+  // What a tab can know of its audits: a failed one is announced (kvasir.<model>.quarantine);
+  // passed ones are not sent to workers, so the page shows what the ledger credits instead.
+  ui.audits.textContent = S.quarantined ? "FAILED: quarantined by the backbone (its replies are no longer used)" :
+    `none failed (no quarantine of this tab announced); ${S.creditedRows} of its rows credited by the ledger`;
+  if (S.lying) ui.audits.textContent += " [TEST MODE: this tab corrupts its replies]";
   ui.error.textContent = S.error; ui.error.hidden = !S.error;
 }
 function say(msg) { S.log.push(msg); if (S.log.length > 50) S.log.shift(); ui.log.textContent = S.log.slice(-8).join("\n"); }
@@ -128,6 +131,10 @@ async function main() {
   const cfg = await (await fetch("/worker/config.json")).json();
   const model = S.model = q.get("model") || cfg.model;
   if (!model) return fail("this weights server does not know its model's fingerprint: add &model=FINGERPRINT to the link");
+  // &lie=1 (tests only): corrupt every reply, to be caught by the audit; honoured only where the
+  // weights server was started with its test switch (config.json says test_lies), never by default.
+  S.lying = q.get("lie") === "1" && cfg.test_lies === true;
+  if (S.lying) say("TEST MODE: this tab corrupts its replies (the weights server allows it for tests)");
   const fileUrl = new URL("/" + encodeURIComponent(cfg.file), location.href);
   if (token) fileUrl.searchParams.set("token", token);
 
@@ -217,6 +224,7 @@ async function main() {
   const compute = (E, x, n) => {
     const t0 = performance.now(), y = expertFfn(E, x, n);
     S.computeMs += performance.now() - t0; S.rows += n;
+    if (S.lying) for (let i = 0; i < y.length; i++) y[i] = y[i] * 1.5 + 0.01;
     return y;
   };
   const check = (m, kind) => {

@@ -168,9 +168,15 @@ def run(engine, prompt, n, dispatch: DispatchConfig | None = None):
 
 
 def same_as_monolithic(tokens, logits, mono_tokens, mono_logits, what: str) -> None:
-    """The tokens equal the monolithic run's; where an unaudited reply of a kernel other than the
-    backbone's (rounding ~1e-6 apart, within the audit's tolerance) flipped a greedy choice, the
-    monolithic run's top two logits there must have been a near tie."""
+    """The tokens equal the monolithic run's, or differ from a step where the monolithic run's
+    top two logits were a near tie (within 0.5 %).
+
+    Why they may differ: the tab computes the numpy worker's bits (tests/browser/test_kernel_node),
+    up to ~5e-7 relative from ggml's, the backbone's kernel; its unaudited replies (9 in 10 after
+    probation) are used as they are. Such a difference can move a router's top-k choice in the
+    next layer (logits then move by ~1e-2), and that flips a greedy choice where the monolithic
+    top two are that close: on this model and prompt tokens 53 and 62 (gaps 0.18 % and 0.13 %).
+    Audits cannot help: the reply is correct within any tolerance a cross-kernel audit can use."""
     same = next((i for i, (a, b) in enumerate(zip(tokens, mono_tokens)) if a != b), len(tokens))
     if same == len(tokens):
         print(f"{what}: {same} of {same} tokens equal the monolithic run's")
@@ -180,7 +186,7 @@ def same_as_monolithic(tokens, logits, mono_tokens, mono_logits, what: str) -> N
           f"top-2 logits were {top[0]:.6f} and {top[1]:.6f}; max |logit delta| before it "
           f"{np.abs(logits[:same] - mono_logits[:same]).max():.3g}; per step: "
           f"{np.abs(logits[:same + 1] - mono_logits[:same + 1]).max(axis=-1)}; shapes {logits.shape} {mono_logits.shape}")
-    assert top[0] - top[1] < 1e-2 * abs(top[0]), (what, same, top[:2])
+    assert top[0] - top[1] < 5e-3 * abs(top[0]), (what, same, top[:2])
 
 
 def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
@@ -257,6 +263,8 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
             assert not tabs.state(node)["quarantined"]
         errors = [tabs.state(n)["errors"] for n in ("tab-a", "tab-b")]
         assert errors == [0, 0], errors
+        text = tabs.driver.find_element("id", "audits").text
+        assert text.startswith("none failed"), text
 
         # The page as a person sees it.
         tabs.driver.switch_to.window(tabs.handles["tab-a"])
@@ -298,3 +306,49 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
         for p in procs:
             p.proc.kill()
             p.proc.wait()
+
+
+def test_a_lying_tab_is_quarantined_and_changes_no_token(swarm):
+    """A tab whose replies are corrupted (``&lie=1``, honoured only because this test switches the
+    weights server's test setting on) is caught on probation as any liar: its first audited
+    reply fails, it is quarantined (the page says so, from the backbone's quarantine notice), and
+    the tokens and logits are the monolithic run's, bit for bit: every reply of a node on
+    probation is audited and replaced."""
+    engine, backbone, fp = swarm["engine"], swarm["backbone"], swarm["fp"]
+    manifest, weights, remote = backbone.manifest, backbone.weights, backbone.dispatch
+    budget = int(RANGE * manifest.expert_bytes(0) * 1.3)
+    prompt = np.random.default_rng(4).integers(0, engine.cfg.n_vocab, 12).tolist()
+    mono_tokens, mono_logits = run(Engine(swarm["model"]), prompt, 24)
+
+    tabs = Tabs()
+    try:
+        # Without the server's test setting the page ignores &lie=1.
+        tabs.open(page_url(swarm, "tab-nolie", budget) + "&lie=1", "tab-nolie")
+        st = wait_until(lambda: (s := tabs.state("tab-nolie"))["state"] in ("serving", "error") and s, 60, "tab-nolie")
+        assert st["state"] == "serving" and st["lying"] is False, st
+        tabs.close("tab-nolie")
+
+        weights.worker_test_lies = True
+        try:
+            tabs.open(page_url(swarm, "tab-liar", budget) + "&lie=1", "tab-liar")
+            st = wait_until(lambda: (s := tabs.state("tab-liar"))["state"] in ("serving", "error") and s, 60, "tab-liar")
+        finally:
+            weights.worker_test_lies = False
+        assert st["state"] == "serving" and st["lying"] is True, st
+
+        def listed():
+            status = swarm["bus"].run(_status(swarm["market"], fp), timeout=10)
+            return any(n.node == "tab-liar" and n.holdings for n in status.nodes)
+        wait_until(listed, 30, "the market to list the lying tab")
+        assert remote.auditor.cfg.rate < 1.0  # the default audit: probation, then sampled
+        tokens, logits = run(engine, prompt, 24)
+        assert tabs.state("tab-liar")["rows"] > 0, "the liar was asked"
+        assert remote.auditor.is_quarantined("tab-liar")
+        assert tokens == mono_tokens and np.array_equal(logits, mono_logits)
+        st = wait_until(lambda: (s := tabs.state("tab-liar"))["quarantined"] and s, 30, "the page to hear its quarantine")
+        tabs.driver.switch_to.window(tabs.handles["tab-liar"])
+        text = tabs.driver.find_element("id", "audits").text
+        assert text.startswith("FAILED"), text
+        print("lying tab: quarantined after", st["served"], "calls; page says:", text)
+    finally:
+        tabs.quit()
