@@ -120,9 +120,10 @@ def permissions(role: str, name: str, public_key: str, client_keys: tuple[str, .
     ``client_keys``: the public keys of the deployment's clients (the backbone streams tokens
     to their inboxes)."""
     inbox = f"{inbox_prefix_for(public_key)}.>"
-    if role == "worker":
+    if role == "worker":  # an enrolled worker renews its identity over its own connection
         return {"publish": {"allow": [f"{_P}.*.coverage.{subjects.check_node(name)}",
-                                      f"{_P}.*.market.volunteer", f"{_P}.*.manifest"]},
+                                      f"{_P}.*.market.volunteer", f"{_P}.*.manifest",
+                                      subjects.ENROL_HELLO, subjects.ENROL_JOIN]},
                 "subscribe": {"allow": [_DISPATCH, f"{_P}.*.n.{subjects.check_node(name)}", inbox,
                                         *service_subjects(role)]},
                 "allow_responses": {"max": 1, "expires": RESPONSE_EXPIRY}}
@@ -145,6 +146,14 @@ def permissions(role: str, name: str, public_key: str, client_keys: tuple[str, .
                                         subjects.ALL_STATUS, subjects.MARKET_OVERVIEW, inbox,
                                         *service_subjects(role)]},
                 "allow_responses": True}
+    if role == "enrol":  # kvasir enrol: answers hello and join (user JWTs it signs itself)
+        return {"publish": {"allow": []},
+                "subscribe": {"allow": [subjects.ENROL_HELLO, subjects.ENROL_JOIN,
+                                        subjects.ALL_QUARANTINE, inbox, *service_subjects(role)]},
+                "allow_responses": True}
+    if role == "guest":  # an enrolment token's holder: ask to enrol, read its replies, nothing else
+        return {"publish": {"allow": [subjects.ENROL_HELLO, subjects.ENROL_JOIN]},
+                "subscribe": {"allow": [inbox]}}
     if role == "observer":  # may ask every service who it is ($SRV.PING/INFO/STATS)
         return {"publish": {"allow": [subjects.ALL_STATUS, subjects.MARKET_OVERVIEW, f"{SRV}.>"]},
                 "subscribe": {"allow": [subjects.ALL, inbox]}}

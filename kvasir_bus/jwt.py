@@ -160,11 +160,18 @@ def user_permissions(perms: dict) -> dict:
 
 
 def user_jwt(account_seed: bytes, user_public: str, name: str, perms: dict | None, *,
-             expires: int | None = None) -> str:
+             expires: int | None = None, bearer: bool = False, tags: list[str] | None = None,
+             payload: int = _NO_LIMIT, subs: int = _NO_LIMIT) -> str:
     """A user JWT signed by its account, carrying ``perms`` (a config ``permissions`` block;
-    None: no restrictions, as for the system account's operator user)."""
-    nats: dict[str, Any] = {"type": "user", "subs": _NO_LIMIT, "data": _NO_LIMIT,
-                            "payload": _NO_LIMIT}
+    None: no restrictions, as for the system account's operator user). ``bearer``: the JWT alone
+    admits (the server asks no nonce signature): an enrolment token. ``payload``/``subs``: the
+    largest message and the most subscriptions the server lets this user have (-1: no limit)."""
+    nats: dict[str, Any] = {"type": "user", "subs": subs, "data": _NO_LIMIT,
+                            "payload": payload}
+    if bearer:
+        nats["bearer_token"] = True
+    if tags:
+        nats["tags"] = list(tags)
     if perms is not None:
         nats.update(user_permissions(perms))
     else:

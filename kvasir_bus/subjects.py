@@ -56,6 +56,11 @@ BALANCE_QUEUE = "kvasir-balance"
 #: Request/reply: the market's view of every model it knows (a MarketOverview).
 MARKET_OVERVIEW = f"{PREFIX}._market.status"
 
+#: Request/reply, one deployment-wide enrolment service (:mod:`kvasir_bus.enrol`): a server
+#: nonce, then a signed join (a worker identity for the volunteer's own key) or renewal.
+ENROL_HELLO = f"{PREFIX}._enrol.hello"
+ENROL_JOIN = f"{PREFIX}._enrol.join"
+
 # A fingerprint is 16 lowercase hex digits; any short alphanumeric name is accepted so that
 # tests and hand-made models can use readable names.
 _MODEL_RE = re.compile(r"[A-Za-z0-9]{1,64}")

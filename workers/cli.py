@@ -135,6 +135,11 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
                    "URL that supports Range requests (a HuggingFace resolve/main URL works)")
     v.add_argument("--token", metavar="TOKEN", default=None,
                    help="node token for the weights server (default: $KVASIR_NODE_TOKEN)")
+    v.add_argument("--enrol", metavar="LINK", default=None,
+                   help="get this node's identity from the deployment's enrolment service (kvasir "
+                   "enrol): LINK is the join link nats://HOST:PORT#TOKEN (or give the token in "
+                   "$KVASIR_ENROL_TOKEN); a fresh key, a node name the service assigns, renewed "
+                   "while serving; no --creds, no --node")
     v.add_argument("--cache-dir", metavar="DIR", default=None,
                    help="where downloads and slices are kept (default: $KVASIR_CACHE_DIR, else "
                    "~/.cache/kvasir); an interrupted download resumes from here")
@@ -166,7 +171,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                         ("--max-request-bytes", args.max_request_bytes)):
         if not value > 0:
             raise UsageError(f"{name} must be positive, got {value}")
-    node = node_for(args.node, ConnectOptions.from_args(args)) or default_node_id()
+    if args.enrol is not None and (args.node or args.creds or args.nats):
+        raise UsageError("--enrol gives this node its identity and bus: leave out --node, --creds and --nats")
+    node = node_for(args.node, ConnectOptions.from_args(args)) if args.enrol is None else "enrolling"
+    node = node or default_node_id()
     try:
         check_node(node)
     except ValueError as exc:
@@ -192,6 +200,11 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         vcfg = VolunteerConfig(source=args.source, budget_bytes=parse_size(args.budget), node=node,
                                token=args.token or os.environ.get(TOKEN_ENV) or None,
                                cache_dir=args.cache_dir or "")
+        if args.enrol is not None:
+            from workers.enrolled import enrol_and_serve
+
+            return run_loop(enrol_and_serve(args.enrol, os.environ.get("KVASIR_ENROL_TOKEN") or None,
+                                            args.cache_dir or "", cfg, volunteer_cfg=vcfg))
         return run_loop(volunteer_and_serve(vcfg, cfg, args.nats))
     with tempfile.TemporaryDirectory(prefix="kvasir-worker-") as tmp:
         path = args.slice
@@ -204,6 +217,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                         for la, ex in zip(args.layer, args.experts)]
             path = write_slice(plan_slice(args.model, requests), f"{tmp}/slice.gguf").path
         info = load_slice(path)
+        if args.enrol is not None:
+            import os
+
+            from workers.enrolled import enrol_and_serve
+
+            return run_loop(enrol_and_serve(args.enrol, os.environ.get("KVASIR_ENROL_TOKEN") or None,
+                                            args.cache_dir or "", cfg, slice_info=info))
         return run_loop(_serve(info, cfg, args.nats))
 
 
