@@ -83,6 +83,8 @@ from kvasir_bus.throttle import ThrottledLog
 log = structlog.get_logger("kvasir.dispatch")
 
 _ENVELOPE_BYTES = 1024  # msgpack map, ids and headers around the rows, generously
+#: Bundle-capable nodes still on probation that get bundles in one step (in turn across steps).
+MAX_UNPROVEN_BUNDLE_NODES = 2
 _CALL_BYTES = 96  # a call's id, expert and count in a bundle, or its id and count (or error) in the reply
 
 
@@ -357,6 +359,7 @@ class RemoteExperts:
         self.requests = codec.RequestEncoder(model)  # the model is checked once, not per request
         self.bundle_requests = codec.BundleEncoder(model)
         self.bundles = cfg.bundles
+        self._steps_planned = 0  # layer steps planned: the turn of the unproven bundle nodes
         self.coverage.track_nodes = self.coverage.track_nodes or cfg.bundles
         self.stats = DispatchStats()
         self.timeout = AdaptiveTimeout(cfg)
@@ -698,6 +701,7 @@ class RemoteExperts:
         """Decide per expert (ask and wait, only probe, or not ask at all), choose who gets it (a
         node's bundle, or the expert's subject) and encode the messages here, so the loop thread
         only publishes."""
+        self._steps_planned += 1
         step = _Step(layer, self.timeout.current())
         max_rows = self._max_rows()
         by_node: dict[str, list[_Call]] = {}
@@ -743,11 +747,22 @@ class RemoteExperts:
 
     def _bundle_nodes(self, layer: int, expert: int, by_node: dict[str, list[_Call]]) -> tuple[str, ...]:
         """Who gets a call in its bundle: every honest bundle-capable holder (race), or one of them
-        (balance: the fewest calls of this step so far, then the lowest smoothed round trip)."""
+        (balance: the fewest calls of this step so far, then the lowest smoothed round trip). A
+        bundle-capable node still on probation (with sampled audits on; at ``--audit 1`` every
+        reply is audited anyway) shares the bundles with at most MAX_UNPROVEN_BUNDLE_NODES - 1
+        other such nodes a step, in turn, so a crowd of fake bundle nodes costs the backbone a
+        bounded number of bundles a step, however many there are; every reply of theirs is
+        audited until they pass."""
         nodes = self.coverage.bundle_holders(layer, expert)
         if not nodes:
             return ()
         nodes = self.auditor.honest(nodes)
+        if 0 < self.auditor.cfg.rate < 1:
+            unproven = [node for node in nodes if self.auditor.on_probation(node)]
+            if unproven:  # a few of them a step, in turn: a crowd of strangers costs 2 bundles a step
+                k = self._steps_planned % len(unproven)
+                chosen = set((unproven[k:] + unproven[:k])[:MAX_UNPROVEN_BUNDLE_NODES])
+                nodes = tuple(node for node in nodes if node in chosen or not self.auditor.on_probation(node))
         if len(nodes) < 2 or self.replicas is None or self.replicas.cfg.mode != "balance":
             return nodes
         book = self.replicas.book

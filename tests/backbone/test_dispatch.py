@@ -635,6 +635,25 @@ def test_a_lying_bundle_node_is_caught_quarantined_and_sent_no_more_bundles(rig,
     assert len(nc.bundles) == 1  # no bundle for a liar; its expert goes per expert
 
 
+def test_a_crowd_of_unproven_bundle_nodes_gets_two_bundles_a_step_in_turn(rig, bus):
+    from backbone.dispatch import MAX_UNPROVEN_BUNDLE_NODES
+
+    remote, nc, local, _, _ = rig(DispatchConfig(timeout_s=5.0, audit=AuditConfig(rate=0.1)))
+    crowd = [f"s{i:02d}" for i in range(10)]
+    for node in crowd:
+        heartbeat(bus, nc, node)
+    nc.answer_bundle = lambda node, b: [bundle_reply(node, b, 2)]  # honest: the fallback doubles too
+    served: list[set[str]] = []
+    for _ in range(5):
+        before = len(nc.bundles)
+        outs = remote.run_layer(0, [(1, ROW), (2, ROW)])
+        assert all(np.array_equal(o, 2 * ROW) for o in outs)
+        bus.run(nc.flush())
+        served.append({node for node, _, _ in nc.bundles[before:]})
+    assert all(len(s) == MAX_UNPROVEN_BUNDLE_NODES for s in served)  # not one bundle per stranger
+    assert len(set().union(*served)) > MAX_UNPROVEN_BUNDLE_NODES  # in turn, so each gets to prove itself
+
+
 def test_balance_mode_hedges_a_call_whose_bundle_node_froze_on_the_experts_subject(rig, bus):
     from backbone.replicas import ReplicaConfig, Replicas
 
