@@ -64,6 +64,7 @@ served and the pending assignments are in the SQLite file, unread ledger events 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import time
 from collections.abc import Awaitable, Callable
@@ -618,8 +619,15 @@ class Market:
             self.refusals.warning(msg.subject, "heartbeat_refused", model=model, node=node,
                                   error=bad)
             return
+        if ms.layout is not None and hb.budget_bytes > self._model_bytes(ms):
+            hb = dataclasses.replace(hb, budget_bytes=self._model_bytes(ms))  # the word capped, as in _on_volunteer
         if ms.coverage.observe(hb, self.clock()):
             ms.stale = True
+
+    @staticmethod
+    def _model_bytes(ms: _Model) -> int:
+        """Bytes of all the model's experts: more budget than this buys nothing."""
+        return ms.layout.n_expert * sum(ms.layout.expert_bytes)
 
     def _out_of_range(self, ms: _Model, claims) -> str | None:
         """Why a claim of ``(layer, lo, hi)`` experts (half-open) is outside the model's
@@ -751,14 +759,16 @@ class Market:
         if ms.coverage.forget(req.node):  # a volunteer starts afresh with what it is given
             ms.stale = True
         self._refresh(ms, now)
+        # a budget past the model's experts buys nothing more: capped, so no volunteer's word
+        # (2**63 bytes) reaches the books or the ledger file
+        budget = min(req.budget_bytes, self._model_bytes(ms))
         try:
-            got = choose(ms.layout, ms.assignable, ms.usage_now, self.cfg.policy, req.budget_bytes)
+            got = choose(ms.layout, ms.assignable, ms.usage_now, self.cfg.policy, budget)
         except NoFit as exc:
-            self.log.info("volunteer_no_fit", model=model, node=req.node,
-                          budget=req.budget_bytes)
+            self.log.info("volunteer_no_fit", model=model, node=req.node, budget=budget)
             await self._reply_error(msg, mc.ERR_NO_FIT, str(exc))
             return
-        ms.coverage.assign(req.node, got.holdings, req.budget_bytes, now)
+        ms.coverage.assign(req.node, got.holdings, budget, now)
         ms.stale = True
         reply = mc.Assignment(model=model, node=req.node, holdings=got.holdings,
                               bytes=got.bytes, reward_rate=got.reward_rate)
@@ -767,7 +777,7 @@ class Market:
                       reward_rate=round(got.reward_rate, 4))
         try:
             await self._db(self.ledger.save_assignment, model, req.node, got.holdings,
-                           req.budget_bytes, now + self.cfg.assign_grace_s)
+                           budget, now + self.cfg.assign_grace_s)
         except Exception as exc:  # still valid in memory; only a restart would forget it
             self.log.warning("assignment_not_saved", node=req.node, error=str(exc))
         await self._reply(msg, reply)

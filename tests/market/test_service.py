@@ -618,3 +618,19 @@ def test_cli_reports_a_missing_market_or_ledger_in_one_line(nats_server, tmp_pat
     assert "no market is running" in capsys.readouterr().err
     assert main(["rewards", "--db", str(tmp_path / "none.db")]) == 2
     assert "no ledger at" in capsys.readouterr().err
+
+
+def test_a_volunteer_budget_past_the_model_is_capped_at_the_models_size(nats_server, arun, tmp_path):
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start()
+        try:
+            w = await swarm.worker("greedy", budget=1 << 62)  # "I have 4 EiB to give"
+            lay = swarm.market.models[FP].layout
+            model_bytes = lay.n_expert * sum(lay.expert_bytes)
+            assert w.assignment.bytes <= model_bytes
+            node = next(n for n in (await swarm.market.status(FP)).nodes if n.node == "greedy")
+            assert node.budget_bytes == model_bytes  # the books keep the cap, not the word
+        finally:
+            await swarm.stop()
+
+    arun(go(), timeout=20)
