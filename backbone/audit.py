@@ -65,7 +65,11 @@ from kernels.backend import kernel_label
 #: rows: f32 2.3e-7, f16 3.0e-5; quantized types up to 2.6e-3 (Q5_K, small), because a value on a
 #: rounding boundary of the activation quantization flips a whole quant step. Each bound is about
 #: 4x the worst measured difference or more.
-CROSS_KERNEL_TOLERANCE: dict[int, float] = {QT.F32: 1e-5, QT.F16: 2e-4, QT.BF16: 2e-4}
+# Set from bench/kernel_gap.py (numpy worker vs ggml, random experts at the small and 122B shapes,
+# 1-64 rows): worst gaps F32 2.5e-7, F16 1.3e-5, BF16 1.4e-4, quantized 2.4e-4 (an activation
+# rounded to the other side of a Q8_0/Q8_K step, after ggml's approximate expf). BF16 had 1.4x
+# headroom at 2e-4: 2e-3 gives 14x.
+CROSS_KERNEL_TOLERANCE: dict[int, float] = {QT.F32: 1e-5, QT.F16: 2e-4, QT.BF16: 2e-3}
 #: For every quantized weight type.
 QUANTIZED_TOLERANCE = 1e-2
 

@@ -249,6 +249,18 @@ def render_ledger(rec: dict) -> list[str]:
                         "unfolded MB"], rows), "", provenance(rec)]
 
 
+def render_kernel_gap(rec: dict) -> list[str]:
+    res = rec["result"]
+    rows = [[name, num(v.get("worst_gap")), num(v.get("audit_bound")), num(v.get("headroom"))]
+            for name, v in res.get("types", {}).items()]
+    shapes = ", ".join(f"{k} {v[0]}x{v[1]}" for k, v in res.get("shapes", {}).items())
+    return [f"The numpy worker's expert output against ggml's (relative L2), worst over "
+            f"{num(res.get('experts_per_case'))} random experts a case at the {shapes} shapes and "
+            f"{', '.join(str(r) for r in res.get('rows', []))} rows, on {res.get('machine_arch')}; the audit's "
+            "bound for the type (backbone/audit.py) and its headroom (bound / gap).",
+            "", *table(["weight type", "worst gap", "audit bound", "headroom"], rows), "", provenance(rec)]
+
+
 def render_generic(rec: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in list(rec["result"])[:12])
     return [f"Saved fields: {keys}.", "", provenance(rec)]
@@ -270,6 +282,8 @@ SECTIONS = [
     ("Expert kernel against raw ggml (`bench/kernel.py`)", "kernel", None, render_kernel),
     ("Browser worker kernels (`bench/browser_kernel.py`)", "browser_kernel", None, render_browser),
     ("The market's ledger at size (`bench/ledger.py`)", "ledger", None, render_ledger),
+    ("An honest numpy worker against ggml: the audit's bounds (`bench/kernel_gap.py`)", "kernel_gap", None,
+     render_kernel_gap),
 ]
 KNOWN = {bench for _, bench, _, _ in SECTIONS}
 
