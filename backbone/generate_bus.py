@@ -250,7 +250,8 @@ class GenerateBus:
                     index += 1
                 elif kind == "done":
                     finished = True
-                    await self._send(inbox, gc.GenerateDone(rid, self.node, value, len(prompt), index))
+                    rest = decoder.flush()[:gc.MAX_PIECE_CHARS]  # a character the last token cut short
+                    await self._send(inbox, gc.GenerateDone(rid, self.node, value, len(prompt), index, rest))
                     return
                 else:
                     finished = True
@@ -324,6 +325,7 @@ async def generate_all(nc, model: str, request: gc.GenerateRequest, timeout_s: f
             text.append(rec.text)
         else:
             done = rec
+            text.append(rec.text)
     return tokens, "".join(text), done
 
 

@@ -174,7 +174,8 @@ class GenerateToken(Record):
 @dataclass(frozen=True)
 class GenerateDone(Record):
     """The end of a stream: why it ended (``stop``: end-of-sequence token; ``length``:
-    ``max_tokens``), the usage counts, and which backbone ``node`` served it."""
+    ``max_tokens``), the usage counts, and which backbone ``node`` served it. ``text``: what the
+    stream's end completes, a character cut short by the last token as U+FFFD (usually "")."""
 
     kind: ClassVar[str] = "gd"
     what: ClassVar[str] = "generation done"
@@ -184,6 +185,7 @@ class GenerateDone(Record):
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    text: str = ""
 
     def __post_init__(self) -> None:
         r = self.what
@@ -193,6 +195,7 @@ class GenerateDone(Record):
             raise fail(r, "finish_reason", f"is {self.finish_reason!r}, expected one of {', '.join(FINISH_REASONS)}")
         object.__setattr__(self, "prompt_tokens", check_int(r, "prompt_tokens", self.prompt_tokens))
         object.__setattr__(self, "completion_tokens", check_int(r, "completion_tokens", self.completion_tokens))
+        check_str(r, "text", self.text, max_len=MAX_PIECE_CHARS)
 
     @property
     def usage(self) -> dict[str, int]:
@@ -201,12 +204,14 @@ class GenerateDone(Record):
 
     def body(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "node": self.node, "finish_reason": self.finish_reason,
-                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+                "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                **({"text": self.text} if self.text else {})}
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> GenerateDone:
         return cls(**{f: need(body, cls.what, f) for f in (
-            "request_id", "node", "finish_reason", "prompt_tokens", "completion_tokens")})
+            "request_id", "node", "finish_reason", "prompt_tokens", "completion_tokens")},
+            text=body.get("text", ""))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Request": self.request_id, "Kvasir-Node": self.node,

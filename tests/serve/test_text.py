@@ -72,3 +72,35 @@ def test_completion_text_equals_generate_streamed_or_not(model):
     assert whole.usage.completion_tokens == N
     assert whole.choices[0].text == expected
     assert "".join(pieces) == expected
+
+
+def test_the_bus_api_keeps_a_character_the_last_token_cut_short(model, nats_server, arun):
+    from backbone.generate_bus import generate_all, new_request
+    from kvasir_bus.connect import connect
+    from kvasir_bus.fingerprint import model_fingerprint
+
+    tok, engine = Tokenizer(model), Engine(model)
+    ids = generate(engine, tok.encode(PROMPT), N, Sampler(SamplerConfig(temperature=TEMPERATURE, seed=SEED)),
+                   stop_on_eos=False).tokens
+    cut = None  # a length whose last token leaves a character unfinished
+    for n in range(1, N + 1):
+        dec = StreamDecoder(tok)
+        "".join(dec.push(t) for t in ids[:n])
+        if dec.flush():
+            cut = n
+            break
+    assert cut is not None, "no stream prefix ends inside a character: the case is not there"
+    fp = model_fingerprint(engine.reader)
+    cfg = ServerConfig(port=0, model_name="tiny", scheduler=SchedulerConfig(), bus_model=fp, bus_url=nats_server.url)
+    with ServerThread(engine, tok, cfg):
+        async def ask():
+            nc = await connect(nats_server.url, "text-client")
+            try:
+                return await generate_all(nc, fp, new_request(PROMPT, cut, temperature=TEMPERATURE, seed=SEED,
+                                                              stop_on_eos=False))
+            finally:
+                await nc.close()
+
+        tokens, text, done = arun(ask(), timeout=60)
+    assert tokens == ids[:cut]
+    assert text == tok.decode(ids[:cut]) and text.endswith("\ufffd") and done.text
