@@ -92,40 +92,8 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nats", metavar="URL", default=None,
                    help="NATS server URL (default: $NATS_URL, else nats://127.0.0.1:4222)")
     add_connection_flags(p)
-    p.add_argument("--slice", metavar="SLICE.gguf", help="the mini-GGUF to serve (from kvasir slice)")
-    p.add_argument("--model", metavar="FILE", help="a whole GGUF to slice at start (with --layer/--experts)")
-    p.add_argument("--layer", action="append", default=[], metavar="L",
-                   help="with --model: layer index, range A-B, or 'all' (repeatable)")
-    p.add_argument("--experts", action="append", default=[], metavar="A-B",
-                   help="with --model: inclusive expert range, or 'all' (repeatable)")
-    p.add_argument("--node", metavar="NAME", default=None,
-                   help="node id on the bus, letters/digits/-/_ (default: the name of the --creds "
-                   "identity, else HOSTNAME-PID)")
-    p.add_argument("--heartbeat", type=float, default=2.0, metavar="S",
-                   help="seconds between coverage heartbeats (default 2)")
-    p.add_argument("--replicas", choices=("race", "balance"), default="race",
-                   help="race: every replica of an expert computes each request, the first reply wins; "
-                   f"balance: the replicas share each expert subject in the NATS queue group {BALANCE_QUEUE} "
-                   "(one computes; NATS prefers a nearby member); give the backbone the same --replicas "
-                   "so that it hedges (default race)")
-    p.add_argument("--queue-group", metavar="NAME", default=None,
-                   help="load-balance in this queue group instead of racing (overrides --replicas)")
-    p.add_argument("--bundles", choices=("on", "off"), default="on",
-                   help="on: also take a backbone's bundles (a layer step's calls for this node in one "
-                   "message) on this node's subject, and say so in the heartbeat; off: only per-expert "
-                   "requests, as workers before bundles (default on)")
-    p.add_argument("--fast-paths", choices=("on", "off"), default="on",
-                   help="on: requests are handled where nats.py parses them and replies written to the "
-                   "socket directly, wherever the connection allows it (never over WebSocket); off: "
-                   "nats.py's ordinary path for both (the same answers, more CPU per call) (default on)")
-    p.add_argument("--max-rows", type=int, default=16384, metavar="N", help="largest request in rows")
-    p.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="B",
-                   help="largest request in bytes (default 8 MiB, the max_payload of deploy/nats.conf)")
-    p.add_argument("--metrics", metavar="[HOST:]PORT", default=None,
-                   help="serve Prometheus /metrics here (host 127.0.0.1 unless given; port 0: any free port)")
-    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
-    add_kernel_flags(p)  # the backbone's mode: a worker's replies are exact only in the same mode
-    # M3 self-enrolment: ask the market for the scarcest range that fits, download only that
+    # the most used first: volunteering (ask the market for the scarcest range that fits,
+    # download only that), then a fixed slice, then tuning
     v = p.add_argument_group("volunteering (instead of --slice/--model)")
     v.add_argument("--budget", metavar="SIZE", default=None,
                    help="memory to offer for experts, e.g. 340MB, 1.5GiB, 5308416; the market "
@@ -143,6 +111,41 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--cache-dir", metavar="DIR", default=None,
                    help="where downloads and slices are kept (default: $KVASIR_CACHE_DIR, else "
                    "~/.cache/kvasir); an interrupted download resumes from here")
+    f = p.add_argument_group("a fixed slice (instead of volunteering)")
+    f.add_argument("--slice", metavar="SLICE.gguf", help="the mini-GGUF to serve (from kvasir slice)")
+    f.add_argument("--model", metavar="FILE", help="a whole GGUF to slice at start (with --layer/--experts)")
+    f.add_argument("--layer", action="append", default=[], metavar="L",
+                   help="with --model: layer index, range A-B, or 'all' (repeatable)")
+    f.add_argument("--experts", action="append", default=[], metavar="A-B",
+                   help="with --model: inclusive expert range, or 'all' (repeatable)")
+    t = p.add_argument_group("tuning")
+    t.add_argument("--node", metavar="NAME", default=None,
+                   help="node id on the bus, letters/digits/-/_ (default: the name of the --creds "
+                   "identity, else HOSTNAME-PID)")
+    t.add_argument("--heartbeat", type=float, default=2.0, metavar="S",
+                   help="seconds between coverage heartbeats (default 2)")
+    t.add_argument("--replicas", choices=("race", "balance"), default="race",
+                   help="race: every replica of an expert computes each request, the first reply wins; "
+                   f"balance: the replicas share each expert subject in the NATS queue group {BALANCE_QUEUE} "
+                   "(one computes; NATS prefers a nearby member); give the backbone the same --replicas "
+                   "so that it hedges (default race)")
+    t.add_argument("--queue-group", metavar="NAME", default=None,
+                   help="load-balance in this queue group instead of racing (overrides --replicas)")
+    t.add_argument("--bundles", choices=("on", "off"), default="on",
+                   help="on: also take a backbone's bundles (a layer step's calls for this node in one "
+                   "message) on this node's subject, and say so in the heartbeat; off: only per-expert "
+                   "requests, as workers before bundles (default on)")
+    t.add_argument("--fast-paths", choices=("on", "off"), default="on",
+                   help="on: requests are handled where nats.py parses them and replies written to the "
+                   "socket directly, wherever the connection allows it (never over WebSocket); off: "
+                   "nats.py's ordinary path for both (the same answers, more CPU per call) (default on)")
+    t.add_argument("--max-rows", type=int, default=16384, metavar="N", help="largest request in rows")
+    t.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024, metavar="B",
+                   help="largest request in bytes (default 8 MiB, the max_payload of deploy/nats.conf)")
+    t.add_argument("--metrics", metavar="[HOST:]PORT", default=None,
+                   help="serve Prometheus /metrics here (host 127.0.0.1 unless given; port 0: any free port)")
+    t.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_kernel_flags(t)  # the backbone's mode: a worker's replies are exact only in the same mode
     p.set_defaults(func=_cmd_worker)
 
 
