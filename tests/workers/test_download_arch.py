@@ -19,7 +19,7 @@ from gguf import GGUFReader
 from backbone.manifest import build_manifest
 from kernels.expert import expert_ffn
 from kernels.tensors import tensors_from_reader
-from kvasir_bus import codec, market_codec
+from kvasir_bus import codec, market_codec, wire
 from kvasir_bus.connect import connect
 from kvasir_bus.errors import KvasirError
 from kvasir_bus.market_codec import Manifest, ManifestPart, SlabRef, UnsupportedVersionError
@@ -99,7 +99,8 @@ def test_a_split_manifest_names_each_slabs_part_and_equals_the_single_files_dige
 
 def test_an_old_reader_refuses_a_version_2_manifest_on_the_envelope(gpt_oss, tmp_path, monkeypatch):
     m = build_manifest(gpt_oss, cache_path=tmp_path / "mf")
-    monkeypatch.setattr(Manifest, "versions", (1,))  # what a worker built before version 2 speaks
+    monkeypatch.setattr(Manifest, "versions", (1,))
+    monkeypatch.setattr(wire, "_SPOKEN", {})  # the versions cache, as an old build starts it (restored after)  # what a worker built before version 2 speaks
     with pytest.raises(UnsupportedVersionError, match="message version 2 is not supported"):
         market_codec.decode_manifest_reply(m.encode())
 
@@ -233,6 +234,7 @@ def test_an_old_worker_gets_a_clear_refusal_from_a_version_2_backbone(gpt_oss, t
 
     m = build_manifest(gpt_oss, cache_path=tmp_path / "mf")
     monkeypatch.setattr(Manifest, "versions", (1,))
+    monkeypatch.setattr(wire, "_SPOKEN", {})  # the versions cache, as an old build starts it (restored after)
 
     async def go():
         nc = await connect(nats_server.url, "backbone")
