@@ -100,6 +100,7 @@ class DispatchConfig:
     inline_delivery: bool = True  # replies handled where nats.py parses them (kvasir_bus.lane), if it can
     direct_publish: bool = True  # a step's requests written straight to the socket (kvasir_bus.lane), if safe
     engine_connection: bool = True  # all-bundle steps sent and awaited on the engine thread's own connection
+    reply_secret: bytes = b""  # the deployment's reply secret: replies naming an enrolled node need its proof
 
 
 class AdaptiveTimeout:
@@ -352,6 +353,9 @@ class RemoteExperts:
         self.bus, self.nc, self.local, self.n_embd, self.cfg = bus, nc, local, n_embd, cfg
         self.auditor = auditor or Auditor(cfg.audit)
         self.refusals = ThrottledLog(log, 60.0)
+        from kvasir_bus.attribution import ProofChecker
+
+        self.proofs = ProofChecker(cfg.reply_secret) if cfg.reply_secret else None  # kvasir_bus.attribution
         self.coverage = coverage or CoverageView(cfg.uncovered_ttl_s)
         self.recorder = recorder
         self.subjects = Subjects(model)
@@ -1134,7 +1138,20 @@ class RemoteExperts:
             self._settle(call, "no_responders")
             return
         self.stats.layer(layer).bytes_in += len(msg.data)
-        self._on_answer(call, k, token, self._decode(msg.data))
+        reply = self._decode(msg.data)
+        if self.proofs is not None and self._forged(layer, reply, msg):
+            return  # not the named node's: wait for the real replicas, blame nobody
+        self._on_answer(call, k, token, reply)
+
+    def _forged(self, layer: int, reply, msg) -> bool:
+        """Whether a reply names an enrolled node without that node's proof (counted, dropped)."""
+        if not isinstance(reply, (codec.DispatchReply, codec.ErrorReply)) or \
+                self.proofs.holds(reply.node, msg.data, msg.headers):
+            return False
+        self.stats.layer(layer).forged += 1
+        self.refusals.warning(("forged", reply.node), "reply_forged", layer=layer, node=reply.node,
+                              hint="a reply under this node's name without its proof: another sender's lie")
+        return True
 
     def _on_bundle_reply(self, bundle: _Bundle, msg) -> None:
         """One node's answer to its bundle: each call's part goes the way a single reply goes."""
@@ -1238,6 +1255,13 @@ class RemoteExperts:
                 self.coverage.mark_uncovered(*probe)
             elif self._shows_life(probe, self._decode(msg.data)):
                 self.stats.layer(probe[0]).probes_answered += 1
+            return
+        if self.proofs is not None:  # a forged loser must not start a dispute against the named node
+            _, layer, _ = self._finished.get(token, ("unknown", -1, -1))
+            reply = self._decode(msg.data)
+            if layer >= 0 and self._forged(layer, reply, msg):
+                return
+            self._count_stray(token, lambda: reply)
             return
         self._count_stray(token, lambda: self._decode(msg.data))
 

@@ -37,6 +37,7 @@ class LayerStats:
     foreign: int = 0  # answers in a bundle reply for calls not sent in that bundle (dropped)
     recomputed: int = 0  # won calls recomputed here: their node failed an audit in the same step
     disputes: int = 0  # race losers whose reply differed from the winner's (both audited here)
+    forged: int = 0  # replies naming an enrolled node without its proof (dropped; kvasir_bus.attribution)
 
     @property
     def local(self) -> int:

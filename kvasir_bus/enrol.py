@@ -86,8 +86,10 @@ def reply_secret(directory: str | os.PathLike) -> bytes:
 
 
 def reply_key(secret: bytes, node: str) -> bytes:
-    """The HMAC key of node ``node``'s replies."""
-    return hmac.new(secret, REPLY_KEY_CONTEXT + node.encode(), hashlib.sha256).digest()
+    """The HMAC key of node ``node``'s replies (:mod:`kvasir_bus.attribution`)."""
+    from kvasir_bus.attribution import reply_key as derive
+
+    return derive(secret, node)
 
 
 def node_name(public_key: str) -> str:

@@ -29,7 +29,7 @@ class EnrolledServing:
 
     def __init__(self, url: str, identity: enrol.Enrolled, creds_path: Path, slice_info, worker_cfg):
         self.url, self.identity, self.creds_path = url, identity, Path(creds_path)
-        self.slice, self.cfg = slice_info, replace(worker_cfg, node=identity.name)
+        self.slice, self.cfg = slice_info, replace(worker_cfg, node=identity.name, reply_key=identity.reply_key)
         self.nc = self.worker = None
         self.renewals = 0
         self._task: asyncio.Task | None = None

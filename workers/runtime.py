@@ -87,6 +87,7 @@ class WorkerConfig:
     bundles: bool = True  # take bundles on kvasir.<model>.n.<node> (and announce it)
     inline_delivery: bool = True  # handle requests where nats.py parses them (kvasir_bus.lane), if it can
     direct_reply: bool = True  # write replies straight to the socket (kvasir_bus.lane.DirectReply), if it can
+    reply_key: bytes = b""  # enrolled: every reply carries Kvasir-Proof under it (kvasir_bus.attribution)
 
 
 class State(enum.Enum):
@@ -609,6 +610,12 @@ class Worker:
         replies, the hot path, carry none (the payload says everything, docs/protocol.md), and
         go straight to the socket when that is safe (:class:`kvasir_bus.lane.DirectReply`)."""
         try:
+            if self.cfg.reply_key:  # attributable: the proof travels in a header (no direct path)
+                from kvasir_bus.attribution import PROOF_HEADER, proof
+
+                headers = codec.headers_for(record) if record is not None else {}
+                await self._nc.publish(to, payload, headers={**headers, PROOF_HEADER: proof(self.cfg.reply_key, payload)})
+                return
             if record is None and self._direct is not None and self._direct.write(to, payload):
                 return
             await self._nc.publish(to, payload, headers=codec.headers_for(record) if record is not None else None)
