@@ -375,6 +375,20 @@ REFERENCE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_BU
                    "-DLLAMA_USE_PREBUILT_UI=OFF"]  # no download at build time: the bench's API only
 
 
+def _cpu_has_amx() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+# As make install builds llama-cpp-python (Makefile): where the CPU has AMX, without ggml's AMX
+# matmul, which segfaults on the synthetic Q4_K models at llama.cpp's defaults.
+if _cpu_has_amx():
+    _NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    REFERENCE_FLAGS += [f"-DCMAKE_C_FLAGS={_NO_AMX}", f"-DCMAKE_CXX_FLAGS={_NO_AMX}"]
+
+
 class ReferenceUnavailable(Exception):
     """llama-server cannot be had here; the message is one line saying why."""
 
@@ -389,7 +403,8 @@ def llama_cpp_version() -> str:
 
 
 def reference_cache(version: str) -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvasir" / f"llama-server-{version}"
+    variant = "-noamx" if _cpu_has_amx() else ""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvasir" / f"llama-server-{version}{variant}"
 
 
 def _vendored_source(version: str, cache: Path, src: str | None) -> Path:
