@@ -8,8 +8,9 @@ Two parts, printed as one JSON object (``--save``: also into bench/results/):
   against ggml and the audit's tolerance for that type (backbone/audit.py), the bound a tab's
   reply must stay under.
 * ``speed``: rows/s at the 122B expert shape (n_embd 3072, n_ff 1024, Q4_K; 1 and 64 rows) of
-  the tab's kernels (node, the same code the page runs: WebAssembly SIMD for Q4_K, and the
-  plain-JS fallback), the numpy worker and ggml, in the same run.
+  the tab's kernels (node, the same code the page runs: WebAssembly SIMD, and the plain-JS
+  fallback), the numpy worker and ggml, in the same run; then the same for Q5_K, Q6_K and Q8_0
+  (the other types the tab runs in SIMD).
 
 ``python bench/browser_kernel.py [--quick] [--save]``; needs node and llama-cpp-python.
 """
@@ -80,7 +81,7 @@ def rel(a, b) -> float:
 
 def errors(quick: bool) -> dict:
     g, npb = get_backend("ggml"), get_backend("numpy")
-    out, wasm_differs = {}, []
+    out, wasm_differs, numpy_differs = {}, [], []
     cases = [(t, "swiglu", False) for t in TYPES] + [("MXFP4", "swiglu_oai", True), ("Q4_K", "swiglu_oai", True)]
     for name, glu, bias in cases:
         qt = T[name]
@@ -95,11 +96,15 @@ def errors(quick: bool) -> dict:
                 wa, _ = run_js(ex, x, wasm=True)  # SIMD for Q4_K, Q5_K, Q6_K, Q8_0; the JS kernel for the rest
                 if not np.array_equal(wa, js):
                     wasm_differs.append(name)
-                worst_np = max(worst_np, rel(npb.expert_ffn(*ex, x, routed=True), ref))
+                nm = npb.expert_ffn(*ex, x, routed=True)
+                if not np.array_equal(js, nm):
+                    numpy_differs.append(name)
+                worst_np = max(worst_np, rel(nm, ref))
         key = name + ("+bias+swiglu_oai" if bias else "")
         out[key] = {"js_vs_ggml": worst_js, "numpy_vs_ggml": worst_np, "audit_tolerance": tolerance(qt)}
         print(f"{key}: js {worst_js:.3g}, numpy {worst_np:.3g}, tolerance {tolerance(qt):g}", file=sys.stderr)
     out["wasm_equals_js_bitwise"] = not wasm_differs
+    out["js_equals_numpy_bitwise"] = not numpy_differs
     return out
 
 
@@ -112,8 +117,8 @@ def best(fn, repeats: int) -> float:
     return min(times)
 
 
-def speed(quick: bool) -> dict:
-    ex = make_expert(T.Q4_K, 3072, 1024, 0)
+def speed(quick: bool, qtype: T = T.Q4_K) -> dict:
+    ex = make_expert(qtype, 3072, 1024, 0)
     g, npb = get_backend("ggml"), get_backend("numpy")
     out = {}
     for rows in (1, 64):
@@ -127,7 +132,7 @@ def speed(quick: bool) -> dict:
         t_g = best(lambda: g.expert_ffn(*ex, x, routed=True), reps * 3)
         out[f"rows_{rows}"] = {"wasm_simd_rows_per_s": rows / min(wa), "js_rows_per_s": rows / min(js), "numpy_rows_per_s": rows / t_np,
                                "ggml_rows_per_s": rows / t_g}
-        print(f"rows {rows}: {out[f'rows_{rows}']}", file=sys.stderr)
+        print(f"{qtype.name} rows {rows}: {out[f'rows_{rows}']}", file=sys.stderr)
     return out
 
 
@@ -141,7 +146,9 @@ def main() -> int:
         return 2
     result = {"kernel": "js-wasm32 (browser/src/simd.wat, SIMD for Q4_K, Q5_K, Q6_K, Q8_0) and js-scalar (browser/src/kernel.js), under node " +
                         subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip() + ")",
-              "errors": errors(args.quick), "speed_122b_q4_k": speed(args.quick)}
+              "errors": errors(args.quick), "speed_122b_q4_k": speed(args.quick),
+              # the other types the tab runs in SIMD, at the same shape (fewer repeats)
+              "speed_122b_other_simd_types": {t: speed(True, T[t]) for t in ("Q5_K", "Q6_K", "Q8_0")}}
     print(json.dumps(result, indent=2))
     record.save(args, "browser_kernel", result)
     return 0
