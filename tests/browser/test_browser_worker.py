@@ -256,8 +256,14 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
         for node in ("tab-a", "tab-b"):
             assert not strict.is_quarantined(node), node
         remote.auditor = default_auditor
+        rows_before = {n: tabs.state(n)["rows"] for n in ("tab-a", "tab-b")}
+        audits_before = default_auditor.stats.audits
         tokens, logits = run(engine, prompt, 64)
         same_as_monolithic(tokens, logits, mono_tokens, mono_logits, "default audit")
+        rows_served = {n: tabs.state(n)["rows"] - rows_before[n] for n in ("tab-a", "tab-b")}
+        assert all(rows_served.values()), rows_served  # the tabs served this run, mostly unaudited
+        print("default audit: rows served by the tabs", rows_served, "audits of all workers",
+              default_auditor.stats.audits - audits_before)
         for node in ("tab-a", "tab-b"):
             assert not remote.auditor.is_quarantined(node), node
             assert not tabs.state(node)["quarantined"]
