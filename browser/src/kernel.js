@@ -209,12 +209,14 @@ export function weightBytes(t, ne0, ne1) {
   return (ne0 / tr[0]) * tr[1] * ne1;
 }
 
-// -- WebAssembly SIMD (src/simd.wat): Q4_K, Q5_K, Q6_K and Q8_0 rows, the same bits as the
-// dots above (the integer dot is exact in both; the float64 steps are the same operations in
-// the same order). The other types run the JS dots.
+// -- WebAssembly SIMD (src/simd.wat): Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and MXFP4 rows, the same
+// bits as the dots above (the integer dot is exact in both; the float64 steps are the same
+// operations in the same order). F32 and F16 run the JS dots: they sum in float64 one element
+// after the other (numpy's bits), an order SIMD lanes would change.
 let wasm = null;
 // ggml type -> [export name, activation format]
-const WASM_DOTS = { 8: ["q8_0", "q8_0"], 12: ["q4k", "q8_K"], 13: ["q5k", "q8_K"], 14: ["q6k", "q8_K"] };
+const WASM_DOTS = { 2: ["q4_0", "q8_0"], 8: ["q8_0", "q8_0"], 12: ["q4k", "q8_K"], 13: ["q5k", "q8_K"], 14: ["q6k", "q8_K"],
+  39: ["mxfp4", "q8_0"] };
 /** Instantiate the SIMD kernels from their bytes; false (and the JS kernel stays) where the
  * browser lacks WebAssembly SIMD. ``useWasm(null)``: back to the JS kernel. */
 export function useWasm(bytes) {

@@ -1,5 +1,5 @@
 ;; Weight rows times one rounded activation row in WebAssembly SIMD: Q4_K, Q5_K, Q6_K (x Q8_K)
-;; and Q8_0 (x Q8_0). Each computes the same exact integer dot per block as its dot in kernel.js
+;; and Q8_0, Q4_0, MXFP4 (x Q8_0). Each computes the same exact integer dot per block as its dot in kernel.js
 ;; and the same float64 steps in the same order, so both give identical bits. Memory is laid out
 ;; by kernel.js; every export takes (w rows nb q bs d tab out):
 ;;   w: rows x nb weight blocks; q: nb blocks of int8 activations; bs: nb*16 int32 block sums
@@ -242,6 +242,68 @@
                      (call $dot8 (v128.load offset=2 (local.get $p)) (v128.load (local.get $y)))
                      (call $dot8 (v128.load offset=18 (local.get $p)) (v128.load offset=16 (local.get $y)))))))))
         (local.set $p (i32.add (local.get $p) (i32.const 34)))
+        (local.set $b (i32.add (local.get $b) (i32.const 1)))
+        (br $bloop)))
+      (f32.store (i32.add (local.get $out) (i32.shl (local.get $r) (i32.const 2))) (f32.demote_f64 (local.get $sum)))
+      (local.set $r (i32.add (local.get $r) (i32.const 1)))
+      (br $rloop))))
+
+  ;; Q4_0: 4-bit values minus 8 (low nibbles are elements 0-15, high ones 16-31), an f16 scale.
+  (func (export "q4_0") (param $w i32) (param $rows i32) (param $nb i32) (param $q i32) (param $bs i32)
+        (param $d i32) (param $tab i32) (param $out i32)
+    (local $r i32) (local $b i32) (local $p i32) (local $y i32) (local $sum f64) (local $v v128)
+    (local.set $p (local.get $w))
+    (block $rdone (loop $rloop
+      (br_if $rdone (i32.ge_u (local.get $r) (local.get $rows)))
+      (local.set $sum (f64.const 0))
+      (local.set $b (i32.const 0))
+      (block $bdone (loop $bloop
+        (br_if $bdone (i32.ge_u (local.get $b) (local.get $nb)))
+        (local.set $y (i32.add (local.get $q) (i32.shl (local.get $b) (i32.const 5))))
+        (local.set $v (v128.load offset=2 (local.get $p)))
+        (local.set $sum (f64.add (local.get $sum)
+          (f64.mul (f64.mul (call $f16 (local.get $tab) (local.get $p))
+                            (f64.load (i32.add (local.get $d) (i32.shl (local.get $b) (i32.const 3)))))
+                   (f64.convert_i32_s (call $hsum (i32x4.add
+                     (call $dot8 (i8x16.sub (v128.and (local.get $v) (i8x16.splat (i32.const 15))) (i8x16.splat (i32.const 8)))
+                                 (v128.load (local.get $y)))
+                     (call $dot8 (i8x16.sub (i8x16.shr_u (local.get $v) (i32.const 4)) (i8x16.splat (i32.const 8)))
+                                 (v128.load offset=16 (local.get $y)))))))))
+        (local.set $p (i32.add (local.get $p) (i32.const 18)))
+        (local.set $b (i32.add (local.get $b) (i32.const 1)))
+        (br $bloop)))
+      (f32.store (i32.add (local.get $out) (i32.shl (local.get $r) (i32.const 2))) (f32.demote_f64 (local.get $sum)))
+      (local.set $r (i32.add (local.get $r) (i32.const 1)))
+      (br $rloop))))
+
+  ;; MXFP4: 4-bit E2M1 codes looked up (kvalues_mxfp4, doubled to integers) with a swizzle, an
+  ;; E8M0 block scale taken as ggml's GGML_E8M0_TO_FP32_HALF (half the power of two).
+  (func (export "mxfp4") (param $w i32) (param $rows i32) (param $nb i32) (param $q i32) (param $bs i32)
+        (param $d i32) (param $tab i32) (param $out i32)
+    (local $r i32) (local $b i32) (local $p i32) (local $y i32) (local $e i32) (local $sum f64) (local $v v128) (local $k v128)
+    (local.set $k (v128.const i8x16 0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12))
+    (local.set $p (local.get $w))
+    (block $rdone (loop $rloop
+      (br_if $rdone (i32.ge_u (local.get $r) (local.get $rows)))
+      (local.set $sum (f64.const 0))
+      (local.set $b (i32.const 0))
+      (block $bdone (loop $bloop
+        (br_if $bdone (i32.ge_u (local.get $b) (local.get $nb)))
+        (local.set $y (i32.add (local.get $q) (i32.shl (local.get $b) (i32.const 5))))
+        (local.set $v (v128.load offset=1 (local.get $p)))
+        (local.set $e (i32.load8_u (local.get $p)))
+        (local.set $sum (f64.add (local.get $sum)
+          (f64.mul (f64.mul (f64.promote_f32 (f32.reinterpret_i32
+                              (select (i32.shl (i32.const 0x00200000) (local.get $e))
+                                      (i32.shl (i32.sub (local.get $e) (i32.const 1)) (i32.const 23))
+                                      (i32.lt_u (local.get $e) (i32.const 2)))))
+                            (f64.load (i32.add (local.get $d) (i32.shl (local.get $b) (i32.const 3)))))
+                   (f64.convert_i32_s (call $hsum (i32x4.add
+                     (call $dot8 (i8x16.swizzle (local.get $k) (v128.and (local.get $v) (i8x16.splat (i32.const 15))))
+                                 (v128.load (local.get $y)))
+                     (call $dot8 (i8x16.swizzle (local.get $k) (i8x16.shr_u (local.get $v) (i32.const 4)))
+                                 (v128.load offset=16 (local.get $y)))))))))
+        (local.set $p (i32.add (local.get $p) (i32.const 17)))
         (local.set $b (i32.add (local.get $b) (i32.const 1)))
         (br $bloop)))
       (f32.store (i32.add (local.get $out) (i32.shl (local.get $r) (i32.const 2))) (f32.demote_f64 (local.get $sum)))
