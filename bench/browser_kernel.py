@@ -9,7 +9,7 @@ Two parts, printed as one JSON object (``--save``: also into bench/results/):
   reply must stay under.
 * ``speed``: rows/s at the 122B expert shape (n_embd 3072, n_ff 1024, Q4_K; 1 and 64 rows) of
   the tab's kernels (node, the same code the page runs: WebAssembly SIMD, and the plain-JS
-  fallback), the numpy worker and ggml, in the same run; then the same for Q5_K, Q6_K and Q8_0
+  fallback), the numpy worker and ggml, in the same run; then the same for Q5_K, Q6_K, Q8_0 and MXFP4
   (the other types the tab runs in SIMD).
 
 ``python bench/browser_kernel.py [--quick] [--save]``; needs node and llama-cpp-python.
@@ -93,7 +93,7 @@ def errors(quick: bool) -> dict:
                 ref = g.expert_ffn(*ex, x, routed=True)
                 js, _ = run_js(ex, x)
                 worst_js = max(worst_js, rel(js, ref))
-                wa, _ = run_js(ex, x, wasm=True)  # SIMD for Q4_K, Q5_K, Q6_K, Q8_0; the JS kernel for the rest
+                wa, _ = run_js(ex, x, wasm=True)  # SIMD for all but F32 and F16 (the JS kernel)
                 if not np.array_equal(wa, js):
                     wasm_differs.append(name)
                 nm = npb.expert_ffn(*ex, x, routed=True)
@@ -144,11 +144,11 @@ def main() -> int:
     if not shutil.which("node"):
         print("browser_kernel: node is not on PATH", file=sys.stderr)
         return 2
-    result = {"kernel": "js-wasm32 (browser/src/simd.wat, SIMD for Q4_K, Q5_K, Q6_K, Q8_0) and js-scalar (browser/src/kernel.js), under node " +
+    result = {"kernel": "js-wasm32 (browser/src/simd.wat, SIMD for Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, MXFP4) and js-scalar (browser/src/kernel.js), under node " +
                         subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip() + ")",
               "errors": errors(args.quick), "speed_122b_q4_k": speed(args.quick),
               # the other types the tab runs in SIMD, at the same shape (fewer repeats)
-              "speed_122b_other_simd_types": {t: speed(True, T[t]) for t in ("Q5_K", "Q6_K", "Q8_0")}}
+              "speed_122b_other_simd_types": {t: speed(True, T[t]) for t in ("Q5_K", "Q6_K", "Q8_0", "MXFP4")}}
     print(json.dumps(result, indent=2))
     record.save(args, "browser_kernel", result)
     return 0

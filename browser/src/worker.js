@@ -14,7 +14,7 @@ import { expertFfn, weightBytes, f16ToF32, TYPE_NAMES, useWasm, kernelLabel } fr
 import simdWasm from "./simd.wat";
 
 const VERSION = "0.1.0-browser";
-// Q4_K, Q5_K, Q6_K and Q8_0 in WebAssembly SIMD where the browser has it (src/simd.wat), else
+// Q4_K, Q5_K, Q6_K, Q8_0, Q4_0 and MXFP4 in WebAssembly SIMD where the browser has it (src/simd.wat), else
 // plain JavaScript; both compute the same bits (tests/browser/test_kernel_node.py checks), the
 // label says which one runs.
 useWasm(Uint8Array.from(atob(simdWasm), (c) => c.charCodeAt(0)));
