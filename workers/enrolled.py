@@ -27,8 +27,10 @@ log = structlog.get_logger("kvasir.worker")
 class EnrolledServing:
     """An enrolled identity and the worker serving under it, renewed in place."""
 
-    def __init__(self, url: str, identity: enrol.Enrolled, creds_path: Path, slice_info, worker_cfg):
+    def __init__(self, url: str, identity: enrol.Enrolled, creds_path: Path, slice_info, worker_cfg,
+                 token: str | None = None):
         self.url, self.identity, self.creds_path = url, identity, Path(creds_path)
+        self.token = token  # for a renewal over a guest connection when our own is gone
         self.slice, self.cfg = slice_info, replace(worker_cfg, node=identity.name, reply_key=identity.reply_key)
         self.nc = self.worker = None
         self.renewals = 0
@@ -60,7 +62,10 @@ class EnrolledServing:
 
     async def renew(self) -> None:
         """A fresh JWT, a new connection and worker with it, then the old ones drained."""
-        fresh = await enrol.request_identity(self.nc, self.identity.seed, None)
+        if self.nc.is_connected or self.token is None:
+            fresh = await enrol.request_identity(self.nc, self.identity.seed, None)
+        else:  # our connection is down (its JWT may have run out): ask as the token's holder
+            fresh = await enrol.enrol(self.url, self.token, seed=self.identity.seed)
         self.identity = fresh
         fresh.write(self.creds_path)
         old_nc, old_worker = self.nc, self.worker
@@ -109,7 +114,8 @@ async def enrol_and_serve(link: str, token: str | None, cache_dir: str, worker_c
             await nc.drain()
         slice_info = got.slice
         worker_cfg = replace(worker_cfg, budget_bytes=volunteer_cfg.budget_bytes)
-    serving = await EnrolledServing(url, identity, creds_path, slice_info, worker_cfg).start()
+    serving = await EnrolledServing(url, identity, creds_path, slice_info, worker_cfg,
+                                    token=token or link_token).start()
     try:
         await stop.wait()
     finally:
