@@ -478,6 +478,11 @@ async def enrol(url: str, token: str | None, seed: bytes | None = None, timeout:
         raise UsageError("enrolling needs a token (the operator's join link, or kvasir enrol --open's)")
     seed = seed or jwt.new_keypair("user")[0]
     try:
+        if not isinstance(jwt.decode(token, verify=False).get("sub"), str):
+            raise ValueError("no subject")
+    except ValueError as exc:
+        raise UsageError(f"the join link's token is not an enrolment token ({exc})") from None
+    try:
         nc = await guest_connect(url, token, connect_timeout=timeout)
     except Exception as exc:
         raise KvasirError(f"cannot reach NATS at {url} with the enrolment token: {exc or type(exc).__name__}") from None
