@@ -15,8 +15,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-# Predicted / measured tokens/s within this factor either way.
-LOOSE_FACTOR = 2.0
+# Predicted / measured tokens/s within this factor either way: loose, because the machine is
+# shared (other jobs' load moves a run by up to 2x, bench/results/plan_check-*.json); a model that
+# is wrong in kind (a missing round trip, a cost counted per replica) misses by more.
+LOOSE_FACTOR = 3.0
 
 GRID = [
     {"workers": 1, "rtt_ms": 0, "streams": [1, 4]},
