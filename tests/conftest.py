@@ -32,6 +32,15 @@ import pytest
 from kvasir_bus.server import EmbeddedNats
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_state_home(tmp_path_factory):
+    """The same for a module's own fixtures (a module-scoped swarm starts before any test's
+    $XDG_STATE_HOME is set): one state home per module, never the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("module-state")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _own_state_home(tmp_path_factory, monkeypatch):
     """Every test (and the processes it starts) gets its own $XDG_STATE_HOME: a backbone's
