@@ -163,6 +163,10 @@ def add_audit_flags(p: argparse.ArgumentParser) -> None:
                    f"is replaced by the local result and a liar is quarantined. Every reply of a node's "
                    f"first {DEFAULT_PROBATION} is audited too; 1 makes the output exact by construction, "
                    f"0 turns audits off (default {DEFAULT_RATE})")
+    p.add_argument("--reply-secret", metavar="FILE", default=None,
+                   help="the deployment's reply secret (kvasir enrol's DIR/trust/reply.key): a reply naming "
+                   "an enrolled node (v...) counts only with that node's Kvasir-Proof, so no one can answer "
+                   "under another's name; without it the name is the sender's word (docs/security.md)")
 
 
 def add_http_flags(p: argparse.ArgumentParser) -> None:

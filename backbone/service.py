@@ -96,6 +96,7 @@ class BackboneConfig:
             dispatch=DispatchConfig(timeout_s=timeout_ms / 1000 if timeout_ms else None,
                                     audit=_audit_config(getattr(args, "audit", None)),
                                     bundles=getattr(args, "bundles", None) != "off",
+                                    reply_secret=_reply_secret(getattr(args, "reply_secret", None)),
                                     **_fast_paths(getattr(args, "fast_paths", None) != "off")),
             wire_dtype=getattr(args, "wire_dtype", None) or "float32",
             n_ctx=getattr(args, "ctx", None),
@@ -114,6 +115,21 @@ class BackboneConfig:
 def _fast_paths(on: bool) -> dict[str, bool]:
     """``--fast-paths``: the engine connection, inline reply delivery and one-write publishes."""
     return dict(engine_connection=on, inline_delivery=on, direct_publish=on)
+
+
+def _reply_secret(path: str | None) -> bytes:
+    """``--reply-secret FILE``: the 32-byte hex secret kvasir enrol wrote (b"": none)."""
+    if path is None:
+        return b""
+    try:
+        secret = bytes.fromhex(open(path).read().strip())
+    except OSError as exc:
+        raise UsageError(f"--reply-secret {path}: {exc.strerror or exc}") from None
+    except ValueError:
+        raise UsageError(f"--reply-secret {path}: not a hex secret (kvasir enrol writes DIR/trust/reply.key)") from None
+    if len(secret) < 16:
+        raise UsageError(f"--reply-secret {path}: {len(secret)} bytes; expected the 32 kvasir enrol writes")
+    return secret
 
 
 def _audit_config(rate: float | None) -> AuditConfig:

@@ -94,11 +94,21 @@ def test_dense_and_unsupported_models_are_refused(capsys, tmp_path):
     (["-n", "many"], "invalid int value"),
     (["--wire-dtype", "int8"], "invalid choice"),
     (["--timeout-ms", "0", "--nats", "nats://127.0.0.1:1"], "timeout"),
+    (["--reply-secret", "/no/such/reply.key", "--nats", "nats://127.0.0.1:1"], "--reply-secret"),
 ])
 def test_bad_flag_values(capsys, tiny, flags, needle):
     code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "hello", *flags)
     assert code == 2
     one_error_line(err, needle)
+
+
+def test_a_reply_secret_that_is_not_hex_is_one_line(capsys, tiny, tmp_path):
+    bad = tmp_path / "reply.key"
+    bad.write_text("not hex\n")
+    code, _, err = run(capsys, "generate", "--model", tiny, "--prompt", "hello", "--reply-secret", str(bad),
+                       "--nats", "nats://127.0.0.1:1")
+    assert code == 2
+    one_error_line(err, "not a hex secret")
 
 
 def test_prompt_longer_than_the_context(capsys, tiny):
