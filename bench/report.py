@@ -68,8 +68,11 @@ def table(head: list[str], rows: list[list[str]], align: str | None = None) -> l
 
 
 def latest(records: list[dict], bench: str, has=None) -> dict | None:
+    """The newest run of ``bench``; a ``--quick`` run (a smoke test's few samples) only where
+    the bench has no full run."""
     found = [r for r in records if r.get("bench") == bench and (has is None or has(r["result"]))]
-    return found[-1] if found else None
+    full = [r for r in found if "--quick" not in r.get("command", "").split()]
+    return (full or found)[-1] if found else None
 
 
 def short_cmd(rec: dict) -> str:
