@@ -596,6 +596,13 @@ class Engine:
         """A gated delta-net layer: the projections on all rows at once, then each sequence's
         chunk through ``kernels.deltanet.delta_net`` with its own conv and recurrent state."""
         c = self.cfg
+        if self._delta_net_graph(batch, h):  # one sequence: the whole mixer in one graph
+            seq = batch[0][0]
+            out, seq.conv[il], seq.ssm[il] = deltanet.delta_net_layer(
+                h, seq.conv[il], seq.ssm[il], wqkv=blk.attn_qkv, wz=blk.attn_gate, wbeta=blk.ssm_beta,
+                walpha=blk.ssm_alpha, wout=blk.ssm_out, conv_w=blk.ssm_conv1d, dt_bias=blk.ssm_dt, ssm_a=blk.ssm_a,
+                norm_w=blk.ssm_norm, k_heads=c.ssm_k_heads, eps=c.rms_eps)
+            return out
         qkv, z = matmul(blk.attn_qkv, h), matmul(blk.attn_gate, h)
         if blk.ssm_ba is not None:  # qwen3next: split as llama.cpp's views do (copies, no rounding)
             T, Hk, Hv = h.shape[0], c.ssm_k_heads, c.ssm_v_heads
@@ -609,6 +616,14 @@ class Engine:
                 qkv[a:b], z[a:b], beta[a:b], alpha[a:b], seq.conv[il], seq.ssm[il], blk.ssm_conv1d, blk.ssm_dt,
                 blk.ssm_a, blk.ssm_norm, k_heads=c.ssm_k_heads, eps=c.rms_eps, interleave=c.traits.ssm_ba)
         return matmul(blk.ssm_out, out)
+
+    def _delta_net_graph(self, batch, h: np.ndarray) -> bool:
+        """Whether a delta-net layer runs as one graph (``kernels.deltanet.delta_net_layer``): one
+        sequence (its products on the same rows as the op-by-op path's), qwen35moe's separate
+        beta and alpha projections, and not a one-row step in deterministic mode (there every
+        dense product runs one row as two, ``kernels.ggml.matmul``; the op-by-op path does)."""
+        return self.ggml_attention and len(batch) == 1 and not self.cfg.traits.ssm_ba \
+            and not (len(h) == 1 and ggml_deterministic())
 
     def _moe(self, il: int, blk: Layer, h: np.ndarray, *, routed: tuple[np.ndarray, np.ndarray] | None = None,
              shared: np.ndarray | Callable[[], np.ndarray] | None = None) -> np.ndarray:

@@ -91,14 +91,12 @@ def delta_net(qkv: np.ndarray, z: np.ndarray, beta_logits: np.ndarray, alpha_log
     # The conv input and the next conv state are copies, no arithmetic: numpy does them.
     conv_in = np.concatenate([conv_state, np.asarray(qkv, dtype=np.float32).T], axis=1)  # (C, W-1+L)
     new_conv = np.ascontiguousarray(conv_in[:, L:])
-    l2_eps, l2_scale = l2_norm_params(eps, S)
     lib = ggml.load()
     threads = threads_for(L * Hv * S * S * 4)
 
     def build() -> Graph:
         g = Graph(lib, n_tensors=48, nodes=NODES)
         try:
-            ctx = g.ctx
             xin = g.input(_F32, (W - 1 + L, C, 1))
             cw = g.input(_F32, (W, C))
             zt = g.input(_F32, (Hv * S, L))
@@ -108,32 +106,8 @@ def delta_net(qkv: np.ndarray, z: np.ndarray, beta_logits: np.ndarray, alpha_log
             dt = g.input(_F32, (Hv,))
             aw = g.input(_F32, (Hv,))
             nw = g.input(_F32, (S,))
-            conv = g.scratch(lib.ggml_ssm_conv(ctx, xin, cw))  # (C, L, 1)
-            conv = g.scratch(lib.ggml_silu(ctx, conv))
-            f4 = 4  # bytes per float
-            row = C * f4
-            q = g.view(lib.ggml_view_4d(ctx, conv, S, k_heads, L, 1, S * f4, row, row * L, 0))
-            k = g.view(lib.ggml_view_4d(ctx, conv, S, k_heads, L, 1, S * f4, row, row * L, k_heads * S * f4))
-            v = g.view(lib.ggml_view_4d(ctx, conv, S, Hv, L, 1, S * f4, row, row * L, 2 * k_heads * S * f4))
-            q = g.scratch(lib.ggml_scale(ctx, g.scratch(lib.ggml_rms_norm(ctx, q, float(l2_eps))), float(l2_scale)))
-            k = g.scratch(lib.ggml_scale(ctx, g.scratch(lib.ggml_rms_norm(ctx, k, float(l2_eps))), float(l2_scale)))
-            if interleave and Hv != k_heads:  # qwen3next's ggml_repeat_4d, exact copies
-                r = Hv // k_heads
-                q, k = (g.view(lib.ggml_reshape_4d(ctx, g.scratch(lib.ggml_repeat_4d(
-                    ctx, g.view(lib.ggml_reshape_4d(ctx, x, S, 1, k_heads, L)), S, r, k_heads, L)), S, Hv, L, 1))
-                    for x in (q, k))
-            beta = g.scratch(lib.ggml_sigmoid(ctx, g.view(lib.ggml_reshape_4d(ctx, bt, 1, Hv, L, 1))))
-            gate = g.scratch(lib.ggml_add(ctx, at, dt))
-            gate = g.scratch(lib.ggml_softplus(ctx, gate))
-            gate = g.scratch(lib.ggml_mul(ctx, gate, aw))
-            gate = g.view(lib.ggml_reshape_4d(ctx, gate, 1, Hv, L, 1))
-            s0 = g.view(lib.ggml_reshape_4d(ctx, st, S, S, Hv, 1))
-            out = g.output(lib.ggml_gated_delta_net(ctx, q, k, v, gate, beta, s0, 1))  # (Hv*S, L + S)
-            o = g.view(lib.ggml_view_4d(ctx, out, S, Hv, L, 1, S * f4, Hv * S * f4, Hv * S * L * f4, 0))
-            y = g.scratch(lib.ggml_rms_norm(ctx, o, float(eps)))
-            y = g.scratch(lib.ggml_mul(ctx, y, nw))
-            zs = g.scratch(lib.ggml_silu(ctx, g.view(lib.ggml_reshape_3d(ctx, zt, S, Hv, L))))
-            g.output(lib.ggml_mul(ctx, y, zs))  # (S, Hv, L)
+            g.output(_core(g, lib, xin, cw, zt, bt, at, st, dt, aw, nw, L=L, C=C, Hv=Hv, S=S, k_heads=k_heads,
+                           eps=eps, interleave=interleave))  # (S, Hv, L)
             return g.finish(threads)
         except BaseException:
             g.free()
@@ -145,6 +119,129 @@ def delta_net(qkv: np.ndarray, z: np.ndarray, beta_logits: np.ndarray, alpha_log
     run_cached(key, build, (conv_in, conv_w, z, beta_logits, alpha_logits, state, dt_bias, ssm_a, norm_w,
                             packed, y))
     return y, new_conv, np.ascontiguousarray(packed[L:].reshape(Hv, S, S))
+
+
+def delta_net_layer(h: np.ndarray, conv_state: np.ndarray, state: np.ndarray, *, wqkv, wz, wbeta, walpha, wout,
+                    conv_w: np.ndarray, dt_bias: np.ndarray, ssm_a: np.ndarray, norm_w: np.ndarray, k_heads: int,
+                    eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A qwen35moe delta-net layer's mixer for one sequence chunk in one ggml graph: the input
+    projections (``ggml_mul_mat`` of h by wqkv, wz, wbeta, walpha), :func:`delta_net`'s steps,
+    then the output projection wout, as llama.cpp's ``build_layer_attn_linear`` builds them.
+
+    h (L, D) float32: the layer's normed input rows. The weights are QTensors, bound as
+    :func:`kernels.ggml.matmul` binds them (repacked where it repacks), so every product takes
+    the kernel that the op-by-op path and llama.cpp take for the same rows; the thread count
+    never changes a result. conv_state (C, W-1), state (Hv, S, S) and the rest as in
+    :func:`delta_net`. Returns (L, D) float32 after ``ssm_out``, the new conv state, the new state.
+    """
+    h = ggml.check_rows(h, wqkv.ne[0], "delta-net input")
+    for w in (wqkv, wz, wbeta, walpha, wout):
+        ggml.check_weight(w)
+    state = np.asarray(state)
+    if state.ndim != 3 or state.shape[1] != state.shape[2]:
+        raise ValueError(f"state: expected (Hv, S, S), got shape {state.shape}")
+    Hv, S, _ = state.shape
+    if k_heads <= 0 or Hv % k_heads:
+        raise ValueError(f"{k_heads} Q/K heads cannot serve {Hv} V heads")
+    L, D = h.shape
+    C = (2 * k_heads + Hv) * S
+    conv_w = np.asarray(conv_w)
+    if conv_w.ndim != 2 or conv_w.shape[0] != C or conv_w.shape[1] < 2:
+        raise ValueError(f"conv_w: expected ({C}, W >= 2), got shape {conv_w.shape}")
+    W = conv_w.shape[1]
+    shapes = {"qkv": (wqkv, C), "z": (wz, Hv * S), "beta": (wbeta, Hv), "alpha": (walpha, Hv)}
+    for what, (w, n) in shapes.items():
+        if tuple(w.ne) != (D, n):
+            raise ValueError(f"{what} projection {w.name}: expected ne ({D}, {n}), got {tuple(w.ne)}")
+    if tuple(wout.ne) != (Hv * S, D):
+        raise ValueError(f"output projection {wout.name}: expected ne ({Hv * S}, {D}), got {tuple(wout.ne)}")
+    conv_state = _f32(conv_state, (C, W - 1), "conv_state")
+    state = _f32(state, (Hv, S, S), "state")
+    conv_w = _f32(conv_w, (C, W), "conv_w")
+    dt_bias = _f32(dt_bias, (Hv,), "dt_bias")
+    ssm_a = _f32(ssm_a, (Hv,), "ssm_a")
+    norm_w = _f32(norm_w, (S,), "norm_w")
+
+    # The conv input (C, W-1+L): its first W-1 columns the conv state (a numpy copy), the rest
+    # the qkv projection transposed in by the graph (ggml_cpy: a copy, no rounding).
+    conv_in = np.empty((C, W - 1 + L), dtype=np.float32)
+    conv_in[:, :W - 1] = conv_state
+    lib = ggml.load()
+    threads = threads_for(L * D * (C + Hv * S), L)
+    weights = (wqkv, wz, wbeta, walpha, wout)
+    packs = [ggml.repacked(w) for w in weights]
+
+    def build() -> Graph:
+        g = Graph(lib, n_tensors=64, nodes=NODES + 16)
+        try:
+            ctx = g.ctx
+            ht = g.input(_F32, (D, L))
+            wt = [ggml.weight_input(g, w, rp) for w, rp in zip(weights, packs)]
+            xin = g.input(_F32, (W - 1 + L, C, 1))
+            cw = g.input(_F32, (W, C))
+            st = g.input(_F32, (S, S, Hv))
+            dt = g.input(_F32, (Hv,))
+            aw = g.input(_F32, (Hv,))
+            nw = g.input(_F32, (S,))
+            qkv = g.scratch(lib.ggml_mul_mat(ctx, wt[0], ht))  # (C, L)
+            zt = g.scratch(lib.ggml_mul_mat(ctx, wt[1], ht))  # (Hv*S, L)
+            bt = g.scratch(lib.ggml_mul_mat(ctx, wt[2], ht))  # (Hv, L)
+            at = g.scratch(lib.ggml_mul_mat(ctx, wt[3], ht))  # (Hv, L)
+            dst = g.view(lib.ggml_view_2d(ctx, xin, L, C, (W - 1 + L) * 4, (W - 1) * 4))  # (L, C) of xin
+            g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_permute(ctx, qkv, 1, 0, 2, 3)), dst)))
+            y = g.scratch(_core(g, lib, xin, cw, zt, bt, at, st, dt, aw, nw, L=L, C=C, Hv=Hv, S=S,
+                                k_heads=k_heads, eps=eps, interleave=False))  # (S, Hv, L)
+            y = g.view(lib.ggml_reshape_2d(ctx, y, Hv * S, L))
+            g.output(lib.ggml_mul_mat(ctx, wt[4], y))  # (D, L)
+            return g.finish(threads)
+        except BaseException:
+            g.free()
+            raise
+
+    packed = np.empty((L + S, Hv * S), dtype=np.float32)
+    out = np.empty((L, D), dtype=np.float32)
+    key = ("gdn_layer", L, D, C, W, Hv, S, k_heads, float(eps), threads,
+           *((w.ggml_type, rp is not None) for w, rp in zip(weights, packs)))
+    run_cached(key, build, (h, *(ggml.weight_data(w, rp) for w, rp in zip(weights, packs)), conv_in, conv_w,
+                            state, dt_bias, ssm_a, norm_w, packed, out))
+    return out, np.ascontiguousarray(conv_in[:, L:]), np.ascontiguousarray(packed[L:].reshape(Hv, S, S))
+
+
+def _core(g: Graph, lib, xin, cw, zt, bt, at, st, dt, aw, nw, *, L: int, C: int, Hv: int, S: int, k_heads: int,
+          eps: float, interleave: bool):
+    """The module docstring's steps from the conv input on, into graph ``g``: the fused op's
+    packed result (Hv*S, L + S) becomes an output here (the next bound array), and the gated
+    output y (S, Hv, L) is returned for the caller to make an output or use further. ``xin``
+    (W-1+L, C, 1): the conv input; zt (Hv*S, L), bt and at (Hv, L): the z, beta and alpha
+    projections; st (S, S, Hv) the state; cw, dt, aw, nw the layer's conv, dt, a and norm."""
+    ctx = g.ctx
+    l2_eps, l2_scale = l2_norm_params(eps, S)
+    conv = g.scratch(lib.ggml_ssm_conv(ctx, xin, cw))  # (C, L, 1)
+    conv = g.scratch(lib.ggml_silu(ctx, conv))
+    f4 = 4  # bytes per float
+    row = C * f4
+    q = g.view(lib.ggml_view_4d(ctx, conv, S, k_heads, L, 1, S * f4, row, row * L, 0))
+    k = g.view(lib.ggml_view_4d(ctx, conv, S, k_heads, L, 1, S * f4, row, row * L, k_heads * S * f4))
+    v = g.view(lib.ggml_view_4d(ctx, conv, S, Hv, L, 1, S * f4, row, row * L, 2 * k_heads * S * f4))
+    q = g.scratch(lib.ggml_scale(ctx, g.scratch(lib.ggml_rms_norm(ctx, q, float(l2_eps))), float(l2_scale)))
+    k = g.scratch(lib.ggml_scale(ctx, g.scratch(lib.ggml_rms_norm(ctx, k, float(l2_eps))), float(l2_scale)))
+    if interleave and Hv != k_heads:  # qwen3next's ggml_repeat_4d, exact copies
+        r = Hv // k_heads
+        q, k = (g.view(lib.ggml_reshape_4d(ctx, g.scratch(lib.ggml_repeat_4d(
+            ctx, g.view(lib.ggml_reshape_4d(ctx, x, S, 1, k_heads, L)), S, r, k_heads, L)), S, Hv, L, 1))
+            for x in (q, k))
+    beta = g.scratch(lib.ggml_sigmoid(ctx, g.view(lib.ggml_reshape_4d(ctx, bt, 1, Hv, L, 1))))
+    gate = g.scratch(lib.ggml_add(ctx, at, dt))
+    gate = g.scratch(lib.ggml_softplus(ctx, gate))
+    gate = g.scratch(lib.ggml_mul(ctx, gate, aw))
+    gate = g.view(lib.ggml_reshape_4d(ctx, gate, 1, Hv, L, 1))
+    s0 = g.view(lib.ggml_reshape_4d(ctx, st, S, S, Hv, 1))
+    out = g.output(lib.ggml_gated_delta_net(ctx, q, k, v, gate, beta, s0, 1))  # (Hv*S, L + S)
+    o = g.view(lib.ggml_view_4d(ctx, out, S, Hv, L, 1, S * f4, Hv * S * f4, Hv * S * L * f4, 0))
+    y = g.scratch(lib.ggml_rms_norm(ctx, o, float(eps)))
+    y = g.scratch(lib.ggml_mul(ctx, y, nw))
+    zs = g.scratch(lib.ggml_silu(ctx, g.view(lib.ggml_reshape_3d(ctx, zt, S, Hv, L))))
+    return lib.ggml_mul(ctx, y, zs)  # (S, Hv, L): for the caller's g.output or g.scratch
 
 
 def rope_multi_qk(q: np.ndarray, k: np.ndarray, positions: np.ndarray, n_rot: int, sections, base: float,

@@ -110,6 +110,39 @@ def test_ggml_delta_net_agrees_with_the_numpy_reference(interleave):
     assert np.array_equal(conv2, got[1]) and np.array_equal(s2, got[2])
 
 
+@pytest.mark.parametrize("qtype", ["f16", "q4_k"])
+def test_delta_net_layer_in_one_graph_gives_the_bits_of_the_op_by_op_path(models, qtype, monkeypatch):
+    """A one-sequence step runs each delta-net mixer (projections, conv, recurrence, norm, gate,
+    output projection) as one graph: prompt, then two decode steps, the same logits and states
+    bit for bit as the separate products around ``deltanet.delta_net`` (a 3-sequence batch's path)."""
+    engine = Engine(models(ARCH, qtype), n_ctx=64)
+    ids = np.array([3, 17, 5, 250, 9, 41, 2, 77, 130, 12, 8])
+    runs = []
+    for one_graph in (True, False):
+        if not one_graph:
+            monkeypatch.setattr(engine, "_delta_net_graph", lambda batch, h: False)
+        seq = engine.new_sequence()
+        logits = [engine.forward([(seq, ids[:9])])[0], engine.forward([(seq, ids[9:10])])[0],
+                  engine.forward([(seq, ids[10:11])])[0]]
+        runs.append((logits, [s for s in seq.ssm if s is not None], [c for c in seq.conv if c is not None]))
+    for got, want in zip(runs[0], runs[1]):
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+def test_delta_net_layer_rejects_mismatched_weights():
+    fixed = dict(conv_w=np.zeros((12, 4)), dt_bias=np.zeros(1), ssm_a=np.zeros(1), norm_w=np.zeros(4),
+                       k_heads=1, eps=1e-6)
+    from kernels.tensors import QTensor
+    from gguf import GGMLQuantizationType as Q
+
+    def f32(name, ne):
+        return QTensor(name, Q.F32, ne, np.zeros(int(np.prod(ne)), dtype=np.float32).view(np.uint8))
+    with pytest.raises(ValueError, match="z projection"):
+        deltanet.delta_net_layer(np.zeros((2, 8), dtype=np.float32), np.zeros((12, 3)), np.zeros((1, 4, 4)),
+                                 wqkv=f32("qkv", (8, 12)), wz=f32("z", (8, 5)), wbeta=f32("b", (8, 1)),
+                                 walpha=f32("a", (8, 1)), wout=f32("o", (4, 8)), **fixed)
+
+
 def test_bad_delta_net_inputs_raise_value_errors_not_aborts():
     with pytest.raises(ValueError, match="state"):
         deltanet.delta_net(np.zeros((2, 8)), np.zeros((2, 4)), np.zeros((2, 1)), np.zeros((2, 1)),
