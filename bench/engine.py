@@ -21,8 +21,10 @@ loads), on the same GGUF, prompt and number of greedy steps, one after the other
 compare like with like on this (noisy) machine: ``--rounds`` child processes per configuration,
 interleaved with the other configurations' (default 2), ``--repeat`` runs in each; the best run
 is reported.
-Models: ``small`` f16 and q4_k (qwen3moe) and a 2-layer ``122b-layer`` q4_k (the 122B's expert
-shapes, ``--experts-122b`` experts per layer). Prints JSON on stdout, with each child's resident memory after its runs (``rss_mb``).
+Models: ``small`` f16 and q4_k (qwen3moe), a 2-layer ``122b-layer`` q4_k (the 122B's expert
+shapes, ``--experts-122b`` experts per layer) and a 4-layer qwen35moe ``122b-layer`` q4_k (three
+gated delta-net layers and one gated-attention layer, the same experts per layer;
+``--no-qwen35moe`` leaves it out). Prints JSON on stdout, with each child's resident memory after its runs (``rss_mb``).
 
 What the users' reference gains, setting by setting (prefill of 64 tokens, llama.cpp alone in
 a child, one setting changed from its defaults; issue 10, measured on this 2-core machine):
@@ -49,7 +51,7 @@ a child, one setting changed from its defaults; issue 10, measured on this 2-cor
   measurable prefill difference.
 
     python bench/engine.py [--types f16 q4_k] [--prompt-tokens 64] [--decode 32] [--repeat 3] [--rounds 2]
-                           [--experts-122b 32] [--no-122b]
+                           [--experts-122b 32] [--no-122b] [--no-qwen35moe]
 """
 
 from __future__ import annotations
@@ -218,6 +220,8 @@ def main() -> None:
                     "with the others'; the best run over them is reported (default 2)")
     ap.add_argument("--experts-122b", type=int, default=32, help="experts per layer of the 2-layer 122b model")
     ap.add_argument("--no-122b", action="store_true", help="leave out the 122b-layer model")
+    ap.add_argument("--no-qwen35moe", action="store_true", help="leave out the 4-layer qwen35moe 122b-layer model "
+                    "(3 gated delta-net layers, 1 gated-attention layer: the seeds' model family)")
     ap.add_argument("--models", default=os.environ.get("KVASIR_BENCH_MODELS", "models"))
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -244,6 +248,13 @@ def main() -> None:
             synth_model(path, arch=args.arch, preset="122b-layer", qtype="q4_k", seed=0, layers=2,
                         experts=args.experts_122b)
         todo.append((path, f"122b-layer {args.arch} q4_k, 2 layers x {args.experts_122b} experts"))
+    if not args.no_qwen35moe:  # one full period of Qwen3.5-122B-A10B's layers at its shapes
+        path = models / f"122b-layer-qwen35moe-q4_k-4x{args.experts_122b}.gguf"
+        if not path.exists():
+            synth_model(path, arch="qwen35moe", preset="122b-layer", qtype="q4_k", seed=0, layers=4,
+                        experts=args.experts_122b)
+        todo.append((path, f"122b-layer qwen35moe q4_k, 4 layers (3 delta-net, 1 gated attention) x "
+                           f"{args.experts_122b} experts"))
     if args.rounds < 1 or args.repeat < 1:
         raise SystemExit("--rounds and --repeat must be >= 1")
     out = {"bench": "engine", "cores": os.cpu_count(), "prompt_tokens": args.prompt_tokens,
