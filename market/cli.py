@@ -194,10 +194,11 @@ async def ask_market(nc, subject: str, timeout: float, attempt_s: float = 0.25):
     deadline = time.monotonic() + timeout
     try:
         next_ask, wait = 0.0, attempt_s
+        nobody = False  # the last answer was the server's "no responders"
         while True:
             now = time.monotonic()
             if now >= deadline:
-                raise nats.errors.TimeoutError
+                raise nats.errors.NoRespondersError if nobody else nats.errors.TimeoutError
             if now >= next_ask:
                 await nc.publish(subject, b"", reply=inbox)
                 next_ask, wait = now + wait, min(2 * wait, 4.0)
@@ -206,6 +207,7 @@ async def ask_market(nc, subject: str, timeout: float, attempt_s: float = 0.25):
             except (asyncio.TimeoutError, TimeoutError):
                 continue
             if msg.headers and msg.headers.get("Status") == "503":  # nobody on the subject (yet)
+                nobody = True
                 if deadline - time.monotonic() <= 0.05:
                     raise nats.errors.NoRespondersError
                 await asyncio.sleep(0.05)

@@ -625,6 +625,23 @@ class Market:
             ms.stale = True
 
     @staticmethod
+    def _not_own_node(reply: str | None, node: str) -> str | None:
+        """Why a volunteer request names another node than its sender's (None: it does not, or
+        the bus does not tell). Under ``kvasir creds`` a reply inbox is ``_INBOX_<the sender's
+        key>``, and an enrolled node's name is made from its key (:func:`kvasir_bus.enrol.node_name`):
+        an enrolled name asked for from another key is refused."""
+        from kvasir_bus.attribution import ENROLLED_NAME
+        from kvasir_bus.enrol import node_name
+
+        if not reply or not reply.startswith("_INBOX_U") or not ENROLLED_NAME.fullmatch(node):
+            return None
+        key = reply.split(".", 1)[0][len("_INBOX_"):]
+        own = node_name(key)
+        if own == node:
+            return None
+        return f"a volunteer asks for its own node only: this connection's node is {own}, not {node}"
+
+    @staticmethod
     def _model_bytes(ms: _Model) -> int:
         """Bytes of all the model's experts: more budget than this buys nothing."""
         return ms.layout.n_expert * sum(ms.layout.expert_bytes)
@@ -741,6 +758,10 @@ class Market:
             return
         ms, model, req = accepted
         if not self.limits.allow(("volunteer", req.node)):
+            return
+        other = self._not_own_node(msg.reply, req.node)
+        if other:
+            await self._reply_error(msg, mc.ERR_BAD_REQUEST, other)
             return
         if req.node in ms.coverage.banned:
             await self._reply_error(msg, ERR_QUARANTINED,

@@ -634,3 +634,15 @@ def test_a_volunteer_budget_past_the_model_is_capped_at_the_models_size(nats_ser
             await swarm.stop()
 
     arun(go(), timeout=20)
+
+
+def test_an_enrolled_volunteer_may_ask_only_for_its_own_node():
+    from kvasir_bus.enrol import node_name
+
+    key = "U" + "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567ABCDEFGHIJKLMNOPQRSTUV"
+    own = node_name(key)
+    inbox = f"_INBOX_{key}.abc"
+    assert Market._not_own_node(inbox, own) is None
+    assert "its own node only" in Market._not_own_node(inbox, "vaaaaaaaaaaaa")
+    assert Market._not_own_node("_INBOX.xyz", "vaaaaaaaaaaaa") is None  # an open bus does not say who asks
+    assert Market._not_own_node(inbox, "worker-0") is None  # a fixed identity's name: its creds decide
