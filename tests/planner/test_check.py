@@ -20,9 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 # is wrong in kind (a missing round trip, a cost counted per replica) misses by more.
 LOOSE_FACTOR = 3.0
 
+# Round trips injected by the bench's delaying proxy: a sleep, which other jobs' load does not
+# stretch, dominates these runs (where the model is checked closest, within 7% in a quiet run).
+# At zero round trip the measured side is CPU alone and moved 4x under load in a CI-like run:
+# bench/plan_check.py checks those configurations, with their errors saved, not this test.
 GRID = [
-    {"workers": 1, "rtt_ms": 0, "streams": [1, 4]},
+    {"workers": 1, "rtt_ms": 20, "streams": [1]},
     {"workers": 2, "rtt_ms": 20, "streams": [4]},
+    {"workers": 1, "rtt_ms": 50, "streams": [4]},
 ]
 
 
