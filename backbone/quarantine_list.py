@@ -13,7 +13,7 @@ any trusted backbone caught.
 A node distrusted this way is in :class:`backbone.audit.Auditor`'s quarantine (bounded, see
 there) but not in its ``stats.quarantined`` (the nodes this process caught itself). Under
 ``kvasir creds`` the backbone identity needs subscribe rights on ``kvasir.*.quarantine`` to follow
-the bus (issue 30's permissions); loading from the market needs only the status request it has.
+the bus (its permissions, kvasir_bus/creds.py); loading from the market needs only the status request it has.
 """
 
 from __future__ import annotations

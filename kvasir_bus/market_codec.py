@@ -489,11 +489,11 @@ class RoutingStats(Record):
     (experts not listed had none). ``fallback_rate``: expert calls the backbone computed
     itself / all expert calls in the window (None: not measured). ``node``: the backbone.
     ``remote``: sparse ``(layer, expert, rows)`` of the rows a worker's reply won (optional,
-    added for issue 8): the market never credits more rows to (layer, expert) than these.
+    a later field): the market never credits more rows to (layer, expert) than these.
     ``latency``: ``(node, calls, mean_ms)`` per worker whose replies won in the window, the
     mean time from request to its last reply chunk as the backbone measured it (optional,
-    added for issue 13; a quarantined node has none). ``tokens``: tokens the backbone ran
-    through its MoE layers in the window (optional, issue 13; 0: not counted, and left off
+    a later field; a quarantined node has none). ``tokens``: tokens the backbone ran
+    through its MoE layers in the window (optional; 0: not counted, and left off
     the wire, as older backbones do), so the market can show tokens/s rather than rows/s.
     """
 

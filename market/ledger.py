@@ -155,7 +155,7 @@ class Ledger:
                 self._db.execute("PRAGMA synchronous=FULL")
                 self._db.executescript(_SCHEMA)
                 cols = {r[1] for r in self._db.execute("PRAGMA table_info(events)")}
-                if "void" not in cols:  # a ledger file from before issue 8
+                if "void" not in cols:  # a ledger file from before voiding
                     self._db.execute("ALTER TABLE events ADD COLUMN void INTEGER NOT NULL DEFAULT 0")
                 if not self._db.execute("SELECT 1 FROM node_totals LIMIT 1").fetchone():
                     # a ledger file without running totals: count them once, from its events

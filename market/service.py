@@ -14,7 +14,7 @@ stream ``KVASIR_LEDGER``           durable consumer: routing (the bound), Ledger
                                    credit), Quarantine (the verdict), in stream order
 =================================  =========================================================
 
-Trust nothing on the bus (issue 8):
+Trust nothing on the bus:
 
 * Claims are not proof. Heartbeats and ledger events are checked against the model's geometry
   (layers with experts, experts per layer) from its manifest; an out-of-range claim is refused
