@@ -77,7 +77,15 @@ $(DEMO_MODEL): | $(STAMP)
 demo: $(STAMP) browser-worker $(DEMO_MODEL)
 	$(BIN)/kvasir up --model $(DEMO_MODEL) --workers 4 --prompt "$(DEMO_PROMPT)" -n 24 --check
 
-test: $(STAMP) nats-cli browser-worker
+# nats.js for tests/net/test_creds_default.py (the NATS project's own client reads our .creds files):
+# npm installs it from tests/net/natsjs/package-lock.json; without npm that test skips and says why.
+NATSJS := tests/net/natsjs/node_modules/@nats-io/transport-node/package.json
+$(NATSJS): tests/net/natsjs/package-lock.json
+	@if command -v npm >/dev/null 2>&1; then \
+	  cd tests/net/natsjs && npm ci --no-audit --no-fund --loglevel=error; \
+	else echo "natsjs: no npm on this machine: the nats.js creds test will skip" >&2; fi
+
+test: $(STAMP) nats-cli browser-worker $(NATSJS)
 	$(BIN)/python -m pytest -q
 
 nats-cli:
