@@ -5,8 +5,6 @@ the generation stays bit-identical to the monolithic run throughout."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import nats
@@ -16,6 +14,7 @@ import pytest
 from kvasir_bus import creds, enrol
 from kvasir_bus.connect import ConnectOptions, connect
 from kvasir_bus.server import EmbeddedNats
+from tests.net.steps import Loop
 
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
 
@@ -26,20 +25,6 @@ def model(tmp_path_factory):
 
     return synth_model(tmp_path_factory.mktemp("m") / "m.gguf", arch="qwen3moe", preset="tiny",
                        qtype="q8_0", seed=19, layers=2)
-
-
-class Loop:
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def __call__(self, coro, timeout=60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def _enrolled_liar(model, url, identity_path, node):

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -20,6 +19,7 @@ import pytest
 
 from kvasir_bus import creds, enrol
 from kvasir_bus.server import EmbeddedNats
+from tests.net.steps import Loop
 
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
 
@@ -36,22 +36,6 @@ def model(tmp_path_factory):
 
     return synth_model(tmp_path_factory.mktemp("m") / "m.gguf", arch="qwen3moe", preset="tiny",
                        qtype="q8_0", seed=17, layers=2)
-
-
-class Loop:
-    """An asyncio loop on a thread: the volunteers live there, the backbone on its own."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def __call__(self, coro, timeout=60):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def close(self):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 def _wait(predicate, what, timeout=60.0):
