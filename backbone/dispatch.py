@@ -335,9 +335,10 @@ class Recorder(Protocol):
 
     def record_call(self, layer: int, expert: int, rows: int, remote: bool) -> None: ...
 
-    def record_win(self, node: str, layer: int, expert: int, rows: int, latency_s: float | None = None) -> None: ...
+    def record_win(self, node: str, layer: int, expert: int, rows: int, latency_s: float | None = None,
+                   at: float | None = None) -> None: ...
 
-    def void(self, node: str) -> None: ...
+    def void(self, node: str, since: float = 0.0) -> None: ...
 
 
 class RemoteExperts:
@@ -823,12 +824,13 @@ class RemoteExperts:
         when it was computed ahead); credit the nodes whose parts were not caught lying."""
         out = won.out
         honest = won.parts
+        taken = time.time()  # before any audit of it passes: a win older than the pass it earns
         if True in audited:
             out = reference if reference is not None else self.local.compute(layer, expert, rows)
             honest = [part for part in won.parts if self._audit(layer, expert, rows, out, part)]
         if self.recorder is not None:
             for part in honest:
-                self.recorder.record_win(part.node, layer, expert, len(part.out), latency_s=won.latency_s)
+                self.recorder.record_win(part.node, layer, expert, len(part.out), latency_s=won.latency_s, at=taken)
         return out
 
     def _audit(self, layer: int, expert: int, rows: np.ndarray, reference: np.ndarray, part: _Part) -> bool:
@@ -852,12 +854,13 @@ class RemoteExperts:
             self.stats.quarantined.append(part.node)
             log.warning("node_quarantined", node=part.node, layer=layer, expert=expert, kernel=part.kernel,
                         exact=exact, relative_error=error)
+            since = self.auditor.last_pass_at(part.node)
             event = market_codec.Quarantine(model=self.model, node=part.node, layer=layer, expert=expert,
                                             kernel=part.kernel, exact=exact, error=error, at=time.time(),
-                                            since=self.auditor.last_pass_at(part.node))
+                                            since=since)
             self.bus.submit(self._publish_quarantine(event))
-            if self.recorder is not None:
-                self.recorder.void(part.node)
+            if self.recorder is not None:  # what its last passed audit vouched for stays
+                self.recorder.void(part.node, since)
         return False
 
     async def _publish_quarantine(self, event: market_codec.Quarantine) -> None:

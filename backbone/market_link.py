@@ -21,8 +21,10 @@
   summed per worker node; the window's ``(node, calls, mean_ms)`` travel in the routing
   statistics (``latency``) and the market shows them per worker. At most
   ``market_codec.MAX_LATENCY_NODES`` nodes a window: those with the most calls.
-* ``void(node)``: an audit caught ``node`` lying: its wins not yet handed to the stream are
-  dropped, and later wins of it are not recorded (nor their latency).
+* ``void(node, since)``: an audit caught ``node`` lying: its wins not yet handed to the stream
+  that it won at or after ``since`` (its last passed audit, as the verdict says) are dropped, as
+  the market voids them; audited work before stays. Later wins of it are not recorded (nor
+  their latency).
 
 * Spool (:mod:`backbone.spool`): with one, every won event is also written to a local file the
   moment it is recorded, with the routing statistics and batch cuts that carry it and a record
@@ -128,10 +130,12 @@ class MarketLink:
             self._local += not remote
 
     def record_win(self, node: str, layer: int, expert: int, rows: int,
-                   latency_s: float | None = None) -> None:
-        """A worker's reply won; ``latency_s``: how long it took (None: not measured)."""
+                   latency_s: float | None = None, at: float | None = None) -> None:
+        """A worker's reply won; ``latency_s``: how long it took (None: not measured); ``at``: when
+        it was won (``time.time()``; None: now). The dispatcher passes the time it took the reply,
+        before judging its audit, so an audited win is older than the pass it earned."""
         event = mc.LedgerEvent(event_id=f"{self.node}:{self._boot}:{next(self._seq):x}", node=node,
-                               layer=layer, expert=expert, rows=rows, at=time.time())
+                               layer=layer, expert=expert, rows=rows, at=time.time() if at is None else at)
         with self._lock:
             self._remote[(layer, expert)] += rows  # the bound, whoever is paid for it
             if node in self._void:
@@ -149,17 +153,19 @@ class MarketLink:
             except RuntimeError:  # the loop is closed: stop() flushes what is left
                 pass
 
-    def void(self, node: str) -> int:
-        """``node`` failed an audit: drop its wins not yet handed to the stream, record none of
-        its later ones. Returns the events dropped. Thread-safe."""
+    def void(self, node: str, since: float = 0.0) -> int:
+        """``node`` failed an audit: drop its wins not yet handed to the stream that it won at or
+        after ``since`` (its last passed audit, ``time.time()``; 0: all of them), record none of its
+        later ones. The wins before ``since`` were vouched for by that audit and stay, as the
+        market keeps them (``Quarantine.since``). Returns the events dropped. Thread-safe."""
         with self._lock:
             self._void.add(node)
-            self._spool([["V", node]])
-            kept = deque(e for e in self._events if e.node != node)
+            self._spool([["V", node, since]])
+            kept = deque(e for e in self._events if e.node != node or e.at < since)
             dropped = len(self._events) - len(kept)
             self._events = kept
             self._latency.pop(node, None)
-        log.warning("ledger_node_void", node=node, events_dropped=dropped)
+        log.warning("ledger_node_void", node=node, events_dropped=dropped, since=since)
         return dropped
 
     @property

@@ -17,8 +17,9 @@ stored; the spool closes that gap. One directory per backbone node (by default
   ``["B", batch_id, [event_id, ...]]``         a batch cut from earlier ``E`` records
   ``["A", msg_id]``                            the stream stored that ``R`` or ``B``: the
                                                "acked up to" watermark
-  ``["V", node]``                              an audit voided ``node``: its wins not yet in a
-                                               batch are dropped
+  ``["V", node, since]``                       an audit voided ``node``: its wins not yet in a
+                                               batch, won at or after ``since``, are dropped
+                                               (no ``since``: all of them)
   ===========================================  ==================================================
 
 * ``lock``: held (``flock``) by the process using the spool, so two backbones never share one.
@@ -149,7 +150,9 @@ def parse(records: list[list]) -> Backlog:
             routing.pop(record[1], None)
             batches.pop(record[1], None)
         elif kind == "V":
-            for event_id in [i for i, e in events.items() if e.node == record[1] and i not in batched]:
+            since = float(record[2]) if len(record) > 2 else 0.0
+            for event_id in [i for i, e in events.items()
+                             if e.node == record[1] and e.at >= since and i not in batched]:
                 del events[event_id]
     out.routing = list(routing.items())
     out.batches = list(batches.items())

@@ -121,10 +121,10 @@ class Recorder:
     def record_call(self, layer, expert, rows, remote):
         self.calls.append((layer, expert, rows, remote))
 
-    def record_win(self, node, layer, expert, rows, latency_s=None):
+    def record_win(self, node, layer, expert, rows, latency_s=None, at=None):
         self.wins.append((node, layer, expert, rows))
 
-    def void(self, node):
+    def void(self, node, since=0.0):
         self.voided.append(node)
 
 

@@ -1,5 +1,6 @@
 """Voiding takes only what was not verified: a quarantine voids the node's events won since its
-last passed audit (``Quarantine.since``); credit for work before it stays."""
+last passed audit (``Quarantine.since``); credit for work before it stays, in the market and in
+the backbone's wins not yet sent to it."""
 
 from __future__ import annotations
 
@@ -48,3 +49,61 @@ def test_a_quarantine_voids_only_the_events_since_the_last_passed_audit(nats_ser
             await nc.close()
 
     arun(go(), timeout=30)
+
+
+# -- the backbone's side: what it has not sent yet ---------------------------------------------
+
+def test_a_quarantine_on_the_backbone_keeps_the_audited_wins_it_has_not_sent_yet():
+    """The dispatcher with the real market link as its recorder, never started (no stream: every
+    win waits in it, unsent). A node answers honestly for 12 steps (its probation of 4 and sampled
+    audits after), then lies. Its unsent wins up to its last passed audit, that audited win
+    included, stay; those after it (unaudited lies the backbone used) are dropped."""
+    from backbone.dispatch import DispatchConfig, RemoteExperts
+    from backbone.market_link import MarketLink
+    from kvasir_bus.loopthread import LoopThread
+    from tests.backbone.test_dispatch import MODEL, ROWS, D, DoublingLocal, FakeNats, reply
+
+    honest_steps = 12
+    bus = LoopThread("test-voiding")
+    try:
+        nc, local = FakeNats(), DoublingLocal()
+        link = MarketLink(None, MODEL, "bb")
+        cfg = DispatchConfig(timeout_s=5.0, bundles=False, audit=AuditConfig(rate=0.2, probation=4, seed=7))
+        remote = RemoteExperts(bus, nc, MODEL, local, D, cfg, recorder=link)
+        bus.run(remote.start())
+        replies = 0
+
+        def answer(subject, req):
+            nonlocal replies
+            replies += 1
+            return [reply(req, (2 if replies <= honest_steps else 5) * req.rows, "w")]  # the local result is 2x
+
+        nc.answer = answer
+        audited_steps = []
+        for step in range(200):
+            before = len(local.calls)
+            remote.run_layer(0, [(step % 4, ROWS)])
+            if len(local.calls) > before:
+                audited_steps.append(step)
+            if remote.auditor.is_quarantined("w"):
+                break
+        assert remote.auditor.is_quarantined("w") and step >= honest_steps
+        last_pass = max(s for s in audited_steps if s < honest_steps)
+        lies_used = step - honest_steps  # unaudited lying steps before the catching one
+        assert lies_used > 0 or step == honest_steps
+        # wins of steps 0..last_pass stay (the audited one too); those after it go
+        assert link.unacked_events == last_pass + 1, (audited_steps, step)
+        assert all(e.at < remote.auditor.last_pass_at("w") for e in link._events)
+        link.record_win("w", 0, 1, 2)  # and nothing more of it is recorded
+        assert link.unacked_events == last_pass + 1
+    finally:
+        bus.stop()
+
+
+def test_the_spool_replays_a_void_as_the_link_made_it():
+    from backbone import spool
+
+    events = [mc.LedgerEvent(f"e{t}", "w", 0, 0, 1, float(t)) for t in (1, 4, 9)]
+    records = [spool.event_record(e) for e in events]
+    assert [e.at for e in spool.parse([*records, ["V", "w", 5.0]]).pending] == [1.0, 4.0]
+    assert spool.parse([*records, ["V", "w"]]).pending == []  # a spool written before ``since``: all
