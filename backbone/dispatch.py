@@ -340,6 +340,8 @@ class Recorder(Protocol):
 
     def void(self, node: str, since: float = 0.0) -> None: ...
 
+    def record_audit(self, node: str, passed: bool) -> None: ...
+
 
 class RemoteExperts:
     """An :class:`~backbone.experts.ExpertBackend` that asks the workers on the bus first.
@@ -846,7 +848,10 @@ class RemoteExperts:
         whole = part.rows == slice(0, len(rows))
         ref = reference[part.rows] if whole and backend == self.local.backend else \
             self.local.compute(layer, expert, rows[part.rows], backend=backend)
-        if self.auditor.judge(part.node, part.out, ref, exact=exact, weight_type=self.local.weight_type(layer)):
+        passed = self.auditor.judge(part.node, part.out, ref, exact=exact, weight_type=self.local.weight_type(layer))
+        if self.recorder is not None:  # the market counts every node's audits, passes too
+            self.recorder.record_audit(part.node, passed)
+        if passed:
             return True
         stats.audit_failures += 1
         error = relative_error(part.out, ref) if part.out.shape == ref.shape else float("inf")

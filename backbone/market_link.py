@@ -21,6 +21,12 @@
   summed per worker node; the window's ``(node, calls, mean_ms)`` travel in the routing
   statistics (``latency``) and the market shows them per worker. At most
   ``market_codec.MAX_LATENCY_NODES`` nodes a window: those with the most calls.
+* Audits: each audit the dispatcher judges is counted per worker node, passed or failed; the
+  window's ``(node, passed, failed)`` travel in the routing statistics (``audits``), signed
+  and stored in the stream like the bound, so the market adds each window up once and shows
+  every node its count (a browser tab its "audits passed"). At most
+  ``market_codec.MAX_AUDIT_NODES`` nodes a window: the first audited; audits of the others in
+  that window are counted in ``audits_dropped`` and not sent.
 * ``void(node, since)``: an audit caught ``node`` lying: its wins not yet handed to the stream
   that it won at or after ``since`` (its last passed audit, as the verdict says) are dropped, as
   the market voids them; audited work before stays. Later wins of it are not recorded (nor
@@ -67,9 +73,10 @@ def _latency_entries(latency: dict[str, list]) -> tuple[tuple[str, int, float], 
 
 
 def _routing_record(msg_id: str, stats: mc.RoutingStats) -> list:
-    """The spool's copy of routing statistics: the bound (``remote``) only. A replay resends it
-    under the same id; usage and latency of that window are not worth counting twice on the
-    market's live subscription, which no duplicate window guards."""
+    """The spool's copy of routing statistics: the bound (``remote``) and the audits only. A
+    replay resends it under the same id; usage and latency of that window are not worth counting
+    twice on the market's live subscription, which no duplicate window guards (the market counts
+    the bound and the audits from the stream, once per id)."""
     bound = replace(stats, hits=(), fallback_rate=None, latency=(), tokens=0)
     return ["R", msg_id, bound.encode()]
 
@@ -87,6 +94,9 @@ class MarketLink:
         self.max_unacked, self.ack_timeout_s, self.flush_s = max_unacked, ack_timeout_s, flush_s
         self._remote: Counter = Counter()  # rows won by workers' replies, not yet published
         self._latency: dict[str, list] = {}  # node -> [calls, seconds] won in this window
+        self._audits: dict[str, list] = {}  # node -> [passed, failed] judged in this window
+        self._audited: OrderedDict[str, list] = OrderedDict()  # the same since start, least recent first
+        self.audits_dropped = 0  # audits past a window's node bound, never sent
         self._routing: deque[tuple[str, mc.RoutingStats]] = deque()  # published, not yet stored by the stream
         self._void: set[str] = set()
         self._last_seq = 0                 # the stream sequence of our last stored message
@@ -152,6 +162,28 @@ class MarketLink:
                 self._loop.call_soon_threadsafe(self._wake.set)
             except RuntimeError:  # the loop is closed: stop() flushes what is left
                 pass
+
+    def record_audit(self, node: str, passed: bool) -> None:
+        """The dispatcher judged an audit of ``node``'s reply. Thread-safe."""
+        with self._lock:
+            counts = self._audits.get(node)
+            if counts is None:
+                if len(self._audits) >= mc.MAX_AUDIT_NODES:
+                    self.audits_dropped += 1
+                    return
+                counts = self._audits[node] = [0, 0]
+            counts[0 if passed else 1] += 1
+            total = self._audited.pop(node, None) or [0, 0]
+            total[0 if passed else 1] += 1
+            self._audited[node] = total
+            while len(self._audited) > mc.MAX_NODES:
+                self._audited.popitem(last=False)
+
+    def audited(self, node: str) -> tuple[int, int]:
+        """Audits of ``node`` judged here since start: (passed, failed)."""
+        with self._lock:
+            passed, failed = self._audited.get(node, (0, 0))
+            return passed, failed
 
     def void(self, node: str, since: float = 0.0) -> int:
         """``node`` failed an audit: drop its wins not yet handed to the stream that it won at or
@@ -277,7 +309,7 @@ class MarketLink:
 
     def _compact(self) -> None:
         """Rewrite the spool as what is not yet acknowledged: routing, batches, uncut wins."""
-        records = [_routing_record(msg_id, stats) for msg_id, stats in self._routing if stats.remote]
+        records = [_routing_record(msg_id, stats) for msg_id, stats in self._routing if stats.remote or stats.audits]
         for batch in self._unacked.values():
             records += [spool_file.event_record(e) for e in batch.events]
             records.append(["B", batch.batch_id, [e.event_id for e in batch.events]])
@@ -370,19 +402,21 @@ class MarketLink:
             hits, calls, local, remote = self._hits, self._calls, self._local, self._remote
             self._hits, self._calls, self._local, self._remote = Counter(), 0, 0, Counter()
             latency, self._latency = self._latency, {}
+            audits, self._audits = self._audits, {}
             tokens, self._first_rows = divmod(self._first_rows, self.top_k) if self.top_k else (0, 0)
             self._published.update(hits)
             spooled = []
-            if hits or remote:
+            if hits or remote or audits:
                 msg_id = f"{self.node}:{self._boot}:r{next(self._batches):x}"
                 stats = mc.RoutingStats(
                     model=self.model, node=self.node, window_s=self.interval_s,
                     hits=tuple((layer, e, rows) for (layer, e), rows in sorted(hits.items())),
                     fallback_rate=local / calls if calls else None,
                     remote=tuple((layer, e, rows) for (layer, e), rows in sorted(remote.items())),
-                    latency=_latency_entries(latency), tokens=min(tokens, 1 << 40))
+                    latency=_latency_entries(latency), tokens=min(tokens, 1 << 40),
+                    audits=tuple((node, passed, failed) for node, (passed, failed) in sorted(audits.items())))
                 self._routing.append((msg_id, stats))
-                if remote:  # the bound of the batches below: spooled before them
+                if remote or audits:  # the bound of the batches below: spooled before them
                     spooled.append(_routing_record(msg_id, stats))
             while self._events:
                 n = min(self.batch_events, len(self._events))
@@ -410,7 +444,7 @@ class MarketLink:
             with self._lock:
                 if self._routing and self._routing[0] is item:
                     self._routing.popleft()
-                if item[1].remote:
+                if item[1].remote or item[1].audits:
                     self._spool([["A", msg_id]])
 
     async def _store(self, js, subject: str, record, msg_id: str):

@@ -60,6 +60,7 @@ MAX_ENTRIES = 1 << 20
 MAX_LEDGER_EVENTS = 100_000
 MAX_NODES = 65_536
 MAX_LATENCY_NODES = 4096  # nodes with a latency in one routing window
+MAX_AUDIT_NODES = 4096  # nodes with audit counts in one routing window
 MAX_URL = 2048
 
 #: Refusals that mean "not now": ask again later (a ledger batch must be kept and re-sent).
@@ -480,6 +481,29 @@ def _latency_list(r: str, field: str, value: Any) -> tuple[tuple[str, int, float
     return tuple(out)
 
 
+def _audit_list(r: str, field: str, value: Any) -> tuple[tuple[str, int, int], ...]:
+    """``(node, passed, failed)`` triples, checked: at most one per node, at least one audit each."""
+    if not isinstance(value, (list, tuple)):
+        raise fail(r, field, f"must be a list of (node, passed, failed), got {type(value).__name__}")
+    if len(value) > MAX_AUDIT_NODES:
+        raise fail(r, field, f"has {len(value)} entries (max {MAX_AUDIT_NODES})")
+    out, seen = [], set()
+    for i, item in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(item, (list, tuple)) or len(item) != 3:
+            raise fail(r, where, f"must be (node, passed, failed), got {item!r}")
+        node = check_node(r, where + ".node", item[0])
+        if node in seen:
+            raise fail(r, where + ".node", f"repeats node {node}")
+        seen.add(node)
+        passed = check_int(r, where + ".passed", item[1], 0, 1 << 40)
+        failed = check_int(r, where + ".failed", item[2], 0, 1 << 40)
+        if passed + failed == 0:
+            raise fail(r, where, "counts no audit")
+        out.append((node, passed, failed))
+    return tuple(out)
+
+
 @record
 @dataclass(frozen=True)
 class RoutingStats(Record):
@@ -495,6 +519,9 @@ class RoutingStats(Record):
     a later field; a quarantined node has none). ``tokens``: tokens the backbone ran
     through its MoE layers in the window (optional; 0: not counted, and left off
     the wire, as older backbones do), so the market can show tokens/s rather than rows/s.
+    ``audits``: ``(node, passed, failed)`` per worker the backbone audited in the window, the
+    audits it judged (passed and failed) of that node's replies (optional, a later field): the
+    market adds them up per node, once per record (its id), and shows them in its status.
     """
 
     kind: ClassVar[str] = "rs"
@@ -508,6 +535,7 @@ class RoutingStats(Record):
     remote: tuple[tuple[int, int, int], ...] = ()
     latency: tuple[tuple[str, int, float], ...] = ()
     tokens: int = 0
+    audits: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         r = self.what
@@ -520,6 +548,7 @@ class RoutingStats(Record):
         s("hits", _hit_list(r, "hits", self.hits))
         s("remote", _hit_list(r, "remote", self.remote))
         s("latency", _latency_list(r, "latency", self.latency))
+        s("audits", _audit_list(r, "audits", self.audits))
 
     def body(self) -> dict[str, Any]:
         out = {"model": self.model, "node": self.node, "window_s": self.window_s,
@@ -530,6 +559,8 @@ class RoutingStats(Record):
             out["latency"] = [list(item) for item in self.latency]
         if self.tokens:  # likewise
             out["tokens"] = self.tokens
+        if self.audits:  # likewise
+            out["audits"] = [list(item) for item in self.audits]
         return out
 
     @classmethod
@@ -539,7 +570,8 @@ class RoutingStats(Record):
                    window_s=need(body, r, "window_s"), hits=_hit_read(body, r, "n_hits", "hit"),
                    fallback_rate=body.get("fallback_rate"),
                    remote=_hit_read(body, r, "n_remote", "remote") if "n_remote" in body else (),
-                   latency=body.get("latency", ()), tokens=body.get("tokens", 0))
+                   latency=body.get("latency", ()), tokens=body.get("tokens", 0),
+                   audits=body.get("audits", ()))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Node": self.node, "Kvasir-Hits": str(len(self.hits))}
@@ -788,6 +820,22 @@ class NodeTotals:
         object.__setattr__(self, "reward", check_float(r, "reward", self.reward))
 
 
+@dataclass(frozen=True)
+class NodeAudits:
+    """Audits of one node's replies that the backbones judged and reported (routing
+    statistics' ``audits``), as the market added them up: ``passed`` and ``failed``."""
+
+    node: str
+    passed: int
+    failed: int
+
+    def __post_init__(self) -> None:
+        r = "node audits"
+        object.__setattr__(self, "node", check_node(r, "node", self.node))
+        object.__setattr__(self, "passed", check_int(r, "passed", self.passed, 0, (1 << 63) - 1))
+        object.__setattr__(self, "failed", check_int(r, "failed", self.failed, 0, (1 << 63) - 1))
+
+
 @record
 @dataclass(frozen=True)
 class Quarantine(Record):
@@ -875,6 +923,7 @@ class MarketStatus(Record):
     totals: tuple[NodeTotals, ...]
     fallback_rate: float | None = None
     quarantined: tuple[str, ...] = ()  # nodes a backbone caught (a backbone loads them at start), most recent
+    audits: tuple[NodeAudits, ...] = ()  # per node, the audits backbones reported (most recently audited first)
 
     def __post_init__(self) -> None:
         r = self.what
@@ -898,9 +947,13 @@ class MarketStatus(Record):
             raise CodecError(f"{r}: field 'quarantined' must be a list of at most {MAX_QUARANTINED_LISTED} nodes",
                              "quarantined")
         s("quarantined", tuple(check_node(r, "quarantined", n) for n in self.quarantined))
+        s("audits", tuple_of(r, "audits", self.audits, NodeAudits, MAX_NODES,
+                             build=lambda item: NodeAudits(*item)))
 
     def body(self) -> dict[str, Any]:
         extra = {"quarantined": list(self.quarantined)} if self.quarantined else {}  # absent: the old bytes
+        if self.audits:  # likewise absent when none
+            extra["audits"] = [[a.node, a.passed, a.failed] for a in self.audits]
         return {**extra, "model": self.model, "market": self.market, "sent_at": self.sent_at,
                 "manifest_known": self.manifest_known, "n_layer": self.n_layer,
                 "n_expert": self.n_expert, "range_experts": self.range_experts,
@@ -919,8 +972,9 @@ class MarketStatus(Record):
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> MarketStatus:
         return cls(**{f.name: need(body, cls.what, f.name) for f in fields(cls)
-                      if f.name not in ("fallback_rate", "quarantined")}, fallback_rate=body.get("fallback_rate"),
-                   quarantined=tuple(body.get("quarantined", ())))
+                      if f.name not in ("fallback_rate", "quarantined", "audits")},
+                   fallback_rate=body.get("fallback_rate"), quarantined=tuple(body.get("quarantined", ())),
+                   audits=body.get("audits", ()))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Market": self.market, "Kvasir-Nodes": str(len(self.nodes))}

@@ -30,7 +30,10 @@ every few seconds) folds events older than the replay window, and all but the ne
 its pay), and remembers each backbone's ``horizon``, the newest ``at`` folded, refusing its events
 at or before it as ``late``. ``node_totals`` keeps each node's events, rows and reward as they are
 stored, voided and folded, so a status reads one row per node at any ledger size. A quarantine
-voids only events still kept one by one.
+voids only events still kept one by one. ``audits`` adds up, per node, the audits the backbones'
+routing statistics report (passed, failed), applied with the routing message that carries them
+(so once per message id); at most ``MAX_NODES`` nodes a model, the least recently audited
+dropped first (anyone may name any node on an open bus).
 
 Not thread-safe by itself: the service calls it from one worker thread.
 """
@@ -44,7 +47,7 @@ from pathlib import Path
 
 from kvasir_bus.wire import Holding
 from kvasir_bus.errors import KvasirError
-from kvasir_bus.market_codec import LedgerEvent, NodeTotals
+from kvasir_bus.market_codec import MAX_NODES, LedgerEvent, NodeAudits, NodeTotals
 from market import DEFAULT_DB
 
 __all__ = ["DEFAULT_DB", "Ledger"]
@@ -118,6 +121,14 @@ CREATE TABLE IF NOT EXISTS horizons (
     source      TEXT NOT NULL,
     at          REAL NOT NULL,
     PRIMARY KEY (model, source)
+);
+CREATE TABLE IF NOT EXISTS audits (
+    model       TEXT NOT NULL,
+    node        TEXT NOT NULL,
+    passed      INTEGER NOT NULL,
+    failed      INTEGER NOT NULL,
+    seq         INTEGER NOT NULL,
+    PRIMARY KEY (model, node)
 );
 CREATE TABLE IF NOT EXISTS assignments (
     model       TEXT NOT NULL,
@@ -309,11 +320,13 @@ class Ledger:
                          "seq = max(seq, excluded.seq)", (name, seq))
 
     def apply_routing(self, stream: str, seq: int, model: str, source: str,
-                      remote: Iterable[tuple[int, int, int]], msg_id: str | None = None) -> bool:
-        """Add ``(layer, expert, rows)`` won by workers to the bounds of ``source``; False if a
-        message with the same ``msg_id`` (``Nats-Msg-Id``; without one, the same stream
-        sequence ``seq``) from that source was applied before: redelivered, or replayed from a
-        spool after the stream's duplicate window, it adds its bound once."""
+                      remote: Iterable[tuple[int, int, int]], msg_id: str | None = None,
+                      audits: Iterable[tuple[str, int, int]] = ()) -> bool:
+        """Add ``(layer, expert, rows)`` won by workers to the bounds of ``source``, and
+        ``(node, passed, failed)`` to each node's audit counts; False if a message with the same
+        ``msg_id`` (``Nats-Msg-Id``; without one, the same stream sequence ``seq``) from that
+        source was applied before: redelivered, or replayed from a spool after the stream's
+        duplicate window, it adds its bound and its audits once."""
         key = msg_id or f"#{stream}:{seq}"
         with self._db:
             if self._db.execute("INSERT OR IGNORE INTO routing_ids VALUES (?, ?, ?)",
@@ -324,7 +337,31 @@ class Ledger:
                 "INSERT INTO bounds VALUES (?, ?, ?, ?, ?, 0) ON CONFLICT (model, source, layer, "
                 "expert) DO UPDATE SET routed = routed + excluded.routed",
                 [(model, source, layer, expert, rows) for layer, expert, rows in remote if rows > 0])
+            self._add_audits(model, seq, audits)
         return True
+
+    def _add_audits(self, model: str, seq: int, audits: Iterable[tuple[str, int, int]],
+                    keep: int = MAX_NODES) -> None:
+        """Inside a transaction: add audit counts per node, then keep the ``keep`` most recently
+        audited nodes of ``model``."""
+        rows = [(model, node, passed, failed, seq) for node, passed, failed in audits]
+        if not rows:
+            return
+        self._db.executemany(
+            "INSERT INTO audits VALUES (?, ?, ?, ?, ?) ON CONFLICT (model, node) DO UPDATE SET "
+            "passed = passed + excluded.passed, failed = failed + excluded.failed, seq = max(seq, excluded.seq)", rows)
+        (n,) = self._db.execute("SELECT count(*) FROM audits WHERE model = ?", (model,)).fetchone()
+        if n > keep:
+            self._db.execute("DELETE FROM audits WHERE model = ? AND node IN (SELECT node FROM audits WHERE "
+                             "model = ? ORDER BY seq, node LIMIT ?)", (model, model, n - keep))
+
+    def audits(self, model: str, limit: int = MAX_NODES) -> list[NodeAudits]:
+        """Audits passed and failed per node of ``model``, the most recently audited first."""
+        if not self._has("audits"):  # a read-only file from before audit counts
+            return []
+        rows = self._db.execute("SELECT node, passed, failed FROM audits WHERE model = ? ORDER BY seq DESC, node "
+                                "LIMIT ?", (model, limit)).fetchall()
+        return [NodeAudits(node, int(p), int(f)) for node, p, f in rows]
 
     def apply_batch(self, stream: str, seq: int, model: str, source: str, batch_id: str,
                     priced: Iterable[tuple[LedgerEvent, float]], now: float, hold: bool = False

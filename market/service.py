@@ -10,8 +10,9 @@
                                    no_manifest, bad_request, wrong_model, quarantined)
 ``kvasir.*.market.status``         request: -> MarketStatus of that model
 ``kvasir._market.status``          request: -> MarketOverview of every model
-stream ``KVASIR_LEDGER``           durable consumer: routing (the bound), LedgerBatch (the
-                                   credit), Quarantine (the verdict), in stream order
+stream ``KVASIR_LEDGER``           durable consumer: routing (the bound, and the audits each
+                                   node passed and failed), LedgerBatch (the credit),
+                                   Quarantine (the verdict), in stream order
 =================================  =========================================================
 
 Trust nothing on the bus:
@@ -893,7 +894,7 @@ class Market:
             remote = [(layer, e, min(rows, 1 << 40)) for layer, e, rows in record.remote
                       if not self._out_of_range(ms, ((layer, e, e + 1),))]
             msg_id = (m.headers or {}).get(ledger_stream.MSG_ID)
-            await self._db(self.ledger.apply_routing, stream, seq, model, record.node, remote, msg_id)
+            await self._db(self.ledger.apply_routing, stream, seq, model, record.node, remote, msg_id, record.audits)
         elif isinstance(record, mc.Quarantine):
             voided = await self._db(self.ledger.apply_quarantine, stream, seq, model,
                                     record.node, record.at, record.since)
@@ -998,6 +999,7 @@ class Market:
             oversubscribed=e.oversubscribed)
             for e in ms.coverage.nodes())
         totals = tuple(await self._db(self.ledger.totals, model))
+        audits = tuple(await self._db(self.ledger.audits, model))
         rates = [rate for rate, until in ms.fallback.values() if until >= now]
         lay = ms.layout
         return mc.MarketStatus(
@@ -1007,4 +1009,4 @@ class Market:
             expiry_s=self.cfg.expiry_s, nodes=nodes,
             demand=stats.entries(lay) if stats is not None else (), totals=totals,
             fallback_rate=sum(rates) / len(rates) if rates else None,
-            quarantined=tuple(sorted(ms.coverage.banned))[:mc.MAX_QUARANTINED_LISTED])
+            quarantined=tuple(sorted(ms.coverage.banned))[:mc.MAX_QUARANTINED_LISTED], audits=audits)

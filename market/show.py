@@ -64,6 +64,7 @@ def status_json(st: MarketStatus) -> dict[str, Any]:
                   for n in st.nodes],
         "demand": [_entry_json(e) for e in st.demand],
         "rewards": totals_json(st.totals),
+        "audits": {a.node: {"passed": a.passed, "failed": a.failed} for a in st.audits},
     }
 
 
@@ -126,21 +127,23 @@ def status_text(st: MarketStatus, top: int = 8) -> str:
     if st.nodes:
         out.append(f"workers ({len(st.nodes)}):")
         rewards = {t.node: t for t in st.totals}
+        audits = {a.node: a for a in st.audits}
         rows = [["node", "holdings", "budget", "load", "served", "latency", "last heartbeat",
-                 "rows", "reward"]]
+                 "rows", "reward", "audits passed/failed"]]
         for n in st.nodes:
             held = holdings_text(n.holdings)
             if n.pending:
                 held = (held + " " if n.holdings else "") + \
                     f"(pending {holdings_text(n.pending)})"
-            t = rewards.get(n.node)
+            t, a = rewards.get(n.node), audits.get(n.node)
             if n.oversubscribed:  # its ggml threads spin against other processes' on shared cores
                 held += " [cores oversubscribed]"
             rows.append([n.node, held, size(n.budget_bytes), f"{n.load:g}", str(n.served),
                          latency_text(n.latency_ms),
                          "never" if n.age_s is None else f"{n.age_s:.1f} s ago",
-                         str(t.rows) if t else "0", f"{t.reward:.2f}" if t else "0.00"])
-        out += ["  " + line for line in _table(rows, right={2, 3, 4, 5, 7, 8})]
+                         str(t.rows) if t else "0", f"{t.reward:.2f}" if t else "0.00",
+                         f"{a.passed}/{a.failed}" if a else "0/0"])
+        out += ["  " + line for line in _table(rows, right={2, 3, 4, 5, 7, 8, 9})]
     else:
         out.append("workers: none")
     return "\n".join(out)

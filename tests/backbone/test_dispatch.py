@@ -116,7 +116,7 @@ class DoublingLocal:
 
 class Recorder:
     def __init__(self):
-        self.calls, self.wins, self.voided = [], [], []
+        self.calls, self.wins, self.voided, self.audits = [], [], [], []
 
     def record_call(self, layer, expert, rows, remote):
         self.calls.append((layer, expert, rows, remote))
@@ -126,6 +126,9 @@ class Recorder:
 
     def void(self, node, since=0.0):
         self.voided.append(node)
+
+    def record_audit(self, node, passed):
+        self.audits.append((node, passed))
 
 
 class Clock:
@@ -317,6 +320,7 @@ def test_an_audited_honest_reply_is_replaced_by_the_local_result_and_credited(ri
     (out,) = remote.run_layer(0, [(5, ROWS)])
     assert np.array_equal(out, 2 * ROWS) and local.calls == [(0, 5)]
     assert recorder.wins == [("honest", 0, 5, 2)]
+    assert recorder.audits == [("honest", True)]  # passes are reported too (the market counts them)
     d = remote.stats.to_dict()
     assert (d["audits"], d["audit_failures"], d["quarantined"]) == (1, 0, [])
 
@@ -334,7 +338,7 @@ def test_a_liar_is_caught_replaced_quarantined_announced_and_never_paid_again(ri
     nc.answer = times(2 * (1 + 1e-3), node="liar", kernel=OWN)  # honest x (1 + 1e-3)
     (out,) = remote.run_layer(3, [(1, ROWS)])
     assert np.array_equal(out, 2 * ROWS)  # the backbone's own result, not the lie
-    assert recorder.wins == [] and recorder.voided == ["liar"]
+    assert recorder.wins == [] and recorder.voided == ["liar"] and recorder.audits == [("liar", False)]
     assert remote.stats.to_dict()["quarantined"] == ["liar"]
     bus.run(nc.flush())
     assert [(e.node, e.layer, e.expert, e.exact) for e in events] == [("liar", 3, 1, True)]

@@ -152,6 +152,30 @@ def test_routing_latency_per_node_round_trips_and_is_absent_when_empty():
     assert mc.decode_routing(patched(rs, latency=None)).latency == ()
 
 
+def test_routing_audits_per_node_round_trip_are_bounded_and_absent_when_empty():
+    rs = RoutingStats(FP, "backbone", 1.0, [(0, 3, 17)], audits=[("tab-a", 16, 0), ("liar", 0, 1)])
+    assert mc.decode_routing(rs.encode()) == rs and rs.audits == (("tab-a", 16, 0), ("liar", 0, 1))
+    assert "audits" not in msgpack.unpackb(RoutingStats(FP, "bb", 1.0, []).encode())  # older markets' bytes
+    assert mc.decode_routing(patched(rs, audits=None)).audits == ()  # an older backbone's record
+    for bad, field in (([["tab-a", 1, 0], ["tab-a", 2, 0]], "audits[1].node"),  # a node twice
+                       ([["tab-a", 0, 0]], "audits[0]"),  # counts no audit
+                       ([["tab-a", -1, 2]], "audits[0].passed"), ([["tab-a", 1, 2**41]], "audits[0].failed"),
+                       ([["no spaces", 1, 0]], "audits[0].node"), ([["tab-a", 1]], "audits[0]"),
+                       ([["w", 1, 0]] * (mc.MAX_AUDIT_NODES + 1), "audits"), ("tab-a", "audits")):
+        with pytest.raises(CodecError) as err:
+            mc.decode_routing(patched(rs, audits=bad))
+        assert err.value.field == field, (bad, err.value)
+
+
+def test_node_audits_in_status_round_trip_and_older_status_reads_as_none():
+    st = status(audits=(mc.NodeAudits("w-1", 57, 0), mc.NodeAudits("liar", 3, 1)))
+    assert mc.decode_status_reply(st.encode()).audits == st.audits
+    assert "audits" not in msgpack.unpackb(status().encode(), raw=False)
+    assert mc.decode_status_reply(status().encode()).audits == ()
+    with pytest.raises(CodecError, match="audits"):
+        mc.decode_status_reply(patched(st, audits=[["w-1", -1, 0]]))
+
+
 def test_routing_tokens_round_trip_and_are_absent_when_zero():
     rs = RoutingStats(FP, "backbone", 1.0, [(0, 3, 8)], tokens=np.int64(4))
     assert rs.tokens == 4 and type(rs.tokens) is int

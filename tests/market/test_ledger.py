@@ -4,7 +4,7 @@ import pytest
 
 from kvasir_bus.wire import Holding
 from kvasir_bus.errors import KvasirError
-from kvasir_bus.market_codec import LedgerEvent, NodeTotals
+from kvasir_bus.market_codec import LedgerEvent, NodeAudits, NodeTotals
 from market.ledger import Ledger
 
 FP = "feedc0ffee000001"
@@ -75,3 +75,20 @@ def test_pending_assignments_are_kept_until_their_grace_ends(tmp_path):
         assert led.assignments(now=20.0) == [(FP, "w-1", (Holding(0, 8, 16),), 100, 60.0)]
         led.drop_assignment(FP, "w-1")
         assert led.assignments(now=20.0) == []
+
+
+def test_audit_counts_add_up_per_node_once_per_routing_message_and_stay_bounded(tmp_path):
+    """Routing messages carry each node's audits; the same message id applied again (a stream
+    redelivery, a spool replay) adds nothing; the file keeps the most recently audited nodes."""
+    with Ledger(tmp_path / "m.db") as led:
+        assert led.apply_routing("S", 1, FP, "bb", [], "bb:1:r0", [("tab-a", 16, 0), ("py-0", 3, 0)])
+        assert led.apply_routing("S", 2, FP, "bb", [], "bb:1:r1", [("tab-a", 2, 0), ("liar", 0, 1)])
+        assert not led.apply_routing("S", 3, FP, "bb", [], "bb:1:r1", [("tab-a", 2, 0), ("liar", 0, 1)])
+        assert led.apply_routing("S", 4, FP, "bb2", [], "bb2:1:r0", [("tab-a", 1, 0)])  # another backbone's
+        assert led.audits(FP) == [NodeAudits("tab-a", 19, 0), NodeAudits("liar", 0, 1), NodeAudits("py-0", 3, 0)]
+        assert led.audits("other") == []
+        with led._db:
+            led._add_audits(FP, 5, [("new", 1, 0)], keep=2)  # the least recently audited go first
+        assert led.audits(FP) == [NodeAudits("new", 1, 0), NodeAudits("tab-a", 19, 0)]
+    with Ledger(tmp_path / "m.db", readonly=True) as led:  # durable, like the credit
+        assert led.audits(FP, limit=1) == [NodeAudits("new", 1, 0)]

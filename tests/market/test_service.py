@@ -22,6 +22,7 @@ from kvasir_bus.subjects import MARKET_OVERVIEW, Subjects
 from backbone.market_link import MarketLink
 from market.dashboard import Dashboard, DashboardConfig
 from market.ledger import Ledger
+from market.show import status_json
 from market.service import Market, MarketConfig
 from tests.market.fakes import (FP, FakeBackbone, FakeWorker, heartbeat, make_manifest,
                                 stream_read, wait_for)
@@ -542,6 +543,50 @@ def test_each_workers_reply_latency_from_the_backbones_link_shows_in_status(
             await swarm.stop()
 
     arun(go(), timeout=25)
+
+
+def test_each_nodes_audits_from_the_backbones_link_show_in_status_once(nats_server, arun, tmp_path, capsys):
+    """The backbone's link sends the audits it judged per node (passes too) in its routing
+    statistics, through the ledger stream; the market adds them up per node, exactly what the
+    link counted, and ``kvasir status`` shows them; a restart of the market keeps them."""
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "m.db").start()
+        nc = await connect(nats_server.url, name="backbone-link")
+        link = MarketLink(nc, FP, "bb", interval_s=0.05)
+        try:
+            await swarm.worker("tab-a", serve=False)
+            await link.start()
+            for _ in range(16):
+                link.record_audit("tab-a", True)
+            link.record_audit("liar", False)
+
+            async def audits():
+                return {a.node: (a.passed, a.failed) for a in (await swarm.market.status(FP)).audits}
+            await wait_for(lambda: _equal(audits(), {"tab-a": (16, 0), "liar": (0, 1)}), what="the audits in status")
+            for _ in range(3):  # a later window adds to them
+                link.record_audit("tab-a", True)
+            await wait_for(lambda: _equal(audits(), {"tab-a": (19, 0), "liar": (0, 1)}), what="the next window's")
+            assert link.audited("tab-a") == (19, 0) and link.audited("liar") == (0, 1) and link.audited("x") == (0, 0)
+
+            assert status_json(await swarm.market.status(FP))["audits"] == \
+                {"tab-a": {"passed": 19, "failed": 0}, "liar": {"passed": 0, "failed": 1}}  # kvasir status --json
+            capsys.readouterr()
+            assert await asyncio.to_thread(main, ["status", "--nats", nats_server.url, "--model", FP]) == 0
+            row = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("tab-a"))
+            assert row.split()[-1] == "19/0", row
+
+            await swarm.restart_market()
+            assert await audits() == {"tab-a": (19, 0), "liar": (0, 1)}
+        finally:
+            await link.stop(flush_timeout_s=1.0)
+            await nc.close()
+            await swarm.stop()
+
+    arun(go(), timeout=25)
+
+
+async def _equal(got, want) -> bool:
+    return (await got) == want
 
 
 def test_tokens_counted_by_the_backbones_link_show_as_tokens_per_s_on_the_dashboard(
