@@ -20,8 +20,9 @@ Anonymous connections are refused: the config has accounts and no ``no_auth_user
 Rights (:func:`permissions`) follow the message flow of :mod:`kvasir_bus.subjects`:
 
 - worker W: subscribe to dispatch subjects, its own bundle subject ``kvasir.*.n.W`` (no other
-  node's) and its own inbox; publish heartbeats only as ``kvasir.*.coverage.W``, requests to the
-  market (volunteer) and for the manifest; answer the requests it receives
+  node's) and its own inbox; publish heartbeats only as ``kvasir.*.coverage.W``, volunteer
+  requests only as ``kvasir.*.market.volunteer.W``, requests for the manifest; answer the
+  requests it receives
   (``allow_responses``), nothing else;
 - backbone: the only publisher of dispatch (per expert, and bundles to ``kvasir.*.n.*``),
   routing and ledger; answers manifest requests;
@@ -30,7 +31,8 @@ Rights (:func:`permissions`) follow the message flow of :mod:`kvasir_bus.subject
 - client C: publishes generate requests and cancels (``kvasir.*.generate``,
   ``kvasir.*.generate.cancel``) and reads its own inbox, nothing else (no worker, market or
   observer may call generate);
-- market: the only publisher of demand; answers volunteer, status and ledger requests;
+- market: the only publisher of demand; answers volunteer, status and ledger requests; hears
+  the enrolment service's revocations and asks it for them;
 - observer: reads everything under ``kvasir.>``; may only ask the market for its status and
   every service who it is (``$SRV.>``);
 - worker, backbone, market: each answers ``$SRV.PING/INFO/STATS`` for its own service name
@@ -122,7 +124,7 @@ def permissions(role: str, name: str, public_key: str, client_keys: tuple[str, .
     inbox = f"{inbox_prefix_for(public_key)}.>"
     if role == "worker":  # an enrolled worker renews its identity over its own connection
         return {"publish": {"allow": [f"{_P}.*.coverage.{subjects.check_node(name)}",
-                                      f"{_P}.*.market.volunteer", f"{_P}.*.manifest",
+                                      f"{_P}.*.market.volunteer.{name}", f"{_P}.*.manifest",
                                       subjects.ENROL_HELLO, subjects.ENROL_JOIN]},
                 "subscribe": {"allow": [_DISPATCH, f"{_P}.*.n.{subjects.check_node(name)}", inbox,
                                         *service_subjects(role)]},
@@ -140,15 +142,17 @@ def permissions(role: str, name: str, public_key: str, client_keys: tuple[str, .
         return {"publish": {"allow": [_GENERATE, _GENERATE_CANCEL]},
                 "subscribe": {"allow": [inbox]}}
     if role == "market":
-        return {"publish": {"allow": [f"{_P}.*.demand", f"{_P}.*.manifest", *_JS_MARKET]},
+        return {"publish": {"allow": [f"{_P}.*.demand", f"{_P}.*.manifest", subjects.ENROL_REVOCATIONS,
+                                      *_JS_MARKET]},
                 "subscribe": {"allow": [subjects.ALL_COVERAGE, subjects.ALL_ROUTING,
                                         subjects.ALL_LEDGER, subjects.ALL_VOLUNTEER,
+                                        subjects.ALL_VOLUNTEER_NODES, subjects.ENROL_REVOKED,
                                         subjects.ALL_STATUS, subjects.MARKET_OVERVIEW, inbox,
                                         *service_subjects(role)]},
                 "allow_responses": True}
     if role == "enrol":  # kvasir enrol: answers hello and join (user JWTs it signs itself)
-        return {"publish": {"allow": []},
-                "subscribe": {"allow": [subjects.ENROL_HELLO, subjects.ENROL_JOIN,
+        return {"publish": {"allow": [subjects.ENROL_REVOKED]},
+                "subscribe": {"allow": [subjects.ENROL_HELLO, subjects.ENROL_JOIN, subjects.ENROL_REVOCATIONS,
                                         subjects.ALL_QUARANTINE, inbox, *service_subjects(role)]},
                 "allow_responses": True}
     if role == "guest":  # an enrolment token's holder: ask to enrol, read its replies, nothing else

@@ -155,7 +155,10 @@ class EnrolConfig:
     burst: float = 100.0
     max_nonces: int = 100_000  # used nonces remembered (NONCE_TTL_S each); beyond: refuse
     max_keys_per_token: int = 1000  # distinct keys one closed token may enrol
+    per_source_rate: float = 2.0  # joins per second per source (an HTTP peer's address, a bus sender's inbox)
+    per_source_burst: float = 20.0  # (hellos per source: 10x both)
     trust_backbones: tuple[str, ...] = ()  # quarantine verdicts signed by these count (default: DIR's backbone)
+    bus_url: str = ""  # the bus URL an HTTP(S) enrolment's answer names (default: the one the service dials)
 
 
 class EnrolService:
@@ -177,6 +180,8 @@ class EnrolService:
         self.state = self._load_state()
         self.nonces: OrderedDict[bytes, float] = OrderedDict()
         self.per_token = Buckets(cfg.per_token_rate, cfg.per_token_burst)
+        self.per_source = Buckets(cfg.per_source_rate, cfg.per_source_burst)
+        self.source_hellos = Buckets(cfg.per_source_rate * 10, cfg.per_source_burst * 10)
         self.all = Bucket(cfg.rate, cfg.burst)
         self.hellos = Bucket(cfg.rate * 20, cfg.burst * 20)
         self._tokens: OrderedDict[str, dict] = OrderedDict()  # verified token JWT -> claims
@@ -184,13 +189,15 @@ class EnrolService:
         self.nc = self.op = None
         self._subs: list = []
         self.revoked_nodes: list[str] = []
+        self.http = None  # the HTTP(S) endpoint, once start_http ran (kvasir_bus.enrol_http)
+        self.url = ""
 
     # -- state --
     def _load_state(self) -> dict:
         path = self.dir / STATE
         if path.exists():
-            return json.loads(path.read_text())
-        return {"keys": {}, "banned": []}
+            return {"revoked": [], **json.loads(path.read_text())}
+        return {"keys": {}, "banned": [], "revoked": []}
 
     def _save_state(self) -> None:
         path = self.dir / STATE
@@ -224,15 +231,27 @@ class EnrolService:
                                      inbox_prefix=inbox_prefix_for(
                                          jwt.decode(jwt.read_creds_jwt(self.dir / "operator.creds"))["sub"]),
                                      max_reconnect_attempts=-1)
+        self.url = url
         self._subs = [await self.nc.subscribe(subjects.ENROL_HELLO, cb=self._on_hello),
                       await self.nc.subscribe(subjects.ENROL_JOIN, cb=self._on_join),
-                      await self.nc.subscribe(subjects.ALL_QUARANTINE, cb=self._on_quarantine)]
+                      await self.nc.subscribe(subjects.ALL_QUARANTINE, cb=self._on_quarantine),
+                      await self.nc.subscribe(subjects.ENROL_REVOCATIONS, cb=self._on_revocations)]
         await self.nc.flush()
         log.info("enrol_started", ttl_s=self.cfg.ttl_s, open=self.cfg.allow_open,
                  enrolled=len(self.state["keys"]))
         return self
 
+    async def start_http(self, host: str, port: int, ssl_context=None) -> int:
+        """Serve enrolment over HTTP(S) too (:mod:`kvasir_bus.enrol_http`); the port bound."""
+        from kvasir_bus.enrol_http import EnrolHTTP
+
+        self.http = EnrolHTTP(self)
+        return await self.http.start(host, port, ssl_context)
+
     async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.stop()
+            self.http = None
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -252,14 +271,31 @@ class EnrolService:
     def _count(self, what: str) -> None:
         self.counts[what] = self.counts.get(what, 0) + 1
 
+    @staticmethod
+    def bus_source(reply: str) -> str:
+        """Who sends a request on the bus: the first token of its reply subject. Under creds
+        that is ``_INBOX_<the sender's key>``, the only inbox it can read: a sender naming
+        another's inbox never gets the nonce a join needs, so per-source hellos bound its joins."""
+        return "bus:" + reply.split(".", 1)[0][:80]
+
+    def hello(self, source: str) -> bytes:
+        """A fresh nonce for ``source`` (EnrolError rate_limited: none now)."""
+        if not self.source_hellos.take(source):
+            raise EnrolError("rate_limited", "too many hellos from this source")
+        if not self.hellos.take():
+            raise EnrolError("rate_limited", "too many hellos")
+        return self.new_nonce()
+
     async def _on_hello(self, msg) -> None:
         if not msg.reply:
             return
-        if not self.hellos.take():
-            self._count("rate_limited")
-            await msg.respond(_refusal("rate_limited", "too many hellos"))
+        try:
+            nonce = self.hello(self.bus_source(msg.reply))
+        except EnrolError as exc:
+            self._count(exc.code)
+            await msg.respond(_refusal(exc.code, exc.detail))
             return
-        await msg.respond(msgpack.packb({"nonce": self.new_nonce()}))
+        await msg.respond(msgpack.packb({"nonce": nonce}))
 
     def new_nonce(self) -> bytes:
         head = int(time.time()).to_bytes(8, "big") + os.urandom(8)
@@ -269,28 +305,34 @@ class EnrolService:
         if not msg.reply:
             return
         try:
-            out = self.join(msg.data)
+            out = self.join(msg.data, self.bus_source(msg.reply))
             self._count("enrolled")
             await msg.respond(msgpack.packb(out))
         except EnrolError as exc:
             self._count(exc.code)
             await msg.respond(_refusal(exc.code, exc.detail))
 
-    def join(self, data: bytes) -> dict:
-        """One join request's answer (EnrolError: why not). Cheapest checks first."""
+    def join(self, data: bytes, source: str = "bus:?") -> dict:
+        """One msgpack join request's answer (EnrolError: why not). Cheapest checks first."""
         if len(data) > MAX_REQUEST_BYTES:
             raise EnrolError("bad_request", f"request of {len(data)} bytes (at most {MAX_REQUEST_BYTES})")
         try:
             req = msgpack.unpackb(data, raw=False)
-            nonce, key, box, sig = req["nonce"], req["key"], req["box"], req["sig"]
-            token = req.get("token")
-            if not (isinstance(nonce, bytes) and len(nonce) == 32 and isinstance(box, bytes)
-                    and len(box) == 32 and isinstance(sig, bytes) and len(sig) == 64
-                    and isinstance(key, str) and len(key) == 56 and key.startswith("U")
-                    and (token is None or isinstance(token, str) and len(token) < 2048)):
-                raise ValueError("field types")
+            if not isinstance(req, dict):
+                raise ValueError("not a map")
+            fields = req["nonce"], req["key"], req["box"], req["sig"], req.get("token")
         except Exception as exc:
             raise EnrolError("bad_request", f"not a join request: {exc}"[:160]) from None
+        return self.join_fields(*fields, source=source)
+
+    def join_fields(self, nonce, key, box, sig, token, *, source: str) -> dict:
+        """The join of the module doc, from its decoded fields (the bus's msgpack or HTTP's
+        JSON); ``source``: who asks (rate-limited before any signature is checked)."""
+        if not (isinstance(nonce, bytes) and len(nonce) == 32 and isinstance(box, bytes)
+                and len(box) == 32 and isinstance(sig, bytes) and len(sig) == 64
+                and isinstance(key, str) and len(key) == 56 and key.startswith("U")
+                and (token is None or isinstance(token, str) and len(token) < 2048)):
+            raise EnrolError("bad_request", "not a join request: field types")
         now = time.time()
         head, mac = nonce[:16], nonce[16:]
         if not hmac.compare_digest(mac, hmac.new(self.secret, head, hashlib.sha256).digest()[:16]) \
@@ -302,8 +344,10 @@ class EnrolService:
         if len(self.nonces) >= self.cfg.max_nonces:
             raise EnrolError("full", "too many enrolments in flight")
         known = self.state["keys"].get(key)
-        source = token or f"renew:{key}"
-        if not self.per_token.take(hashlib.sha256(source.encode()).hexdigest()):
+        holder = token or f"renew:{key}"
+        if not self.per_source.take(source):
+            raise EnrolError("rate_limited", "too many joins from this source")
+        if not self.per_token.take(hashlib.sha256(holder.encode()).hexdigest()):
             raise EnrolError("rate_limited", "too many joins for this token")
         if not self.all.take():
             raise EnrolError("rate_limited", "the service is busy")
@@ -380,11 +424,28 @@ class EnrolService:
             self._count("quarantine_refused")
             log.debug("quarantine_refused", error=str(exc)[:120])
             return
-        await self.revoke_node(event.node)
+        why = (f"quarantined: its reply for layer {event.layer} expert {event.expert} failed an "
+               f"audit (error {event.error:.3g})")
+        await self.revoke_node(event.node, why, event.model)
 
-    async def revoke_node(self, node: str) -> bool:
-        """Revoke the enrolled key of ``node`` and push the account JWT; False if ``node`` was
-        not enrolled here (a fixed identity: the operator revokes it by hand)."""
+    async def _on_revocations(self, msg) -> None:
+        from kvasir_bus import market_codec as mc
+
+        if msg.reply:
+            await msg.respond(mc.RevocationList(self.revocations()).encode())
+
+    def revocations(self) -> tuple:
+        """The most recent revocations (:class:`kvasir_bus.market_codec.Revocation`), oldest first."""
+        from kvasir_bus import market_codec as mc
+
+        return tuple(mc.Revocation(**r) for r in self.state["revoked"][-mc.MAX_REVOKED_LISTED:])
+
+    async def revoke_node(self, node: str, why: str = "revoked by the operator", model: str = "") -> bool:
+        """Revoke the enrolled key of ``node``, push the account JWT and tell the market
+        (``kvasir._enrol.revoked``); False if ``node`` was not enrolled here (a fixed identity:
+        the operator revokes it by hand)."""
+        from kvasir_bus import market_codec as mc
+
         key = self.key_of(node)
         if key is None or key in creds.revocations(self.dir):
             return False
@@ -397,7 +458,12 @@ class EnrolService:
                 self._save_state()
         self.revoked_nodes.append(node)
         answer = await creds.push_account(self.op, account)
-        log.warning("node_revoked", node=node, server=str(answer)[:120])
+        event = mc.Revocation(node=node, key=key, at=time.time(), why=why[:200], model=model)
+        self.state["revoked"].append(event.body() | {"model": model})
+        del self.state["revoked"][:-mc.MAX_REVOKED_LISTED]
+        self._save_state()
+        await self.nc.publish(subjects.ENROL_REVOKED, event.encode(), headers=mc.headers_for(event))
+        log.warning("node_revoked", node=node, why=why, server=str(answer)[:120])
         return True
 
 
@@ -417,6 +483,7 @@ class Enrolled:
     exp: int
     seed: bytes
     reply_key: bytes
+    bus_url: str = ""  # the bus to dial (an HTTP(S) enrolment says; over the bus: the one asked)
 
     def creds_text(self) -> str:
         return jwt.creds_text(self.jwt, self.seed)
@@ -497,9 +564,27 @@ async def enrol(url: str, token: str | None, seed: bytes | None = None, timeout:
 
 
 def split_link(link: str) -> tuple[str, str | None]:
-    """``nats://host:4222#TOKEN`` (a join link) -> (URL, token); a bare URL -> (URL, None)."""
+    """``nats://host:4222#TOKEN`` or ``https://host:8443/enrol#TOKEN`` (a join link) -> (URL,
+    token); a bare URL -> (URL, None)."""
     url, _, token = link.partition("#")
     return url, token or None
+
+
+def is_http(url: str) -> bool:
+    return url.startswith(("https://", "http://"))
+
+
+async def enrol_link(url: str, token: str | None, seed: bytes | None = None, timeout: float = 10.0) -> Enrolled:
+    """Enrol at a join link's URL: over the bus (``nats://``, ``tls://``, ``ws(s)://``) or over
+    HTTP(S) (``https://HOST:PORT/enrol``, :mod:`kvasir_bus.enrol_http`); ``bus_url`` of the
+    answer is the bus to serve on either way."""
+    if is_http(url):
+        from kvasir_bus.enrol_http import enrol_http
+
+        return await enrol_http(url.rstrip("/"), token, seed, timeout=timeout)
+    me = await enrol(url, token, seed, timeout=min(timeout, 5.0))
+    me.bus_url = url
+    return me
 
 
 # -- kvasir enrol ----------------------------------------------------------------------------------
@@ -534,6 +619,17 @@ def register(subparsers) -> None:
                    help="joins per second verified at most, all sources together (default 50)")
     p.add_argument("--per-token-rate", type=float, default=2.0, metavar="N",
                    help="joins per second per token (burst 10x; default 2)")
+    p.add_argument("--per-source-rate", type=float, default=2.0, metavar="N",
+                   help="joins per second per source: an HTTP(S) peer's address (an IPv6 /64), a bus "
+                   "sender's inbox (burst 10x, hellos 10x that; default 2)")
+    h = p.add_argument_group("enrolment over HTTP(S), beside the bus")
+    h.add_argument("--http", metavar="HOST:PORT", default=None,
+                   help="also serve POST /enrol/hello and /enrol/join here (port 0: any free port); "
+                   "join links for it: --token --url https://HOST:PORT/enrol")
+    h.add_argument("--tls-cert", metavar="FILE", default=None, help="with --http: serve https with this certificate chain")
+    h.add_argument("--tls-key", metavar="FILE", default=None, help="with --http: the certificate's private key")
+    h.add_argument("--bus-url", metavar="URL", default=None,
+                   help="with --http: the bus URL an enrolled volunteer is told to dial (default --nats)")
     p.set_defaults(func=cmd_enrol)
 
 
@@ -544,17 +640,28 @@ def cmd_enrol(args) -> int:
     from kvasir_bus.logs import configure
 
     for flag, value in (("--ttl", args.ttl), ("--rate", args.rate), ("--per-token-rate", args.per_token_rate),
-                        ("--token-days", args.token_days)):
+                        ("--per-source-rate", args.per_source_rate), ("--token-days", args.token_days)):
         if not value > 0:
             raise UsageError(f"{flag} must be positive, got {value}")
     url = resolve_url(args.nats)
     if args.token:
         token = make_token(args.dir, ttl_s=int(args.token_days * 86400))
-        print(f"{resolve_url(args.url or args.nats)}#{token}")
+        print(f"{link_base(args.url) if args.url else resolve_url(args.nats)}#{token}")
         return 0
+    listen = ssl_context = None
+    if args.http is not None:
+        from kvasir_bus.enrol_http import parse_listen, server_ssl
+
+        listen = parse_listen(args.http)
+        ssl_context = server_ssl(args.tls_cert, args.tls_key)
+    elif args.tls_cert or args.tls_key or args.bus_url:
+        raise UsageError("--tls-cert, --tls-key and --bus-url go with --http HOST:PORT")
+    bus_url = resolve_url(args.bus_url) if args.bus_url else ""
     configure("info")
     cfg = EnrolConfig(args.dir, ttl_s=args.ttl, allow_open=args.open, rate=args.rate, burst=2 * args.rate,
-                      per_token_rate=args.per_token_rate, per_token_burst=10 * args.per_token_rate)
+                      per_token_rate=args.per_token_rate, per_token_burst=10 * args.per_token_rate,
+                      per_source_rate=args.per_source_rate, per_source_burst=10 * args.per_source_rate,
+                      bus_url=bus_url)
     service = EnrolService(cfg)
     if args.open:
         print(f"open join link: {url}#{make_token(args.dir, open_=True)}", file=sys.stderr)
@@ -571,9 +678,33 @@ def cmd_enrol(args) -> int:
         except Exception as exc:
             raise KvasirError(f"cannot reach NATS at {url} as the enrolment service: {exc or type(exc).__name__}") from None
         try:
+            if listen is not None:
+                try:
+                    port = await service.start_http(*listen, ssl_context)
+                except OSError as exc:
+                    raise KvasirError(f"--http {args.http}: cannot listen: {exc.strerror or exc}") from None
+                scheme = "https" if ssl_context is not None else "http"
+                print(f"enrolment over {scheme}: {scheme}://{listen[0]}:{port}{HTTP_PATH}", file=sys.stderr, flush=True)
             await stop.wait()
         finally:
             await service.stop()
         return 0
 
     return asyncio.run(run())
+
+
+HTTP_PATH = "/enrol"  # POST HTTP_PATH/hello, HTTP_PATH/join (kvasir_bus.enrol_http)
+
+
+def link_base(url: str) -> str:
+    """What goes before ``#TOKEN`` in a join link: a bus URL, or an http(s) enrolment URL."""
+    from urllib.parse import urlsplit
+
+    from kvasir_bus.connect import resolve_url
+
+    parts = urlsplit(url)
+    if parts.scheme in ("http", "https"):
+        if not parts.hostname or parts.query or parts.fragment:
+            raise UsageError(f"enrolment URL {url!r}: expected https://HOST:PORT{HTTP_PATH}")
+        return url.rstrip("/")
+    return resolve_url(url)

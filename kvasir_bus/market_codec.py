@@ -9,7 +9,7 @@ records are frozen and validate themselves on construction; every failure is a
 Messages (``t``), with the subject each travels on (``M`` = model fingerprint):
 
 * ``mf`` :class:`Manifest`         backbone -> anyone, reply on ``kvasir.M.manifest``
-* ``vq`` :class:`VolunteerRequest` worker -> market on ``kvasir.M.market.volunteer``
+* ``vq`` :class:`VolunteerRequest` worker -> market on ``kvasir.M.market.volunteer.NODE``
 * ``as`` :class:`Assignment`       market -> worker, the reply (or an ``e`` ErrorReply)
 * ``rs`` :class:`RoutingStats`     backbone -> market on ``kvasir.M.routing``
 * ``dm`` :class:`DemandMap`        market -> everyone on ``kvasir.M.demand``
@@ -17,6 +17,8 @@ Messages (``t``), with the subject each travels on (``M`` = model fingerprint):
 * ``la`` :class:`LedgerAck`        market -> backbone, the reply (or an ``e`` ErrorReply)
 * ``ms`` :class:`MarketStatus`     market -> anyone, reply on ``kvasir.M.market.status``
 * ``mo`` :class:`MarketOverview`   market -> anyone, reply on ``kvasir._market.status``
+* ``rv`` :class:`Revocation`       enrolment service -> market on ``kvasir._enrol.revoked``
+* ``rl`` :class:`RevocationList`   enrolment service -> market, reply on ``kvasir._enrol.revocations``
 * ``e``  :class:`~kvasir_bus.wire.ErrorReply` for refusals
 
 The manifest travels as parallel little-endian arrays (and SHA-256 digests as raw bytes): 57
@@ -898,6 +900,86 @@ def decode_quarantine(data: bytes, *, max_bytes: int = 64 * 1024) -> Quarantine:
 
 
 MAX_QUARANTINED_LISTED = 4096  # quarantined nodes a market status lists (the most recent)
+MAX_REVOKED_LISTED = 64  # revocations a market status or the enrolment service's list carries (the most recent)
+_USER_KEY_RE = re.compile(r"U[A-Z2-7]{55}")
+_LINE_RE = re.compile(r"[^\x00-\x1f\x7f]{0,200}")
+
+
+@record
+@dataclass(frozen=True)
+class Revocation(Record):
+    """The enrolment service revoked enrolled node ``node``'s user key ``key`` at ``at`` (Unix
+    time): the server dropped it and refuses it from then on. ``why``: one line (the verdict
+    that caught it); ``model``: the model of that verdict ("" if none). Published on
+    ``kvasir._enrol.revoked``; a market lists the most recent in its status."""
+
+    kind: ClassVar[str] = "rv"
+    what: ClassVar[str] = "revocation"
+
+    node: str
+    key: str
+    at: float
+    why: str
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        r = self.what
+        object.__setattr__(self, "node", check_node(r, "node", self.node))
+        check_str(r, "key", self.key, _USER_KEY_RE, what="a user public nkey (U...)")
+        object.__setattr__(self, "at", check_float(r, "at", self.at))
+        check_str(r, "why", self.why, _LINE_RE, max_len=200, what="one line of text")
+        if self.model:
+            check_model(r, self.model)
+
+    def body(self) -> dict[str, Any]:
+        return {"node": self.node, "key": self.key, "at": self.at, "why": self.why,
+                **({"model": self.model} if self.model else {})}
+
+    @classmethod
+    def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> Revocation:
+        if not isinstance(body, dict):
+            raise CodecError(f"{cls.what}: must be a map, got {type(body).__name__}")
+        return cls(**{f: need(body, cls.what, f) for f in ("node", "key", "at", "why")},
+                   model=body.get("model", ""))
+
+    def headers(self) -> dict[str, str]:
+        return {"Kvasir-Node": self.node}
+
+
+@record
+@dataclass(frozen=True)
+class RevocationList(Record):
+    """The enrolment service's answer on ``kvasir._enrol.revocations``: its most recent
+    revocations, oldest first."""
+
+    kind: ClassVar[str] = "rl"
+    what: ClassVar[str] = "revocation list"
+
+    revoked: tuple[Revocation, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "revoked", tuple_of(self.what, "revoked", self.revoked, Revocation,
+                                                      MAX_REVOKED_LISTED, build=Revocation.from_body))
+
+    def body(self) -> dict[str, Any]:
+        return {"revoked": [x.body() for x in self.revoked]}
+
+    @classmethod
+    def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> RevocationList:
+        return cls(revoked=need(body, cls.what, "revoked"))
+
+    def headers(self) -> dict[str, str]:
+        return {"Kvasir-Revoked": str(len(self.revoked))}
+
+
+def decode_revocation(data: bytes, *, max_bytes: int = 4096) -> Revocation:
+    """Bytes -> :class:`Revocation`."""
+    return decode(data, ("rv",), Revocation.what, max_bytes=max_bytes)
+
+
+def decode_revocation_list(data: bytes, *, max_bytes: int = 64 * 1024) -> RevocationList | ErrorReply:
+    """The enrolment service's answer on ``kvasir._enrol.revocations``."""
+    return decode(data, ("rl", "e"), RevocationList.what, max_bytes=max_bytes)
 
 
 @record
@@ -923,6 +1005,7 @@ class MarketStatus(Record):
     totals: tuple[NodeTotals, ...]
     fallback_rate: float | None = None
     quarantined: tuple[str, ...] = ()  # nodes a backbone caught (a backbone loads them at start), most recent
+    revoked: tuple[Revocation, ...] = ()  # keys the enrolment service revoked (most recent, oldest first)
     audits: tuple[NodeAudits, ...] = ()  # per node, the audits backbones reported (most recently audited first)
 
     def __post_init__(self) -> None:
@@ -947,11 +1030,15 @@ class MarketStatus(Record):
             raise CodecError(f"{r}: field 'quarantined' must be a list of at most {MAX_QUARANTINED_LISTED} nodes",
                              "quarantined")
         s("quarantined", tuple(check_node(r, "quarantined", n) for n in self.quarantined))
+        s("revoked", tuple_of(r, "revoked", self.revoked, Revocation, MAX_REVOKED_LISTED,
+                              build=Revocation.from_body))
         s("audits", tuple_of(r, "audits", self.audits, NodeAudits, MAX_NODES,
                              build=lambda item: NodeAudits(*item)))
 
     def body(self) -> dict[str, Any]:
         extra = {"quarantined": list(self.quarantined)} if self.quarantined else {}  # absent: the old bytes
+        if self.revoked:
+            extra["revoked"] = [x.body() for x in self.revoked]
         if self.audits:  # likewise absent when none
             extra["audits"] = [[a.node, a.passed, a.failed] for a in self.audits]
         return {**extra, "model": self.model, "market": self.market, "sent_at": self.sent_at,
@@ -972,9 +1059,9 @@ class MarketStatus(Record):
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> MarketStatus:
         return cls(**{f.name: need(body, cls.what, f.name) for f in fields(cls)
-                      if f.name not in ("fallback_rate", "quarantined", "audits")},
+                      if f.name not in ("fallback_rate", "quarantined", "revoked", "audits")},
                    fallback_rate=body.get("fallback_rate"), quarantined=tuple(body.get("quarantined", ())),
-                   audits=body.get("audits", ()))
+                   revoked=body.get("revoked", ()), audits=body.get("audits", ()))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Market": self.market, "Kvasir-Nodes": str(len(self.nodes))}

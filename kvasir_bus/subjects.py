@@ -9,7 +9,9 @@ Layout (``<model>`` is the model fingerprint, see :mod:`kvasir_bus.fingerprint`)
     kvasir.<model>.n.<node>              one worker's bundles: a layer step's calls in one request
     kvasir.<model>.coverage.<node>       worker heartbeat
     kvasir.<model>.demand                market's demand map
-    kvasir.<model>.market.volunteer      request/reply: budget in, assignment out
+    kvasir.<model>.market.volunteer.<node>  request/reply: budget in, assignment out (the
+                                         node asking; ``kvasir.<model>.market.volunteer``
+                                         without it is the older form, open buses only)
     kvasir.<model>.routing               backbone's expert hit statistics
     kvasir.<model>.ledger                contribution events, request/reply (acked batches)
     kvasir.<model>.manifest              request/reply: the backbone answers with the Manifest
@@ -43,6 +45,9 @@ ALL_COVERAGE = f"{PREFIX}.*.coverage.*"
 ALL_ROUTING = f"{PREFIX}.*.routing"
 ALL_LEDGER = f"{PREFIX}.*.ledger"
 ALL_VOLUNTEER = f"{PREFIX}.*.market.volunteer"
+#: Volunteer requests naming their node in the subject: under ``kvasir creds`` a worker may
+#: publish only on its own (:func:`kvasir_bus.creds.permissions`), so the server vouches for it.
+ALL_VOLUNTEER_NODES = f"{PREFIX}.*.market.volunteer.*"
 ALL_STATUS = f"{PREFIX}.*.market.status"
 ALL_QUARANTINE = f"{PREFIX}.*.quarantine"
 #: Every worker's bundle subject of every model (what a backbone may publish to).
@@ -60,6 +65,10 @@ MARKET_OVERVIEW = f"{PREFIX}._market.status"
 #: nonce, then a signed join (a worker identity for the volunteer's own key) or renewal.
 ENROL_HELLO = f"{PREFIX}._enrol.hello"
 ENROL_JOIN = f"{PREFIX}._enrol.join"
+#: Event: the enrolment service revoked an enrolled node's key (a quarantine locked the door).
+ENROL_REVOKED = f"{PREFIX}._enrol.revoked"
+#: Request/reply: every revocation the enrolment service made (the market asks at start).
+ENROL_REVOCATIONS = f"{PREFIX}._enrol.revocations"
 
 # A fingerprint is 16 lowercase hex digits; any short alphanumeric name is accepted so that
 # tests and hand-made models can use readable names.
@@ -154,9 +163,12 @@ class Subjects:
         """``kvasir.<model>.demand``: the market's demand map."""
         return f"{self.root}.demand"
 
-    def volunteer(self) -> str:
-        """``kvasir.<model>.market.volunteer``: request/reply, budget in, assignment out."""
-        return f"{self.root}.market.volunteer"
+    def volunteer(self, node: str | None = None) -> str:
+        """``kvasir.<model>.market.volunteer.<node>``: request/reply, budget in, assignment
+        out, on the asking node's own subject; without ``node`` the older subject (open buses)."""
+        if node is None:
+            return f"{self.root}.market.volunteer"
+        return f"{self.root}.market.volunteer.{check_node(node)}"
 
     def routing(self) -> str:
         """``kvasir.<model>.routing``: the backbone's expert hit statistics."""
@@ -226,6 +238,20 @@ def parse_coverage(subject: str) -> tuple[str, str]:
                          f"({PREFIX}.<model>.coverage.<node>)")
     try:
         return check_model(parts[1]), check_node(parts[3])
+    except ValueError as exc:
+        raise ValueError(f"subject {subject!r}: {exc}") from None
+
+
+def volunteer_node(subject: str) -> str | None:
+    """The node of ``kvasir.<model>.market.volunteer.<node>``; None for the older subject
+    without one; ValueError for anything else."""
+    parts = subject.split(".") if isinstance(subject, str) else []
+    if len(parts) not in (4, 5) or parts[0] != PREFIX or parts[2:4] != ["market", "volunteer"]:
+        raise ValueError(f"subject {subject!r} is not a volunteer subject "
+                         f"({PREFIX}.<model>.market.volunteer.<node>)")
+    try:
+        check_model(parts[1])
+        return check_node(parts[4]) if len(parts) == 5 else None
     except ValueError as exc:
         raise ValueError(f"subject {subject!r}: {exc}") from None
 

@@ -120,8 +120,15 @@ def _cmd_market(args: argparse.Namespace) -> int:
         raise UsageError(f"--keep-events and --fold-after must be >= 0, got {args.keep_events} and "
                          f"{args.fold_after:g}")
     check_db_dir(args.db)
+    from kvasir_bus.connect import ConnectOptions
+    from kvasir_bus.jwt import read_creds_jwt
+
+    # Under a JWT deployment (kvasir creds init) only the enrolment service may publish
+    # revocations, so the market lists what it hears; on an open bus anyone could.
+    own = ConnectOptions.from_args(args).creds
     try:
         cfg = MarketConfig(node=args.node, db_path=args.db, expiry_s=args.expiry,
+                           revocations=bool(own and read_creds_jwt(own)),
                            assign_grace_s=args.grace, range_experts=args.range_experts,
                            demand_interval_s=args.demand_interval,
                            policy=Policy(max_replicas=args.max_replicas),

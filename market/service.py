@@ -6,8 +6,13 @@
 ``kvasir.*.coverage.*``            worker heartbeats -> the coverage map (with expiry)
 ``kvasir.*.routing``               backbone routing statistics -> usage -> targets, and
                                    each worker's reply latency (shown in status)
-``kvasir.*.market.volunteer``      request: budget -> Assignment, or ErrorReply (no_fit,
-                                   no_manifest, bad_request, wrong_model, quarantined)
+``kvasir.*.market.volunteer.*``    request: budget -> Assignment, or ErrorReply (no_fit,
+                                   no_manifest, bad_request, wrong_model, quarantined); the
+                                   subject's node must be the request's (under creds a
+                                   worker may publish only on its own); the older
+                                   ``kvasir.*.market.volunteer`` without a node too
+``kvasir._enrol.revoked``          with ``revocations``: the enrolment service's revocations
+                                   (listed in status; asked for at start)
 ``kvasir.*.market.status``         request: -> MarketStatus of that model
 ``kvasir._market.status``          request: -> MarketOverview of every model
 stream ``KVASIR_LEDGER``           durable consumer: routing (the bound, and the audits each
@@ -127,6 +132,10 @@ class MarketConfig:
     unbacked_retries: int = 3                 # a batch with an unbacked event is read again ...
     unbacked_retry_s: float = ledger_stream.ACK_WAIT_S  # ... this much later (a redelivery's delay)
     trusted_backbones: tuple[str, ...] = ()  # public nkeys whose signed ledger/routing/quarantine count (none: any)
+    #: Hear the enrolment service's revocations (kvasir._enrol.revoked) and list them in status:
+    #: only on a bus whose permissions let the enrolment service alone publish them (kvasir
+    #: creds; the CLI turns it on when the market's own --creds is a user JWT). Off: none listed.
+    revocations: bool = False
     fold_after_s: float = 600.0               # events older than this are folded into totals ...
     keep_events: int = 100_000                # ... and all but this many newest (Ledger.fold)
     fold_interval_s: float = 10.0             # how often the ledger is folded
@@ -238,6 +247,7 @@ class Market:
         self._shedding = False
         self.status_sheds = 0             # times a flooded status connection was replaced
         self._status_cache: dict[str | None, tuple[float, bytes, dict]] = {}
+        self.revoked: dict[str, mc.Revocation] = {}  # user key -> the enrolment service's revocation, oldest first
 
     # -- lifecycle --------------------------------------------------------------------------
     async def start(self) -> Market:
@@ -256,6 +266,7 @@ class Market:
                     ("coverage", subjects.ALL_COVERAGE, self._on_heartbeat),
                     ("routing", subjects.ALL_ROUTING, self._on_routing),
                     ("volunteer", subjects.ALL_VOLUNTEER, self._on_volunteer),
+                    ("volunteer-node", subjects.ALL_VOLUNTEER_NODES, self._on_volunteer),
                     ("status", subjects.ALL_STATUS, self._on_status),
                     ("overview", subjects.MARKET_OVERVIEW, self._on_overview)):
                 tally = self.tallies[name] = micro.Tally()
@@ -265,6 +276,9 @@ class Market:
                 limits = SUB_LIMITS if handler in (self._on_heartbeat, self._on_routing) \
                     else REQUEST_LIMITS  # a backlog a flood fills is dropped, never the probe behind it
                 self._subs.append(await self.nc.subscribe(wildcard, cb=self._guard(handler, tally), **limits))
+            if self.cfg.revocations:
+                self._subs.append(await self.nc.subscribe(subjects.ENROL_REVOKED, cb=self._guard(self._on_revoked),
+                                                          **SUB_LIMITS))
             await self.nc.flush()
             await self._open_status()
             self._service = await micro.start_service(self.nc, micro.Card(
@@ -273,6 +287,8 @@ class Market:
                 self._model(model)
             self._spawn(self._tick_loop(), "tick")
             self._spawn(self._stream_loop(), "ledger-stream")
+            if self.cfg.revocations:
+                self._spawn(self._fetch_revocations(), "revocations")
         except BaseException:
             await self.stop()
             raise
@@ -626,6 +642,18 @@ class Market:
             ms.stale = True
 
     @staticmethod
+    def _not_subject_node(subject: str, node: str) -> str | None:
+        """Why a volunteer request's payload names another node than its subject (None: it
+        does not, or it came on the older subject without a node)."""
+        try:
+            named = subjects.volunteer_node(subject)
+        except ValueError as exc:
+            return str(exc)
+        if named is None or named == node:
+            return None
+        return f"a volunteer asks for its own node only: the subject names {named}, the request {node}"
+
+    @staticmethod
     def _not_own_node(reply: str | None, node: str) -> str | None:
         """Why a volunteer request names another node than its sender's (None: it does not, or
         the bus does not tell). Under ``kvasir creds`` a reply inbox is ``_INBOX_<the sender's
@@ -760,7 +788,9 @@ class Market:
         ms, model, req = accepted
         if not self.limits.allow(("volunteer", req.node)):
             return
-        other = self._not_own_node(msg.reply, req.node)
+        # On kvasir.<model>.market.volunteer.<node> the subject names the node, and under creds
+        # the server lets a worker publish only on its own: the payload must agree with it.
+        other = self._not_subject_node(msg.subject, req.node) or self._not_own_node(msg.reply, req.node)
         if other:
             await self._reply_error(msg, mc.ERR_BAD_REQUEST, other)
             return
@@ -983,6 +1013,44 @@ class Market:
         except Exception as exc:
             self.refusals.warning("reply", "reply_failed", subject=msg.subject, error=str(exc))
 
+    # -- revocations ------------------------------------------------------------------------
+    def _note_revocation(self, event: mc.Revocation) -> None:
+        self.revoked.pop(event.key, None)
+        self.revoked[event.key] = event
+        while len(self.revoked) > mc.MAX_REVOKED_LISTED:
+            del self.revoked[next(iter(self.revoked))]  # the oldest
+        self._status_cache.clear()
+
+    async def _on_revoked(self, msg: Any) -> None:
+        """The enrolment service revoked a key (only it may publish here under creds)."""
+        try:
+            event = mc.decode_revocation(msg.data)
+        except CodecError as exc:
+            self.refusals.warning("revocation", "revocation_dropped", error=str(exc))
+            return
+        self._note_revocation(event)
+        self.log.warning("node_revoked", node=event.node, why=event.why)
+
+    async def _fetch_revocations(self) -> None:
+        """The enrolment service's past revocations, asked once at start (again with back-off
+        while nobody answers: the service may start after the market)."""
+        delay = 0.5
+        while self.state is State.RUNNING:
+            try:
+                msg = await self.nc.request(subjects.ENROL_REVOCATIONS, b"", timeout=2.0)
+                got = mc.decode_revocation_list(msg.data)
+                if isinstance(got, mc.RevocationList):
+                    for event in got.revoked:
+                        if event.key not in self.revoked:
+                            self._note_revocation(event)
+                    return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # no enrolment service (yet), or a bad answer
+                self.log.debug("revocations_unavailable", error=f"{type(exc).__name__}: {exc}"[:160])
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 30.0)
+
     # -- status -----------------------------------------------------------------------------
     async def status(self, model: str) -> mc.MarketStatus:
         """The market's current view of one known model."""
@@ -1009,4 +1077,5 @@ class Market:
             expiry_s=self.cfg.expiry_s, nodes=nodes,
             demand=stats.entries(lay) if stats is not None else (), totals=totals,
             fallback_rate=sum(rates) / len(rates) if rates else None,
-            quarantined=tuple(sorted(ms.coverage.banned))[:mc.MAX_QUARANTINED_LISTED], audits=audits)
+            quarantined=tuple(sorted(ms.coverage.banned))[:mc.MAX_QUARANTINED_LISTED], audits=audits,
+            revoked=tuple(self.revoked.values()))

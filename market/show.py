@@ -64,6 +64,7 @@ def status_json(st: MarketStatus) -> dict[str, Any]:
                   for n in st.nodes],
         "demand": [_entry_json(e) for e in st.demand],
         "rewards": totals_json(st.totals),
+        "revoked": [revocation_json(r) for r in st.revoked],
         "audits": {a.node: {"passed": a.passed, "failed": a.failed} for a in st.audits},
     }
 
@@ -146,7 +147,23 @@ def status_text(st: MarketStatus, top: int = 8) -> str:
         out += ["  " + line for line in _table(rows, right={2, 3, 4, 5, 7, 8, 9})]
     else:
         out.append("workers: none")
+    if st.revoked:
+        out += ["", f"revoked ({len(st.revoked)}, the enrolment service locked them out):"]
+        rows = [["node", "when (UTC)", "why"]]
+        rows += [[r.node, _utc(r.at), r.why] for r in reversed(st.revoked)]  # the most recent first
+        out += ["  " + line for line in _table(rows)]
     return "\n".join(out)
+
+
+def _utc(t: float) -> str:
+    import datetime as dt
+
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def revocation_json(r) -> dict[str, Any]:
+    """One revocation of :attr:`MarketStatus.revoked` for people and the dashboard."""
+    return {"node": r.node, "key": r.key, "at": r.at, "why": r.why, "model": r.model}
 
 
 def rewards_text(totals: list[NodeTotals] | tuple[NodeTotals, ...], model: str | None) -> str:

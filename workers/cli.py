@@ -105,9 +105,10 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
                    help="node token for the weights server (default: $KVASIR_NODE_TOKEN)")
     v.add_argument("--enrol", metavar="LINK", default=None,
                    help="get this node's identity from the deployment's enrolment service (kvasir "
-                   "enrol): LINK is the join link nats://HOST:PORT#TOKEN (or give the token in "
-                   "$KVASIR_ENROL_TOKEN); a fresh key, a node name the service assigns, renewed "
-                   "while serving; no --creds, no --node")
+                   "enrol): LINK is the join link nats://HOST:PORT#TOKEN (over the bus) or "
+                   "https://HOST:PORT/enrol#TOKEN (over HTTPS, whose answer names the bus; a private "
+                   "CA: $SSL_CERT_FILE), or give the token in $KVASIR_ENROL_TOKEN; a fresh key, a "
+                   "node name the service assigns, renewed while serving; no --creds, no --node")
     v.add_argument("--cache-dir", metavar="DIR", default=None,
                    help="where downloads and slices are kept (default: $KVASIR_CACHE_DIR, else "
                    "~/.cache/kvasir); an interrupted download resumes from here")
@@ -176,6 +177,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             raise UsageError(f"{name} must be positive, got {value}")
     if args.enrol is not None and (args.node or args.creds or args.nats):
         raise UsageError("--enrol gives this node its identity and bus: leave out --node, --creds and --nats")
+    if args.enrol is not None:
+        from kvasir_bus.enrol import link_base, split_link
+
+        link_base(split_link(args.enrol)[0])  # a bad link is one line now, not after dialling
     node = node_for(args.node, ConnectOptions.from_args(args)) if args.enrol is None else "enrolling"
     node = node or default_node_id()
     try:

@@ -28,9 +28,10 @@ class EnrolledServing:
     """An enrolled identity and the worker serving under it, renewed in place."""
 
     def __init__(self, url: str, identity: enrol.Enrolled, creds_path: Path, slice_info, worker_cfg,
-                 token: str | None = None):
+                 token: str | None = None, link_url: str | None = None):
         self.url, self.identity, self.creds_path = url, identity, Path(creds_path)
         self.token = token  # for a renewal over a guest connection when our own is gone
+        self.link_url = link_url or url  # where that renewal asks: the bus, or the HTTP(S) service
         self.slice, self.cfg = slice_info, replace(worker_cfg, node=identity.name, reply_key=identity.reply_key)
         self.nc = self.worker = None
         self.renewals = 0
@@ -65,7 +66,7 @@ class EnrolledServing:
         if self.nc.is_connected or self.token is None:
             fresh = await enrol.request_identity(self.nc, self.identity.seed, None)
         else:  # our connection is down (its JWT may have run out): ask as the token's holder
-            fresh = await enrol.enrol(self.url, self.token, seed=self.identity.seed)
+            fresh = await enrol.enrol_link(self.link_url, self.token, seed=self.identity.seed)
         self.identity = fresh
         fresh.write(self.creds_path)
         old_nc, old_worker = self.nc, self.worker
@@ -88,15 +89,18 @@ class EnrolledServing:
 
 async def enrol_and_serve(link: str, token: str | None, cache_dir: str, worker_cfg, *, slice_info=None,
                           volunteer_cfg=None) -> int:
-    """Enrol with the join ``link`` (``nats://host:port#TOKEN``), then serve ``slice_info`` or
-    volunteer with ``volunteer_cfg`` (the market assigns a range), until SIGTERM/SIGINT."""
+    """Enrol with the join ``link`` (``nats://host:port#TOKEN`` over the bus, or
+    ``https://host:port/enrol#TOKEN`` over HTTPS, whose answer names the bus), then serve
+    ``slice_info`` or volunteer with ``volunteer_cfg`` (the market assigns a range), until
+    SIGTERM/SIGINT."""
     import os
     import signal
 
     from workers.volunteer import default_cache_dir, volunteer
 
-    url, link_token = enrol.split_link(link)
-    identity = await enrol.enrol(url, token or link_token)
+    link_url, link_token = enrol.split_link(link)
+    identity = await enrol.enrol_link(link_url, token or link_token)
+    url = identity.bus_url
     folder = Path(cache_dir or default_cache_dir()) / "enrolled"
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
     creds_path = folder / f"{identity.name}.creds"
@@ -115,7 +119,7 @@ async def enrol_and_serve(link: str, token: str | None, cache_dir: str, worker_c
         slice_info = got.slice
         worker_cfg = replace(worker_cfg, budget_bytes=volunteer_cfg.budget_bytes)
     serving = await EnrolledServing(url, identity, creds_path, slice_info, worker_cfg,
-                                    token=token or link_token).start()
+                                    token=token or link_token, link_url=link_url).start()
     try:
         await stop.wait()
     finally:

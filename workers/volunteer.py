@@ -165,7 +165,7 @@ async def _ask_market(nc, subjects: Subjects, model: str, cfg: VolunteerConfig,
     restart, has not fetched the manifest yet, or hit an internal error) are retried with
     backoff for up to ``patience_s``; "no responders" is retried for ``no_market_s`` (a market
     that just resubscribed can be missed for a moment) before it counts as no market."""
-    subject = subjects.volunteer()
+    subject = subjects.volunteer(cfg.node)  # its own subject: under creds the only one it may use
     req = VolunteerRequest(model=model, node=cfg.node, budget_bytes=cfg.budget_bytes)
     loop = asyncio.get_running_loop()
     start, delay = loop.time(), 0.25

@@ -125,6 +125,10 @@ function drawModel(doc) {
       `${holes} holes, ${doc.nodes.length} workers` +
       ((doc.quarantined || []).length ? `, quarantined: ${doc.quarantined.map((q) => q.node).join(", ")}` : "")
     : "manifest not received from the backbone yet";
+  // Keys the enrolment service revoked (the server dropped and refuses them), most recent first.
+  const revoked = (doc.revoked || []).slice().reverse();
+  $(".summary", sec).title = revoked.map((r) => `${r.node} revoked ${new Date(r.at * 1000).toLocaleString()}: ${r.why}`).join("\n");
+  if (revoked.length) $(".summary", sec).textContent += `; revoked: ${revoked.map((r) => r.node).join(", ")}`;
   if (doc.manifest_known) drawHeatmap(sec, doc);
 
   const hist = doc.history || [];

@@ -340,7 +340,7 @@ class Bus:
     async def start(self, market=True):
         await serve_manifest(self.nc, self.manifest)
         if market:
-            await self.nc.subscribe(Subjects(self.manifest.model).volunteer(), cb=self._market)
+            await self.nc.subscribe(f"{Subjects(self.manifest.model).volunteer()}.*", cb=self._market)
         await self.nc.flush()
         return self
 
