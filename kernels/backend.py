@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 
-from kernels import actquant
+from kernels import actquant, glu
 from kvasir_bus import threads
 from kernels.checks import ACT_FORMAT, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, check_ffn, check_rows, check_weight
 from kernels.tensors import QTensor
@@ -163,24 +163,17 @@ class NumpyBackend:
 
 
 def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """gpt-oss' activation, as ``ggml_swiglu_oai`` computes it: x = min(g, limit), y = clamp(u,
-    -limit, limit), x * sigmoid(alpha x) * (y + 1), float32 (n, n_ff) each -> (n, n_ff); the
-    sigmoid in float64 and rounded once (ggml's expf may differ by an ulp)."""
-    x = np.minimum(g, np.float32(SWIGLU_OAI_LIMIT))
-    y = np.clip(u, np.float32(-SWIGLU_OAI_LIMIT), np.float32(SWIGLU_OAI_LIMIT))
-    x64 = x.astype(np.float64)
-    with np.errstate(over="ignore"):
-        glu = (x64 / (1.0 + np.exp(np.float64(np.float32(SWIGLU_OAI_ALPHA)) * -x64))).astype(np.float32)
-    return glu * (y + np.float32(1.0))
+    """gpt-oss' activation as ``ggml_swiglu_oai`` computes it: x = min(g, limit), y = clamp(u,
+    -limit, limit), x * sigmoid(alpha x) * (y + 1), float32 (n, n_ff) each -> (n, n_ff), in
+    ggml's float32 operations with glibc's expf (``kernels/glu.py``)."""
+    return glu.swiglu_oai(g, u, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
 
 
 def silu_mul(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """silu(g) * u, float32 (n, n_ff) each -> float32 (n, n_ff); silu evaluated in float64 and
-    rounded once, then multiplied in float32 as ``ggml_vec_swiglu_f32`` does."""
-    g64 = g.astype(np.float64)
-    with np.errstate(over="ignore"):
-        s = (g64 / (1.0 + np.exp(-g64))).astype(np.float32)
-    return s * u
+    """silu(g) * u, float32 (n, n_ff) each -> float32 (n, n_ff), as ``ggml_vec_swiglu_f32``
+    computes it on an AVX-512 CPU: its vector exp and silu in float32, FMA for FMA
+    (``kernels/glu.py``), the same bits on every CPU numpy runs on."""
+    return glu.swiglu(g, u)
 
 
 # --- ggml backend -----------------------------------------------------------------------------

@@ -5,6 +5,8 @@
 // worker does: ~1e-6 relative of ggml, inside the audit tolerance of a foreign kernel).
 // Plain JavaScript: the portable fallback every browser runs.
 
+import { swiglu, swigluOai } from "./glu.js";
+
 export const TYPES = { F32: 0, F16: 1, Q4_0: 2, Q8_0: 8, Q4_K: 12, Q5_K: 13, Q6_K: 14, MXFP4: 39 };
 // ggml type -> [block size, bytes per block, activation format]
 export const TRAITS = {
@@ -275,15 +277,7 @@ export function expertFfn(E, x, n) {
   const g = matmul(E.gate, x, n), u = matmul(E.up, x, n), nff = E.gate.ne1;
   if (E.gateBias) for (let i = 0; i < g.length; i++) g[i] = fr(g[i] + E.gateBias[i % nff]);
   if (E.upBias) for (let i = 0; i < u.length; i++) u[i] = fr(u[i] + E.upBias[i % nff]);
-  const h = new Float32Array(g.length);
-  if (E.glu === "swiglu_oai") {
-    for (let i = 0; i < h.length; i++) {
-      const a = Math.min(g[i], SWIGLU_OAI_LIMIT), b = Math.max(-SWIGLU_OAI_LIMIT, Math.min(u[i], SWIGLU_OAI_LIMIT));
-      h[i] = fr(fr(a / (1 + Math.exp(SWIGLU_OAI_ALPHA * -a))) * fr(b + 1));
-    }
-  } else {
-    for (let i = 0; i < h.length; i++) h[i] = fr(fr(g[i] / (1 + Math.exp(-g[i]))) * u[i]);
-  }
+  const h = E.glu === "swiglu_oai" ? swigluOai(g, u, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT) : swiglu(g, u, nff);
   const y = matmul(E.down, h, n), ne = E.down.ne1;
   if (E.downBias) for (let i = 0; i < y.length; i++) y[i] = fr(y[i] + E.downBias[i % ne]);
   return y;
