@@ -59,8 +59,9 @@ def register(sub) -> None:
                    "shares this machine's cores with the backbone and the workers)")
     add_connection_flags(p)
     p.add_argument("--secure", nargs="?", const="", default=None, metavar="DIR",
-                   help="embedded server only: one identity per node (kvasir creds) in DIR (default: a "
-                   "temporary one), anonymous connections refused, each role only its own rights")
+                   help="embedded server only: one identity per node (kvasir creds init: an operator, an "
+                   "account, a user JWT per role and worker) in DIR (default: a temporary one), anonymous "
+                   "connections refused, each role only its own rights")
     p.add_argument("--prompt", metavar="TEXT", default=None, help="generate from this prompt, then exit")
     p.add_argument("-n", type=int, default=32, metavar="N", help="tokens to generate (default 32)")
     p.add_argument("--check", action="store_true",
@@ -386,10 +387,12 @@ class _MarketProcess:
 
 
 def _secure_deployment(directory: Path, n_workers: int) -> dict[str, str]:
-    """``kvasir creds init`` for a local swarm (any free port); role/worker name -> file."""
+    """``kvasir creds init`` for a local swarm (any free port): NATS decentralised auth, an
+    operator, an account and one user JWT per role and worker, as ``kvasir creds init`` writes
+    by default (so ``kvasir enrol DIR`` can admit volunteers to it); role/worker name -> file."""
     from kvasir_bus import creds
 
-    dep = creds.init(directory, "127.0.0.1:0", [f"worker-{i}" for i in range(n_workers)])
+    dep = creds.init(directory, "127.0.0.1:0", [f"worker-{i}" for i in range(n_workers)], auth="jwt")
     files = {i.name: str(directory / f"{i.name}.creds") for i in dep.identities}
     files["nats.conf"] = str(directory / "nats.conf")
     return files

@@ -32,8 +32,15 @@ def test_up_secure_runs_every_role_under_its_own_identity(model, tmp_path):
     paid = {n["node"]: n["rows"] for n in result["rewards"]["nodes"]}
     assert paid == {name: w["rows"] for name, w in result["workers"].items()}
     assert "permissions violation" not in proc.stderr.lower()
+    # the JWT deployment of `kvasir creds init`: the server trusts the operator, users are JWTs
+    from kvasir_bus import creds as creds_mod, jwt
+
+    dep = creds_mod.load(creds)
+    assert dep.auth == "jwt" and {"worker-0", "worker-1"} <= dep.names()
     conf = (creds / "accounts.conf").read_text()
-    assert "worker-0" in conf and "no_auth_user" not in conf
+    assert "operator:" in conf and "resolver" in conf and "no_auth_user" not in conf
     assert sorted(p.name for p in creds.glob("*.creds")) == [
         "backbone.creds", "market.creds", "observer.creds", "operator.creds", "worker-0.creds",
         "worker-1.creds"]
+    w0 = jwt.decode(jwt.read_creds_jwt(creds / "worker-0.creds"))
+    assert w0["name"] == "worker-0" and w0["iss"] == creds_mod.account_public(creds)
