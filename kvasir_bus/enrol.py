@@ -17,7 +17,7 @@ The flow (msgpack maps, one request/reply each):
 2. ``join`` ``{"v": 1, "token": JWT or absent, "nonce", "key": user nkey public, "box": X25519
    public key (32 bytes), "sig": ed25519 signature by "key" over JOIN_CONTEXT || nonce || box}``
    -> ``{"name", "jwt", "exp", "reply_key": sealed box}``. Checked in order of cost: size, nonce
-   MAC and age, nonce unused, rate limits (per token, then per service), the token's signature
+   MAC and age, nonce unused, rate limits (per source, per token, then per service), the token's signature
    (cached), the key's own signature, the revocation list. The JWT is a worker's rights
    (:func:`kvasir_bus.creds.permissions`) for node name ``v<12 characters of the key>``, the same
    name on every renewal, expiring after ``ttl_s``; ``reply_key`` (sealed to "box", only the
@@ -31,6 +31,11 @@ A quarantine verdict (``kvasir.*.quarantine``, signed by the deployment's backbo
 enrolled node revokes its key in the account and pushes the account JWT to the server
 (``$SYS.REQ.CLAIMS.UPDATE``): the server drops the connection and refuses the key from then on,
 and a closed token that enrolled it is banned too (its holder cannot mint a fresh key with it).
+The service then publishes the revocation on ``kvasir._enrol.revoked`` and answers
+``kvasir._enrol.revocations`` with the most recent (a market lists them in its status).
+
+The same hello and join run over HTTP(S) with ``--http`` (:mod:`kvasir_bus.enrol_http`); a
+source is there the peer's address, here the sender's inbox (:meth:`EnrolService.bus_source`).
 """
 
 from __future__ import annotations
