@@ -27,7 +27,7 @@ const ui = {};
 const S = window.kvasir = {
   state: "starting", error: "", model: "", node: "", holdings: [], assignedBytes: 0,
   headerBytes: 0, slabBytes: 0, served: 0, rows: 0, computeMs: 0, reward: 0, creditedRows: 0,
-  quarantined: false, errors: 0, lying: false, log: [],
+  auditsPassed: 0, auditsFailed: 0, auditsKnown: false, quarantined: false, errors: 0, lying: false, log: [],
 };
 
 function show() {
@@ -38,10 +38,13 @@ function show() {
   ui.rows.textContent = `${S.rows} rows in ${S.served} calls`;
   ui.speed.textContent = rate ? `${rate.toFixed(1)} rows/s (${KERNEL})` : "-";
   ui.reward.textContent = `${S.reward.toFixed(4)} (${S.creditedRows} rows credited)`;
-  // What a tab can know of its audits: a failed one is announced (kvasir.<model>.quarantine);
-  // passed ones are not sent to workers, so the page shows what the ledger credits instead.
-  ui.audits.textContent = S.quarantined ? "FAILED: quarantined by the backbone (its replies are no longer used)" :
-    `none failed (no quarantine of this tab announced); ${S.creditedRows} of its rows credited by the ledger`;
+  // The backbones report every audit they judge, passed or failed, in their signed routing
+  // statistics; the market adds them up per node (its status' audits), and a failed one is also
+  // announced at once (kvasir.<model>.quarantine).
+  const counts = `audits passed: ${S.auditsPassed}, failed: ${S.auditsFailed}`;
+  ui.audits.textContent = S.quarantined ? `FAILED: quarantined by the backbone (its replies are no longer used); ${counts}` :
+    S.auditsKnown ? `${counts} (counted by the market from the backbones' reports)` :
+    `${counts} (no audit of this tab reported yet)`;
   if (S.lying) ui.audits.textContent += " [TEST MODE: this tab corrupts its replies]";
   ui.error.textContent = S.error; ui.error.hidden = !S.error;
 }
@@ -299,6 +302,10 @@ async function main() {
       const st = await request(nc, `${root}.market.status`, new Uint8Array(0), 3000);
       const mine = (st.totals || []).find((t) => t[0] === node);
       if (mine) { S.creditedRows = mine[2]; S.reward = mine[3]; }
+      const audits = Array.isArray(st.audits) ? st.audits.find((a) => Array.isArray(a) && a[0] === node) : null;
+      if (audits && Number.isSafeInteger(audits[1]) && Number.isSafeInteger(audits[2])) {
+        S.auditsPassed = audits[1]; S.auditsFailed = audits[2]; S.auditsKnown = true;
+      }
       show();
     } catch { /* the market may be restarting */ }
   }, 2000);

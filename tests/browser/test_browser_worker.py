@@ -18,178 +18,83 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
+import re
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from backbone.audit import AuditConfig, Auditor
-from backbone.dispatch import DispatchConfig
-from backbone.generate import generate
 from backbone.model import Engine
-from backbone.sampling import Sampler, SamplerConfig
-from backbone.service import BackboneConfig, BackboneService
-from backbone.weights_http import WORKER_DIR, WeightsServer
-from kvasir_bus import market_codec as mc
-from kvasir_bus.connect import connect
-from kvasir_bus.fingerprint import model_fingerprint
-from kvasir_bus.loopthread import LoopThread
-from kvasir_bus.server import EmbeddedNats
-from kvasir_bus.subjects import Subjects
+from backbone.weights_http import WeightsServer
 from launch.swarm import spawn_worker, wait_for_nodes
-from market.service import Market, MarketConfig
+from tests.browser import harness
+from tests.browser.harness import RANGE, first_difference, run, wait_until
 
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
 
-RANGE = 4  # experts per range: 2 layers x 8 experts = 4 ranges
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / "docs" / "browser-worker.png"
 
 
-def _browser_paths() -> tuple[str, str]:
+def Tabs() -> harness.Tabs:
     try:
-        import selenium  # noqa: F401
-    except ImportError:
-        pytest.skip("selenium is not installed (pip install selenium; .ci/run does)")
-    browser = next(filter(None, map(shutil.which, ("chromium", "chromium-browser"))), None)
-    driver = shutil.which("chromedriver")
-    if not browser or not driver:
-        pytest.skip("no chromium/chromedriver on PATH (apt-get install chromium chromium-driver; .ci/run does)")
-    if not os.path.isfile(os.path.join(WORKER_DIR, "worker.js")):
-        pytest.skip("the browser worker is not built (make install runs `npm ci` and browser/build.mjs; needs npm)")
-    return browser, driver
-
-
-class Tabs:
-    """One headless Chromium; each tab a volunteer."""
-
-    def __init__(self) -> None:
-        path, driver_path = _browser_paths()
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-
-        opts = webdriver.ChromeOptions()
-        opts.binary_location = path
-        for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                    "--window-size=1000,720"):
-            opts.add_argument(arg)
-        self.driver = webdriver.Chrome(service=Service(driver_path), options=opts)
-        self.handles: dict[str, str] = {}
-        self.home = self.driver.current_window_handle  # kept open: closing the last tab ends the session
-
-    def open(self, url: str, node: str) -> None:
-        d = self.driver
-        d.switch_to.new_window("tab")
-        d.get(url)
-        self.handles[node] = d.current_window_handle
-
-    def state(self, node: str) -> dict:
-        self.driver.switch_to.window(self.handles[node])
-        return self.driver.execute_script("return window.kvasir") or {"state": "not loaded"}
-
-    def close(self, node: str) -> None:
-        self.driver.switch_to.window(self.handles.pop(node))
-        self.driver.close()
-        self.driver.switch_to.window(self.home)
-
-    def quit(self) -> None:
-        self.driver.quit()
-
-
-def wait_until(predicate, timeout=60.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+        return harness.Tabs()
+    except harness.Missing as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from synth.model import synth_model
-
-    path = tmp_path_factory.mktemp("browser") / "tiny-q4k.gguf"
-    return synth_model(path, arch="qwen3moe", preset="tiny", qtype="q4_k", seed=7)
+    return harness.tiny_model(tmp_path_factory.mktemp("browser"))
 
 
 @pytest.fixture(scope="module")
 def swarm(model, tmp_path_factory):
     """nats-server (with WebSocket), a market, and a backbone serving its weights and manifest."""
-    tmp = tmp_path_factory.mktemp("browser-swarm")
-    server = EmbeddedNats(port=0, websocket_port=0).start()
-    fp = model_fingerprint(Engine(model).reader)
-    bus = LoopThread("browser-market")
-
-    async def start_market():
-        nc = await connect(server.url, "market")
-        cfg = MarketConfig(db_path=str(tmp / "ledger.db"), expiry_s=2.0, assign_grace_s=30.0,
-                           range_experts=RANGE, demand_interval_s=0.5, models=(fp,))
-        return nc, await Market(nc, cfg).start()
-    nc, market = bus.run(start_market(), timeout=30)
-    engine = Engine(model)
-    cfg = BackboneConfig(model_path=str(model), nats_url=server.url, serve_weights="127.0.0.1:0",
-                         market_interval_s=0.2, dispatch=DispatchConfig(timeout_s=10.0))
-    backbone = BackboneService(engine, cfg).start()
+    s = harness.Swarm(model, tmp_path_factory.mktemp("browser-swarm"))
     try:
-        wait_until(lambda: bus.run(_status(market, fp), timeout=10) is not None, 30, "the market to know the model")
-        yield {"server": server, "fp": fp, "engine": engine, "backbone": backbone, "market": market,
-               "bus": bus, "model": model, "tmp": tmp}
+        yield {"server": s.server, "fp": s.fp, "engine": s.engine, "backbone": s.backbone, "market": s.market,
+               "bus": s.bus, "model": model, "tmp": s.tmp, "swarm": s}
     finally:
-        backbone.stop()
-
-        async def stop():
-            await market.stop()
-            await nc.drain()
-        bus.run(stop(), timeout=20)
-        bus.stop()
-        server.stop()
+        s.stop()
 
 
-async def _status(market, fp):
-    try:
-        return await market.status(fp)
-    except Exception:
-        return None
+def _status(swarm):
+    return swarm["swarm"].status()
 
 
 def page_url(swarm, node: str, budget: int) -> str:
-    w = swarm["backbone"].weights
-    return f"http://127.0.0.1:{w.port}/worker?nats={swarm['server'].websocket_url}&budget={budget}&node={node}"
-
-
-def run(engine, prompt, n, dispatch: DispatchConfig | None = None):
-    gen = generate(engine, prompt, n, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
-    return gen.tokens, gen.logits_array()
+    return swarm["swarm"].page_url(node, budget)
 
 
 def same_as_monolithic(tokens, logits, mono_tokens, mono_logits, n_prompt: int, what: str) -> None:
     """The tokens equal the monolithic run's, or differ from a token where the monolithic run's
-    top two logits were a near tie (within 0.5 %). ``logits`` has a row per token of the whole
-    sequence (prompt first): generated token ``i`` is chosen from row ``n_prompt - 1 + i``.
+    top two logits were a near tie (within 0.5 %).
 
     Why they may differ: the tab computes the numpy worker's bits (tests/browser/test_kernel_node),
     up to ~5e-7 relative from ggml's, the backbone's kernel; its unaudited replies (9 in 10 after
     probation) are used as they are. Such a difference can move a router's top-k choice in a
     later layer, which moves the logits by far more, and that flips a greedy choice where the
     monolithic top two are that close: on this model and prompt (deterministic mode) token 60,
-    whose top two are 5.597520 and 5.593394 (0.074 % apart). Audits cannot catch it: the reply is
-    right within any tolerance a cross-kernel audit can use."""
-    same = next((i for i, (a, b) in enumerate(zip(tokens, mono_tokens)) if a != b), len(tokens))
-    if same == len(tokens):
-        print(f"{what}: {same} of {same} tokens equal the monolithic run's")
+    whose top two are 5.597520 and 5.593394 (0.074 % apart). How often, measured over fresh
+    generations: ``bench/browser_audit.py`` (README, "Join from a browser"). Audits cannot catch
+    it: the reply is right within any tolerance a cross-kernel audit can use."""
+    d = first_difference(tokens, logits, mono_tokens, mono_logits, n_prompt)
+    if d.same:
+        print(f"{what}: {d.n} of {d.n} tokens equal the monolithic run's")
         return
-    row = n_prompt - 1 + same
-    top = np.sort(mono_logits[row])[::-1]
-    delta = np.abs(logits[:row + 1] - mono_logits[:row + 1]).max(axis=-1)
-    print(f"{what}: tokens equal the monolithic run's for {same} of {len(tokens)}; at {same} the monolithic "
-          f"top-2 logits were {top[0]:.6f} and {top[1]:.6f}; max |logit delta| before it {delta[:row].max():.3g}, "
-          f"at it {delta[row]:.3g}")
-    assert top[0] - top[1] < 5e-3 * abs(top[0]), (what, same, top[:2])
+    print(f"{what}: tokens equal the monolithic run's for {d.at} of {d.n}; at {d.at} the monolithic "
+          f"top-2 logits were {d.top[0]:.6f} and {d.top[1]:.6f}; max |logit delta| before it {d.delta_before:.3g}, "
+          f"at it {d.delta_at:.3g}")
+    assert d.top2_gap < 5e-3, (what, d)
+
+
+def audits_shown(tabs, node: str) -> tuple[int, int] | None:
+    """The audits passed and failed the tab's page shows, as a person reads them."""
+    m = re.search(r"audits passed: (\d+), failed: (\d+)", tabs.text(node, "audits"))
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
@@ -234,7 +139,7 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
         asyncio.run(wait_for_nodes(swarm["server"].url, fp, {"py-0"}, procs=[proc], timeout=120))
 
         def covered():
-            status = swarm["bus"].run(_status(swarm["market"], fp), timeout=10)
+            status = _status(swarm)
             nodes = {n.node: n for n in status.nodes}
             held = {(h.layer, e) for n in nodes.values() for h in n.holdings for e in range(h.lo, h.hi)}
             full = {(layer, e) for layer in manifest.moe_layers for e in range(manifest.n_expert)}
@@ -256,6 +161,16 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
         assert all(served_tabs.values()), served_tabs
         print("audit 1:", after.remote - before.remote, "remote calls; rows served by the tabs:", served_tabs)
 
+        # The page counts its audits passed: the backbone reports each it judged (routing
+        # statistics), the market adds them up, the page reads its own from the market's status.
+        link = backbone.market_link
+        for node in ("tab-a", "tab-b"):
+            audited = link.audited(node)
+            assert audited[0] > 0 and audited[1] == 0, (node, audited)
+            wait_until(lambda: audits_shown(tabs, node) == audited, 30, f"{node}'s page to show {audited} audits")
+            assert (tabs.state(node)["auditsPassed"], tabs.state(node)["auditsFailed"]) == audited
+        print("audits passed, as the pages show them:", {n: audits_shown(tabs, n) for n in ("tab-a", "tab-b")})
+
         # The default audit: probation, then sampled; an honest tab is never quarantined over 64 tokens.
         for node in ("tab-a", "tab-b"):
             assert not strict.is_quarantined(node), node
@@ -273,8 +188,8 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
             assert not tabs.state(node)["quarantined"]
         errors = [tabs.state(n)["errors"] for n in ("tab-a", "tab-b")]
         assert errors == [0, 0], errors
-        text = tabs.driver.find_element("id", "audits").text
-        assert text.startswith("none failed"), text
+        text = tabs.text("tab-a", "audits")
+        assert re.match(r"audits passed: [1-9]\d*, failed: 0 ", text), text
 
         # The page as a person sees it.
         tabs.driver.switch_to.window(tabs.handles["tab-a"])
@@ -348,7 +263,7 @@ def test_a_lying_tab_is_quarantined_and_changes_no_token(swarm):
         assert st["state"] == "serving" and st["lying"] is True, st
 
         def listed():
-            status = swarm["bus"].run(_status(swarm["market"], fp), timeout=10)
+            status = _status(swarm)
             return any(n.node == "tab-liar" and n.holdings for n in status.nodes)
         wait_until(listed, 30, "the market to list the lying tab")
         assert remote.auditor.cfg.rate < 1.0  # the default audit: probation, then sampled
@@ -358,8 +273,12 @@ def test_a_lying_tab_is_quarantined_and_changes_no_token(swarm):
         assert tokens == mono_tokens and np.array_equal(logits, mono_logits)
         st = wait_until(lambda: (s := tabs.state("tab-liar"))["quarantined"] and s, 30, "the page to hear its quarantine")
         tabs.driver.switch_to.window(tabs.handles["tab-liar"])
-        text = tabs.driver.find_element("id", "audits").text
+        text = tabs.text("tab-liar", "audits")
         assert text.startswith("FAILED"), text
-        print("lying tab: quarantined after", st["served"], "calls; page says:", text)
+        # and its failed audit is counted: the page shows what the backbone judged
+        failed = backbone.market_link.audited("tab-liar")
+        assert failed[1] >= 1, failed
+        wait_until(lambda: audits_shown(tabs, "tab-liar") == failed, 30, "the liar's page to count its failure")
+        print("lying tab: quarantined after", st["served"], "calls; page says:", tabs.text("tab-liar", "audits"))
     finally:
         tabs.quit()
