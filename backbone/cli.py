@@ -209,7 +209,7 @@ def cmd_serve_http(args) -> int:
 
     server_cfg = http_config(args)  # flags checked before the model is read
     check_ctx(args.ctx)
-    apply_kernel_flags(args)
+    apply_kernel_flags(args, share=True)
     if not getattr(args, "nats", None):
         configure("info")
         engine = Engine(args.model, n_ctx=args.ctx)  # validates the file first
@@ -305,7 +305,7 @@ def cmd_generate(args) -> int:
     cfg = backbone_config(args)  # flags checked before the model is read
     from kernels.backend import apply_kernel_flags
 
-    apply_kernel_flags(args)
+    apply_kernel_flags(args, share=True)
     engine = Engine(cfg.model_path, n_ctx=cfg.n_ctx, wire_dtype=cfg.wire_dtype)  # validates the file first
     check_ctx(args.ctx, engine)
     tok = Tokenizer(args.model)

@@ -329,10 +329,12 @@ def _threads_setting() -> int:
     return n_threads()
 
 
-def apply_kernel_flags(args, *, local_processes: int = 1) -> None:
+def apply_kernel_flags(args, *, local_processes: int = 1, share: bool = False) -> None:
     """Apply ``--deterministic`` / ``--threads`` before anything loads ggml. Without
     ``--deterministic`` the mode is left to env KVASIR_KERNEL_MODE (default fast); without
-    ``--threads`` and KVASIR_THREADS the cores are split over ``local_processes``."""
+    ``--threads`` and KVASIR_THREADS the cores are split over ``local_processes``, and with
+    ``share`` (the serving commands) this process then keeps its threads at the cores the
+    machine's other processes leave free (``kvasir_bus.threads.share_cores``)."""
     from kvasir_bus.errors import UsageError
 
     try:
@@ -347,6 +349,8 @@ def apply_kernel_flags(args, *, local_processes: int = 1) -> None:
             threads.set_threads(n)
         elif not os.environ.get(threads.ENV_THREADS) and local_processes > 1:
             threads.set_threads(threads.default_threads(local_processes))
+        elif share:
+            threads.share_cores()  # a KVASIR_THREADS set by hand wins (share_cores does nothing)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

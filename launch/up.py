@@ -124,7 +124,7 @@ def cmd_serve(args) -> int:
 
     configure("info")
     cfg = BackboneConfig.from_args(args)
-    apply_kernel_flags(args)
+    apply_kernel_flags(args, share=True)
     engine = Engine(cfg.model_path)
     # Until serving, SIGTERM/SIGINT abandon the start (connecting to an unreachable bus, say)
     # and exit 0; once serving, _wait_for_interrupt turns them into a drained stop.
@@ -177,7 +177,7 @@ def cmd_up(args) -> int:
             raise UsageError("--http serves until Ctrl-C; leave out --prompt")
         http = http_config(args)
     # The workers started here inherit the mode and share the cores with the backbone.
-    apply_kernel_flags(args, local_processes=args.workers + 1)
+    apply_kernel_flags(args, local_processes=args.workers + 1, share=True)
     engine = Engine(cfg.model_path, n_ctx=cfg.n_ctx)
     fp = model_fingerprint(engine.reader)
     ranges = split_experts(engine.cfg.n_expert, args.workers) if args.workers else []

@@ -79,3 +79,33 @@ def test_an_oversubscribed_node_says_so_in_its_heartbeat_and_kvasir_status_shows
     assert st.nodes[0].oversubscribed and status_json(st)["nodes"][0]["oversubscribed"]
     assert "[cores oversubscribed]" in status_text(st)
     assert "oversubscribed" not in status_text(status(False))
+
+
+def test_threads_fit_the_cores_other_processes_leave_free():
+    assert threads.free_threads(2, None) == 2  # unknown: every core
+    assert threads.free_threads(2, 0.1) == 2  # a little background costs nothing
+    assert threads.free_threads(2, 0.8) == 1  # a busy neighbour: one thread, not a stalled team
+    assert threads.free_threads(2, 5.0) == 1  # at least one
+    assert threads.free_threads(16, 3.5) == 12
+
+
+def test_cpu_use_counts_other_processes_busy_time_not_this_ones(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def write(busy_s: float, idle_s: float) -> None:  # user nice system idle iowait irq softirq steal
+        stat.write_text(f"cpu  {int(busy_s * tick)} 0 0 {int(idle_s * tick)} 0 0 0 0 0 0\ncpu0 0\n")
+
+    clock = iter([100.0, 101.0, 101.01, 102.01])
+    own = iter([10.0, 10.5, 10.5, 10.5])  # this process: half a core in the first second
+    monkeypatch.setattr("time.monotonic", lambda: next(clock))
+    monkeypatch.setattr(os, "times", lambda: os.times_result((next(own), 0.0, 0.0, 0.0, 0.0)))
+    write(1000.0, 5000.0)
+    use = threads.CpuUse(str(stat))
+    write(1001.7, 5000.3)  # 1.7 s busy in 1 s of wall time, 0.5 s of it ours
+    assert abs(use.others() - 1.2) < 0.02
+    write(1001.7, 5000.3)
+    assert use.others() is None  # 10 ms: too short a window to say
+    write(1002.7, 5001.3)  # 1 s busy in the next second, none of it ours
+    assert abs(use.others() - 1.0) < 0.02
+    assert threads.CpuUse(str(tmp_path / "absent")).others() is None
