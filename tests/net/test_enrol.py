@@ -154,3 +154,31 @@ def test_quarantine_revokes_the_key_drops_the_connection_and_the_token_is_banned
             await bb.close()
             await svc.stop()
         arun(go(), timeout=30)
+
+
+def test_on_the_bus_a_source_is_its_inbox_and_a_flood_from_one_holds_up_no_other(dep, arun):
+    """Hellos and joins are limited per sender inbox (``_INBOX_<its key>``, the only one it can
+    read): one token holder flooding hellos is refused while another still gets a nonce and
+    enrols; a flood of joins under one inbox stops at that source's burst."""
+    with EmbeddedNats(config=dep / "nats.conf", port=None, host=None) as server:
+        async def go():
+            svc = await _service(dep, server.url, per_source_rate=0.001, per_source_burst=2,
+                                 per_token_burst=100)
+            flooder = await enrol.guest_connect(server.url, enrol.make_token(dep))
+            hellos = [msgpack.unpackb((await flooder.request(subjects.ENROL_HELLO, b"\x80")).data)
+                      for _ in range(25)]  # 10x the joins' burst, then refused
+            assert all("nonce" in h for h in hellos[:20]), hellos[:20]
+            assert [h.get("error") for h in hellos[20:]] == ["rate_limited"] * 5
+            assert (await enrol.enrol(server.url, enrol.make_token(dep))).name  # another source
+            # joins: the flooder's inbox may make 2, then it is refused before any signature check
+            import nkeys
+            results = []
+            for h in hellos[:4]:
+                seed, key = jwt.new_keypair("user")
+                req = {"v": 1, "nonce": h["nonce"], "key": key, "box": b"b" * 32, "token": "x" * 10,
+                       "sig": nkeys.from_seed(bytearray(seed)).sign(enrol.JOIN_CONTEXT + h["nonce"] + b"b" * 32)}
+                results.append(msgpack.unpackb((await flooder.request(subjects.ENROL_JOIN, msgpack.packb(req))).data))
+            assert [r["error"] for r in results] == ["bad_token", "bad_token", "rate_limited", "rate_limited"]
+            await flooder.close()
+            await svc.stop()
+        arun(go(), timeout=30)

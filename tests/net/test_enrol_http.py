@@ -14,7 +14,7 @@ import pytest
 
 from kvasir_bus import creds, enrol, jwt
 from kvasir_bus.server import EmbeddedNats
-from tests.net.enrol_procs import enrol_service, tls_files
+from tests.net.enrol_procs import enrol_service, kvasir, tls_files
 
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("trustme")
@@ -145,3 +145,17 @@ def _json(body: dict) -> bytes:
     import json
 
     return json.dumps(body).encode()
+
+
+def test_bad_enrolment_flags_and_links_are_one_line_and_exit_2(dep, tmp_path):
+    cases = [
+        (["enrol", dep, "--tls-cert", tmp_path / "none.pem"], "go with --http"),
+        (["enrol", dep, "--http", "nowhere"], "expected HOST:PORT"),
+        (["enrol", dep, "--http", "127.0.0.1:0", "--tls-cert", tmp_path / "none.pem", "--tls-key", tmp_path / "k"],
+         "no such file"),
+        (["enrol", dep, "--token", "--url", "https://host:8443/enrol?x=1"], "expected https://HOST:PORT/enrol"),
+        (["worker", "--enrol", "ftp://host/enrol#T", "--slice", tmp_path / "s.gguf"], "scheme 'ftp'"),
+    ]
+    for argv, says in cases:
+        out = kvasir(*argv, timeout=60)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and says in out.stderr, (argv, out.stderr)

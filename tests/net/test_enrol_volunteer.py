@@ -18,7 +18,7 @@ import pytest
 
 from kvasir_bus import creds, enrol
 from kvasir_bus.server import EmbeddedNats
-from tests.net.enrol_procs import clean_env, enrol_service, market, tls_files
+from tests.net.enrol_procs import clean_env, enrol_service, kvasir, market, tls_files
 
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
 
@@ -73,7 +73,10 @@ def test_kvasir_worker_enrol_budget_source_serves_bit_identical(over, model, tmp
             cfg = BackboneConfig(model_path=engine.path, nats_url=url, serve_weights="127.0.0.1:0",
                                  tokens=(TOKEN,), market_interval_s=0.2)
             with BackboneService(engine, cfg) as backbone:
-                link = f"{base or url}#{enrol.make_token(dep)}"  # all the volunteer is given
+                made = kvasir("enrol", dep, "--token", "--url", base or url)  # the operator's join link
+                assert made.returncode == 0, made.stderr
+                link = made.stdout.strip()  # all the volunteer is given
+                assert link.startswith(f"{base or url}#")
                 log = tmp_path / "worker.log"
                 worker = subprocess.Popen(
                     [sys.executable, "-m", "kvasir_bus.cli", "worker", "--enrol", link, "--budget", "340MB",
