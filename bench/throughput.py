@@ -57,8 +57,12 @@ from synth.model import synth_model  # noqa: E402
 from bench import record  # noqa: E402
 
 
-def prompts(n: int, length: int) -> list[list[int]]:
-    rng = np.random.default_rng(0)
+def prompts(n: int, length: int, salt: int = 1) -> list[list[int]]:
+    """``n`` prompts of ``length`` tokens, the same for every server (seeded by ``salt``, ``n``
+    and ``length``), different between concurrencies and from the warm-up's (``salt`` 0): a
+    server that keeps finished prompts' caches (llama-server's ``cache_prompt``, on by default)
+    would otherwise answer a repeated prompt from its cache and time no prefill at all."""
+    rng = np.random.default_rng([salt, n, length])
     return [rng.integers(0, 256, length).tolist() for _ in range(n)]
 
 
@@ -286,7 +290,7 @@ def run_sharded(path: Path, n_workers: int, rtt_ms: float, args, threads: int | 
         try:
             asyncio.run(wait_for_nodes(nats.url, fp, {w.node for w in workers}, procs=workers, timeout=300))
             proc, url = start_server(path, max_active=top, threads=threads, nats=nats.url)
-            asyncio.run(run_clients(url, prompts(1, args.prompt_tokens), 2))  # warm up
+            asyncio.run(run_clients(url, prompts(1, args.prompt_tokens, salt=0), 2))  # warm up
             for c in args.concurrency:
                 res = asyncio.run(run_clients(url, prompts(c, args.prompt_tokens), args.tokens))
                 if rtt_ms:
@@ -337,7 +341,7 @@ def run_handstarted(path: Path, args) -> dict:
                 asyncio.run(wait_for_nodes(nats.url, fp, {w.node for w in workers}, procs=workers, timeout=300))
                 proc, url = start_server(path, max_active=max(args.hand_concurrency), threads=None, nats=nats.url)
                 time.sleep(2.5)  # a worker re-counts its machine's kvasir processes every 2 s: the server too
-                asyncio.run(run_clients(url, prompts(1, args.prompt_tokens), 2))  # warm up
+                asyncio.run(run_clients(url, prompts(1, args.prompt_tokens, salt=0), 2))  # warm up
                 for c in args.hand_concurrency:
                     res = asyncio.run(run_clients(url, prompts(c, args.prompt_tokens), args.tokens))
                     rows.append({"concurrency": c, **res})
@@ -528,7 +532,7 @@ def run_llama_server(path: Path, args, n_ctx: int, threads: int, out: dict) -> N
                            "flags": f"-np {args.llama_slots} -c {n_ctx} -t {threads} -tb {threads}"}
     by_c = {r["concurrency"]: r for r in out["results"]}
     try:
-        asyncio.run(run_clients(url, prompts(1, args.prompt_tokens), 2))  # warm up, as ours
+        asyncio.run(run_clients(url, prompts(1, args.prompt_tokens, salt=0), 2))  # warm up, as ours
         for c in args.concurrency:
             theirs = asyncio.run(run_clients(url, prompts(c, args.prompt_tokens), args.tokens))
             row = by_c.setdefault(c, {"concurrency": c})
@@ -622,8 +626,8 @@ def run_local(path: Path, args, top: int, n_ctx: int, threads: int, out: dict) -
     proc, url = start_server(path, max_active=top, threads=args.threads)
     ref = LlamaBatched(path, n_seq=top, n_ctx=n_ctx, threads=threads)
     try:
-        asyncio.run(run_clients(url, prompts(1, args.prompt_tokens), 2))  # warm up both
-        ref.run(prompts(1, args.prompt_tokens), 2)
+        asyncio.run(run_clients(url, prompts(1, args.prompt_tokens, salt=0), 2))  # warm up both
+        ref.run(prompts(1, args.prompt_tokens, salt=0), 2)
         for c in args.concurrency:
             batch = prompts(c, args.prompt_tokens)
             ours = asyncio.run(run_clients(url, batch, args.tokens))
@@ -679,7 +683,7 @@ class Swarm:
 
     def serve(self, max_active: int, extra: list[str]) -> tuple[subprocess.Popen, str]:
         proc, url = start_server(self.path, max_active=max_active, threads=None, nats=self.nats.url, extra=extra)
-        asyncio.run(run_clients(url, prompts(1, 16), 2))  # warm up
+        asyncio.run(run_clients(url, prompts(1, 16, salt=0), 2))  # warm up
         return proc, url
 
     def worker_cpu_s(self) -> float:
