@@ -183,7 +183,8 @@ async def _ask_market(nc, subjects: Subjects, model: str, cfg: VolunteerConfig,
                               "a market on this bus") from None
         except (asyncio.TimeoutError, nats.errors.TimeoutError):
             raise KvasirError(f"no market answers for model {model}: {subject} got no reply within "
-                              f"{cfg.request_timeout_s:g} s") from None
+                              f"{cfg.request_timeout_s:g} s (under creds written before volunteer "
+                              "subjects named the node, the server refuses it: kvasir creds refresh DIR)") from None
         try:
             reply = market_codec.decode_volunteer_reply(msg.data)
         except CodecError as exc:
