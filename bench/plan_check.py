@@ -54,7 +54,11 @@ REDUCED_GRID = [
 def calibrate(model: Path, out: Path, quick: bool) -> None:
     # --deterministic: the servers below run so (bench/throughput.py's start_server), and so must
     # the profile's engine.
-    cmd = [sys.executable, "-m", "planner", "calibrate", "--model", str(model), "-o", str(out), "--deterministic"]
+    # --threads: the backbone's, as `kvasir serve` runs beside the grid's workers: its share of the
+    # cores between the kvasir processes here (kvasir_bus.threads.CoreShare), with one worker at least.
+    share = max(1, (os.cpu_count() or 1) // 2)
+    cmd = [sys.executable, "-m", "planner", "calibrate", "--model", str(model), "-o", str(out), "--deterministic",
+           "--threads", str(share)]
     subprocess.run(cmd + (["--quick"] if quick else []), check=True, stdout=subprocess.DEVNULL,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
 
