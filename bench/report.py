@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import record  # noqa: E402
 
 REPO = record.REPO
-TARGETS = {"README.md": ("headline",), "docs/benchmarks.md": ("results", "runs")}
+TARGETS = {"README.md": ("headline", "browser_audit"), "docs/benchmarks.md": ("results", "runs")}
 MARK = re.compile(r"(<!-- report:(?P<name>[a-z_]+) begin -->\n)(?P<body>.*?)(<!-- report:(?P=name) end -->)", re.S)
 
 
@@ -191,6 +191,49 @@ def render_browser(rec: dict) -> list[str]:
             "", provenance(rec)]
 
 
+def pct(v) -> str:
+    """A relative gap this script prints as a percentage (three significant digits)."""
+    return "-" if v is None else f"{100 * v:.3g} %"
+
+
+def browser_audit_sentence(rec: dict) -> str:
+    """What the saved run says of default-audit generations with tabs against the monolithic run."""
+    res = rec["result"]
+    runs, k, audit = res.get("runs"), res.get("runs_differing"), res.get("audit", {})
+    at = ", ".join(str(t) for t in res.get("first_differences_at", []))
+    closest = min((m.get("min_top2_gap") for m in res.get("monolithic", []) if m.get("min_top2_gap") is not None),
+                  default=None)
+    differ = (f"none differed from the monolithic run's tokens" if not k else
+              f"{num(k)} differed from the monolithic run's tokens, first at token {at}, where the monolithic top two "
+              f"logits were at most {pct(res.get('max_mono_top2_gap_at_difference'))} apart")
+    quarantined = "no tab was quarantined" if not res.get("runs_quarantined") else \
+        f"a tab was quarantined in {num(res.get('runs_quarantined'))} runs"
+    return (f"Measured (`bench/browser_audit.py`): {num(runs)} generations of {num(res.get('tokens'))} tokens, each "
+            f"with a fresh default audit (rate {num(audit.get('rate'))}, probation {num(audit.get('probation'))}), "
+            f"{num(res.get('tabs'))} tabs and a Python worker, {num(res.get('prompts'))} prompts: {differ}; the "
+            f"monolithic top two logits come within {pct(closest)} at the prompts' closest token, and in "
+            f"{num(res.get('runs_same_tokens_logits_moved_over_1e-3'))} runs the logits moved by over 1e-3 with the "
+            f"tokens equal; {quarantined}; {num(res.get('computed_on_backbone'))} calls fell "
+            f"back to the backbone after a timeout. The test accepts a first difference only where the monolithic "
+            f"top two are within {pct(res.get('test_tolerance'))}.")
+
+
+def render_browser_audit(rec: dict) -> list[str]:
+    res = rec["result"]
+    rows = [[num(m.get("seed")), num(m.get("runs")), num(m.get("runs_differing")), pct(m.get("min_top2_gap")),
+             num(m.get("min_top2_gap_at")), num(m.get("tokens_within_tolerance"))] for m in res.get("monolithic", [])]
+    return [browser_audit_sentence(rec), "",
+            *table(["prompt seed", "runs", "runs differing", "monolithic smallest top-2 gap", "at token",
+                    f"tokens within {pct(res.get('test_tolerance'))}"], rows), "", provenance(rec)]
+
+
+def render_browser_audit_readme(records: list[dict]) -> str:
+    rec = latest(records, "browser_audit")
+    if rec is None:
+        return ""
+    return "\n".join([browser_audit_sentence(rec), f"({when(rec)}, commit {rec.get('commit', {}).get('sha')}.)", ""])
+
+
 def render_engine(rec: dict) -> list[str]:
     rows = []
     for m in rec["result"].get("results", []):
@@ -284,6 +327,8 @@ SECTIONS = [
     ("A remote call's round trip against raw NATS (`bench/nats_rtt.py`)", "nats_rtt", None, render_nats_rtt),
     ("Expert kernel against raw ggml (`bench/kernel.py`)", "kernel", None, render_kernel),
     ("Browser worker kernels (`bench/browser_kernel.py`)", "browser_kernel", None, render_browser),
+    ("Browser tabs under the default audit against the monolithic run (`bench/browser_audit.py`)", "browser_audit",
+     None, render_browser_audit),
     ("The market's ledger at size (`bench/ledger.py`)", "ledger", None, render_ledger),
     ("An honest numpy worker against ggml: the audit's bounds (`bench/kernel_gap.py`)", "kernel_gap", None,
      render_kernel_gap),
@@ -368,7 +413,8 @@ def render_headline(records: list[dict]) -> str:
                              align="|---|---|--:|---|---|"), ""])
 
 
-RENDER = {"headline": render_headline, "results": render_results, "runs": render_runs}
+RENDER = {"headline": render_headline, "results": render_results, "runs": render_runs,
+          "browser_audit": render_browser_audit_readme}
 
 
 def rewrite(text: str, names: tuple[str, ...], records: list[dict], path: str) -> str:
