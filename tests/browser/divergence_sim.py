@@ -7,9 +7,8 @@ hold all of layer 0, and after probation about 9 in 10 of their replies are used
 the same model, prompt and kernel mode (deterministic, as tests/conftest.py sets) run 64 greedy
 tokens with each layer-0 expert call computed by numpy with probability ``--unaudited`` (else by
 ggml), and each run prints where its tokens first differ from the monolithic run's and the
-largest logit change. Measured: in 3 of 30 runs token 60 differs (its monolithic top two are
-0.074 % apart); the others equal, most with a logit change of ~0.07 somewhere (a router top-k
-choice in layer 1 moved), far above the ~4e-6 of the replies themselves.
+largest logit change. The same question with real tabs, saved and rendered in the README:
+``bench/browser_audit.py``.
 """
 
 from __future__ import annotations
