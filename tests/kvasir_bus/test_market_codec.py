@@ -494,3 +494,20 @@ def test_transient_refusals_are_retried_and_final_ones_are_not():
     for code in ("no_fit", "bad_request", "wrong_model", "unknown_model"):
         assert not mc.should_retry(ErrorReply("", "market", code, "no"))
     assert not mc.should_retry(LedgerAck("b", 1, 0))
+
+
+def test_revocations_are_bounded_one_line_records_and_ride_in_the_market_status():
+    key = "U" + "C" * 55
+    rv = mc.Revocation("vabcdefgh2345", key, 5.0, "quarantined: layer 0 expert 1 failed an audit", "m1")
+    st = status(revoked=(rv,))
+    assert mc.decode_status_reply(st.encode()).revoked == (rv,)
+    assert "revoked" not in msgpack.unpackb(status().encode())  # absent: the bytes of a status without
+    for bad in (dict(key="N" + "C" * 55), dict(key=key[:-1]), dict(why="two\nlines"), dict(why="x" * 201),
+                dict(node="a.b"), dict(at=float("nan")), dict(model="m.1")):
+        fields = {"node": "vabcdefgh2345", "key": key, "at": 5.0, "why": "w", **bad}
+        with pytest.raises(CodecError):
+            mc.Revocation(**fields)
+    with pytest.raises(CodecError, match="max 64"):
+        mc.RevocationList((rv,) * 65)
+    with pytest.raises(CodecError):
+        mc.decode_revocation_list(msgpack.packb({"v": 1, "t": "rl", "revoked": [{"node": "x"}]}))

@@ -37,6 +37,8 @@ def one_of_each() -> list[Record]:
         mc.Quarantine(FP, "w-1", 3, 7, "numpy-x86_64", True, float("inf"), 1.0),
         status(),
         mc.MarketOverview(1.0, (status(),)),
+        mc.Revocation("vabcdefgh2345", "U" + "A" * 55, 1.0, "quarantined: layer 0 expert 1", FP),
+        mc.RevocationList((mc.Revocation("vabcdefgh2345", "U" + "B" * 55, 2.0, "by hand"),)),
         gc.GenerateRequest("g-1", (1, 2, 3), "", 8),
         gc.GenerateToken("g-1", 0, 42, "hi"),
         gc.GenerateDone("g-1", "bb", "length", 3, 8),
