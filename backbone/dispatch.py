@@ -71,7 +71,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import structlog
 
-from backbone.audit import AuditConfig, Auditor, relative_error, replies_agree, rerun_backend
+from backbone.audit import AuditConfig, Auditor, relative_error, replies_agree, rerun_backend, rerun_rows
 from backbone.coverage_view import CoverageView
 from backbone.dispatch_stats import DispatchStats, LayerStats
 from kvasir_bus import codec, lane, market_codec
@@ -846,9 +846,17 @@ class RemoteExperts:
             how = self._reruns[key] = rerun_backend(*key)
         backend, exact = how
         whole = part.rows == slice(0, len(rows))
-        ref = reference[part.rows] if whole and backend == self.local.backend else \
-            self.local.compute(layer, expert, rows[part.rows], backend=backend)
-        passed = self.auditor.judge(part.node, part.out, ref, exact=exact, weight_type=self.local.weight_type(layer))
+        chunk = rerun_rows(part.kernel, self.local.backend)  # > 0: a -det worker, rerun in its kernel's chunks
+        if chunk:
+            mine = rows[part.rows]
+            ref = np.concatenate([self.local.compute(layer, expert, mine[i:i + chunk], backend=backend)
+                                  for i in range(0, len(mine), chunk)])
+        elif whole and backend == self.local.backend:
+            ref = reference[part.rows]
+        else:
+            ref = self.local.compute(layer, expert, rows[part.rows], backend=backend)
+        passed = self.auditor.judge(part.node, part.out, ref, exact=exact, weight_type=self.local.weight_type(layer),
+                                    kernel=part.kernel)
         if self.recorder is not None:  # the market counts every node's audits, passes too
             self.recorder.record_audit(part.node, passed)
         if passed:

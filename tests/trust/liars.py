@@ -52,11 +52,13 @@ class BusLiar:
     """Answers every expert of the model (per expert and, with ``bundles``, in bundles)."""
 
     def __init__(self, model_path, url: str, lie, node: str = "liar", *, bundles: bool = True,
-                 heartbeat_s: float = 0.2):
+                 heartbeat_s: float = 0.2, kernel: str | None = None, backend: str | None = None):
         self.engine, self.url, self.lie, self.node = Engine(model_path), url, lie, node
         self.model = model_fingerprint(self.engine.reader)
         self.subjects = Subjects(self.model)
         self.bundles, self.heartbeat_s = bundles, heartbeat_s
+        self.kernel = kernel or kernel_label()  # what it announces (None: the backbone's own kernel)
+        self.backend = backend  # what its honest answer is computed with (None: this process's default)
         self.sent = 0  # replies (calls answered)
         self.lies = 0
         self.first_lie_at: float | None = None
@@ -84,7 +86,7 @@ class BusLiar:
         cfg = self.engine.cfg
         return codec.Heartbeat(model=self.model, node=self.node,
                                holdings=tuple(Holding(layer, 0, cfg.n_expert) for layer in range(cfg.n_layer)),
-                               budget_bytes=0, load=0.0, served=self.sent, version="0", kernel=kernel_label(),
+                               budget_bytes=0, load=0.0, served=self.sent, version="0", kernel=self.kernel,
                                sent_at=time.time(), bundles=self.bundles)
 
     async def _heartbeats(self) -> None:
@@ -113,7 +115,8 @@ class BusLiar:
 
     def _out(self, layer: int, expert: int, rows: np.ndarray) -> np.ndarray:
         if getattr(self.lie, "needs_honest", False):
-            honest = expert_ffn(*self.engine.weights.expert(layer, expert), rows.astype(np.float32), routed=True)
+            honest = expert_ffn(*self.engine.weights.expert(layer, expert), rows.astype(np.float32), routed=True,
+                                backend=self.backend)
         else:
             honest = np.full((len(rows), self.engine.cfg.n_embd), np.nan, np.float32)  # never equal: a lie
         out = np.ascontiguousarray(self.lie(honest, layer, self.sent), dtype=np.float32)
@@ -127,12 +130,12 @@ class BusLiar:
     async def _answer(self, msg) -> None:
         req = codec.decode_request(msg.data)
         out = self._out(parse_dispatch(msg.subject).layer, req.expert, req.rows)
-        reply = codec.DispatchReply(request_id=req.request_id, node=self.node, rows=out, kernel=kernel_label())
+        reply = codec.DispatchReply(request_id=req.request_id, node=self.node, rows=out, kernel=self.kernel)
         await self.nc.publish(msg.reply, reply.encode())
 
     async def _answer_bundle(self, msg) -> None:
         bundle = codec.decode_bundle(msg.data)
         outs = [self._out(bundle.layer, expert, bundle.rows[bundle.call_index(i)])
                 for i, expert in enumerate(bundle.experts)]
-        payload = codec.BundleReplyEncoder(self.node, kernel_label()).encode_answers(bundle, np.concatenate(outs))
+        payload = codec.BundleReplyEncoder(self.node, self.kernel).encode_answers(bundle, np.concatenate(outs))
         await self.nc.publish(msg.reply, payload)

@@ -1,0 +1,144 @@
+"""A liar at honest x (1 + 1e-3) is caught whatever kernel it announces that the backbone can rerun.
+
+How an audit compares depends on the kernel label a worker announces (backbone/audit.py):
+
+* identical bits for a kernel the backbone computes on its own CPU architecture: its own ggml
+  label (``-repack`` or not: routed experts run the plain layout either way), ``-det`` from a
+  fast-mode backbone (recomputed 7 rows at a time, which gives the deterministic mode's bits),
+  and ``numpy-<its arch>``;
+* NUMPY_TOLERANCE (1e-5) against the backbone's numpy for the numpy kernel of another CPU and
+  the browser's (``numpy-aarch64`` on x86, ``js-wasm32``, ``js-scalar``): they compute the numpy
+  kernel's function;
+* the weight type's cross-kernel bound (1e-2 quantized) for anything else: ggml of another CPU,
+  a GPU kernel, and, for a deterministic-mode backbone, ggml's fast mode (whose tiled kernel it
+  cannot run). There the same liar passes: the last test pins that limit, which the docs state.
+
+The end-to-end cases put a liar on a real bus, announcing the label and answering every expert
+with its honest output (computed with the kernel it claims) times 1 + 1e-3, alone with a fresh
+backbone (this process's kernel mode) that audits every reply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from backbone.audit import DET_CHUNK_ROWS, NUMPY_TOLERANCE, AuditConfig, bound, rerun_backend, rerun_rows
+from backbone.dispatch import DispatchConfig
+from backbone.generate import generate
+from backbone.model import Engine
+from backbone.sampling import Sampler, SamplerConfig
+from backbone.service import BackboneConfig, BackboneService
+from kernels.backend import kernel_label, kernel_mode
+from tests.trust import liars
+
+pytest.importorskip("llama_cpp", reason="the backbone's kernel and the synthetic models need llama.cpp")
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = platform.machine()
+OTHER = "aarch64" if HERE != "aarch64" else "x86_64"
+FAST = kernel_label("ggml", HERE, "fast", repack=False)
+REPACK = kernel_label("ggml", HERE, "fast", repack=True)
+DET = kernel_label("ggml", HERE, "deterministic")
+NUMPY_LIKE = (kernel_label("numpy", OTHER), "js-wasm32", "js-scalar")
+ELSEWHERE = (kernel_label("ggml", OTHER, "fast", repack=False), "cuda-sm90")
+Q4_K = int(T.Q4_K)
+
+
+def expected(mode: str) -> dict[str, tuple[str, bool, float]]:
+    """label -> (rerun with, bits demanded, bound when not) for a ggml backbone in ``mode``."""
+    own = {FAST, REPACK, DET} if mode == "fast" else {DET}
+    table = {label: ("ggml", True, 0.0) for label in own}
+    table[kernel_label("numpy", HERE)] = ("numpy", True, 0.0)
+    table.update({label: ("numpy", False, NUMPY_TOLERANCE) for label in NUMPY_LIKE})
+    table.update({label: ("ggml", False, 1e-2) for label in (*ELSEWHERE, *({FAST, REPACK} - own))})
+    return table
+
+
+@pytest.mark.parametrize("mode", ["fast", "deterministic"])
+def test_every_label_names_its_rerun_and_its_bound(mode):
+    for label, (backend, exact, limit) in expected(mode).items():
+        assert rerun_backend(label, "ggml", machine=HERE, mode=mode) == (backend, exact), label
+        if not exact:
+            assert bound(label, Q4_K) == limit, label
+    assert NUMPY_TOLERANCE * 10 <= 1e-3  # the liar at 1e-3 is at least 10x above the numpy bound
+    assert rerun_rows(DET, "ggml", machine=HERE, mode="fast") == DET_CHUNK_ROWS
+    assert rerun_rows(DET, "ggml", machine=HERE, mode="deterministic") == 0
+
+
+def test_a_deterministic_workers_bits_are_the_fast_modes_in_chunks_of_seven_rows(tmp_path):
+    """What makes ``-det`` rerunnable by a fast backbone: every type, 40 rows, both modes in a
+    child process each (ggml reads its mode once, as it loads)."""
+    script = (
+        "import sys, json, numpy as np; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/bench']\n"
+        "from gguf import GGMLQuantizationType as T\n"
+        "from kernel_gap import make_expert, TYPES\n"
+        "from kernels.backend import get_backend\n"
+        "g = get_backend('ggml'); chunk = int(sys.argv[3])\n"
+        "for t in TYPES:\n"
+        "    ex = make_expert(T[t], 512, 256, 0)\n"
+        "    x = np.random.default_rng(1).standard_normal((40, 512)).astype(np.float32)\n"
+        "    y = np.concatenate([g.expert_ffn(*ex, x[i:i + chunk], routed=True) for i in range(0, 40, chunk)])\n"
+        "    y.tofile(sys.argv[2] + '/' + t)\n")
+    out = {}
+    for mode, chunk in (("deterministic", 40), ("fast", DET_CHUNK_ROWS)):
+        d = tmp_path / mode
+        d.mkdir()
+        env = {**os.environ, "KVASIR_KERNEL_MODE": mode}
+        subprocess.run([sys.executable, "-c", script, str(ROOT), str(d), str(chunk)], env=env, check=True,
+                       timeout=300)
+        out[mode] = d
+    for t in json.loads(json.dumps(["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])):
+        det = np.fromfile(out["deterministic"] / t, dtype=np.float32)
+        assert np.array_equal(det, np.fromfile(out["fast"] / t, dtype=np.float32)), t
+
+
+@pytest.fixture(scope="module")
+def model(models):
+    return models("qwen3moe", "q4_k")
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    return np.random.default_rng(9).integers(0, Engine(model).cfg.n_vocab, 8).tolist()
+
+
+def run_with_liar(model, url, prompt, label: str, backend: str):
+    engine = Engine(model)
+    cfg = BackboneConfig(model_path=str(model), nats_url=url, market=False, serve_manifest=False,
+                         dispatch=DispatchConfig(audit=AuditConfig(rate=1.0), bundles=False))
+    with liars.BusLiar(model, url, liars.scaled, node="liar", bundles=False, kernel=label, backend=backend) as liar:
+        with BackboneService(engine, cfg) as backbone:  # per-expert requests: the liar answers them all
+            generate(engine, prompt, 2, Sampler(SamplerConfig()), stop_on_eos=False)
+            stats = backbone.stats.to_dict()
+    return liar, stats
+
+
+OWN = expected(kernel_mode())  # this process is the backbone: its mode decides what it can rerun
+# the liar computes its honest answer in this process too: a fast-mode label it can only claim
+RERUN = sorted(label for label, (_, exact, limit) in OWN.items() if exact or limit == NUMPY_TOLERANCE)
+FOREIGN = sorted(label for label, (_, exact, limit) in OWN.items() if not exact and limit != NUMPY_TOLERANCE)
+
+
+@pytest.mark.parametrize("label", RERUN)
+def test_a_liar_at_one_in_a_thousand_is_caught_under_a_kernel_the_backbone_reruns(label, model, prompt,
+                                                                                 nats_server):
+    liar, stats = run_with_liar(model, nats_server.url, prompt, label, OWN[label][0])
+    assert liar.sent > 0
+    assert stats["quarantined"] == ["liar"], stats
+    assert stats["audit_failures"] >= 1
+
+
+@pytest.mark.parametrize("label", FOREIGN)
+def test_under_a_kernel_the_backbone_cannot_rerun_the_same_liar_passes(label, model, prompt, nats_server):
+    liar, stats = run_with_liar(model, nats_server.url, prompt, label, "ggml")
+    assert liar.sent > 0 and stats["audits"] > 0
+    assert stats["quarantined"] == [], stats
