@@ -603,16 +603,21 @@ def register(subparsers) -> None:
         "nonce) and gets a worker JWT for its own node name, bundle subject and inbox, expiring "
         "after --ttl, which it renews while serving. No server reload, no file copied. A node "
         "the backbone quarantines (a signed verdict) has its key revoked: the server drops it "
-        "and refuses it. --token prints a join link (nats://HOST:PORT#TOKEN) and exits.",
+        "and refuses it. --token prints a join link (nats://HOST:PORT#TOKEN) and exits. With --http "
+        "the same flow runs over HTTP(S) as well (join links https://HOST:PORT/enrol#TOKEN).",
         epilog="examples: kvasir enrol /etc/kvasir --token --url nats://bus.example:4222\n"
         "          kvasir enrol /etc/kvasir --nats nats://127.0.0.1:4222 --open\n"
+        "          kvasir enrol /etc/kvasir --http 0.0.0.0:8443 --tls-cert fullchain.pem --tls-key privkey.pem "
+        "--bus-url tls://bus.example:4222\n"
+        "          kvasir enrol /etc/kvasir --token --url https://enrol.example:8443/enrol\n"
         "          kvasir worker --enrol 'nats://bus.example:4222#eyJ0...' --budget 340MB --source URL",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", metavar="DIR", help="a JWT deployment (kvasir creds init)")
     p.add_argument("--nats", metavar="URL", default=None, help="the bus (default $NATS_URL)")
     p.add_argument("--token", action="store_true", help="print a new enrolment link and exit")
     p.add_argument("--url", metavar="URL", default=None,
-                   help="with --token: the bus URL volunteers dial (default --nats)")
+                   help="with --token: the URL volunteers enrol at, a bus URL or an HTTPS one "
+                   "(https://HOST:PORT/enrol; default --nats)")
     p.add_argument("--token-days", type=float, default=7.0, metavar="D",
                    help="with --token: days the token stays valid (default 7)")
     p.add_argument("--open", action="store_true",
@@ -689,7 +694,10 @@ def cmd_enrol(args) -> int:
                 except OSError as exc:
                     raise KvasirError(f"--http {args.http}: cannot listen: {exc.strerror or exc}") from None
                 scheme = "https" if ssl_context is not None else "http"
-                print(f"enrolment over {scheme}: {scheme}://{listen[0]}:{port}{HTTP_PATH}", file=sys.stderr, flush=True)
+                where = f"{scheme}://{listen[0]}:{port}{HTTP_PATH}"
+                print(f"enrolment over {scheme}: {where}", file=sys.stderr, flush=True)
+                if args.open:
+                    print(f"open join link: {where}#{make_token(args.dir, open_=True)}", file=sys.stderr, flush=True)
             await stop.wait()
         finally:
             await service.stop()
