@@ -352,7 +352,13 @@ class EnrolService:
         holder = token or f"renew:{key}"
         if not self.per_source.take(source):
             raise EnrolError("rate_limited", "too many joins from this source")
-        if not self.per_token.take(hashlib.sha256(holder.encode()).hexdigest()):
+        # An open token is everyone's: over HTTP(S), where each address is a source of its own,
+        # one address must not spend it for all (the per-source and service-wide limits bound it).
+        # On the bus its holders share one inbox, so there per token is per source anyway.
+        seen = self._tokens.get(token) if token is not None else None
+        everyone = seen is not None and OPEN_TAG in seen.get("nats", {}).get("tags", []) \
+            and source.startswith("http:")
+        if not everyone and not self.per_token.take(hashlib.sha256(holder.encode()).hexdigest()):
             raise EnrolError("rate_limited", "too many joins for this token")
         if not self.all.take():
             raise EnrolError("rate_limited", "the service is busy")

@@ -42,14 +42,19 @@ def _join_body(nonce_b64: str, token: str | None, seed=None, sign_with=None) -> 
     return body
 
 
-def test_a_flood_from_one_source_is_429_while_another_enrols_and_bad_requests_are_4xx(dep, tmp_path):
+@pytest.mark.parametrize("link", ["closed", "open"])
+def test_a_flood_from_one_source_is_429_while_another_enrols_and_bad_requests_are_4xx(link, dep, tmp_path):
+    """A closed token is limited per token too (20 at once here); the open one is everyone's,
+    so over HTTPS only per address (its per-token limit, 1 here, would let one address lock
+    everyone out)."""
     (cert, key), ca = tls_files(tmp_path)
     ctx = ssl.create_default_context(cafile=ca)
-    token = enrol.make_token(dep)
+    token = enrol.make_token(dep, open_=link == "open")
+    extra = ["--open", "--per-token-rate", "0.1"] if link == "open" else []
     with EmbeddedNats(config=dep / "nats.conf", port=None, host=None) as server:
-        # a burst of 4 joins per source, refilled at 0.4 per second; per token: 20
+        # a burst of 4 joins per source, refilled at 0.4 per second
         svc, base = enrol_service(dep, server.url, tmp_path / "enrol.log", "--per-source-rate", "0.4",
-                                  http=True, tls=(cert, key))
+                                  *extra, http=True, tls=(cert, key))
         try:
             assert base.startswith("https://127.0.0.1:") and base.endswith("/enrol")
 
