@@ -21,8 +21,8 @@ Rights (:func:`permissions`) follow the message flow of :mod:`kvasir_bus.subject
 
 - worker W: subscribe to dispatch subjects, its own bundle subject ``kvasir.*.n.W`` (no other
   node's) and its own inbox; publish heartbeats only as ``kvasir.*.coverage.W``, volunteer
-  requests only as ``kvasir.*.market.volunteer.W``, requests for the manifest; answer the
-  requests it receives
+  requests only as ``kvasir.*.market.volunteer.W``, its own report only as
+  ``kvasir.*.market.node.W``, requests for the manifest; answer the requests it receives
   (``allow_responses``), nothing else;
 - backbone: the only publisher of dispatch (per expert, and bundles to ``kvasir.*.n.*``),
   routing and ledger; answers manifest requests;
@@ -124,7 +124,8 @@ def permissions(role: str, name: str, public_key: str, client_keys: tuple[str, .
     inbox = f"{inbox_prefix_for(public_key)}.>"
     if role == "worker":  # an enrolled worker renews its identity over its own connection
         return {"publish": {"allow": [f"{_P}.*.coverage.{subjects.check_node(name)}",
-                                      f"{_P}.*.market.volunteer.{name}", f"{_P}.*.manifest",
+                                      f"{_P}.*.market.volunteer.{name}", f"{_P}.*.market.node.{name}",
+                                      f"{_P}.*.manifest",
                                       subjects.ENROL_HELLO, subjects.ENROL_JOIN]},
                 "subscribe": {"allow": [_DISPATCH, f"{_P}.*.n.{subjects.check_node(name)}", inbox,
                                         *service_subjects(role)]},
@@ -146,7 +147,7 @@ def permissions(role: str, name: str, public_key: str, client_keys: tuple[str, .
                                       *_JS_MARKET]},
                 "subscribe": {"allow": [subjects.ALL_COVERAGE, subjects.ALL_ROUTING,
                                         subjects.ALL_LEDGER, subjects.ALL_VOLUNTEER,
-                                        subjects.ALL_VOLUNTEER_NODES, subjects.ENROL_REVOKED,
+                                        subjects.ALL_VOLUNTEER_NODES, subjects.ALL_NODE_REPORTS, subjects.ENROL_REVOKED,
                                         subjects.ALL_STATUS, subjects.MARKET_OVERVIEW, inbox,
                                         *service_subjects(role)]},
                 "allow_responses": True}

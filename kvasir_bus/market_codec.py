@@ -17,6 +17,7 @@ Messages (``t``), with the subject each travels on (``M`` = model fingerprint):
 * ``la`` :class:`LedgerAck`        market -> backbone, the reply (or an ``e`` ErrorReply)
 * ``ms`` :class:`MarketStatus`     market -> anyone, reply on ``kvasir.M.market.status``
 * ``mo`` :class:`MarketOverview`   market -> anyone, reply on ``kvasir._market.status``
+* ``nr`` :class:`NodeReport`       market -> a node, reply on ``kvasir.M.market.node.NODE``
 * ``rv`` :class:`Revocation`       enrolment service -> market on ``kvasir._enrol.revoked``
 * ``rl`` :class:`RevocationList`   enrolment service -> market, reply on ``kvasir._enrol.revocations``
 * ``e``  :class:`~kvasir_bus.wire.ErrorReply` for refusals
@@ -1104,8 +1105,53 @@ class MarketOverview(Record):
         return {"Kvasir-Models": str(len(self.models))}
 
 
+@record
+@dataclass(frozen=True)
+class NodeReport(Record):
+    """What the market holds of one node of ``model``: the ledger's credit (``events``,
+    ``rows``, ``reward``), the audits the backbones reported of its replies (``audits_passed``,
+    ``audits_failed``) and whether it is quarantined: a few dozen bytes, so a worker (a browser
+    tab) can ask for its own every few seconds without fetching the whole market status."""
+
+    kind: ClassVar[str] = "nr"
+    what: ClassVar[str] = "node report"
+
+    model: str
+    node: str
+    market: str
+    sent_at: float
+    events: int
+    rows: int
+    reward: float
+    audits_passed: int
+    audits_failed: int
+    quarantined: bool
+
+    def __post_init__(self) -> None:
+        r = self.what
+        s = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        s("model", check_model(r, self.model))
+        s("node", check_node(r, "node", self.node))
+        s("market", check_node(r, "market", self.market))
+        s("sent_at", check_float(r, "sent_at", self.sent_at))
+        for name in ("events", "rows", "audits_passed", "audits_failed"):
+            s(name, check_int(r, name, getattr(self, name), 0, (1 << 63) - 1))
+        s("reward", check_float(r, "reward", self.reward))
+        s("quarantined", check_bool(r, "quarantined", self.quarantined))
+
+    def body(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> NodeReport:
+        return cls(**{f.name: need(body, cls.what, f.name) for f in fields(cls)})
+
+    def headers(self) -> dict[str, str]:
+        return {"Kvasir-Market": self.market, "Kvasir-Node": self.node}
+
+
 Message = Union[Manifest, VolunteerRequest, Assignment, RoutingStats, DemandMap, LedgerBatch,
-                LedgerAck, MarketStatus, MarketOverview, ErrorReply]
+                LedgerAck, MarketStatus, MarketOverview, NodeReport, ErrorReply]
 
 
 def _entry_list(entries) -> list[list]:
@@ -1160,6 +1206,11 @@ def decode_ledger_reply(data: bytes, *,
     ErrorReply (``no_manifest``, ``warming_up``, ``internal``; ``bad_request`` only for a
     batch that could never be stored) the batch is not stored: keep it and send it again."""
     return decode(data, ("la", "e"), "ledger reply", max_bytes=max_bytes)
+
+
+def decode_node_report_reply(data: bytes, *, max_bytes: int = 64 * 1024) -> NodeReport | ErrorReply:
+    """The market's answer on ``kvasir.<model>.market.node.<node>``."""
+    return decode(data, ("nr", "e"), "node report reply", max_bytes=max_bytes)
 
 
 def decode_status_reply(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES

@@ -16,6 +16,8 @@ Layout (``<model>`` is the model fingerprint, see :mod:`kvasir_bus.fingerprint`)
     kvasir.<model>.ledger                contribution events, request/reply (acked batches)
     kvasir.<model>.manifest              request/reply: the backbone answers with the Manifest
     kvasir.<model>.market.status         request/reply: the market's view of one model
+    kvasir.<model>.market.node.<node>    request/reply: what the market holds of one node
+                                         (credit, audits, quarantine): a worker asks for its own
     kvasir._market.status                request/reply: the market's view of every model
 
 The market serves every model at once, so it subscribes to the ``ALL_*`` wildcards below
@@ -49,6 +51,9 @@ ALL_VOLUNTEER = f"{PREFIX}.*.market.volunteer"
 #: publish only on its own (:func:`kvasir_bus.creds.permissions`), so the server vouches for it.
 ALL_VOLUNTEER_NODES = f"{PREFIX}.*.market.volunteer.*"
 ALL_STATUS = f"{PREFIX}.*.market.status"
+#: A node's own report (credit, audits, quarantine), the node in the subject: under ``kvasir
+#: creds`` a worker may ask only for its own (:func:`kvasir_bus.creds.permissions`).
+ALL_NODE_REPORTS = f"{PREFIX}.*.market.node.*"
 ALL_QUARANTINE = f"{PREFIX}.*.quarantine"
 #: Every worker's bundle subject of every model (what a backbone may publish to).
 ALL_NODES = f"{PREFIX}.*.n.*"
@@ -190,6 +195,10 @@ class Subjects:
         """``kvasir.<model>.market.status``: request/reply, the market's view of this model."""
         return f"{self.root}.market.status"
 
+    def node_report(self, node: str) -> str:
+        """``kvasir.<model>.market.node.<node>``: request/reply, what the market holds of one node."""
+        return f"{self.root}.market.node.{check_node(node)}"
+
     def generate(self) -> str:
         """``kvasir.<model>.generate``: request in, tokens streamed to the reply inbox; every
         backbone of the model answers in one queue group (:mod:`kvasir_bus.generate_codec`)."""
@@ -252,6 +261,17 @@ def volunteer_node(subject: str) -> str | None:
     try:
         check_model(parts[1])
         return check_node(parts[4]) if len(parts) == 5 else None
+    except ValueError as exc:
+        raise ValueError(f"subject {subject!r}: {exc}") from None
+
+
+def parse_node_report(subject: str) -> tuple[str, str]:
+    """``kvasir.<model>.market.node.<node>`` -> (model, node); ValueError for anything else."""
+    parts = subject.split(".") if isinstance(subject, str) else []
+    if len(parts) != 5 or parts[0] != PREFIX or parts[2:4] != ["market", "node"]:
+        raise ValueError(f"subject {subject!r} is not a node report subject ({PREFIX}.<model>.market.node.<node>)")
+    try:
+        return check_model(parts[1]), check_node(parts[4])
     except ValueError as exc:
         raise ValueError(f"subject {subject!r}: {exc}") from None
 

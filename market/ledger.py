@@ -355,6 +355,16 @@ class Ledger:
             self._db.execute("DELETE FROM audits WHERE model = ? AND node IN (SELECT node FROM audits WHERE "
                              "model = ? ORDER BY seq, node LIMIT ?)", (model, model, n - keep))
 
+    def node(self, model: str, node: str) -> tuple[NodeTotals, NodeAudits]:
+        """One node's running totals and audit counts (zeros when it has none): two lookups by key."""
+        got = self._db.execute("SELECT sum(events), sum(rows), sum(reward) FROM node_totals WHERE model = ? AND "
+                               "node = ?", (model, node)).fetchone() if self._has("node_totals") else None
+        events, rows, reward = got if got and got[0] is not None else (0, 0, 0.0)
+        audited = self._db.execute("SELECT passed, failed FROM audits WHERE model = ? AND node = ?",
+                                   (model, node)).fetchone() if self._has("audits") else None
+        return (NodeTotals(node, int(events), int(rows or 0), max(0.0, float(reward or 0.0))),
+                NodeAudits(node, *(map(int, audited) if audited else (0, 0))))
+
     def audits(self, model: str, limit: int = MAX_NODES) -> list[NodeAudits]:
         """Audits passed and failed per node of ``model``, the most recently audited first."""
         if not self._has("audits"):  # a read-only file from before audit counts

@@ -14,6 +14,8 @@
 ``kvasir._enrol.revoked``          with ``revocations``: the enrolment service's revocations
                                    (listed in status; asked for at start)
 ``kvasir.*.market.status``         request: -> MarketStatus of that model
+``kvasir.*.market.node.*``         request: -> NodeReport of that node (its credit, audits and
+                                   quarantine: what a worker shows of itself)
 ``kvasir._market.status``          request: -> MarketOverview of every model
 stream ``KVASIR_LEDGER``           durable consumer: routing (the bound, and the audits each
                                    node passed and failed), LedgerBatch (the credit),
@@ -268,10 +270,11 @@ class Market:
                     ("volunteer", subjects.ALL_VOLUNTEER, self._on_volunteer),
                     ("volunteer-node", subjects.ALL_VOLUNTEER_NODES, self._on_volunteer),
                     ("status", subjects.ALL_STATUS, self._on_status),
+                    ("node", subjects.ALL_NODE_REPORTS, self._on_node_report),
                     ("overview", subjects.MARKET_OVERVIEW, self._on_overview)):
                 tally = self.tallies[name] = micro.Tally()
                 served.append(micro.Served(name, wildcard, stats=lambda t=tally: t))
-                if name in ("status", "overview"):
+                if name in ("status", "node", "overview"):
                     continue  # on the status connection, below
                 limits = SUB_LIMITS if handler in (self._on_heartbeat, self._on_routing) \
                     else REQUEST_LIMITS  # a backlog a flood fills is dropped, never the probe behind it
@@ -342,6 +345,8 @@ class Market:
         self._status_subs = [
             await snc.subscribe(subjects.ALL_STATUS, cb=self._guard(self._on_status, self.tallies["status"]), **limits),
             await snc.subscribe(subjects.MARKET_OVERVIEW, cb=self._guard(self._on_overview, self.tallies["overview"]),
+                                **limits),
+            await snc.subscribe(subjects.ALL_NODE_REPORTS, cb=self._guard(self._on_node_report, self.tallies["node"]),
                                 **limits)]
         await snc.flush()
 
@@ -421,7 +426,8 @@ class Market:
     def _replier(self, msg: Any) -> Any:
         """The connection a request came in on answers it: under per-identity permissions
         (``allow_responses``) only that one may publish to its reply subject."""
-        status = msg.subject == subjects.MARKET_OVERVIEW or msg.subject.endswith(".market.status")
+        status = msg.subject == subjects.MARKET_OVERVIEW or msg.subject.endswith(".market.status") \
+            or ".market.node." in msg.subject
         return self._status_nc if status and self._status_nc is not None else self.nc
 
     async def _reply(self, msg: Any, record: Any) -> None:
@@ -990,6 +996,27 @@ class Market:
                                     f"{', '.join(sorted(self.models)[:20]) or 'none'}")
             return
         await self._reply_cached(msg, model)
+
+    async def _on_node_report(self, msg: Any) -> None:
+        """``kvasir.<model>.market.node.<node>``: that node's credit, audits and quarantine, two
+        key lookups in the ledger file (a tab asks every few seconds; a status would be the
+        whole swarm). Rate-limited per sender as status is."""
+        if not msg.reply or not self.limits.allow(self._sender(msg)):
+            return
+        try:
+            model, node = subjects.parse_node_report(msg.subject)
+        except ValueError as exc:
+            await self._reply_error(msg, mc.ERR_BAD_REQUEST, str(exc))
+            return
+        ms = self.models.get(model)
+        if ms is None:
+            await self._reply_error(msg, mc.ERR_UNKNOWN_MODEL, f"the market knows no model {model}")
+            return
+        totals, audits = await self._db(self.ledger.node, model, node)
+        await self._reply(msg, mc.NodeReport(
+            model=model, node=node, market=self.cfg.node, sent_at=self.clock(), events=totals.events,
+            rows=totals.rows, reward=totals.reward, audits_passed=audits.passed, audits_failed=audits.failed,
+            quarantined=node in ms.coverage.banned))
 
     async def _on_overview(self, msg: Any) -> None:
         if not msg.reply or not self.limits.allow(self._sender(msg)):

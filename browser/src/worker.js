@@ -38,8 +38,8 @@ function show() {
   ui.rows.textContent = `${S.rows} rows in ${S.served} calls`;
   ui.speed.textContent = rate ? `${rate.toFixed(1)} rows/s (${KERNEL})` : "-";
   ui.reward.textContent = `${S.reward.toFixed(4)} (${S.creditedRows} rows credited)`;
-  // The backbones report every audit they judge, passed or failed, in their signed routing
-  // statistics; the market adds them up per node (its status' audits), and a failed one is also
+  // The backbones report every audit they judge, passed or failed, in their routing statistics;
+  // the market adds them up per node (this tab's node report), and a failed one is also
   // announced at once (kvasir.<model>.quarantine).
   const counts = `audits passed: ${S.auditsPassed}, failed: ${S.auditsFailed}`;
   ui.audits.textContent = S.quarantined ? `FAILED: quarantined by the backbone (its replies are no longer used); ${counts}` :
@@ -297,14 +297,15 @@ async function main() {
   heartbeat();
   S.state = "serving"; show(); say(`serving ${experts.size} experts`);
   const beat = setInterval(heartbeat, 2000);
-  const status = setInterval(async () => {
+  // What the market holds of this tab (credit, audits, quarantine): its own node report, a few
+  // dozen bytes (docs/protocol.md), the one market subject a worker may ask under kvasir creds.
+  const report = setInterval(async () => {
     try {
-      const st = await request(nc, `${root}.market.status`, new Uint8Array(0), 3000);
-      const mine = (st.totals || []).find((t) => t[0] === node);
-      if (mine) { S.creditedRows = mine[2]; S.reward = mine[3]; }
-      const audits = Array.isArray(st.audits) ? st.audits.find((a) => Array.isArray(a) && a[0] === node) : null;
-      if (audits && Number.isSafeInteger(audits[1]) && Number.isSafeInteger(audits[2])) {
-        S.auditsPassed = audits[1]; S.auditsFailed = audits[2]; S.auditsKnown = true;
+      const r = await request(nc, `${root}.market.node.${node}`, new Uint8Array(0), 3000);
+      if (r.t === "nr" && r.node === node && [r.rows, r.audits_passed, r.audits_failed].every(Number.isSafeInteger)) {
+        S.creditedRows = r.rows; S.reward = Number(r.reward) || 0;
+        S.auditsPassed = r.audits_passed; S.auditsFailed = r.audits_failed; S.auditsKnown = true;
+        if (r.quarantined === true) S.quarantined = true;
       }
       show();
     } catch { /* the market may be restarting */ }
@@ -313,7 +314,7 @@ async function main() {
   let stopped = false;
   const leave = async (why) => {
     if (stopped) return; stopped = true;
-    clearInterval(beat); clearInterval(status);
+    clearInterval(beat); clearInterval(report);
     for (const s of subs) s.unsubscribe();
     S.state = "stopped"; S.holdings = []; say(`left the swarm (${why})`); show();
     try { await nc.drain(); } catch { /* closing anyway */ }

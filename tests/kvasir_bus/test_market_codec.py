@@ -176,6 +176,19 @@ def test_node_audits_in_status_round_trip_and_older_status_reads_as_none():
         mc.decode_status_reply(patched(st, audits=[["w-1", -1, 0]]))
 
 
+def test_a_node_report_round_trips_and_refuses_bad_counts():
+    rep = mc.NodeReport(FP, "tab-a", "market", 1.5e9, events=3, rows=40, reward=52.5, audits_passed=19,
+                        audits_failed=0, quarantined=False)
+    assert mc.decode_node_report_reply(rep.encode()) == rep
+    assert len(rep.encode()) < 256  # what a tab asks for every few seconds
+    for field, value in (("audits_passed", -1), ("quarantined", 1), ("node", "a b"), ("reward", float("nan"))):
+        with pytest.raises(CodecError) as err:
+            mc.decode_node_report_reply(patched(rep, **{field: value}))
+        assert err.value.field == field
+    with pytest.raises(CodecError, match="audits_failed"):
+        mc.decode_node_report_reply(patched(rep, audits_failed=None))  # every field is required
+
+
 def test_routing_tokens_round_trip_and_are_absent_when_zero():
     rs = RoutingStats(FP, "backbone", 1.0, [(0, 3, 8)], tokens=np.int64(4))
     assert rs.tokens == 4 and type(rs.tokens) is int

@@ -129,3 +129,13 @@ def test_model_of_reads_the_model_of_any_per_model_subject():
 def test_model_of_rejects_anything_else(subject):
     with pytest.raises(ValueError, match="subject"):
         subjects.model_of(subject)
+
+
+def test_parse_node_report_inverts_node_report():
+    s = Subjects("abc123")
+    assert s.node_report("tab-a") == "kvasir.abc123.market.node.tab-a"
+    assert subjects.parse_node_report(s.node_report("tab-a")) == ("abc123", "tab-a")
+    for bad in ("kvasir.abc123.market.status", "kvasir.abc123.market.node", "kvasir.abc.market.node.a.b",
+                "kvasir.a-b.market.node.w", f"kvasir.abc123.market.node.{'x' * 65}", None):
+        with pytest.raises(ValueError):
+            subjects.parse_node_report(bad)

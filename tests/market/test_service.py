@@ -548,7 +548,8 @@ def test_each_workers_reply_latency_from_the_backbones_link_shows_in_status(
 def test_each_nodes_audits_from_the_backbones_link_show_in_status_once(nats_server, arun, tmp_path, capsys):
     """The backbone's link sends the audits it judged per node (passes too) in its routing
     statistics, through the ledger stream; the market adds them up per node, exactly what the
-    link counted, and ``kvasir status`` shows them; a restart of the market keeps them."""
+    link counted, shows them in status (``kvasir status``) and in the node's own report
+    (``kvasir.<model>.market.node.<node>``); a restart of the market keeps them."""
     async def go():
         swarm = await Swarm(nats_server.url, tmp_path / "m.db").start()
         nc = await connect(nats_server.url, name="backbone-link")
@@ -574,6 +575,19 @@ def test_each_nodes_audits_from_the_backbones_link_show_in_status_once(nats_serv
             assert await asyncio.to_thread(main, ["status", "--nats", nats_server.url, "--model", FP]) == 0
             row = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("tab-a"))
             assert row.split()[-1] == "19/0", row
+
+            # A node asks for its own report: a few dozen bytes, not the whole status.
+            rep = await request(nats_server.url, Subjects(FP).node_report("tab-a"), b"", mc.decode_node_report_reply)
+            assert (rep.node, rep.audits_passed, rep.audits_failed, rep.quarantined, rep.events) == \
+                ("tab-a", 19, 0, False, 0)
+            none = await request(nats_server.url, Subjects(FP).node_report("nobody"), b"", mc.decode_node_report_reply)
+            assert (none.audits_passed, none.audits_failed, none.rows, none.reward) == (0, 0, 0, 0.0)
+            bad = await request(nats_server.url, f"kvasir.{FP}.market.node.{'x' * 65}", b"",
+                                mc.decode_node_report_reply)
+            assert isinstance(bad, ErrorReply) and bad.code == "bad_request", bad
+            other = await request(nats_server.url, Subjects("feedc0ffee00ffff").node_report("tab-a"), b"",
+                                  mc.decode_node_report_reply)
+            assert isinstance(other, ErrorReply) and other.code == mc.ERR_UNKNOWN_MODEL, other
 
             await swarm.restart_market()
             assert await audits() == {"tab-a": (19, 0), "liar": (0, 1)}

@@ -66,16 +66,17 @@ def test_a_worker_can_only_act_as_itself(deployment, secure_server, arun):
         await watcher.nc.flush()
         w1 = await Client.open(secure_server.url, deployment / "w1.creds")
 
-        forbidden = [M.dispatch(0, 1), M.ledger(), M.demand(), M.coverage("w2"), M.routing()]
+        forbidden = [M.dispatch(0, 1), M.ledger(), M.demand(), M.coverage("w2"), M.routing(), M.node_report("w2")]
         for subject in forbidden:
             await w1.nc.publish(subject, b"x")
             assert subject in await w1.refused(subject)
         await w1.nc.publish(M.coverage("w1"), b"x")  # its own heartbeat goes through
+        await w1.nc.publish(M.node_report("w1"), b"")  # and a question about itself
         for _ in range(200):
-            if M.coverage("w1") in seen:
+            if M.node_report("w1") in seen:
                 break
             await asyncio.sleep(0.01)
-        assert seen == [M.coverage("w1")]  # and nothing forbidden reached the bus
+        assert seen == [M.coverage("w1"), M.node_report("w1")]  # and nothing forbidden reached the bus
 
         # Other nodes' replies: no subscription outside its own inbox.
         await w1.nc.subscribe("_INBOX.>")

@@ -149,8 +149,8 @@ def test_market_answers_srv_with_one_entry_per_subject_it_serves(nats_server, ar
     names = {e.name: e.subject for e in i.endpoints}
     # The ledger is not a subscription: the market reads it from the JetStream stream.
     assert names["volunteer"] == "kvasir.*.market.volunteer" and set(names) == {
-        "coverage", "routing", "volunteer", "volunteer-node", "status", "overview"}
-    assert names["volunteer-node"] == "kvasir.*.market.volunteer.*"
+        "coverage", "routing", "volunteer", "volunteer-node", "status", "node", "overview"}
+    assert names["volunteer-node"] == "kvasir.*.market.volunteer.*" and names["node"] == "kvasir.*.market.node.*"
     stats = {e.name: e for e in ServiceStats.from_dict(stats_reply).endpoints}
     assert stats["volunteer"].num_requests >= 1 and stats["coverage"].num_requests >= 1
     assert stats["volunteer"].num_errors == 0
