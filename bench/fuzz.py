@@ -97,7 +97,7 @@ async def fuzz(url: str, fp: str, n_embd: int, n_layer: int, n_expert: int, per_
     s = Subjects(fp)
     subjects = [s.dispatch(0, 1), s.dispatch(n_layer - 1, n_expert - 1), s.dispatch(999, 999),
                 s.coverage("fz"), s.coverage("fz-2"), s.demand(), s.volunteer(), s.routing(), s.ledger(),
-                s.manifest(), s.status(), s.quarantine(), MARKET_OVERVIEW]
+                s.manifest(), s.status(), s.node_report("fz"), s.quarantine(), MARKET_OVERVIEW]
     rng = random.Random(seed)
     seeds = samples(fp, n_embd)
     nc = await connect(url, name="kvasir-fuzz-stranger")

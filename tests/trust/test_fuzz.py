@@ -1,4 +1,4 @@
-"""The short version of bench/fuzz.py: 500 random and mutated messages on each of 13 subjects
+"""The short version of bench/fuzz.py: 500 random and mutated messages on each of the 14 subjects
 while the backbone generates. No process dies, both services still answer, every generation is
 bit-identical, the market exits cleanly. RSS growth is reported but asserted only by the full
 bench (100k messages per subject): a few thousand messages are too few to tell growth from warm-up."""
