@@ -141,6 +141,7 @@ function drawModel(doc) {
 
   const rewards = Object.fromEntries(doc.rewards.nodes.map((t) => [t.node, t]));
   const caught = Object.fromEntries((doc.quarantined || []).map((q) => [q.node, q]));
+  const audits = doc.audits || {};
   // The market drops a quarantined node from its workers and ignores its heartbeats: such a
   // node keeps a row here (what it held is unknown), so the page still says who was caught.
   const listed = new Set(doc.nodes.map((n) => n.node));
@@ -153,6 +154,7 @@ function drawModel(doc) {
                  [known ? fmt(n.load, 0) : "-", 1], [known ? String(n.served) : "-", 1],
                  [!known ? "ignored" : n.age_s === null ? "never" : `${fmt(n.age_s, 1)} s ago`, 1],
                  [t ? String(t.rows) : "0", 1], [t ? fmt(t.reward, 3) : "0.000", 1],
+                 [audits[n.node] ? `${audits[n.node].passed} / ${audits[n.node].failed}` : "0 / 0", 1],
                  [quarantineText(q), 0, "quarantine"]];
     if (q) {
       row.rowClass = "quarantined";

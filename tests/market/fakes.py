@@ -105,13 +105,14 @@ class FakeBackbone:
         return self
 
     async def routing(self, hits, fallback_rate: float | None = None,
-                      window_s: float = 1.0, remote=(), latency=(), tokens: int = 0) -> None:
+                      window_s: float = 1.0, remote=(), latency=(), tokens: int = 0, audits=()) -> None:
         """Routing statistics, into the ledger stream as the real backbone does (``remote``:
         the rows workers' replies won, the market's bound on credit; ``latency``: (node,
-        calls, mean_ms) of the workers whose replies won; ``tokens``: the window's tokens)."""
+        calls, mean_ms) of the workers whose replies won; ``tokens``: the window's tokens;
+        ``audits``: (node, passed, failed) judged in the window)."""
         stats = mc.RoutingStats(self.manifest.model, self.node, window_s, tuple(hits),
                                 fallback_rate=fallback_rate, remote=tuple(remote),
-                                latency=tuple(latency), tokens=tokens)
+                                latency=tuple(latency), tokens=tokens, audits=tuple(audits))
         await self._store(self.subjects.routing(), stats.encode(), f"r-{next(self._ids)}")
 
     async def _store(self, subject: str, data: bytes, msg_id: str):

@@ -111,6 +111,10 @@ class Swarm:
         self.loop.run(self.backbone.routing((), latency=[(n, 3, ms) for n, ms in mean_ms.items()]),
                       timeout=20)
 
+    def audits(self, counts: dict[str, tuple[int, int]]) -> None:
+        """What a backbone's routing statistics say of the audits it judged (backbone/market_link.py)."""
+        self.loop.run(self.backbone.routing((), audits=[(n, p, f) for n, (p, f) in counts.items()]), timeout=20)
+
     def quarantine(self, name: str, error: float) -> None:
         """What a backbone publishes when its audit catches ``name`` (backbone/dispatch.py)."""
         h = self.workers[name].holdings[0]
@@ -253,6 +257,15 @@ def test_dashboard_shows_coverage_inclusive_ranges_quarantines_and_a_killed_work
     with urllib.request.urlopen(swarm.dashboard.url + "/api/state", timeout=5) as resp:
         nodes = {n["node"]: n for n in json.load(resp)["models"][0]["nodes"]}
     assert nodes["laptop-2"]["latency_ms"] == 41.0 and nodes["pi-4"]["latency_ms"] is None
+    # Audits: what the backbones judged of each worker's replies, passed / failed, as the market adds them up.
+    swarm.audits({"phone-1": (16, 0), "gpu-3": (40, 1)})
+    swarm.audits({"phone-1": (2, 0)})
+    column = browser.execute_script(
+        "return [...document.querySelectorAll('table.workers thead th')].map(h => h.textContent)"
+    ).index("audits passed / failed")
+    want_audits = {"phone-1": "18 / 0", "laptop-2": "0 / 0", "gpu-3": "40 / 1", "pi-4": "0 / 0", "phone-5": "0 / 0"}
+    wait_until(browser, lambda d: {n: c[column] for n, c in table(d, "workers").items()} == want_audits,
+               "the audits column to show what the backbone reported")
     shown_ranges = [row[0] for row in table(browser, "demand").values()]
     want_ranges = {str(Holding(e["layer"], e["lo"], e["hi"])) for e in state["models"][0]["demand"]}
     assert shown_ranges and set(shown_ranges) <= want_ranges, (shown_ranges, want_ranges)
