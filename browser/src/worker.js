@@ -1,9 +1,10 @@
 // A volunteer expert worker in a browser tab, written from docs/protocol.md:
 //   bus  -> kvasir.<model>.manifest           the backbone's manifest (SHA-256 of every slab)
-//   bus  -> kvasir.<model>.market.volunteer   the scarcest range that fits the budget
+//   bus  -> kvasir.<model>.market.volunteer.<node>  the scarcest range that fits the budget
 //   HTTP -> the GGUF's header, then only the assigned slabs (Range requests), each hashed
 //   bus  <- kvasir.<model>.x.<layer>.<expert>  and kvasir.<model>.n.<node> (bundles): answered
 //   bus  -> kvasir.<model>.coverage.<node>    heartbeats every 2 s, kernel label js-wasm32
+//   bus  -> kvasir.<model>.market.node.<node>  its credit, audits passed and failed, quarantine
 // Opened as /worker?nats=ws://BUS:PORT&budget=64MB&node=NAME[&token=T][&model=FP].
 
 import { wsconnect } from "@nats-io/nats-core";
@@ -154,7 +155,7 @@ async function main() {
   if (budget < smallest) return fail(`the budget of ${(budget / 1e6).toFixed(2)} MB is too small for one expert of this model (${(smallest / 1e6).toFixed(2)} MB)`);
   let asg, delay = 250;
   for (let tries = 0; ; tries++) {
-    try { asg = await request(nc, `${root}.market.volunteer`, enc({ t: "vq", model, node, budget_bytes: budget })); }
+    try { asg = await request(nc, `${root}.market.volunteer.${node}`, enc({ t: "vq", model, node, budget_bytes: budget })); }
     catch (e) { if (e.noResponders && tries < 8) { await new Promise((r) => setTimeout(r, 500)); continue; } return fail(e.noResponders ? "no market answers on this bus" : e.message); }
     if (asg.t === "e" && ["no_manifest", "warming_up", "internal"].includes(asg.code) && tries < 40) {
       await new Promise((r) => setTimeout(r, delay)); delay = Math.min(2 * delay, 5000); continue;
