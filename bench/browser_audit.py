@@ -1,9 +1,10 @@
 """How often a generation with browser tabs under the default audit differs from the monolithic run.
 
-The setup of tests/browser/test_browser_worker.py: the tiny qwen3moe Q4_K model (2 MoE layers of 8
-experts), two headless-Chromium tabs on ``/worker`` each holding one range of 4 experts (the
-``js-wasm32`` kernel) and one Python worker holding the rest, against a real nats-server (over
-WebSocket for the tabs), market and backbone, in the kernel mode the tests run (deterministic).
+The setup of tests/browser/test_browser_worker.py (tests/browser/harness.py): the tiny qwen3moe
+Q4_K model (2 MoE layers of 8 experts, ranges of 4), a Python worker holding L0:0-3 and two
+headless-Chromium tabs on ``/worker`` (the ``js-wasm32`` kernel), one holding L0:4-7 and L1:0-3
+(a share of every layer), the other L1:4-7, against a real nats-server (over WebSocket for the
+tabs), market and backbone, in the kernel mode the tests run (deterministic).
 Then ``--runs`` generations of ``--tokens`` greedy tokens, each with a fresh default auditor (rate
 0.1, probation 16: every node starts a new probation), compared token by token with the
 monolithic run of the same prompt (prompts ``rng(3)``, ``rng(4)``, ...: ``--prompts`` of them,
@@ -23,7 +24,6 @@ the browser tests need (chromium, chromedriver, selenium, the built page, llama-
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -39,9 +39,8 @@ import numpy as np  # noqa: E402
 import record  # noqa: E402  (bench/record.py)
 from backbone.audit import AuditConfig, Auditor  # noqa: E402
 from backbone.model import Engine  # noqa: E402
-from launch.swarm import spawn_worker, wait_for_nodes  # noqa: E402
 from tests.browser import harness  # noqa: E402
-from tests.browser.harness import RANGE, first_difference, run, wait_until  # noqa: E402
+from tests.browser.harness import BUDGETS, RANGE, first_difference, run, wait_until  # noqa: E402
 
 TABS = ("tab-a", "tab-b")
 TOLERANCE = 5e-3  # the test's: a first difference only where the monolithic top two are this close
@@ -80,7 +79,7 @@ def main() -> int:
         browsers: list[harness.Tabs] = []
         procs: list = []
         try:
-            result = measure(args, swarm, browsers, procs, tmp)
+            result = measure(args, swarm, browsers, procs)
         finally:
             for tabs in browsers:
                 tabs.quit()
@@ -95,37 +94,26 @@ def main() -> int:
     return 0
 
 
-def measure(args, swarm: harness.Swarm, browsers: list, procs: list, tmp: Path) -> dict:
+def measure(args, swarm: harness.Swarm, browsers: list, procs: list) -> dict:
     """The runs; ``browsers`` and ``procs`` get what it starts (the caller stops them)."""
-    backbone, engine, fp = swarm.backbone, swarm.engine, swarm.fp
+    backbone, engine = swarm.backbone, swarm.engine
     manifest, remote = backbone.manifest, backbone.dispatch
     range_bytes = RANGE * manifest.expert_bytes(0)
-    budget = int(range_bytes * 1.3)  # one range fits, two do not
     prompts = [np.random.default_rng(3 + i).integers(0, engine.cfg.n_vocab, 16).tolist() for i in range(args.prompts)]
     mono = []
     for prompt in prompts:  # every expert here, no bus
         tokens, logits = run(Engine(swarm.model), prompt, args.tokens)
         mono.append((tokens, logits))
 
+    swarm.python_worker("py-0", int(range_bytes * BUDGETS["py-0"]), procs)  # the scarcest range first
     tabs = harness.Tabs()
     browsers.append(tabs)
     for node in TABS:
-        tabs.open(swarm.page_url(node, budget), node)
+        tabs.open(swarm.page_url(node, int(range_bytes * BUDGETS[node])), node)
         st = wait_until(lambda: (s := tabs.state(node))["state"] in ("serving", "error") and s, 120, f"{node} serving")
         if st["state"] != "serving":
             raise SystemExit(f"browser_audit: {node} did not serve: {st.get('error')}")
-    log = open(tmp / "py.log", "w")
-    procs.append(spawn_worker(swarm.server.url, "py-0", ["--budget", str(int(range_bytes * 2.3)), "--source",
-                                                        backbone.weights.url, "--cache-dir", str(tmp / "py")],
-                              heartbeat_s=0.5, log_file=log))
-    asyncio.run(wait_for_nodes(swarm.server.url, fp, {"py-0"}, procs=procs, timeout=180))
-
-    def covered():
-        nodes = {n.node: n for n in swarm.status().nodes}
-        held = {(h.layer, e) for n in nodes.values() for h in n.holdings for e in range(h.lo, h.hi)}
-        full = {(layer, e) for layer in manifest.moe_layers for e in range(manifest.n_expert)}
-        return held == full and {*TABS, "py-0"} <= nodes.keys() and nodes
-    nodes = wait_until(covered, 60, "two tabs and the Python worker to cover the model")
+    nodes = wait_until(lambda: swarm.covered_by({*TABS, "py-0"}), 60, "two tabs and the Python worker to cover the model")
     kernel = nodes["tab-a"].kernel
     holdings = {n: [[h.layer, h.lo, h.hi] for h in nodes[n].holdings] for n in (*TABS, "py-0")}
 

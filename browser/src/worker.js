@@ -27,7 +27,7 @@ const ID_RE = /^[A-Za-z0-9_.:-]{1,64}$/, NODE_RE = /^[A-Za-z0-9_-]{1,64}$/;
 const ui = {};
 const S = window.kvasir = {
   state: "starting", error: "", model: "", node: "", holdings: [], assignedBytes: 0,
-  headerBytes: 0, slabBytes: 0, served: 0, rows: 0, computeMs: 0, reward: 0, creditedRows: 0,
+  headerBytes: 0, slabBytes: 0, served: 0, rows: 0, rowsByLayer: {}, computeMs: 0, reward: 0, creditedRows: 0,
   auditsPassed: 0, auditsFailed: 0, auditsKnown: false, quarantined: false, errors: 0, lying: false, log: [],
 };
 
@@ -225,9 +225,9 @@ async function main() {
     }
     throw new Error(`data is ${d.byteLength} bytes, not ${m.shape[0]} rows of ${nEmbd} ${m.dtype}`);
   };
-  const compute = (E, x, n) => {
+  const compute = (layer, E, x, n) => {
     const t0 = performance.now(), y = expertFfn(E, x, n);
-    S.computeMs += performance.now() - t0; S.rows += n;
+    S.computeMs += performance.now() - t0; S.rows += n; S.rowsByLayer[layer] = (S.rowsByLayer[layer] || 0) + n;
     if (S.lying) for (let i = 0; i < y.length; i++) y[i] = y[i] * 1.5 + 0.01;
     return y;
   };
@@ -244,7 +244,7 @@ async function main() {
       m = dec(msg.data); check(m, "x");
       if (!ID_RE.test(m.request_id || "")) throw Object.assign(new Error("bad request_id"), { code: "bad_request" });
       if (m.layer !== layer || m.expert !== expert) throw Object.assign(new Error("layer/expert differ from the subject"), { code: "bad_request" });
-      const x = rowsOf(m), n = m.shape[0], y = compute(experts.get(`${layer}.${expert}`), x, n);
+      const x = rowsOf(m), n = m.shape[0], y = compute(layer, experts.get(`${layer}.${expert}`), x, n);
       S.served++;
       reply(msg, { t: "r", request_id: m.request_id, node, dtype: "float32", shape: [n, nEmbd], data: new Uint8Array(y.buffer), kernel: KERNEL });
     } catch (e) { S.errors++; errReply(msg, m.request_id, e.code || "bad_request", e.message); }
@@ -274,7 +274,7 @@ async function main() {
           if (r >= R) throw Object.assign(new Error(`index ${r} >= ${R}`), { code: "bad_request" });
           rows.set(x.subarray(r * nEmbd, (r + 1) * nEmbd), j * nEmbd);
         }
-        parts.push(compute(E, rows, counts[i])); outIds.push(ids[i]); outCounts.push(counts[i]);
+        parts.push(compute(m.layer, E, rows, counts[i])); outIds.push(ids[i]); outCounts.push(counts[i]);
       }
       const n = outCounts.reduce((a, b) => a + b, 0), out = new Float32Array(n * nEmbd);
       for (let i = 0, o = 0; i < parts.length; o += parts[i].length, i++) out.set(parts[i], o);

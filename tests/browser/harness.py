@@ -2,6 +2,10 @@
 tab per volunteer, and a swarm of a real nats-server (with its WebSocket listener), a market and a
 backbone serving its weights, manifest and the page (``/worker``).
 
+The swarm they build (:data:`RANGE` experts a range, 4 ranges): a Python worker volunteers first
+with a budget of one range (the scarcest, L0:0-3), then tab ``tab-a`` with two ranges' budget
+(L0:4-7 and L1:0-3: a share of every layer) and ``tab-b`` with one (L1:4-7).
+
 Nothing here is a test: :class:`Missing` says which piece the machine lacks (the tests skip on
 it, the bench stops with it).
 """
@@ -29,6 +33,8 @@ from kvasir_bus.server import EmbeddedNats
 from market.service import Market, MarketConfig
 
 RANGE = 4  # experts per range: 2 layers x 8 experts = 4 ranges
+#: Each volunteer's budget in ranges (a little over, never the next whole range).
+BUDGETS = {"py-0": 1.3, "tab-a": 2.3, "tab-b": 1.3}
 
 
 class Missing(Exception):
@@ -142,6 +148,31 @@ class Swarm:
             except Exception:
                 return None
         return self.bus.run(get(), timeout=10)
+
+    def python_worker(self, node: str, budget: int, procs: list):
+        """A ``kvasir worker`` process volunteering with ``budget`` bytes (appended to ``procs``, the
+        caller kills it), once the market has its heartbeat."""
+        import asyncio
+
+        from launch.swarm import spawn_worker, wait_for_nodes
+
+        log = open(self.tmp / f"{node}.log", "w")
+        proc = spawn_worker(self.server.url, node, ["--budget", str(budget), "--source", self.backbone.weights.url,
+                                                    "--cache-dir", str(self.tmp / node)], heartbeat_s=0.5, log_file=log)
+        procs.append(proc)
+        asyncio.run(wait_for_nodes(self.server.url, self.fp, {node}, procs=[proc], timeout=180))
+        return proc
+
+    def covered_by(self, nodes: set[str]):
+        """The market's nodes once ``nodes`` are among them and every expert is held (else None)."""
+        status = self.status()
+        if status is None:
+            return None
+        m = self.backbone.manifest
+        held = {n.node: n for n in status.nodes}
+        experts = {(h.layer, e) for n in held.values() for h in n.holdings for e in range(h.lo, h.hi)}
+        full = {(layer, e) for layer in m.moe_layers for e in range(m.n_expert)}
+        return held if experts == full and nodes <= held.keys() else None
 
     def page_url(self, node: str, budget: int) -> str:
         w = self.backbone.weights

@@ -16,7 +16,6 @@ Needs chromium + chromedriver (``.ci/run`` installs them), selenium, and the bui
 
 from __future__ import annotations
 
-import asyncio
 import os
 import re
 import threading
@@ -28,9 +27,8 @@ import pytest
 from backbone.audit import AuditConfig, Auditor
 from backbone.model import Engine
 from backbone.weights_http import WeightsServer
-from launch.swarm import spawn_worker, wait_for_nodes
 from tests.browser import harness
-from tests.browser.harness import RANGE, first_difference, run, wait_until
+from tests.browser.harness import BUDGETS, RANGE, first_difference, run, wait_until
 
 pytest.importorskip("llama_cpp", reason="synthetic models are built with llama.cpp's quantizer")
 
@@ -121,30 +119,21 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
         assert "too small for one expert" in st["error"], st["error"]
         tabs.close("tab-small")
 
-        # Two tabs volunteer and each takes one range, downloading only its slabs.
+        # A Python worker takes the scarcest range (L0:0-3); then tab-a, with two ranges'
+        # budget, the next two (L0:4-7 and L1:0-3: a share of every layer), tab-b the last; each
+        # tab downloads only its slabs. Two tabs and one Python worker cover the model, and the
+        # market's status shows each of them with its own kernel.
+        swarm["swarm"].python_worker("py-0", int(range_bytes * BUDGETS["py-0"]), procs)
+        want = {"tab-a": [[0, 4, 8], [1, 0, 4]], "tab-b": [[1, 4, 8]]}
         for node in ("tab-a", "tab-b"):
-            tabs.open(page_url(swarm, node, budget), node)
+            tabs.open(page_url(swarm, node, int(range_bytes * BUDGETS[node])), node)
             st = wait_until(lambda: (s := tabs.state(node))["state"] in ("serving", "error") and s, 60, f"{node} serving")
             assert st["state"] == "serving", st
-            assert len(st["holdings"]) == 1 and st["holdings"][0][2] - st["holdings"][0][1] == RANGE, st
-            assert st["slabBytes"] == range_bytes
-            assert weights.served_to(node) == st["headerBytes"] + range_bytes  # nothing else fetched
-        # A Python worker takes the rest: two tabs and one Python worker cover the model, and
-        # the market's status shows each of them with its own kernel.
-        log = open(swarm["tmp"] / "py.log", "w")
-        proc = spawn_worker(swarm["server"].url, "py-0", ["--budget", str(int(range_bytes * 2.3)), "--source",
-                                                          weights.url, "--cache-dir", str(swarm["tmp"] / "py")],
-                            heartbeat_s=0.5, log_file=log)
-        procs.append(proc)
-        asyncio.run(wait_for_nodes(swarm["server"].url, fp, {"py-0"}, procs=[proc], timeout=120))
-
-        def covered():
-            status = _status(swarm)
-            nodes = {n.node: n for n in status.nodes}
-            held = {(h.layer, e) for n in nodes.values() for h in n.holdings for e in range(h.lo, h.hi)}
-            full = {(layer, e) for layer in manifest.moe_layers for e in range(manifest.n_expert)}
-            return held == full and {"tab-a", "tab-b", "py-0"} <= nodes.keys() and nodes
-        nodes = wait_until(covered, 30, "two tabs and the Python worker to cover the model")
+            assert st["holdings"] == want[node], st["holdings"]
+            assert st["slabBytes"] == len(want[node]) * range_bytes
+            assert weights.served_to(node) == st["headerBytes"] + st["slabBytes"]  # nothing else fetched
+        nodes = wait_until(lambda: swarm["swarm"].covered_by({"tab-a", "tab-b", "py-0"}), 30,
+                           "two tabs and the Python worker to cover the model")
         print("holdings:", {n: [(h.layer, h.lo, h.hi) for h in nodes[n].holdings] for n in ("tab-a", "tab-b", "py-0")})
         assert nodes["tab-a"].kernel == nodes["tab-b"].kernel == "js-wasm32" != nodes["py-0"].kernel  # WebAssembly SIMD in Chromium
 
@@ -157,8 +146,9 @@ def test_tabs_volunteer_download_only_their_slabs_and_serve_exactly(swarm):
         assert np.array_equal(logits, mono_logits[:len(logits)])
         assert after.remote > before.remote, remote.stats.to_dict()["totals"]
         assert after.local == before.local, "every call was answered by a worker"
-        served_tabs = {n: tabs.state(n)["rows"] for n in ("tab-a", "tab-b")}
-        assert all(served_tabs.values()), served_tabs
+        served_tabs = {n: tabs.state(n)["rowsByLayer"] for n in ("tab-a", "tab-b")}
+        assert set(served_tabs["tab-a"]) == {"0", "1"} and all(served_tabs["tab-a"].values()), served_tabs  # every layer
+        assert served_tabs["tab-b"].get("1"), served_tabs
         print("audit 1:", after.remote - before.remote, "remote calls; rows served by the tabs:", served_tabs)
 
         # The page counts its audits passed: the backbone reports each it judged (routing
