@@ -1,6 +1,6 @@
 """Facts that move money or trust are signed (kvasir_bus.signing): on an open bus a forger can
-publish routing, ledger and quarantine records into the stream, and the market counts none of them
-once it trusts only the real backbone's key."""
+publish routing (with its audit counts), ledger and quarantine records into the stream, and the
+market counts none of them once it trusts only the real backbone's key."""
 
 from __future__ import annotations
 
@@ -64,10 +64,15 @@ def test_forged_routing_ledger_and_quarantine_are_refused_and_signed_ones_count(
                         mc.LedgerEvent(f"evil:{i}:{k}", "evil", 0, k % 24, 1000, 1.0) for k in range(2000))))
                     q = mc.Quarantine(FP, "honest", 0, 3, "ggml", True, 1.0, 1.0)
                     await fake._store(S.quarantine(), q.encode(), f"q-forged-{i}")
+                    lies = mc.RoutingStats(FP, "backbone", 1.0, (), audits=(("evil", 1000, 0), ("honest", 0, 1000)))
+                    await fake._store(S.routing(), lies.encode(), f"audits-forged-{i}")  # audits it never judged
                 await bb.ledger(mc.LedgerBatch(FP, "backbone", "real-2", (mc.LedgerEvent("real:2", "honest", 0, 4, 5, 1.0),)))
+                audits = mc.RoutingStats(FP, "backbone", 1.0, (), audits=(("honest", 5, 0),))
+                await bb._store(S.routing(), audits.encode(), "audits-real")
                 await stream_read(bb.nc, timeout=40)
             st = await market.status(FP)
             assert {t.node: t.rows for t in st.totals} == {"honest": 12}
+            assert {a.node: (a.passed, a.failed) for a in st.audits} == {"honest": (5, 0)}  # only the signed count
             assert "honest" not in market.models[FP].coverage.banned
             assert market.unsigned_refused >= 6  # 2 x (routing, ledger, quarantine)
             kinds = {line["event"] for line in lines if line.get("note", "").startswith("only records signed")}
