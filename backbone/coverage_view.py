@@ -25,12 +25,21 @@ subject got "no responders" (:meth:`forget_node`), is dropped until its next hea
 whose bundle went unanswered (:meth:`bundle_unanswered`: frozen, or a bus that refuses the
 backbone the node subjects) gets none for a hold that doubles each time, as silence does, until
 one of its bundles is answered: its experts are asked per expert meanwhile.
+
+Strangers are cheap to be: anyone may heartbeat thousands of bundle nodes. With
+``limit_unproven(k)`` (the dispatch sets it when audits are sampled) :meth:`bundle_holders`
+names only the nodes the dispatch said passed their probation (:meth:`mark_proven`) and at most
+``k`` unproven ones, *in turn*: :meth:`next_turn` (once per layer step) gives the next ``k`` of
+them the turn, so each newcomer still gets bundles, and a proof, in its time. The holders of an
+expert are then found among the proven nodes and the ``k`` in turn, never among every stranger:
+2,000 fake nodes cost a layer step what two do (``tests/trust/test_sybils.py``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict, deque
 from typing import Callable
 
 import structlog
@@ -60,6 +69,11 @@ class CoverageView:
         self._holders: dict[tuple[int, int], tuple[str, ...]] = {}  # (layer, expert) -> nodes, a cache
         self._next_sweep = 0.0
         self._bundle_hold: dict[str, tuple[float, float]] = {}  # node -> (no bundles until, hold)
+        self._unproven_k: int | None = None  # None: every bundle node may hold; k: the proven and k in turn
+        self._proven: OrderedDict[str, None] = OrderedDict()  # passed probation (the dispatch says), oldest first
+        self._queue: deque[str] = deque()  # unproven bundle nodes waiting for their turn, next first
+        self._queued: set[str] = set()
+        self._turn: tuple[str, ...] = ()  # the unproven nodes whose turn it is
         # The engine's thread reads the node table, the loop thread writes it: one lock, so a
         # cached answer is never computed from a table that changed under it.
         self._lock = threading.Lock()
@@ -119,17 +133,64 @@ class CoverageView:
         nodes = self._holders.get(key)
         if nodes is None:
             with self._lock:
-                nodes = tuple(sorted(node for node, (spans, _) in self._nodes.items()
+                table = self._nodes
+                if self._unproven_k is None:
+                    eligible = table.items()
+                else:  # the proven and those in turn: never a scan of every stranger
+                    eligible = [(node, table[node]) for node in (*self._proven, *self._turn) if node in table]
+                nodes = tuple(sorted(node for node, (spans, _) in eligible
                                      if any(lo <= expert < hi for lo, hi in spans.get(layer, ()))
                                      and self._bundle_hold.get(node, (0.0,))[0] <= now))
                 self._holders[key] = nodes
         return nodes
 
+    def limit_unproven(self, k: int | None) -> None:
+        """Name at most ``k`` nodes not yet proven among any expert's bundle holders, in turn
+        (None: every bundle node, proven or not)."""
+        with self._lock:
+            self._unproven_k = k
+            self._holders = {}
+
+    def mark_proven(self, node: str) -> None:
+        """``node`` passed its probation: it holds bundles from now on without waiting its turn."""
+        if node in self._proven:
+            return
+        with self._lock:
+            self._proven[node] = None
+            while len(self._proven) > self.max_nodes:
+                self._proven.popitem(last=False)
+            self._holders = {}
+
+    def next_turn(self) -> tuple[str, ...]:
+        """Give the next ``k`` unproven bundle nodes the turn (once per layer step); returns them.
+        Names that left the table, or were proven meanwhile, leave the queue as they come up."""
+        k = self._unproven_k
+        if k is None or not self._queue:
+            return self._turn
+        now = self.clock()
+        with self._lock:
+            turn: list[str] = []
+            for _ in range(len(self._queue)):
+                if len(turn) == k:
+                    break
+                node = self._queue.popleft()
+                if node not in self._nodes or node in self._proven:
+                    self._queued.discard(node)
+                    continue
+                self._queue.append(node)  # to the back: its next turn comes after everyone else's
+                if self._bundle_hold.get(node, (0.0,))[0] <= now:
+                    turn.append(node)
+            if tuple(turn) != self._turn:
+                self._turn = tuple(turn)
+                self._holders = {}
+        return self._turn
+
     def forget_node(self, node: str) -> None:
         """The node's bundle subject has no subscriber: send it nothing until it heartbeats again."""
         with self._lock:
             self._nodes.pop(node, None)
-            self._holders = {}
+            if self._unproven_k is None or node in self._proven or node in self._turn:
+                self._holders = {}  # a stranger out of turn is named nowhere
 
     def bundle_unanswered(self, node: str) -> None:
         """A bundle sent to ``node`` timed out: no bundles to it for a while (doubling)."""
@@ -161,6 +222,8 @@ class CoverageView:
             stale = [node for node, (_, heard_at) in self._nodes.items() if now - heard_at > self.node_ttl_s]
             for node in stale:
                 del self._nodes[node]
+            if self._unproven_k is not None:  # strangers out of turn were named nowhere
+                stale = [node for node in stale if node in self._proven or node in self._turn]
             released = [node for node, (until, _) in self._bundle_hold.items() if 0.0 < until <= now]
             for node in released:  # the hold is kept, doubled by the next timeout; only the ban ends
                 self._bundle_hold[node] = (0.0, self._bundle_hold[node][1])
@@ -178,8 +241,18 @@ class CoverageView:
             if known is None and len(self._nodes) >= self.max_nodes:
                 return
             self._nodes[node] = (spans, self.clock())
+            if known is None and node not in self._queued and node not in self._proven:
+                self._queue.append(node)  # a newcomer waits for its turn (at once if there is room)
+                self._queued.add(node)
+                if len(self._queue) > 2 * self.max_nodes:  # names that left, not yet come up: drop them
+                    self._queue = deque(n for n in self._queue if n in self._nodes and n not in self._proven)
+                    self._queued = set(self._queue)
+                if self._unproven_k is not None and len(self._turn) < self._unproven_k and node not in self._turn:
+                    self._turn += (node,)
+                    self._holders = {}
             if known is None or known[0] != spans:
-                self._holders = {}
+                if self._unproven_k is None or node in self._proven or node in self._turn:
+                    self._holders = {}  # a stranger out of turn is named nowhere: no cache to redo
 
     def heard(self, heartbeat: codec.Heartbeat) -> None:
         """A worker announced its holdings: ask again for those we had given up on, and (with

@@ -368,6 +368,8 @@ class RemoteExperts:
         self.bundles = cfg.bundles
         self._steps_planned = 0  # layer steps planned: the turn of the unproven bundle nodes
         self.coverage.track_nodes = self.coverage.track_nodes or cfg.bundles
+        if cfg.bundles and 0 < cfg.audit.rate < 1:  # strangers' bundles in turn (see _bundle_nodes)
+            self.coverage.limit_unproven(MAX_UNPROVEN_BUNDLE_NODES)
         self.stats = DispatchStats()
         self.timeout = AdaptiveTimeout(cfg)
         self.observe_reply = None  # metrics hook (backbone.metrics): (layer, seconds) of each winning reply
@@ -709,6 +711,8 @@ class RemoteExperts:
         node's bundle, or the expert's subject) and encode the messages here, so the loop thread
         only publishes."""
         self._steps_planned += 1
+        if self.bundles:
+            self.coverage.next_turn()  # the next unproven bundle nodes get their turn
         step = _Step(layer, self.timeout.current())
         max_rows = self._max_rows()
         by_node: dict[str, list[_Call]] = {}
@@ -860,6 +864,8 @@ class RemoteExperts:
         if self.recorder is not None:  # the market counts every node's audits, passes too
             self.recorder.record_audit(part.node, passed)
         if passed:
+            if self.bundles and not self.auditor.on_probation(part.node):
+                self.coverage.mark_proven(part.node)  # bundles from now on, without waiting its turn
             return True
         stats.audit_failures += 1
         error = relative_error(part.out, ref) if part.out.shape == ref.shape else float("inf")

@@ -48,3 +48,28 @@ def test_two_thousand_silent_sybils_cost_under_20_mb_and_two_bundles_a_step():
             assert len(nc.bundles) - sent <= MAX_UNPROVEN_BUNDLE_NODES
     finally:
         bus.stop()
+
+
+def test_among_two_thousand_strangers_an_expert_names_the_proven_nodes_and_two_in_turn():
+    """The holders of an expert are looked up among the proven nodes and the two unproven ones in
+    turn, never among every stranger (a step's cost does not grow with the crowd), and a node
+    that passed its probation is named from then on."""
+    clock = Clock()
+    view = CoverageView(1.0, clock, n_layer=LAYERS, n_expert=EXPERTS)
+    view.track_nodes = True
+    view.limit_unproven(MAX_UNPROVEN_BUNDLE_NODES)
+    holdings = tuple(Holding(layer, 0, EXPERTS) for layer in range(LAYERS))
+    for i in range(SYBILS):
+        view.heard(codec.Heartbeat(model=MODEL, node=f"sybil-{i:04d}", holdings=holdings, budget_bytes=0, load=0.0,
+                                   served=0, version="0.1.0", kernel="fake", sent_at=0.0, bundles=True))
+    named = set()
+    for _ in range(50):
+        turn = view.next_turn()
+        assert len(turn) == MAX_UNPROVEN_BUNDLE_NODES
+        assert set(view.bundle_holders(3, 7)) == set(turn)
+        named |= set(turn)
+    assert len(named) == 50 * MAX_UNPROVEN_BUNDLE_NODES  # each in turn, none twice before all had one
+    view.mark_proven("sybil-1999")  # it passed its probation (the dispatch says so after the audits)
+    for _ in range(3):
+        turn = view.next_turn()
+        assert set(view.bundle_holders(0, 0)) == {"sybil-1999", *turn}
