@@ -20,22 +20,29 @@ once per layer with every row that chose it. Who computes an expert is the busin
 
 How it runs on ggml (the same ops, so the same bits, whichever way):
 
-- one sequence, every expert local: one graph from the embedding to the logits, the router's
+- one sequence, every expert local: one graph from the token ids to the logits, the router's
   top-k included (a long chunk: a few layers per graph; ``_step_graphs``,
   ``kernels.fused.step_graph``);
-- one sequence, remote experts: the same ops split at the experts, one graph per layer from
+- several sequences, decode tokens and prompt chunks mixed: the same, one graph per step, every
+  dense op on all rows at once and each sequence's attention against its own KV cache in a
+  sub-graph of its own (``_batch_graphs``; ``StepShape.streams``; a wide batch: a few layers
+  per graph);
+- either, remote experts: the same ops split at the experts, one graph per layer from
   the previous layer's combine (the remote outputs an input) to this layer's router; the
   shared expert, which needs no routed expert, runs while their replies travel
   (``_step_graphs_remote``);
-- a batch: two graphs per attention layer around the per-sequence attention
+- what those do not cover (``_one_graph_per_step``: attention sinks and sliding windows,
+  softmax-weight routers, expert biases, rounded wire rows; a chunk whose attention runs in
+  pieces): per layer, two graphs around the per-sequence attention graphs
   (``_attention_fused``; the second ends with the router's top-k, the same ops), the experts
   as one ``mul_mat_id`` graph or remote calls (the shared expert then in a graph of its own,
   while they are away: ``_shared_fused``);
-- delta-net and gated-query attention layers (qwen35moe, qwen3next): one call per op, below.
+- delta-net and gated-query attention layers (qwen35moe, qwen3next): one call per op, below
+  (a one-sequence delta-net mixer: one graph).
 
 ``forward`` below is the order of operations of every architecture, op by op; the graph
-builders of ``kernels/fused.py`` follow it line for line (tests/backbone/test_parity.py checks
-that the three paths give identical logits).
+builders of ``kernels/fused.py`` follow it line for line (tests/backbone/test_parity.py,
+test_step_graph.py and test_batch_graph.py check that the paths give identical logits).
 """
 
 from __future__ import annotations
@@ -63,6 +70,13 @@ WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
 # A one-sequence step's graph holds as many layers as keep its intermediates under this many
 # bytes (a decode step: all of them), so that the graph cache keeps it for the next step.
 STEP_GRAPH_BYTES = 8 << 20
+# A batch's step graph may hold more: 16 decoding sequences of the small model ran at the same CPU
+# time per step with 8 MB (4 layers per graph) and 64 MB (all 8; KVASIR_THREADS=1, fast mode).
+BATCH_GRAPH_BYTES = 64 << 20
+# A batch's step graph holds at most this many (sequence, layer) attention sub-graphs: a new
+# batch shape's graph is built in Python (~20 ggml calls per sequence and layer), and one
+# graph serves every group of layers of the same shapes, so a wide batch builds one layer's.
+MAX_STREAM_LAYERS = 256
 
 
 @functools.lru_cache(maxsize=None)
@@ -337,6 +351,9 @@ class Engine:
         t = cfg.traits
         self.step_graphs = self.fused and not t.delta_net and not t.attn_sinks and t.router != "softmax_weight" \
             and weights.layers[0].ffn_gate_exps_bias is None and self.wire_dtype == np.float32
+        # The same for a batch of several sequences (``_batch_graphs``); off: the per-layer path
+        # (three graphs per layer and one attention graph per sequence), which gives the same bits.
+        self.batch_graphs = self.step_graphs
         # Repacked now (fast mode), not in the middle of the first request; what it took is
         # reported by whoever logs (the backbone service), not here: a library prints nothing.
         t0 = time.perf_counter()
@@ -389,7 +406,9 @@ class Engine:
         starts = np.cumsum([0] + lengths)
         keep = None if all_logits or len(batch) == starts[-1] else starts[1:] - 1
         if self._one_graph_per_step(batch):
-            return self._step_graphs(batch[0][0], np.asarray(batch[0][1], dtype=np.int64), keep)
+            if len(batch) == 1:
+                return self._step_graphs(batch[0][0], np.asarray(batch[0][1], dtype=np.int64), keep)
+            return self._batch_graphs(batch, lengths, keep)
         ids = np.concatenate([np.asarray(t, dtype=np.int64) for _, t in batch])
         positions = np.concatenate([seq.n_past + np.arange(L) for (seq, _), L in zip(batch, lengths)])
         rope = positions if self.ggml_attention else ops.rope_cache(positions, c.n_rot, c.rope_base)
@@ -464,15 +483,19 @@ class Engine:
         return out if blk.attn_output_bias is None else out + blk.attn_output_bias
 
     def _one_graph_per_step(self, batch) -> bool:
-        """Whether this step can run as one graph (``_step_graphs``; one per layer with remote
-        experts): one sequence, rows sent to the experts unrounded, standard attention and
-        routing, a chunk that needs no splitting of its attention."""
-        if not self.step_graphs or len(batch) != 1:
+        """Whether this step can run as one graph (``_step_graphs`` for one sequence,
+        ``_batch_graphs`` for several; one per layer with remote experts): rows sent to the
+        experts unrounded, standard attention and routing (``self.step_graphs``), and chunks
+        that need no splitting of their attention (``kernels.dense.attention`` runs a long one
+        in pieces). Otherwise the per-layer path of ``forward``."""
+        if not self.step_graphs or (len(batch) > 1 and not self.batch_graphs):
             return False
-        seq, ids = batch[0]
-        end = seq.n_past + len(ids)
-        n_kv = dense.n_kv_for(end, dense.cache_cells_for(end, seq.n_ctx))
-        return len(ids) <= max(2, dense.MAX_KQ_BYTES // (8 * n_kv * self.cfg.n_head))
+        for seq, ids in batch:
+            end = seq.n_past + len(ids)
+            n_kv = dense.n_kv_for(end, dense.cache_cells_for(end, seq.n_ctx))
+            if len(ids) > max(2, dense.MAX_KQ_BYTES // (8 * n_kv * self.cfg.n_head)):
+                return False
+        return True
 
     def _step_graphs(self, seq: Sequence, ids: np.ndarray, keep: np.ndarray | None) -> list[np.ndarray]:
         """One sequence's step as one ggml graph from the embedding to the logits, routing
@@ -494,29 +517,84 @@ class Engine:
         if R != T:  # one row as two
             positions, ids = np.repeat(positions, 2), np.repeat(ids, 2)
         at = dict(n_past=seq.n_past, positions=positions, mask=dense.causal_mask(seq.n_past, T, n_kv, R))
-        x = ggml_get_rows(w.token_embd, ids)  # (R, D)
+        tokens = (w.token_embd, ids.astype(np.int32))  # embedded in the graph: (R, D)
         n_out = T if keep is None else len(keep)  # the rows whose logits are wanted
         head_rows = np.arange(n_out, dtype=np.int32) if keep is None else np.zeros(n_out, dtype=np.int32)
         if n_out == 1 and self.one_row_as_two:  # the head's one row as two, as matmul does
             head_rows = np.zeros(2, dtype=np.int32)
         head = (w.output_norm, w.output, head_rows, c.rms_eps)
+        logits = self._run_step_graphs(step, blocks, per_graph, tokens, at, keep, head, n_out)
+        seq.n_past = end
+        return [logits[:n_out]]
+
+    def _batch_graphs(self, batch, lengths: list[int], keep: np.ndarray | None) -> list[np.ndarray]:
+        """A step of several sequences (decode tokens and prompt chunks mixed) as one ggml graph
+        from the embedding to the logits (``kernels.fused.step_graph`` with ``StepShape.
+        streams``): every dense op, the router and the experts on all rows at once, each
+        sequence's attention against its own KV cache in its own sub-graph, the ops
+        ``kernels.dense.attention`` runs on it alone (its token's row twice in deterministic
+        mode): each sequence gets the bits it gets alone, or in the per-layer path. A batch of
+        many sequences runs a few layers per graph (``MAX_STREAM_LAYERS``), so that building
+        a new shape's graph stays cheap. The graph is cached by the sequences' row counts and
+        cache shapes (n_kv padded to 256 cells), so a decode step reuses it for 256 tokens;
+        positions, masks and the cache cells written are bound per call. ``keep``: each
+        sequence's last row (its logits only), or None for every row."""
+        c, w = self.cfg, self.weights
+        T = sum(lengths)
+        min_rows = 2 if ggml_deterministic() else 1  # kernels.dense.attention's
+        streams, caches, masks = [], [], []
+        start = 0
+        for (seq, _), L in zip(batch, lengths):
+            end = seq.n_past + L
+            mine = [seq.reserve(il, end) for il in range(c.n_layer)]
+            kv_size = mine[0][0].shape[0]
+            n_kv = dense.n_kv_for(end, kv_size)
+            rows = max(L, min_rows)
+            streams.append(fused.Stream(start, L, rows, kv_size, n_kv))
+            caches.append(mine)
+            masks.append(dense.causal_mask(seq.n_past, L, n_kv, rows))
+            start += L
+        step = fused.StepShape(T, T, 0, 0, _kq_scale(c.head_dim), c.n_expert_used, w.expert_glu,
+                               c.traits.shexp_gate, c.traits.norm_topk, streams=tuple(streams))
+        blocks = [fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches))
+                  for il in range(c.n_layer)]
+        per_graph = min(fused.layers_per_graph(step, w.layers[0], blocks[0].shape, BATCH_GRAPH_BYTES),
+                        max(1, MAX_STREAM_LAYERS // len(batch)))
+        n_pasts = tuple(seq.n_past for seq, _ in batch)
+        positions = np.concatenate([np.arange(p, p + L, dtype=np.int32) for p, L in zip(n_pasts, lengths)])
+        at = dict(n_pasts=n_pasts, positions=positions, masks=tuple(masks))
+        tokens = (w.token_embd, np.concatenate([np.asarray(t, dtype=np.int32) for _, t in batch]))
+        n_out = T if keep is None else len(keep)  # the rows whose logits are wanted (two at least)
+        head = (w.output_norm, w.output, np.arange(n_out, dtype=np.int32), c.rms_eps)
+        logits = self._run_step_graphs(step, blocks, per_graph, tokens, at, keep, head, n_out)
+        for (seq, _), L in zip(batch, lengths):
+            seq.n_past += L
+        if keep is not None:  # one row per sequence
+            return [logits[i:i + 1] for i in range(len(batch))]
+        starts = np.cumsum([0] + lengths)
+        return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+    def _run_step_graphs(self, step: fused.StepShape, blocks: list, per_graph: int, tokens: tuple, at: dict,
+                         keep: np.ndarray | None, head: tuple, n_out: int) -> np.ndarray:
+        """The step graphs of ``_step_graphs`` or ``_batch_graphs`` from the step's ``tokens``
+        (the embedding and the ids, embedded in the first graph): ``per_graph`` layers per
+        graph with every expert local, or one per layer with remote experts. Returns the logits."""
         if self.experts is not self.local_experts:  # one graph per layer, the experts remote
-            logits = self._step_graphs_remote(step, blocks, x, at, keep, head)
-            seq.n_past = end
-            return [logits[:n_out]]
-        for first in range(0, c.n_layer, per_graph):
+            return self._step_graphs_remote(step, blocks, tokens, at, keep, head)
+        n_layer, x = len(blocks), None
+        for first in range(0, n_layer, per_graph):
             part = blocks[first:first + per_graph]
-            last = first + len(part) == c.n_layer
-            out = fused.step_graph(step, part, x=x, **at, head=head if last else None, memo=self._step_plans,
+            last = first + len(part) == n_layer
+            out = fused.step_graph(step, part, x=x, tokens=tokens if x is None else None, **at,
+                                   head=head if last else None, memo=self._step_plans,
                                    keep=self._dense_rows(keep) if last else None, n_kept=n_out)
             for il, chosen in enumerate(out.ids, first):  # the local experts' statistics
                 self.local_experts.calls[il] += len(set(chosen.ravel().tolist()))  # (np.unique: 10x slower)
                 self.local_experts.rows[il] += chosen.size
             x = out.x
-        seq.n_past = end
-        return [out.logits[:n_out]]
+        return out.logits
 
-    def _step_graphs_remote(self, step: fused.StepShape, blocks: list, x: np.ndarray, at: dict,
+    def _step_graphs_remote(self, step: fused.StepShape, blocks: list, tokens: tuple, at: dict,
                             keep: np.ndarray | None, head: tuple) -> np.ndarray:
         """``_step_graphs`` with the routed experts computed by ``self.experts``: one graph per
         layer, from the previous layer's combine (its experts' outputs an input) to this
@@ -526,7 +604,7 @@ class Engine:
         prev = None
         for il, blk in enumerate(blocks):
             last = il == n_layer - 1
-            out = fused.step_graph(step, [blk], x=x if prev is None else None, prev=prev, **at, remote=True,
+            out = fused.step_graph(step, [blk], tokens=tokens if prev is None else None, prev=prev, **at, remote=True,
                                    memo=self._step_plans,
                                    keep=self._dense_rows(keep) if last else None, n_kept=n_kept)
             r = out.routed

@@ -17,8 +17,11 @@ between two points where the engine must act anyway is one graph:
                     shared = down(silu(gate h) * up h) * shexp_gate(h)  # where the model has one
     -- the engine runs the experts (one graph, ``kernels.ggml.moe_ffn``, or remote), combines --
 
-A one-sequence step needs no Python between its layers at all: ``step_graph`` below runs it
-as one graph (or a few), and split at the experts when they are remote.
+A step needs no Python between its layers at all: ``step_graph`` below runs it as one graph
+(or a few), and split at the experts when they are remote; for a batch of several sequences
+with each sequence's attention against its own cache inside the graph (``StepShape.streams``).
+The two graphs above remain for what step graphs do not cover (``backbone.model.Engine.
+_one_graph_per_step``).
 
 Every op is the one the single-op kernels of ``kernels/dense.py`` and ``kernels/ggml.py`` use,
 with the same shapes, so the results are those bits (the tests compare the two paths): rows
@@ -226,19 +229,21 @@ def attention_out(attn: np.ndarray, x: np.ndarray, *, eps: float, wo: QTensor, b
     return FfnIn(x_out, h_out, ids_out, w_out, s_out)
 
 
-# --- one sequence's step: every layer, routing included, in as few graphs as memory allows --
+# --- a step: every layer, routing included, in as few graphs as memory allows -------------
 #
-# When a step holds one sequence and every routed expert is local, nothing needs Python between
-# the embedding and the logits: the router's top-k runs in the graph as llama.cpp's
+# When every routed expert is local, nothing needs Python between the embedding and the
+# logits: the router's top-k runs in the graph as llama.cpp's
 # build_moe_ffn builds it (``_route``). A decode step is one graph; a longer chunk runs a few
 # layers per graph, so that each graph's intermediates stay small enough to be kept and reused
 # (``kernels.ggml.GraphCache``); one graph serves every group of layers with the same shapes.
 #
-#     x = embedding rows
+#     x = embedding rows (get_rows of the token ids)
 #     for each layer:
 #         attention part:  h = rms_norm(x) * attn_norm; q, k, v (+biases, Q/K norms, RoPE)
 #                          K and V copied into the sequence's f16 cache at n_past
 #                          attention over the cache (kernels/dense.py's graph); x = x + Wo attn (+bo)
+#                          (several sequences: per sequence, its rows' K and V into its cache,
+#                           its queries against it, its outputs copied to its rows; then one Wo)
 #                          (last layer: only the rows whose logits are wanted go on)
 #                          h = rms_norm(x) * ffn_norm; router probabilities; shared expert (gated)
 #         routing:         ids = top-k of the probabilities; weights = their probabilities,
@@ -291,6 +296,25 @@ class StepShape:
     glu: str  # the routed experts' activation
     shexp_gate: str  # silu_div or sigmoid (kernels.dense.shared_expert_gate)
     norm_topk: bool  # whether the top-k weights are divided by their sum
+    # Several sequences (one graph for the step of a whole batch): each one's rows, cache and
+    # attention; then kv_size and n_kv above are unused (0) and rows == n_new (never one row
+    # as two: a batch has two rows at least). Empty: one sequence, as above.
+    streams: tuple["Stream", ...] = ()
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One sequence of a multi-sequence step: rows ``start..start+n_new`` of the step, its KV
+    cache of ``kv_size`` cells of which the attention sees ``n_kv`` (``kernels.dense.n_kv_for``),
+    and the query rows its attention runs on: ``n_new``, or 2 for one token in deterministic
+    mode (the token's row twice: ``kernels.dense.attention``'s ``min_rows``). Its attention is
+    the graph :func:`kernels.dense.attention` builds for it alone, so the same bits."""
+
+    start: int
+    n_new: int
+    rows: int
+    kv_size: int
+    n_kv: int
 
 
 def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionShape, step: StepShape, rps: dict,
@@ -309,12 +333,10 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
                        (layer.attn_v, layer.attn_v_bias))]
     qn = g.input(T.F32, (Dh,)) if layer.attn_q_norm is not None else None
     kn = g.input(T.F32, (Dh,)) if layer.attn_k_norm is not None else None
-    kc = g.input(T.F16, (gqa, step.kv_size))  # the cache, as kernels/dense.py's attention reads it
-    vc = g.input(T.F16, (step.kv_size, gqa))
-    kd = g.input(T.F16, (gqa, L))  # where this step's keys go: cells n_past.. (bound per call)
-    vd = g.input(T.F16, (gqa, L))  # and its values, transposed: element (c, j) at V[c, n_past + j]
-    vd.contents.nb[0], vd.contents.nb[1] = 2 * step.kv_size, 2
-    vd.contents.nb[2] = vd.contents.nb[3] = 2 * step.kv_size * gqa
+    if step.streams:  # each sequence's cache inputs, in its order
+        caches = [_cache_inputs(g, gqa, s.kv_size, s.n_new) for s in step.streams]
+    else:
+        kc, vc, kd, vd = _cache_inputs(g, gqa, step.kv_size, L)
     wo = weight_input(g, layer.attn_output, rps.get(id(layer.attn_output)))
     bo = g.input(T.F32, (layer.attn_output.ne[1],)) if layer.attn_output_bias is not None else None
     fn = g.input(T.F32, (x_ne0,))
@@ -325,22 +347,13 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     h, q, k, v = _qkv_heads(g, lib, x, an, ws, bs, qn, kn, shape, R)
     q = g.scratch(lib.ggml_rope_ext(ctx, q, pos, None, *shape.rope))  # (Dh, H, R)
     k = g.scratch(lib.ggml_rope_ext(ctx, k, pos, None, *shape.rope))
-    # store this step's L keys and values (f32 -> f16, rounded as numpy's astype rounds)
-    g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_view_2d(ctx, k, gqa, L, 4 * gqa, 0)), kd)))
-    g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_view_2d(ctx, v, gqa, L, 4 * gqa, 0)), vd)))
-    f16 = lambda n: 2 * n  # noqa: E731  bytes of n f16 values
-    qp = g.view(lib.ggml_permute(ctx, q, 0, 2, 1, 3))
-    kv = g.view(lib.ggml_view_4d(ctx, kc, Dh, Hkv, step.n_kv, 1, f16(Dh), f16(gqa), f16(gqa * step.kv_size), 0))
-    vv = g.view(lib.ggml_view_4d(ctx, vc, step.n_kv, Hkv, Dh, 1, f16(step.kv_size * Dh), f16(step.kv_size),
-                                 f16(step.kv_size * gqa), 0))
-    kv = g.view(lib.ggml_permute(ctx, kv, 0, 2, 1, 3))
-    vv = g.view(lib.ggml_permute(ctx, vv, 0, 2, 1, 3))
-    kq = g.scratch(lib.ggml_mul_mat(ctx, kv, qp))  # (n_kv, R, H)
-    lib.ggml_prec_set_acc(kq, 10)  # GGML_PREC_F32
-    kq = g.scratch(lib.ggml_soft_max_ext(ctx, kq, mask, float(step.scale), 0.0))
-    kqv = g.scratch(lib.ggml_mul_mat(ctx, vv, kq))  # (Dh, R, H)
-    cur = g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, R)
-    attn = g.scratch(lib.ggml_cont_2d(ctx, cur, Dh * H, R))
+    if step.streams:
+        attn = _attend_streams(g, lib, q, k, v, caches, mask, shape, step)
+    else:
+        # store this step's L keys and values (f32 -> f16, rounded as numpy's astype rounds)
+        _store(g, lib, k, v, kd, vd, gqa, 0, L)
+        cur = _attend(g, lib, q, kc, vc, mask, shape, step.kv_size, step.n_kv, step.scale)  # (Dh, H, R)
+        attn = g.scratch(lib.ggml_cont_2d(ctx, cur, Dh * H, R))
     y = g.scratch(lib.ggml_mul_mat(ctx, wo, attn))
     if bo is not None:
         y = g.scratch(lib.ggml_add(ctx, y, bo))
@@ -354,6 +367,69 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     probs = g.scratch(lib.ggml_soft_max(ctx, r))
     shared = _shared_expert(g, lib, h, sw, sg, step.shexp_gate) if sw is not None else None
     return x2, h, probs, shared
+
+
+def _cache_inputs(g: Graph, gqa: int, kv_size: int, n_new: int):
+    """A sequence's four cache inputs, in binding order (``_cache_arrays``): its K (gqa,
+    kv_size) and V (kv_size, gqa) f16 caches, as kernels/dense.py's attention reads them, and
+    where this step's ``n_new`` keys and values go (cells n_past.., bound per call)."""
+    kc = g.input(T.F16, (gqa, kv_size))
+    vc = g.input(T.F16, (kv_size, gqa))
+    kd = g.input(T.F16, (gqa, n_new))  # keys: n_new rows of the K cache from cell n_past
+    vd = g.input(T.F16, (gqa, n_new))  # values, transposed: element (c, j) at V[c, n_past + j]
+    vd.contents.nb[0], vd.contents.nb[1] = 2 * kv_size, 2
+    vd.contents.nb[2] = vd.contents.nb[3] = 2 * kv_size * gqa
+    return kc, vc, kd, vd
+
+
+def _store(g: Graph, lib, k, v, kd, vd, gqa: int, start: int, n: int) -> None:
+    """Copy rows ``start..start+n`` of the step's keys k (Dh, Hkv, R) and values v (gqa, R)
+    into a cache's places kd, vd (f32 -> f16, rounded as numpy's astype rounds)."""
+    ctx = g.ctx
+    g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_view_2d(ctx, k, gqa, n, 4 * gqa, 4 * gqa * start)), kd)))
+    g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_view_2d(ctx, v, gqa, n, 4 * gqa, 4 * gqa * start)), vd)))
+
+
+def _attend(g: Graph, lib, q, kc, vc, mask, shape: AttentionShape, kv_size: int, n_kv: int, scale: float):
+    """``build_attn_mha`` of queries q (Dh, H, rows) against one cache (``kernels.dense.
+    _build_attention``'s ops and views): the heads' outputs as a view (Dh, H, rows)."""
+    ctx, Hkv, Dh = g.ctx, shape.n_head_kv, shape.head_dim
+    gqa = Hkv * Dh
+    f16 = lambda n: 2 * n  # noqa: E731  bytes of n f16 values
+    qp = g.view(lib.ggml_permute(ctx, q, 0, 2, 1, 3))
+    kv = g.view(lib.ggml_view_4d(ctx, kc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
+    vv = g.view(lib.ggml_view_4d(ctx, vc, n_kv, Hkv, Dh, 1, f16(kv_size * Dh), f16(kv_size),
+                                 f16(kv_size * gqa), 0))
+    kv = g.view(lib.ggml_permute(ctx, kv, 0, 2, 1, 3))
+    vv = g.view(lib.ggml_permute(ctx, vv, 0, 2, 1, 3))
+    kq = g.scratch(lib.ggml_mul_mat(ctx, kv, qp))  # (n_kv, rows, H)
+    lib.ggml_prec_set_acc(kq, 10)  # GGML_PREC_F32
+    kq = g.scratch(lib.ggml_soft_max_ext(ctx, kq, mask, float(scale), 0.0))
+    kqv = g.scratch(lib.ggml_mul_mat(ctx, vv, kq))  # (Dh, rows, H)
+    return g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, rows)
+
+
+def _attend_streams(g: Graph, lib, q, k, v, caches, masks, shape: AttentionShape, step: StepShape):
+    """Every sequence's attention of a multi-sequence step, each against its own cache: its
+    rows' keys and values stored, its queries (its token's row twice where ``Stream.rows`` says)
+    through :func:`_attend`, its outputs copied to its rows of one (H*Dh, R) tensor, which is
+    returned. The ops of ``kernels.dense.attention`` on that sequence alone, so its bits."""
+    ctx, H, Dh = g.ctx, shape.n_head, shape.head_dim
+    gqa = shape.n_head_kv * Dh
+    attn = g.buffer(T.F32, (H * Dh, step.rows))
+    qn, an = q.contents.nb, attn.contents.nb[1]
+    for s, (kc, vc, kd, vd), mask in zip(step.streams, caches, masks):
+        _store(g, lib, k, v, kd, vd, gqa, s.start, s.n_new)
+        qs = g.view(lib.ggml_view_3d(ctx, q, Dh, H, s.n_new, qn[1], qn[2], qn[2] * s.start))
+        if s.rows > s.n_new:  # one token's row twice (only a one-token chunk is padded)
+            qs = g.scratch(lib.ggml_repeat_4d(ctx, qs, Dh, H, s.rows, 1))
+        cur = _attend(g, lib, qs, kc, vc, mask, shape, s.kv_size, s.n_kv, step.scale)  # (Dh, H, rows)
+        if s.rows > s.n_new:
+            cn = cur.contents.nb
+            cur = g.view(lib.ggml_view_3d(ctx, cur, Dh, H, s.n_new, cn[1], cn[2], 0))
+        dst = g.view(lib.ggml_view_2d(ctx, attn, H * Dh, s.n_new, an, an * s.start))
+        g.expand(g.view(lib.ggml_cpy(ctx, cur, dst)))  # a copy, as cont_2d's
+    return attn
 
 
 def _shared_inputs(g: Graph, layer, rps: dict):
@@ -469,7 +545,8 @@ class Block:
 
     layer: object  # backbone.model.Layer
     shape: AttentionShape
-    cache: tuple[np.ndarray, np.ndarray]
+    cache: tuple[np.ndarray, np.ndarray] | None
+    caches: tuple = ()  # a multi-sequence step (StepShape.streams): each sequence's (K, V), cache None
 
 
 @dataclass
@@ -508,7 +585,8 @@ def layers_per_graph(step: StepShape, layer, shape: AttentionShape, budget: int)
     Fs = layer.ffn_gate_shexp.ne[1] if layer.ffn_gate_shexp is not None else 0
     H, Dh = shape.n_head, shape.head_dim
     per_row = 16 * D + 4 * E + 6 * H * Dh + 3 * K * F + (K + 2) * D + 3 * Fs
-    per_layer = 4 * (R * per_row + 3 * R * H * step.n_kv)
+    scores = sum(s.rows * s.n_kv for s in step.streams) if step.streams else R * step.n_kv  # KQ cells
+    per_layer = 4 * (R * per_row + 3 * H * scores + (H * Dh * sum(s.rows for s in step.streams)))
     return max(1, budget // per_layer)
 
 
@@ -570,10 +648,12 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                prev: tuple[Routed, np.ndarray] | None = None, n_past: int = 0,
                positions: np.ndarray | None = None, mask: np.ndarray | None = None,
                keep: np.ndarray | None = None, n_kept: int = 0, head: tuple | None = None,
-               remote: bool = False, memo: dict | None = None) -> StepOut:
+               remote: bool = False, memo: dict | None = None, n_pasts: tuple[int, ...] = (),
+               masks: tuple[np.ndarray, ...] = (), tokens: tuple[QTensor, np.ndarray] | None = None) -> StepOut:
     """Layers ``blocks`` of a one-sequence step as one graph (see above), from rows ``x``
-    (R, D) float32, or from ``prev``: a layer stopped at its experts and their outputs
-    (n, K, D), combined first. ``positions`` (R,) int32, ``mask`` (n_kv, R): each
+    (R, D) float32, from ``tokens`` (the token embedding QTensor, ids (R,) int32: its rows,
+    ``ggml_get_rows`` in the graph as :func:`kernels.ggml.get_rows` computes them), or from
+    ``prev``: a layer stopped at its experts and their outputs (n, K, D), combined first. ``positions`` (R,) int32, ``mask`` (n_kv, R): each
     layer's K and V go into its cache at ``n_past``. ``keep`` (m,): the last block's rows that
     go on after its output projection (the model's last layer: the rows whose logits are
     wanted), of which the first ``n_kept`` are real (the rest: one row as two). ``remote``: the
@@ -584,14 +664,26 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     of the last layer's output -> logits (m, V). ``memo``: a dict the caller keeps across
     steps, where what the calls on the same layers share is remembered (``_StepPlan``), keyed
     by the identity of the layers, their shapes and the head's weights: they must not change
-    while the caller uses it."""
+    while the caller uses it.
+
+    Several sequences (``step.streams``, each block's ``caches``): ``n_pasts`` and ``masks``
+    ((rows_i, n_kv_i) float32, ``kernels.dense.causal_mask``) per sequence instead of
+    ``n_past`` and ``mask``; every dense op runs on all rows at once, each sequence's
+    attention against its own cache (``_attend_streams``), so each gets its bits alone."""
     lib = ggml.load()
     R, K, n_new = step.rows, step.n_expert_used, step.n_new
     keep = None if keep is None else np.ascontiguousarray(keep, dtype=np.int32)
     if keep is not None and not 0 < n_kept <= len(keep):
         raise ValueError(f"step_graph: rows to keep {keep} need 0 < n_kept ({n_kept}) <= {len(keep)}")
-    if (x is None) == (prev is None) or (remote and (not blocks or head is not None)):
-        raise ValueError("step_graph: give x or prev; remote needs layers and no head")
+    if (x is not None) + (prev is not None) + (tokens is not None) != 1 or (tokens is not None and not blocks) \
+            or (remote and (not blocks or head is not None)):
+        raise ValueError("step_graph: give one of x, tokens (with layers) or prev; remote needs layers and no head")
+    if tokens is not None:  # ggml aborts on a row id out of range: check here
+        ids = tokens[1]
+        if ids.dtype != np.int32 or ids.shape != (R,) or not ids.flags.c_contiguous \
+                or int(ids.min()) < 0 or int(ids.max()) >= tokens[0].ne[1]:
+            raise ValueError(f"step_graph: tokens are {ids.dtype}{ids.shape}, expected int32 ({R},) "
+                             f"in 0..{tokens[0].ne[1] - 1}")
     # rows through each block's dense ops and its experts (the last block's may be pruned)
     dense_rows = [R] * len(blocks)
     expert_rows = [n_new] * len(blocks)
@@ -602,7 +694,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     n_prev = 0 if prev is None else len(prev[0].ids)
     has_shared = prev is not None and prev[0].shared is not None
     key_tail = (None if keep is None else (len(keep), n_kept), remote,
-                None if prev is None else (n_prev, has_shared))
+                None if prev is None else (n_prev, has_shared), None if tokens is None else _key(tokens[0]))
     plan = None
     if memo is not None:
         mkey = (step, key_tail, tuple(id(b.layer) for b in blocks), tuple(id(b.shape) for b in blocks),
@@ -624,19 +716,36 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                      "prev.weights": (r.weights, (n_prev, K), np.float32),
                      "expert outputs": (prev[1], (n_prev, K, D), np.float32)})
         want.pop("x", None)
+    streams = step.streams
+    if streams and blocks:
+        if len(masks) != len(streams) or len(n_pasts) != len(streams) or mask is not None \
+                or sum(s.n_new for s in streams) != R or R != n_new:
+            raise ValueError(f"step_graph: {len(streams)} sequences need as many masks and n_pasts "
+                             f"({len(masks)}, {len(n_pasts)}) and their rows to make the step's {R}")
+        want.pop("mask")
+        for i, (s, m) in enumerate(zip(streams, masks)):
+            want[f"masks[{i}]"] = (m, (s.rows, s.n_kv), np.float32)
     for name, (a, shape, dtype) in want.items():
         if a is not None and (a.shape != shape or a.dtype != dtype):
             raise ValueError(f"step_graph: {name} is {a.dtype}{a.shape}, expected {np.dtype(dtype)}{shape}")
     for b in blocks:  # the caches are bound by address: their shapes are the graph's
-        if b.cache[0].shape[0] != step.kv_size or b.cache[1].shape[1] != step.kv_size:
-            raise ValueError(f"step_graph: a cache of {b.cache[0].shape[0]} cells, the step's has {step.kv_size}")
+        pairs = zip(b.caches, streams) if streams else [(b.cache, step)]
+        if streams and len(b.caches) != len(streams):
+            raise ValueError(f"step_graph: a block with {len(b.caches)} caches for {len(streams)} sequences")
+        for (kc, vc), s in pairs:
+            if kc.shape[0] != s.kv_size or vc.shape[1] != s.kv_size:
+                raise ValueError(f"step_graph: a cache of {kc.shape[0]} cells, the step's has {s.kv_size}")
     norm = step.norm_topk
 
     def build() -> Graph:
-        g = Graph(lib, n_tensors=160 * len(blocks) + 64, nodes=128 * len(blocks) + 64)
+        S = len(streams)  # a sequence's attention: ~24 tensors and ~20 nodes per layer
+        g = Graph(lib, n_tensors=(160 + 24 * S) * len(blocks) + 64 + S, nodes=(128 + 20 * S) * len(blocks) + 64)
         try:
             ctx = g.ctx
-            if prev is None:
+            if tokens is not None:  # the token embedding's rows
+                et = g.input(tokens[0].ggml_type, tokens[0].ne)
+                xt = g.scratch(lib.ggml_get_rows(ctx, et, g.input(T.I32, (R,))))
+            elif prev is None:
                 xt = g.input(T.F32, (D, R))
             else:  # the previous layer's combine, its experts' outputs given
                 x2, sh = g.input(T.F32, (D, n_prev)), g.input(T.F32, (D, n_prev)) if has_shared else None
@@ -646,7 +755,8 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                     xt = g.scratch(lib.ggml_repeat_4d(ctx, xt, D, R, 1, 1))  # one row as two again
             if blocks:
                 pt = g.input(T.I32, (R,))
-                mt = g.input(T.F32, (step.n_kv, R))
+                mt = [g.input(T.F32, (s.n_kv, s.rows)) for s in streams] if streams \
+                    else g.input(T.F32, (step.n_kv, R))
                 kt = g.input(T.I32, (len(keep),)) if keep is not None else None
             for i, b in enumerate(blocks):
                 last = i == len(blocks) - 1
@@ -682,14 +792,19 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
             g.free()
             raise
 
-    arrays: list = [x] if prev is None else [prev[0].x, *((prev[0].shared,) if has_shared else ()),
+    arrays: list = [tokens[0].ptr, tokens[1]] if tokens is not None else [x] if prev is None else [prev[0].x, *((prev[0].shared,) if has_shared else ()),
                                              np.ascontiguousarray(prev[0].weights), np.ascontiguousarray(prev[1])]
     if blocks:
-        arrays += [np.ascontiguousarray(positions, dtype=np.int32), mask] + ([keep] if keep is not None else [])
+        arrays += [np.ascontiguousarray(positions, dtype=np.int32), *(masks if streams else (mask,))]
+        arrays += [keep] if keep is not None else []
     result = StepOut(ids=[np.empty((n, K), np.int32) for n in expert_rows[:local]])
     for i, b in enumerate(blocks):
         arrays += plan.pre[i]
-        arrays += _cache_arrays(b.cache[0], b.cache[1], n_past)
+        if streams:
+            for (kc, vc), p in zip(b.caches, n_pasts):
+                arrays += _cache_arrays(kc, vc, p)
+        else:
+            arrays += _cache_arrays(b.cache[0], b.cache[1], n_past)
         arrays += plan.post[i]
         if i == local:
             n = expert_rows[i]

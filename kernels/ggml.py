@@ -488,6 +488,12 @@ class Graph:
         self._fix(t, data)
         return t
 
+    def buffer(self, ggml_type: int, ne: tuple[int, ...]):
+        """A new tensor in the graph's scratch memory that no op computes: what the graph
+        copies into its views (``ggml_cpy``) is what later ops read; it must be filled before
+        it is read, in node order, as every scratch tensor is rewritten on every run."""
+        return self.scratch(self._new(ggml_type, ne))
+
     def view(self, t):
         """Register ``t`` (a view, permute, ...) so its data follows its root."""
         if not t:

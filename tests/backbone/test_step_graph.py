@@ -112,8 +112,13 @@ def test_step_graph_refuses_arrays_of_the_wrong_size(models, monkeypatch):
     with pytest.raises(ValueError, match="expert outputs"):
         real(step, [], prev=(r, np.zeros((len(r.ids), r.ids.shape[1], 3), np.float32)),
                          head=seen[-1][1]["head"])
+    emb, ids = kw["tokens"]
+    with pytest.raises(ValueError, match="tokens are"):
+        real(step, blocks, **{**kw, "tokens": (emb, ids[:1])})
+    with pytest.raises(ValueError, match="tokens are"):  # an id past the vocabulary: ggml would abort
+        real(step, blocks, **{**kw, "tokens": (emb, np.full_like(ids, emb.ne[1]))})
     with pytest.raises(ValueError, match="x is"):
-        real(step, blocks, **{**kw, "x": kw["x"][:1]})
+        real(step, blocks, **{**kw, "tokens": None, "x": np.zeros((1, emb.ne[0]), np.float32)})
 
 
 def test_a_remembered_step_plan_gives_the_bits_of_a_fresh_one_and_is_reused(models, monkeypatch):

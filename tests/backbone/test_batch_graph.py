@@ -1,0 +1,174 @@
+"""A step of several sequences (decode tokens and prompt chunks mixed) runs as one ggml graph
+from the token ids to the logits, each sequence's attention against its own KV cache inside it
+(``Engine._batch_graphs``; ``kernels.fused.step_graph`` with ``StepShape.streams``): one graph
+launch per step instead of (3 + sequences) per layer. Each sequence gets the bits of the
+per-layer path and, in the deterministic mode, of its run alone; the graph is built once per
+batch shape and reused step after step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from backbone import model
+from backbone.model import Engine
+from kernels import dense, fused, ggml
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = [("qwen3moe", "q4_k"), ("qwen2moe", "q8_0"), ("mixtral", "f16")]
+
+
+def _steps(engine: Engine) -> tuple[list[np.ndarray], list[list[np.ndarray]]]:
+    """Three prompts read together (every logit), three decode steps of the three, then a
+    mixed step (two decode tokens and a chunk, last logits only). Returns every step's logits
+    and, per sequence, its tokens in the order fed."""
+    rng = np.random.default_rng(7)
+    V = engine.cfg.n_vocab
+    seqs = [engine.new_sequence() for _ in range(3)]
+    fed = [[rng.integers(0, V, n)] for n in (5, 17, 33)]
+    out = engine.forward([(s, f[0]) for s, f in zip(seqs, fed)])
+    nxt = [int(o[-1].argmax()) for o in out]
+    for _ in range(3):
+        batch = [(s, np.array([t])) for s, t in zip(seqs, nxt)]
+        for f, (_, ids) in zip(fed, batch):
+            f.append(ids)
+        step = engine.forward(batch, all_logits=False)
+        out += step
+        nxt = [int(o[-1].argmax()) for o in step]
+    batch = [(seqs[0], np.array([nxt[0]])), (seqs[1], rng.integers(0, V, 6)), (seqs[2], np.array([nxt[2]]))]
+    for f, (_, ids) in zip(fed, batch):
+        f.append(ids)
+    out += engine.forward(batch, all_logits=False)
+    return out, fed
+
+
+def _launches(monkeypatch) -> list[int]:
+    """A counter of ggml graph launches (every kernel runs its graphs through Graph.run)."""
+    count = [0]
+    real = ggml.Graph.run
+
+    def counted(self, arrays):
+        count[0] += 1
+        return real(self, arrays)
+
+    monkeypatch.setattr(ggml.Graph, "run", counted)
+    return count
+
+
+def _stats(engine: Engine) -> tuple[dict, dict]:
+    return dict(engine.local_experts.calls), dict(engine.local_experts.rows)
+
+
+@pytest.mark.parametrize("arch,qtype", CASES)
+def test_a_batch_step_is_one_graph_launch_with_the_bits_of_the_per_layer_path(models, arch, qtype, monkeypatch):
+    engine = Engine(models(arch, qtype))
+    assert engine.batch_graphs
+    count = _launches(monkeypatch)
+    per_step = []
+    real_forward = engine.forward
+
+    def forward(batch, **kw):
+        n0 = count[0]
+        out = real_forward(batch, **kw)
+        per_step.append(count[0] - n0)
+        return out
+
+    monkeypatch.setattr(engine, "forward", forward)
+    one_graph, fed = _steps(engine)
+    assert per_step == [1] * 5  # every step, prefill, decode and mixed: one graph
+    stats = _stats(engine)
+    engine.local_experts.calls.clear()
+    engine.local_experts.rows.clear()
+    engine.batch_graphs = False  # three graphs per layer and one attention graph per sequence
+    per_step.clear()
+    per_layer, _ = _steps(engine)
+    assert min(per_step) > 3 * engine.cfg.n_layer
+    assert all(np.array_equal(a, b) for a, b in zip(one_graph, per_layer))
+    assert stats == _stats(engine)  # the experts' statistics (the market's demand) too
+    if ggml.deterministic():  # batch-invariant: each sequence's logits are those of its run alone
+        monkeypatch.setattr(engine, "forward", real_forward)
+        for i, tokens in enumerate(fed):
+            alone = engine.forward([(engine.new_sequence(), np.concatenate(tokens))])[0]
+            ends = np.cumsum([len(t) for t in tokens])
+            assert np.array_equal(one_graph[i], alone[:ends[0]])  # the prompt, every row
+            for k in range(1, 5):  # each later step: its last row
+                assert np.array_equal(one_graph[3 * k + i], alone[ends[k] - 1:ends[k]])
+
+
+def test_a_decode_step_reuses_its_graph_until_a_sequence_crosses_256_cells(models, monkeypatch):
+    """The graph is cached by each sequence's rows and cache shape (n_kv padded to 256
+    cells); positions, masks and the cells written are bound per call. Two sequences decoding
+    ten steps, one of them crossing 256 cells: two graphs built, the second at the crossing."""
+    engine = Engine(models("qwen3moe", "q4_k", ctx=512))
+    V = engine.cfg.n_vocab
+    rng = np.random.default_rng(3)
+    a, b = engine.new_sequence(), engine.new_sequence()
+    engine.forward([(a, rng.integers(0, V, 250))])
+    engine.forward([(b, rng.integers(0, V, 10))])
+    built = []
+    real_put = ggml.GraphCache.put
+    monkeypatch.setattr(ggml.GraphCache, "put", lambda self, key, g: built.append(a.n_past) or real_put(self, key, g))
+    for _ in range(10):
+        out = engine.forward([(a, rng.integers(0, V, 1)), (b, rng.integers(0, V, 1))], all_logits=False)
+        assert len(out) == 2 and out[0].shape == (1, V)
+    assert built == [250, 256]  # the first step, and the one that writes cell 256
+    assert (a.n_past, b.n_past) == (260, 20)
+
+
+def test_a_batch_with_remote_experts_is_one_graph_per_layer_with_the_local_bits(models, monkeypatch):
+    from tests.backbone.test_pruning import Remote
+
+    local = Engine(models("qwen2moe", "q8_0"))
+    sharded = Engine(models("qwen2moe", "q8_0"))
+    remote = Remote(sharded)
+    sharded.use_experts(remote)
+    calls = []
+    real = fused.step_graph
+    monkeypatch.setattr(fused, "step_graph", lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw))
+    got, _ = _steps(sharded)
+    assert calls == ([1] * sharded.cfg.n_layer + [0]) * 5  # a graph per layer, then the last combine and head
+    want, _ = _steps(local)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert remote.rows == _stats(local)[1]  # every row each layer's experts saw, asked of the remote
+
+
+def test_a_wide_batch_runs_a_few_layers_per_graph_with_the_same_bits(models, monkeypatch):
+    engine = Engine(models("qwen3moe", "q4_k"))
+    whole, _ = _steps(engine)
+    calls = []
+    real = fused.step_graph
+    monkeypatch.setattr(fused, "step_graph", lambda *a, **kw: calls.append(len(a[1])) or real(*a, **kw))
+    monkeypatch.setattr(model, "MAX_STREAM_LAYERS", 3)  # three sequences: one layer per graph
+    split, _ = _steps(engine)
+    assert calls == [1] * (5 * engine.cfg.n_layer)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, split))
+
+
+def test_a_chunk_too_long_for_one_attention_graph_takes_the_per_layer_path(models, monkeypatch):
+    """kernels.dense.attention runs a chunk whose scores pass MAX_KQ_BYTES in pieces; a batch
+    holding one goes the per-layer way (and gets the same bits)."""
+    engine = Engine(models("qwen3moe", "q4_k"))
+    whole, _ = _steps(engine)
+    monkeypatch.setattr(dense, "MAX_KQ_BYTES", 8 * 256 * engine.cfg.n_head * 8)  # 8 query rows at most
+    used = []
+    real = engine._batch_graphs
+    monkeypatch.setattr(engine, "_batch_graphs", lambda *a: used.append(1) or real(*a))
+    pieces, _ = _steps(engine)
+    assert len(used) == 4  # the decode steps and the mixed one (its chunk of 6); not the prompts of 17, 33
+    assert all(np.array_equal(a, b) for a, b in zip(whole, pieces))
+
+
+def test_batch_graphs_match_the_per_layer_path_in_the_fast_mode_too():
+    """The first test in the fast mode (repacked weights, llama.cpp's tiled kernels; one query
+    row attends alone): the one-graph step and the per-layer path run the same ops."""
+    env = dict(os.environ, KVASIR_KERNEL_MODE="fast", PYTHONPATH=str(ROOT))
+    env.pop("GGML_CPU_TILED_MM", None)
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "one_graph_launch"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "3 passed" in out.stdout
