@@ -14,6 +14,10 @@ it. Each becomes one request on ``kvasir.<model>.x.<layer>.<expert>``, all sent 
   and the expert is computed locally;
 * an expert that timed out is *silent* (:mod:`backbone.coverage_view`): computed locally at
   once, its request still sent as a probe whose first valid reply makes it worth waiting for again;
+* before anything on the bus has ever answered (a fresh backbone), a step's calls are computed
+  here while they are out and not waited for once that is done (with the adaptive timeout): a
+  subscriber on every subject that never answers then costs no timeout at all, and the first
+  reply, in time or late, makes the next steps wait as usual;
 * a reply is *audited* as :mod:`backbone.audit` decides: recomputed here, compared, and replaced
   by the local result; a failed audit quarantines its node: the market is told
   (``kvasir.<model>.quarantine``), its replies are ignored from then on (another replica may still
@@ -71,7 +75,8 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import structlog
 
-from backbone.audit import AuditConfig, Auditor, relative_error, replies_agree, rerun_backend, rerun_rows
+from backbone.audit import (AuditConfig, Auditor, numpy_family, relative_error, replies_agree, rerun_backend,
+                            rerun_rows)
 from backbone.coverage_view import CoverageView
 from backbone.dispatch_stats import DispatchStats, LayerStats
 from kvasir_bus import codec, lane, market_codec
@@ -466,6 +471,7 @@ class RemoteExperts:
             while_waiting()
         outs = self._compute_unasked(layer, calls, step, stats)
         references = self._audit_ahead(layer, step.calls) if step.calls else {}
+        ahead = self._before_any_answer(layer, step, references) if step.calls else {}
         if step.calls:
             deadline = step.timeout_s + _STEP_GRACE_S
             while True:
@@ -476,8 +482,39 @@ class RemoteExperts:
                     break
                 if i == _SETTLED:
                     break
-                outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
+                if i in ahead:
+                    stats.rows_local += len(calls[i][1])
+                    outs[i] = ahead.pop(i)
+                else:
+                    outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
         return self._finish_step(layer, calls, step, stats, references, outs)
+
+    def _before_any_answer(self, layer: int, step: _Step, references: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Nothing on the bus has ever answered: whoever is subscribed may never do (a stranger on
+        every subject). Compute the step's waited calls here while they are out, then stop waiting
+        for them (:meth:`_give_up`): a reply that came first is used as ever, a later one shows
+        life and the next steps wait as usual. With a fixed ``timeout_s`` the wait is the user's
+        to choose: none of this."""
+        if self.cfg.timeout_s is not None or self.coverage.answered:
+            return {}
+        ahead = {call.index: references[call.index] if call.index in references
+                 else self.local.compute(layer, call.expert, call.rows) for call in step.calls}
+        try:
+            self.bus.loop.call_soon_threadsafe(self._give_up, step)
+        except RuntimeError:  # the loop is closed: the step's wait ends on its own
+            pass
+        return ahead
+
+    def _give_up(self, step: _Step) -> None:
+        """The engine computed the step's calls itself before any answer came: settle those still
+        open (their late replies count as late, and show life)."""
+        if not step.t0:  # never published: the send's own error path settles it
+            return
+        stats = self.stats.layer(step.layer)
+        for call in step.calls:
+            if not call.done:
+                stats.unanswered += 1
+                self._settle(call, "unanswered")
 
     def _compute_unasked(self, layer: int, calls, step: _Step, stats: LayerStats) -> list[np.ndarray | None]:
         """The step's outputs so far: those of the calls nobody was asked for (the fallback
@@ -851,7 +888,13 @@ class RemoteExperts:
         backend, exact = how
         whole = part.rows == slice(0, len(rows))
         chunk = rerun_rows(part.kernel, self.local.backend)  # > 0: a -det worker, rerun in its kernel's chunks
-        if chunk:
+        explain = getattr(self.local, "explained_gap", None)
+        gap = None
+        if not exact and not numpy_family(part.kernel) and explain is not None:
+            # a kernel we cannot rerun: its quant-step flips are taken out before the bound applies
+            gap = explain(layer, expert, rows[part.rows], part.out)
+            ref = None
+        elif chunk:
             mine = rows[part.rows]
             ref = np.concatenate([self.local.compute(layer, expert, mine[i:i + chunk], backend=backend)
                                   for i in range(0, len(mine), chunk)])
@@ -860,7 +903,7 @@ class RemoteExperts:
         else:
             ref = self.local.compute(layer, expert, rows[part.rows], backend=backend)
         passed = self.auditor.judge(part.node, part.out, ref, exact=exact, weight_type=self.local.weight_type(layer),
-                                    kernel=part.kernel)
+                                    kernel=part.kernel, gap=gap)
         if self.recorder is not None:  # the market counts every node's audits, passes too
             self.recorder.record_audit(part.node, passed)
         if passed:
@@ -868,7 +911,7 @@ class RemoteExperts:
                 self.coverage.mark_proven(part.node)  # bundles from now on, without waiting its turn
             return True
         stats.audit_failures += 1
-        error = relative_error(part.out, ref) if part.out.shape == ref.shape else float("inf")
+        error = gap if ref is None else relative_error(part.out, ref) if part.out.shape == ref.shape else float("inf")
         if part.node not in self.stats.quarantined:
             self.stats.quarantined.append(part.node)
             log.warning("node_quarantined", node=part.node, layer=layer, expert=expert, kernel=part.kernel,
@@ -1293,7 +1336,7 @@ class RemoteExperts:
         how, layer, expert = self._finished.get(token, ("unknown", -1, -1))
         if layer >= 0:
             stats = self.stats.layer(layer)
-            if how == "timeout":
+            if how in ("timeout", "unanswered"):
                 stats.late += 1
                 self._shows_life((layer, expert), decode())  # slow is not silent
             elif how == "won":

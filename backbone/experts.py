@@ -15,6 +15,7 @@ import numpy as np
 
 from kernels.backend import backend_name
 from kernels.expert import expert_ffn, moe_ffn as ggml_moe_ffn
+from kernels.flips import explained_gap
 
 
 class ExpertBackend(Protocol):
@@ -37,6 +38,13 @@ class LocalExperts:
         self.calls[layer] += 1
         self.rows[layer] += len(rows)
         return expert_ffn(*self.weights.expert(layer, expert), rows, routed=True, backend=backend)
+
+    def explained_gap(self, layer: int, expert: int, rows: np.ndarray, reply: np.ndarray) -> float:
+        """A foreign kernel's reply against the numpy kernel, its quant-step flips taken out
+        (``kernels.flips.explained_gap``): what the audit bounds for a kernel it cannot rerun."""
+        self.calls[layer] += 1
+        self.rows[layer] += len(rows)
+        return explained_gap(*self.weights.expert(layer, expert), rows, reply)
 
     def weight_type(self, layer: int) -> int:
         """The ggml type of a layer's down-projection experts (the audit's tolerance keys on it)."""

@@ -151,15 +151,21 @@ class NumpyBackend:
         """down(silu(gate x) * up x): x (n, n_embd) f32 -> (n, n_embd) f32, three matmuls with
         ggml's activation rounding and ggml's swiglu rounding between them."""
         x = check_ffn(gate, up, down, x)
-        g = self.matmul(gate, x, routed=routed)  # (n, n_ff)
-        u = self.matmul(up, x, routed=routed)  # (n, n_ff)
+        _, _, h = self.hidden(gate, up, x)
+        y = self.matmul(down, h, routed=routed)  # (n, n_embd)
+        return y if down.bias is None else y + down.bias
+
+    def hidden(self, gate: QTensor, up: QTensor, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The gate and up projections (biases added) and the activation ``h`` the down projection
+        multiplies, each (n, n_ff) float32, of checked rows x (n, n_embd) float32."""
+        g = self.matmul(gate, x)  # (n, n_ff)
+        u = self.matmul(up, x)  # (n, n_ff)
         if gate.bias is not None:
             g = g + gate.bias
         if up.bias is not None:
             u = u + up.bias
         h = swiglu_oai(g, u) if gate.glu == "swiglu_oai" else silu_mul(g, u)
-        y = self.matmul(down, h, routed=routed)  # (n, n_embd)
-        return y if down.bias is None else y + down.bias
+        return g, u, h
 
 
 def swiglu_oai(g: np.ndarray, u: np.ndarray) -> np.ndarray:
