@@ -48,9 +48,13 @@ def cmd_calibrate(args) -> int:
         if v is not None and v < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
     from kernels.backend import apply_kernel_flags
+    from kvasir_bus.logs import configure
     from planner.calibrate import calibrate
     from planner.shapes import from_gguf
 
+    # The backbone and dispatch it measures log as they run: warnings only, on stderr beside the
+    # progress lines (unconfigured, structlog would print every debug line to stdout).
+    configure("warning")
     apply_kernel_flags(argparse.Namespace(deterministic=args.deterministic, threads=None))
 
     from_gguf(args.model)  # a clear error before anything loads
