@@ -61,6 +61,7 @@ _EXP_C2 = float.fromhex("0x1.62e42ff0c52d6p-1") / 32
 _EXPF_OVER = _F(float.fromhex("0x1.62e42ep6"))  # above: inf
 _EXPF_UNDER = _F(float.fromhex("-0x1.9fe368p6"))  # below: 0
 
+_FEW = 2048  # lanes up to which v_expf checks all its FMAs' midpoints at once
 _MID_MASK = np.uint64((1 << 29) - 1)  # float64 mantissa bits below a float32's
 _MID = np.uint64(1 << 28)  # ... exactly half a float32 ulp
 
@@ -75,7 +76,7 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     Normal float32 results only (the activations never reach the subnormal range here).
     """
     p = np.multiply(a, b, dtype=np.float64)
-    s = p + c
+    s = np.add(p, c)
     mid = (s.view(np.uint64) & _MID_MASK) == _MID
     if mid.any():
         s = _fix_midpoints(np.broadcast_to(p, s.shape), np.broadcast_to(np.asarray(c, dtype=np.float64), s.shape),
@@ -118,25 +119,50 @@ def expf(x: np.ndarray) -> np.ndarray:
 
 
 def v_expf(x: np.ndarray, variant: str = DEFAULT_VARIANT) -> np.ndarray:
-    """``ggml_v_expf`` of float32 ``x``, lane by lane, in the ``variant``'s operations. -> float32."""
+    """``ggml_v_expf`` of float32 ``x``, lane by lane, in the ``variant``'s operations. -> float32.
+
+    Each FMA is :func:`fma32`. For a few values (one row), where numpy's per-call cost dominates,
+    they are first computed as float64 sums rounded to float32 (:func:`fma32_naive`), keeping every
+    sum, and only if one of them sits exactly on a float32 midpoint (a few in a million) is the
+    whole computed again with :func:`fma32`: the same bits, half the time."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown ggml_v_expf variant {variant!r}: expected one of {VARIANTS}")
     x = np.asarray(x, dtype=np.float32)
-    z = fma32(x, _LOG2E, _SHIFT)
+    if x.size > _FEW:  # the per-call cost is in the work, not in numpy's call overhead
+        return _v_expf(x, variant, fma32)
+    sums = np.empty((8,) + x.shape, dtype=np.float64)  # the 8 FMAs' float64 sums, checked at the end
+    used = iter(range(8))
+
+    def fast_fma(a, b, c):
+        s = sums[next(used)]
+        np.multiply(a, b, out=s, dtype=np.float64)
+        s += c
+        return s.astype(np.float32)
+
+    out = _v_expf(x, variant, fast_fma)
+    if ((sums.view(np.uint64) & _MID_MASK) == _MID).any():
+        out = _v_expf(x, variant, fma32)
+    return out
+
+
+def _v_expf(x: np.ndarray, variant: str, fma) -> np.ndarray:
+    z = fma(x, _LOG2E, _SHIFT)
     n = z - _SHIFT  # exact: the integer nearest x / ln 2
     neg_n = -n
-    b = fma32(neg_n, _LN2_LO, fma32(neg_n, _LN2_HI, x))  # x - n ln2, in two parts
+    b = fma(neg_n, _LN2_LO, fma(neg_n, _LN2_HI, x))  # x - n ln2, in two parts
     u = b * b
     big = np.abs(n) > _F(192)
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         if variant == "avx512":
-            j = fma32(fma32(fma32(_C5, b, _C4), u, fma32(_C3, b, _C2)), u, fma32(_C1, b, _ONE))
-            res = np.ldexp(j, np.clip(n, -400, 400).astype(np.int32))  # vscalefps: j * 2^n
+            j = fma(fma(fma(_C5, b, _C4), u, fma(_C3, b, _C2)), u, fma(_C1, b, _ONE))
+            if not big.any():  # nearly always: |x| < 133
+                return np.ldexp(j, n.astype(np.int32))  # vscalefps: j * 2^n, one rounding
+            res = np.ldexp(j, np.clip(n, -400, 400).astype(np.int32))
             return np.where(big, np.where(n <= 0, _F(0), _F(np.inf)), res).astype(np.float32)
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown ggml_v_expf variant {variant!r}: expected one of {VARIANTS}")
-        j = fma32(fma32(fma32(_C5, b, _C4), u, fma32(_C3, b, _C2)), u, _C1 * b)
+        j = fma(fma(fma(_C5, b, _C4), u, fma(_C3, b, _C2)), u, _C1 * b)
         e = z.view(np.uint32) << np.uint32(23)  # 2^n's exponent bits (wraps as the integer op does)
         k = (e + _ONE.view(np.uint32)).view(np.float32)
-        res = fma32(j, k, k)
+        res = fma(j, k, k)
         c = np.abs(n) > _F(126)
         if c.any():  # 2^n out of float32's normal range: 2^n as s1 * s2
             g = np.where(n <= 0, np.uint32(0x82000000), np.uint32(0))
