@@ -104,6 +104,12 @@ class CoverageView:
         hold = min(self.max_hold_s, 2 * self._revived.pop(key, self.silence_hold_s / 2))
         self._silent[(layer, expert)] = (self.clock() + hold, hold)
 
+    @property
+    def answered(self) -> bool:
+        """Whether any valid reply was ever seen (until then, a subscriber may be a stranger that
+        never answers)."""
+        return self._answered
+
     def mark_answered(self, layer: int, expert: int) -> None:
         """A valid reply came for the expert: it is alive."""
         self._answered = True

@@ -14,6 +14,10 @@ it. Each becomes one request on ``kvasir.<model>.x.<layer>.<expert>``, all sent 
   and the expert is computed locally;
 * an expert that timed out is *silent* (:mod:`backbone.coverage_view`): computed locally at
   once, its request still sent as a probe whose first valid reply makes it worth waiting for again;
+* before anything on the bus has ever answered (a fresh backbone), a step's calls are computed
+  here while they are out and not waited for once that is done (with the adaptive timeout): a
+  subscriber on every subject that never answers then costs no timeout at all, and the first
+  reply, in time or late, makes the next steps wait as usual;
 * a reply is *audited* as :mod:`backbone.audit` decides: recomputed here, compared, and replaced
   by the local result; a failed audit quarantines its node: the market is told
   (``kvasir.<model>.quarantine``), its replies are ignored from then on (another replica may still
@@ -467,6 +471,7 @@ class RemoteExperts:
             while_waiting()
         outs = self._compute_unasked(layer, calls, step, stats)
         references = self._audit_ahead(layer, step.calls) if step.calls else {}
+        ahead = self._before_any_answer(layer, step, references) if step.calls else {}
         if step.calls:
             deadline = step.timeout_s + _STEP_GRACE_S
             while True:
@@ -477,8 +482,39 @@ class RemoteExperts:
                     break
                 if i == _SETTLED:
                     break
-                outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
+                if i in ahead:
+                    stats.rows_local += len(calls[i][1])
+                    outs[i] = ahead.pop(i)
+                else:
+                    outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
         return self._finish_step(layer, calls, step, stats, references, outs)
+
+    def _before_any_answer(self, layer: int, step: _Step, references: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Nothing on the bus has ever answered: whoever is subscribed may never do (a stranger on
+        every subject). Compute the step's waited calls here while they are out, then stop waiting
+        for them (:meth:`_give_up`): a reply that came first is used as ever, a later one shows
+        life and the next steps wait as usual. With a fixed ``timeout_s`` the wait is the user's
+        to choose: none of this."""
+        if self.cfg.timeout_s is not None or self.coverage.answered:
+            return {}
+        ahead = {call.index: references[call.index] if call.index in references
+                 else self.local.compute(layer, call.expert, call.rows) for call in step.calls}
+        try:
+            self.bus.loop.call_soon_threadsafe(self._give_up, step)
+        except RuntimeError:  # the loop is closed: the step's wait ends on its own
+            pass
+        return ahead
+
+    def _give_up(self, step: _Step) -> None:
+        """The engine computed the step's calls itself before any answer came: settle those still
+        open (their late replies count as late, and show life)."""
+        if not step.t0:  # never published: the send's own error path settles it
+            return
+        stats = self.stats.layer(step.layer)
+        for call in step.calls:
+            if not call.done:
+                stats.unanswered += 1
+                self._settle(call, "unanswered")
 
     def _compute_unasked(self, layer: int, calls, step: _Step, stats: LayerStats) -> list[np.ndarray | None]:
         """The step's outputs so far: those of the calls nobody was asked for (the fallback
@@ -1300,7 +1336,7 @@ class RemoteExperts:
         how, layer, expert = self._finished.get(token, ("unknown", -1, -1))
         if layer >= 0:
             stats = self.stats.layer(layer)
-            if how == "timeout":
+            if how in ("timeout", "unanswered"):
                 stats.late += 1
                 self._shows_life((layer, expert), decode())  # slow is not silent
             elif how == "won":

@@ -27,6 +27,7 @@ class LayerStats:
     latency_sum_s: float = 0.0
     latency_max_s: float = 0.0
     silent: int = 0  # computed here at once: the expert timed out and nothing answered since (probed)
+    unanswered: int = 0  # computed here while asked, before anything on the bus had ever answered (no wait)
     probes_answered: int = 0  # valid replies to those probes: the expert is alive again
     ignored: int = 0  # replies of quarantined nodes (dropped; a replica may still win)
     audits: int = 0  # remote replies recomputed here and compared (the local result was used)
@@ -42,7 +43,7 @@ class LayerStats:
     @property
     def local(self) -> int:
         return (self.local_choice + self.no_responders + self.timeouts + self.invalid + self.bus_errors
-                + self.silent)
+                + self.silent + self.unanswered)
 
 
 @dataclass

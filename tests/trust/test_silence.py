@@ -53,7 +53,9 @@ class Stranger:
         self.bus.stop()
 
 
-def test_a_subscriber_that_never_answers_costs_one_layer_step_of_timeouts(model, prompt, monolithic, nats_server):
+def test_a_subscriber_that_never_answers_costs_no_timeout(model, prompt, monolithic, nats_server):
+    """Before anything on the bus ever answered, the backbone computes each step's calls while they
+    are out and does not wait for them once that is done: not one timeout, whatever the step."""
     stranger = Stranger(model, nats_server.url).subscribe()
     try:
         tokens, logits, stats = sharded(model, nats_server.url, prompt, AuditConfig())
@@ -61,9 +63,45 @@ def test_a_subscriber_that_never_answers_costs_one_layer_step_of_timeouts(model,
         stranger.close()
     assert tokens == monolithic()[0] and np.array_equal(logits, monolithic()[1])
     t = stats["totals"]
-    assert 0 < t["timeouts"] <= Engine(model).cfg.n_expert  # the first layer step only
-    assert t["silent"] == t["calls"] - t["timeouts"]  # every other call computed here at once
-    assert stranger.seen >= t["calls"]  # and still probed
+    assert t["timeouts"] == 0 and t["remote"] == 0
+    assert t["unanswered"] == t["calls"] > 0  # every call computed here, none waited for
+    assert stranger.seen >= t["calls"]  # and every one still asked
+
+
+def test_before_any_answer_an_honest_workers_first_reply_makes_the_next_steps_wait(model, prompt, monolithic,
+                                                                                   nats_server, tmp_path):
+    """A fresh backbone beside a real worker: the first steps may be computed here (the local
+    result came first), then the worker's first reply, late or in time, makes it wait again."""
+    import asyncio
+
+    from backbone.dispatch import DispatchConfig
+    from backbone.generate import generate
+    from backbone.sampling import Sampler, SamplerConfig
+    from backbone.service import BackboneConfig, BackboneService
+    from kvasir_bus.fingerprint import model_fingerprint
+    from launch.swarm import spawn_worker, wait_for_nodes
+    from tests.polling import until
+
+    worker = spawn_worker(nats_server.url, "w", ["--model", str(model), "--layer", "all", "--experts", "0-7"],
+                          log_file=open(tmp_path / "w.log", "w"))
+    try:
+        asyncio.run(wait_for_nodes(nats_server.url, model_fingerprint(Engine(model).reader), {"w"}, procs=[worker]))
+        engine = Engine(model)
+        cfg = BackboneConfig(model_path=str(model), nats_url=nats_server.url, market=False, serve_manifest=False,
+                             dispatch=DispatchConfig(audit=AuditConfig(), bundles=False))
+        with BackboneService(engine, cfg) as backbone:
+            runs = []
+            for _ in range(2):
+                gen = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
+                runs.append((gen.tokens, gen.logits_array(), backbone.stats.to_dict()["totals"]))
+                asyncio.run(until(lambda: backbone.dispatch.coverage.answered, "the worker's first reply", 30))
+    finally:
+        worker.stop()
+    for tokens, logits, _ in runs:
+        assert tokens == monolithic()[0] and np.array_equal(logits, monolithic()[1])
+    first, second = runs[0][2], runs[1][2]
+    assert second["unanswered"] == first["unanswered"]  # once anything answered, every step waits
+    assert second["remote"] > first["remote"]  # the worker served the second one
 
 
 def test_heartbeat_bombs_change_nothing(model, prompt, monolithic, nats_server):
