@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import record  # noqa: E402
 
 REPO = record.REPO
-TARGETS = {"README.md": ("headline", "browser_audit"), "docs/benchmarks.md": ("results", "runs")}
+TARGETS = {"README.md": ("headline", "browser_audit"), "docs/benchmarks.md": ("results", "runs"),
+           "docs/trust.md": ("attacks",)}
 MARK = re.compile(r"(<!-- report:(?P<name>[a-z_]+) begin -->\n)(?P<body>.*?)(<!-- report:(?P=name) end -->)", re.S)
 
 
@@ -284,6 +285,27 @@ def render_nats_rtt(rec: dict) -> list[str]:
             "", provenance(rec)]
 
 
+def render_attacks(rec: dict) -> list[str]:
+    """bench/attacks.py: one row per attack, each pointing at the test that pins it down."""
+    res = rec["result"]
+    rows = []
+    for r in res.get("rows", []):
+        test = r.get("test", "-")
+        where = f"[`{test}`](../{test.split('::')[0]})" if test.startswith("tests/") else "-"
+        rows.append([r.get("attack", "?"), r.get("summary", ""), r.get("bound", ""),
+                     "yes" if r.get("pass") else "**no**", where])
+    model = res.get("model")
+    return [f"Each attack on a fresh swarm of real processes (nats-server, `kvasir worker` processes, the market, "
+            f"the backbone, the API server), generating with `{model}` ({num(res.get('prompt_tokens'))}-token "
+            f"prompt, {num(res.get('decode_tokens'))} tokens, greedy, compared token by token with the monolithic "
+            f"run); time ratios are medians of {num(res.get('repeat'))} alternating rounds, each generation in a "
+            f"fresh backbone, the attacker in a process of its own on the same machine (load "
+            f"{num(res.get('load_avg_1m_start'))} at the start, {num(res.get('load_avg_1m_end'))} at the end). "
+            f"{num(res.get('passed'))} of {num(res.get('passed', 0) + res.get('failed', 0))} rows within their bound.",
+            "", *table(["attack", "measured", "bound", "held", "test"], rows, align="|---|---|---|---|---|"),
+            "", provenance(rec)]
+
+
 def render_ledger(rec: dict) -> list[str]:
     res = rec["result"]
     rows = [[num(r.get("events")), num(r.get("kept_events")), num(r.get("totals_ms")), num(r.get("scan_totals_ms")),
@@ -330,6 +352,7 @@ SECTIONS = [
     ("Browser tabs under the default audit against the monolithic run (`bench/browser_audit.py`)", "browser_audit",
      None, render_browser_audit),
     ("The market's ledger at size (`bench/ledger.py`)", "ledger", None, render_ledger),
+    ("The trust issue's attacks (`bench/attacks.py`)", "attacks", None, render_attacks),
     ("An honest numpy worker against ggml: the audit's bounds (`bench/kernel_gap.py`)", "kernel_gap", None,
      render_kernel_gap),
 ]
@@ -413,7 +436,15 @@ def render_headline(records: list[dict]) -> str:
                              align="|---|---|--:|---|---|"), ""])
 
 
+def render_attacks_block(records: list[dict]) -> str:
+    rec = latest(records, "attacks")
+    if rec is None:
+        return "No saved run of `bench/attacks.py` yet.\n"
+    return "\n".join([*render_attacks(rec), ""])
+
+
 RENDER = {"headline": render_headline, "results": render_results, "runs": render_runs,
+          "attacks": render_attacks_block,
           "browser_audit": render_browser_audit_readme}
 
 
