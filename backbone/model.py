@@ -73,10 +73,14 @@ STEP_GRAPH_BYTES = 8 << 20
 # A batch's step graph may hold more: 16 decoding sequences of the small model ran at the same CPU
 # time per step with 8 MB (4 layers per graph) and 64 MB (all 8; KVASIR_THREADS=1, fast mode).
 BATCH_GRAPH_BYTES = 64 << 20
-# A batch's step graph holds at most this many (sequence, layer) attention sub-graphs: a new
-# batch shape's graph is built in Python (~20 ggml calls per sequence and layer), and one
-# graph serves every group of layers of the same shapes, so a wide batch builds one layer's.
-MAX_STREAM_LAYERS = 256
+# A batch's decode graph holds at most this many (sequence, layer) attention sub-graphs. A new
+# batch shape costs a build (Python, ~20 ggml calls per sequence and layer, and cold scratch:
+# measured ~0.2 ms per sequence and layer, about what computing it takes), and a decode batch's
+# shape changes whenever a sequence crosses 256 cells (every 256 / S steps) or one joins or
+# leaves; one graph serves every group of layers of the same shapes, so smaller groups build
+# less: the amortised cost stays under ~6% of a step at any S. A step with prompt chunks (a
+# shape that seldom recurs) runs one layer per graph: a build of one layer.
+MAX_STREAM_LAYERS = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -533,11 +537,12 @@ class Engine:
         streams``): every dense op, the router and the experts on all rows at once, each
         sequence's attention against its own KV cache in its own sub-graph, the ops
         ``kernels.dense.attention`` runs on it alone (its token's row twice in deterministic
-        mode): each sequence gets the bits it gets alone, or in the per-layer path. A batch of
-        many sequences runs a few layers per graph (``MAX_STREAM_LAYERS``), so that building
-        a new shape's graph stays cheap. The graph is cached by the sequences' row counts and
-        cache shapes (n_kv padded to 256 cells), so a decode step reuses it for 256 tokens;
-        positions, masks and the cache cells written are bound per call. ``keep``: each
+        mode): each sequence gets the bits it gets alone, or in the per-layer path. The graph
+        is cached by the sequences' row counts and cache shapes (n_kv padded to 256 cells), so
+        a decode step reuses it until a sequence crosses 256 cells or the batch changes;
+        positions, masks and the cache cells written are bound per call. A decode step of many
+        sequences runs a few layers per graph, and a step with prompt chunks one layer per
+        graph (``MAX_STREAM_LAYERS``): a new shape's graph stays cheap to build. ``keep``: each
         sequence's last row (its logits only), or None for every row."""
         c, w = self.cfg, self.weights
         T = sum(lengths)
@@ -558,8 +563,9 @@ class Engine:
                                c.traits.shexp_gate, c.traits.norm_topk, streams=tuple(streams))
         blocks = [fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches))
                   for il in range(c.n_layer)]
-        per_graph = min(fused.layers_per_graph(step, w.layers[0], blocks[0].shape, BATCH_GRAPH_BYTES),
-                        max(1, MAX_STREAM_LAYERS // len(batch)))
+        per_graph = 1 if T > len(batch) else min(  # chunks: one layer per graph (see MAX_STREAM_LAYERS)
+            fused.layers_per_graph(step, w.layers[0], blocks[0].shape, BATCH_GRAPH_BYTES),
+            max(1, MAX_STREAM_LAYERS // len(batch)))
         n_pasts = tuple(seq.n_past for seq, _ in batch)
         positions = np.concatenate([np.arange(p, p + L, dtype=np.int32) for p, L in zip(n_pasts, lengths)])
         at = dict(n_pasts=n_pasts, positions=positions, masks=tuple(masks))

@@ -1,7 +1,8 @@
-"""A step of several sequences (decode tokens and prompt chunks mixed) runs as one ggml graph
-from the token ids to the logits, each sequence's attention against its own KV cache inside it
-(``Engine._batch_graphs``; ``kernels.fused.step_graph`` with ``StepShape.streams``): one graph
-launch per step instead of (3 + sequences) per layer. Each sequence gets the bits of the
+"""A step of several sequences decoding runs as one ggml graph from the token ids to the logits,
+each sequence's attention against its own KV cache inside it (``Engine._batch_graphs``;
+``kernels.fused.step_graph`` with ``StepShape.streams``): one graph launch per step instead of
+(3 + sequences) per layer; a step with prompt chunks (a shape that seldom recurs) the same ops
+in one graph per layer, which builds one layer's graph. Each sequence gets the bits of the
 per-layer path and, in the deterministic mode, of its run alone; the graph is built once per
 batch shape and reused step after step."""
 
@@ -65,7 +66,7 @@ def _stats(engine: Engine) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("arch,qtype", CASES)
-def test_a_batch_step_is_one_graph_launch_with_the_bits_of_the_per_layer_path(models, arch, qtype, monkeypatch):
+def test_a_decode_step_of_a_batch_is_one_graph_launch_with_the_bits_of_the_per_layer_path(models, arch, qtype, monkeypatch):
     engine = Engine(models(arch, qtype))
     assert engine.batch_graphs
     count = _launches(monkeypatch)
@@ -80,7 +81,8 @@ def test_a_batch_step_is_one_graph_launch_with_the_bits_of_the_per_layer_path(mo
 
     monkeypatch.setattr(engine, "forward", forward)
     one_graph, fed = _steps(engine)
-    assert per_step == [1] * 5  # every step, prefill, decode and mixed: one graph
+    L = engine.cfg.n_layer  # decode steps: one graph; steps with prompt chunks: one per layer (cheap builds)
+    assert per_step == [L, 1, 1, 1, L]
     stats = _stats(engine)
     engine.local_experts.calls.clear()
     engine.local_experts.rows.clear()
