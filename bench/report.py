@@ -319,14 +319,32 @@ def render_ledger(rec: dict) -> list[str]:
 
 def render_kernel_gap(rec: dict) -> list[str]:
     res = rec["result"]
-    rows = [[name, num(v.get("worst_gap")), num(v.get("audit_bound")), num(v.get("headroom"))]
+
+    def flips(v):
+        counts = v.get("one_row_flips") or {}
+        return ", ".join(f"{a} of {b} ({k})" for k, (a, b) in counts.items()) or "-"
+
+    rows = [[name, num(v.get("worst_gap")), flips(v), num(v.get("audit_bound")),
+             num(v.get("worst_explained_gap")), num(v.get("explained_headroom")), num(v.get("liar_explained_gap")),
+             num(v.get("other_arch_gap"))]
             for name, v in res.get("types", {}).items()]
     shapes = ", ".join(f"{k} {v[0]}x{v[1]}" for k, v in res.get("shapes", {}).items())
-    return [f"The numpy worker's expert output against ggml's (relative L2), worst over "
-            f"{num(res.get('experts_per_case'))} random experts a case at the {shapes} shapes and "
-            f"{', '.join(str(r) for r in res.get('rows', []))} rows, on {res.get('machine_arch')}; the audit's "
-            "bound for the type (backbone/audit.py) and its headroom (bound / gap).",
-            "", *table(["weight type", "worst gap", "audit bound", "headroom"], rows), "", provenance(rec)]
+    other = res.get("other_arch") or {}
+    lines = [f"The numpy worker's expert output against ggml's (relative L2), worst over "
+             f"{num(res.get('experts_per_case'))} random experts a case at the {shapes} shapes, "
+             f"{', '.join(str(r) for r in res.get('rows', []))}-row calls and "
+             f"{num(res.get('one_row_calls_per_expert'))} one-row calls per expert, on {res.get('machine_arch')}: "
+             "the plain gap (flips: one-row calls above 1e-5, an activation on the other side of a quant step) "
+             "with the plain bound (the replica check); the gap once the flips that summation order could cause "
+             "are taken out (kernels/flips.py), which an audit of a kernel the backbone cannot rerun bounds by "
+             f"{num(res.get('explained_tolerance'))}, its headroom, and a liar at honest x (1 + 1e-3) measured the "
+             "same way; last, the numpy kernel on another CPU against this one's."]
+    if other:
+        lines.append(f"Other CPU: {other.get('machine_arch')} ({other.get('how')}): {num(other.get('identical_calls'))} "
+                     f"of {num(other.get('calls'))} calls bit-identical, worst gap {num(other.get('worst_gap'))} "
+                     f"(bound {num(res.get('numpy_tolerance'))}).")
+    return [*lines, "", *table(["weight type", "plain gap", "flips", "plain bound", "explained gap",
+                                "headroom", "liar (explained)", "other CPU"], rows), "", provenance(rec)]
 
 
 def render_generic(rec: dict) -> list[str]:
