@@ -29,7 +29,7 @@ from tests.interop.cli import Cli, Run, parse_req, parse_sub, record
 PY = "python"  # how the docs name the interpreter that has kvasir installed
 ROLES = {"kvasir-worker": "worker", "kvasir-market": "market", "kvasir-backbone": "backbone"}
 WORKER_META = {"role", "node", "model", "kernel", "version", "pid"}
-MARKET_ENDPOINTS = {"coverage", "routing", "volunteer", "volunteer-node", "status", "overview"}
+MARKET_ENDPOINTS = {"coverage", "routing", "volunteer", "volunteer-node", "status", "node", "overview"}
 GENERATE_BODY = {"v": 1, "t": "gq", "request_id": "cli-1", "prompt_ids": [], "prompt_text": "Once upon a time",
                  "max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "seed": 0, "stop_on_eos": False}
 
