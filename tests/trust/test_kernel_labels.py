@@ -115,7 +115,8 @@ def prompt(model):
 def run_with(model, url, prompt, label: str, backend: str, lie):
     engine = Engine(model)
     cfg = BackboneConfig(model_path=str(model), nats_url=url, market=False, serve_manifest=False,
-                         dispatch=DispatchConfig(audit=AuditConfig(rate=1.0), bundles=False))
+                         # a fixed timeout: every call waits for the worker's reply (none is computed ahead)
+                         dispatch=DispatchConfig(audit=AuditConfig(rate=1.0), bundles=False, timeout_s=10.0))
     with liars.BusLiar(model, url, lie, node="liar", bundles=False, kernel=label, backend=backend) as liar:
         with BackboneService(engine, cfg) as backbone:  # per-expert requests: the liar answers them all
             for _ in range(20):  # until the backbone has heard the liar's heartbeat and sent it calls
