@@ -61,7 +61,7 @@ _EXP_C2 = float.fromhex("0x1.62e42ff0c52d6p-1") / 32
 _EXPF_OVER = _F(float.fromhex("0x1.62e42ep6"))  # above: inf
 _EXPF_UNDER = _F(float.fromhex("-0x1.9fe368p6"))  # below: 0
 
-_FEW = 2048  # lanes up to which v_expf checks all its FMAs' midpoints at once
+_FEW = 4096  # lanes per piece of v_expf (its 8 sums, 256 KB, stay in cache)
 _MID_MASK = np.uint64((1 << 29) - 1)  # float64 mantissa bits below a float32's
 _MID = np.uint64(1 << 28)  # ... exactly half a float32 ulp
 
@@ -79,18 +79,18 @@ def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
     s = np.add(p, c)
     mid = (s.view(np.uint64) & _MID_MASK) == _MID
     if mid.any():
-        s = _fix_midpoints(np.broadcast_to(p, s.shape), np.broadcast_to(np.asarray(c, dtype=np.float64), s.shape),
-                           s, mid)
+        s = _fix_midpoints(p, np.asarray(c, dtype=np.float64), np.asarray(s), np.asarray(mid))
     return s.astype(np.float32)
 
 
 def _fix_midpoints(p, c, s, mid):
     shape = np.shape(s)
-    p, c, s, mid = (np.array(v, ndmin=1) for v in (p, c, s, mid))  # copies; 1-D at least
-    pm, cm, sm = p[mid], c[mid], s[mid]
+    s = np.array(s, ndmin=1, copy=True) if s.ndim == 0 else s  # s is a fresh sum: changed in place
+    at = np.nonzero(mid.reshape(s.shape))
+    pm, cm, sm = np.broadcast_to(p, s.shape)[at], np.broadcast_to(c, s.shape)[at], s[at]
     bb = sm - pm
     err = (pm - (sm - bb)) + (cm - bb)  # exact: pm + cm = sm + err
-    s[mid] = np.where(err != 0, np.nextafter(sm, np.copysign(np.inf, err)), sm)
+    s[at] = np.where(err != 0, np.nextafter(sm, np.copysign(np.inf, err)), sm)
     return s.reshape(shape)
 
 
@@ -121,15 +121,19 @@ def expf(x: np.ndarray) -> np.ndarray:
 def v_expf(x: np.ndarray, variant: str = DEFAULT_VARIANT) -> np.ndarray:
     """``ggml_v_expf`` of float32 ``x``, lane by lane, in the ``variant``'s operations. -> float32.
 
-    Each FMA is :func:`fma32`. For a few values (one row), where numpy's per-call cost dominates,
-    they are first computed as float64 sums rounded to float32 (:func:`fma32_naive`), keeping every
-    sum, and only if one of them sits exactly on a float32 midpoint (a few in a million) is the
-    whole computed again with :func:`fma32`: the same bits, half the time."""
+    Each FMA is :func:`fma32`'s. In pieces of at most 4,096 lanes, the FMAs are first computed as
+    float64 sums rounded to float32 (:func:`fma32_naive`), keeping every sum, and only if one of
+    them sits exactly on a float32 midpoint (a few in a million) is the piece computed again with
+    :func:`fma32`: the same bits in half the time of checking each FMA."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown ggml_v_expf variant {variant!r}: expected one of {VARIANTS}")
     x = np.asarray(x, dtype=np.float32)
-    if x.size > _FEW:  # the per-call cost is in the work, not in numpy's call overhead
-        return _v_expf(x, variant, fma32)
+    if x.size > _FEW:  # in pieces that stay in cache: 3x quicker than whole rows of 64 x 1024
+        flat = x.reshape(-1)
+        out = np.empty_like(flat)
+        for i in range(0, flat.size, _FEW):
+            out[i:i + _FEW] = v_expf(flat[i:i + _FEW], variant)
+        return out.reshape(x.shape)
     sums = np.empty((8,) + x.shape, dtype=np.float64)  # the 8 FMAs' float64 sums, checked at the end
     used = iter(range(8))
 
