@@ -55,28 +55,20 @@ import structlog
 
 from kvasir_bus import creds, jwt, subjects
 from kvasir_bus.connect import inbox_prefix_for
+from kvasir_bus.enrol_wire import (HTTP_PATH, JOIN_CONTEXT, MAX_REQUEST_BYTES, VERSION,  # noqa: F401
+                                   EnrolError, Enrolled)
 from kvasir_bus.errors import KvasirError, UsageError
 
 log = structlog.get_logger("kvasir.enrol")
 
-VERSION = 1
-JOIN_CONTEXT = b"kvasir-enrol-v1\0"
 REPLY_KEY_CONTEXT = b"kvasir-reply-v1\0"
 TOKEN_TAG = "kvasir-enrol"
 OPEN_TAG = "kvasir-enrol-open"
 NONCE_TTL_S = 30
-MAX_REQUEST_BYTES = 4096  # a join is ~1.2 KB with its token; the guest JWT caps payload here too
 STATE = "trust/enrolled.json"  # key -> {name, token, at}; banned tokens
 REPLY_SECRET = "trust/reply.key"  # 32 random bytes (hex): every enrolled node's reply key derives from it
 
 
-class EnrolError(KvasirError):
-    """The service refused: ``code`` names why (bad_request, rate_limited, bad_nonce, bad_token,
-    bad_signature, revoked, banned, full)."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"enrolment refused ({code}): {message}")
-        self.code, self.detail = code, message
 
 
 # -- keys and tokens -------------------------------------------------------------------------------
@@ -487,30 +479,6 @@ async def _quiet(exc):
 
 
 # -- the volunteer's side ---------------------------------------------------------------------------
-@dataclass
-class Enrolled:
-    name: str
-    jwt: str
-    exp: int
-    seed: bytes
-    reply_key: bytes
-    bus_url: str = ""  # the bus to dial (an HTTP(S) enrolment says; over the bus: the one asked)
-
-    def creds_text(self) -> str:
-        return jwt.creds_text(self.jwt, self.seed)
-
-    def write(self, path: str | os.PathLike) -> Path:
-        """The standard .creds file (0600), replaced atomically (a reconnect reads it whole)."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.creds_text())
-        tmp.replace(path)
-        return path
-
-
 async def request_identity(nc, seed: bytes, token: str | None, timeout: float = 5.0) -> Enrolled:
     """Hello and join over ``nc`` (a guest connection with ``token``, or the worker's own for a
     renewal): the identity of ``seed``'s key."""
@@ -712,7 +680,6 @@ def cmd_enrol(args) -> int:
     return asyncio.run(run())
 
 
-HTTP_PATH = "/enrol"  # POST HTTP_PATH/hello, HTTP_PATH/join (kvasir_bus.enrol_http)
 
 
 def link_base(url: str) -> str:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import structlog
 
-from kvasir_bus.enrol import HTTP_PATH, MAX_REQUEST_BYTES, VERSION, Enrolled, EnrolError, JOIN_CONTEXT
+from kvasir_bus.enrol_wire import HTTP_PATH, JOIN_CONTEXT, MAX_REQUEST_BYTES, VERSION, Enrolled, EnrolError
 from kvasir_bus.errors import KvasirError, UsageError
 
 log = structlog.get_logger("kvasir.enrol")

@@ -207,6 +207,7 @@ class CoreShare:
 
     def update(self) -> int:
         before = self.threads if hasattr(self, "_thread") else None
+        processes_before = self.processes
         self.processes = compute_processes()
         self.others_busy = self._use.others()
         cores = usable_cores()
@@ -215,8 +216,14 @@ class CoreShare:
         if before is not None and self.threads != before:  # (the first share: the start line's business)
             import structlog
 
+            if not structlog.is_configured():  # not yet: structlog's default would print on stdout
+                return self.threads
+
+            # A change of kvasir processes is news for the operator; one of other programs' load
+            # comes and goes with them, and would write a line every period on a busy machine.
+            level = "info" if self.processes != processes_before else "debug"
             busy = None if self.others_busy is None else round(self.others_busy, 2)
-            structlog.get_logger("kvasir.threads").info(
+            getattr(structlog.get_logger("kvasir.threads"), level)(
                 "threads_shared", threads=self.threads, kvasir_processes=self.processes, cores=cores,
                 others_busy_cores=busy)
         return self.threads
