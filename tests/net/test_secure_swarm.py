@@ -23,7 +23,8 @@ def test_up_secure_runs_every_role_under_its_own_identity(model, tmp_path):
     creds = tmp_path / "creds"
     proc = subprocess.run([sys.executable, "-m", "kvasir_bus.cli", "up", "--model", str(model),
                            "--workers", "2", "--secure", str(creds), "--prompt", "Experts by the swarm",
-                           "-n", "6", "--check", "--json"], capture_output=True, text=True, timeout=300)
+                           "-n", "6", "--check", "--json", "--timeout-ms", "20000"],  # every call waits for the workers
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["check"]["bit_identical"] and result["check"]["tokens_equal"]
