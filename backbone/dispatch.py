@@ -658,6 +658,16 @@ class RemoteExperts:
         when it is a valid, finite answer of an honest node (True); anything else is left for
         the bus thread (False)."""
         if msg.status is not None:
+            if msg.status == "503" and all(call.done or call.routes > 1 for call in bundle.calls):
+                # Nobody on that node's subject (a stranger's heartbeat, or a node gone), and every
+                # call of it is in another holder's bundle too: nothing to re-send, nothing for the
+                # bus thread to decide. (Handing the step over cost every such step a poll period:
+                # 2,000 fake bundle nodes, two of them in turn a step, doubled a generation's time.)
+                self.coverage.forget_node(bundle.node)
+                stats.bundles_unheard += 1
+                for call in bundle.calls:
+                    call.routes -= 1
+                return True
             return False
         try:
             reply = codec.decode_bundle_reply(msg.data, n_embd=self.n_embd)

@@ -153,3 +153,48 @@ def test_fast_paths_off_on_the_command_lines_sends_everything_the_ordinary_way(
         started = [json.loads(line) for line in (tmp_path / f"{node}.log").read_text().splitlines()
                    if '"worker_started"' in line]
         assert [(s["inline"], s["direct"]) for s in started] == [(False, False)]
+
+
+def test_a_strangers_unheard_bundle_beside_an_honest_holder_is_taken_on_the_engine_thread(
+        nats_server, swarm, model, prompt, monolithic):
+    """A node that heartbeats bundles but subscribes to nothing (2,000 of them cost a generation
+    twice its time when each 503 handed its step to the bus thread): its 503 is taken where it is
+    read, since the honest holder's bundle carries the same calls; no step leaves the engine thread."""
+    import asyncio
+    import threading
+
+    from kvasir_bus import codec
+    from kvasir_bus.codec import Holding
+    from kvasir_bus.connect import connect
+    from kvasir_bus.fingerprint import model_fingerprint
+    from kvasir_bus.loopthread import LoopThread
+    from kvasir_bus.subjects import Subjects
+
+    swarm([("w0", model_args(model, "0-7"))])
+    cfg = Engine(model).cfg
+    fp = model_fingerprint(Engine(model).reader)
+    stop, bus = threading.Event(), LoopThread("stranger")
+
+    async def beat():
+        nc = await connect(nats_server.url, name="stranger")
+        hb = codec.Heartbeat(model=fp, node="stranger", holdings=tuple(Holding(la, 0, cfg.n_expert) for la in
+                                                                       range(cfg.n_layer)),
+                             budget_bytes=0, load=0.0, served=0, version="0", kernel="x", sent_at=0.0, bundles=True)
+        while not stop.is_set():
+            await nc.publish(Subjects(fp).coverage("stranger"), hb.encode())
+            await asyncio.sleep(0.05)
+        await nc.close()
+
+    beating = bus.submit(beat())
+    try:
+        runs, (direct, handed) = run_on_engine_connection(nats_server.url, model, prompt, 2,
+                                                          cfg=DispatchConfig(timeout_s=30.0))
+    finally:
+        stop.set()
+        beating.result(10)
+        bus.stop()
+    for sharded in runs:
+        assert_identical(sharded, monolithic)
+        t = sharded[2]
+        assert t["remote"] == t["calls"] > 0 and t["no_responders"] == 0
+    assert direct > 0 and handed == 0
