@@ -30,7 +30,10 @@ Strangers are cheap to be: anyone may heartbeat thousands of bundle nodes. With
 ``limit_unproven(k)`` (the dispatch sets it when audits are sampled) :meth:`bundle_holders`
 names only the nodes the dispatch said passed their probation (:meth:`mark_proven`) and at most
 ``k`` unproven ones, *in turn*: :meth:`next_turn` (once per layer step) gives the next ``k`` of
-them the turn, so each newcomer still gets bundles, and a proof, in its time. The holders of an
+them the turn, so each newcomer still gets bundles, and a proof, in its time. While the turns go
+unanswered (nobody on those nodes' subjects, or silence), they come every 2, 4, ... up to
+:data:`MAX_TURN_GAP` steps; the first answer of a node in turn brings them back every step. An
+honest newcomer is asked per expert meanwhile, and once its audits pass it is proven. The holders of an
 expert are then found among the proven nodes and the ``k`` in turn, never among every stranger:
 2,000 fake nodes cost a layer step what two do (``tests/trust/test_sybils.py``).
 """
@@ -48,6 +51,9 @@ from kvasir_bus import codec
 from kvasir_bus.subjects import Subjects
 
 log = structlog.get_logger("kvasir.coverage_view")
+
+
+MAX_TURN_GAP = 64  # layer steps between unproven nodes' turns while every turn goes unanswered
 
 
 class CoverageView:
@@ -74,6 +80,12 @@ class CoverageView:
         self._queue: deque[str] = deque()  # unproven bundle nodes waiting for their turn, next first
         self._queued: set[str] = set()
         self._turn: tuple[str, ...] = ()  # the unproven nodes whose turn it is
+        self._turns = 0  # layer steps since start (next_turn calls)
+        self._gap = 1  # a turn every this many steps: doubles while turns go unanswered (up to MAX_TURN_GAP)
+        self._turn_heard = False  # a node in turn answered its bundle since the turn began
+        self._turn_failed = False  # ... or one got "no responders" or let its bundle time out
+        self._read_at: dict[str, float] = {}  # bundle node -> when its heartbeat was last decoded
+        self.reread_s = node_ttl_s / 2  # a stranger out of turn: its heartbeats decoded this seldom
         # The engine's thread reads the node table, the loop thread writes it: one lock, so a
         # cached answer is never computed from a table that changed under it.
         self._lock = threading.Lock()
@@ -175,8 +187,12 @@ class CoverageView:
             return self._turn
         now = self.clock()
         with self._lock:
+            self._turns += 1
+            if self._turn_failed and not self._turn_heard:  # the last turn answered nothing: a crowd of mutes
+                self._gap = min(MAX_TURN_GAP, 2 * self._gap)
+            self._turn_heard = self._turn_failed = False
             turn: list[str] = []
-            for _ in range(len(self._queue)):
+            for _ in range(len(self._queue) if self._turns % self._gap == 0 else 0):
                 if len(turn) == k:
                     break
                 node = self._queue.popleft()
@@ -195,6 +211,8 @@ class CoverageView:
         """The node's bundle subject has no subscriber: send it nothing until it heartbeats again."""
         with self._lock:
             self._nodes.pop(node, None)
+            self._read_at.pop(node, None)
+            self._turn_failed = self._turn_failed or node in self._turn
             if self._unproven_k is None or node in self._proven or node in self._turn:
                 self._holders = {}  # a stranger out of turn is named nowhere
 
@@ -202,6 +220,7 @@ class CoverageView:
         """A bundle sent to ``node`` timed out: no bundles to it for a while (doubling)."""
         now = self.clock()
         with self._lock:
+            self._turn_failed = self._turn_failed or node in self._turn
             until, hold = self._bundle_hold.get(node, (0.0, self.silence_hold_s / 2))
             if until > now:
                 return  # one step's timeout counts once
@@ -213,6 +232,8 @@ class CoverageView:
 
     def bundle_answered(self, node: str) -> None:
         """A bundle of ``node`` was answered: its next timeout holds it back for the shortest hold again."""
+        if node in self._turn:  # an unproven node that answers: turns every step again
+            self._turn_heard, self._gap = True, 1
         if node in self._bundle_hold:
             with self._lock:
                 self._bundle_hold.pop(node, None)
@@ -228,6 +249,7 @@ class CoverageView:
             stale = [node for node, (_, heard_at) in self._nodes.items() if now - heard_at > self.node_ttl_s]
             for node in stale:
                 del self._nodes[node]
+                self._read_at.pop(node, None)
             if self._unproven_k is not None:  # strangers out of turn were named nowhere
                 stale = [node for node in stale if node in self._proven or node in self._turn]
             released = [node for node, (until, _) in self._bundle_hold.items() if 0.0 < until <= now]
@@ -247,13 +269,15 @@ class CoverageView:
             if known is None and len(self._nodes) >= self.max_nodes:
                 return
             self._nodes[node] = (spans, self.clock())
+            self._read_at[node] = self._nodes[node][1]
             if known is None and node not in self._queued and node not in self._proven:
                 self._queue.append(node)  # a newcomer waits for its turn (at once if there is room)
                 self._queued.add(node)
                 if len(self._queue) > 2 * self.max_nodes:  # names that left, not yet come up: drop them
                     self._queue = deque(n for n in self._queue if n in self._nodes and n not in self._proven)
                     self._queued = set(self._queue)
-                if self._unproven_k is not None and len(self._turn) < self._unproven_k and node not in self._turn:
+                if self._unproven_k is not None and self._gap == 1 and len(self._turn) < self._unproven_k \
+                        and node not in self._turn:
                     self._turn += (node,)
                     self._holders = {}
             if known is None or known[0] != spans:
@@ -287,6 +311,23 @@ class CoverageView:
         for key in [k for k, (until, _) in self._silent.items() if until <= now and claimed(k)]:
             self._revived[key] = self._silent.pop(key)[1]  # the next silence holds twice as long
 
+    def _still_out_of_turn(self, node: str) -> bool:
+        """A stranger already on the table, out of turn, read less than ``reread_s`` ago: it is
+        named nowhere, so what it claims cannot matter before its turn. Note that it is alive and
+        skip decoding (2,000 of them heartbeating cost the backbone a tenth of a core to decode)."""
+        read_at = self._read_at.get(node)
+        if read_at is None or node in self._proven or node in self._turn:
+            return False
+        now = self.clock()
+        if now - read_at >= self.reread_s:
+            return False
+        with self._lock:
+            entry = self._nodes.get(node)
+            if entry is None:
+                return False
+            self._nodes[node] = (entry[0], now)
+        return True
+
     # -- the heartbeat listener -------------------------------------------------------------------
 
     async def start(self, nc, model: str) -> None:
@@ -300,6 +341,8 @@ class CoverageView:
 
     async def _on_heartbeat(self, msg) -> None:
         if not self._uncovered and not self._silent and not self.track_nodes:
+            return
+        if self._unproven_k is not None and self._still_out_of_turn(msg.subject.rpartition(".")[2]):
             return
         try:
             hb = codec.decode_heartbeat(msg.data, max_bytes=64 * 1024)

@@ -73,3 +73,58 @@ def test_among_two_thousand_strangers_an_expert_names_the_proven_nodes_and_two_i
     for _ in range(3):
         turn = view.next_turn()
         assert set(view.bundle_holders(0, 0)) == {"sybil-1999", *turn}
+
+
+def test_a_stranger_out_of_turn_is_kept_alive_by_its_heartbeats_without_decoding_them():
+    import asyncio
+
+    clock = Clock()
+    view = CoverageView(1.0, clock, n_layer=LAYERS, n_expert=EXPERTS)
+    view.track_nodes = True
+    view.limit_unproven(MAX_UNPROVEN_BUNDLE_NODES)
+    subjects = Subjects(MODEL)
+
+    def beat(node: str, experts: int) -> None:
+        hb = codec.Heartbeat(model=MODEL, node=node, holdings=(Holding(0, 0, experts),), budget_bytes=0, load=0.0,
+                             served=0, version="0.1.0", kernel="fake", sent_at=0.0, bundles=True)
+        msg = type("Msg", (), {"subject": subjects.coverage(node), "data": hb.encode()})()
+        asyncio.run(view._on_heartbeat(msg))
+
+    for i in range(10):
+        beat(f"s{i}", 8)
+    in_turn, out = view._turn[0], "s9"
+    clock.now += 1.0
+    beat(out, 1)  # new claims, out of turn: not read yet, but alive
+    beat(in_turn, 1)  # in turn: read at once
+    assert view._nodes[out] == ({0: [(0, 8)]}, clock.now) and view._nodes[in_turn][0] == {0: [(0, 1)]}
+    clock.now += view.reread_s
+    beat(out, 1)  # read again after reread_s
+    assert view._nodes[out][0] == {0: [(0, 1)]}
+
+
+def test_turns_of_strangers_that_never_answer_come_ever_more_seldom_until_one_answers():
+    from backbone.coverage_view import MAX_TURN_GAP
+
+    view = CoverageView(1.0, Clock(), n_layer=LAYERS, n_expert=EXPERTS)
+    view.track_nodes = True
+    view.limit_unproven(MAX_UNPROVEN_BUNDLE_NODES)
+
+    def beat(node: str) -> None:
+        view.heard(codec.Heartbeat(model=MODEL, node=node, holdings=(Holding(0, 0, 8),), budget_bytes=0, load=0.0,
+                                   served=0, version="0.1.0", kernel="fake", sent_at=0.0, bundles=True))
+
+    for i in range(100):
+        beat(f"mute-{i}")
+    given = 0
+    for _ in range(1000):  # each bundle in turn gets "no responders"; the node heartbeats again
+        turn = view.next_turn()
+        given += bool(turn)
+        for node in turn:
+            view.forget_node(node)
+            beat(node)
+    assert given <= 1000 // MAX_TURN_GAP + 8  # 2, 4, ... 64 steps apart: not every step
+    beat("honest")
+    while "honest" not in view.next_turn():
+        pass
+    view.bundle_answered("honest")  # an unproven node that answers: turns every step again
+    assert all(view.next_turn() for _ in range(5))
