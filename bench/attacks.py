@@ -306,16 +306,17 @@ def attacker(rig: Rig, kind: str, url: str, *extra):
 
 
 def time_ratio(rig: Rig, url: str, attack_cm, *, ready=None, repeat: int) -> dict:
-    """Generations in fresh backbones, alternating without and with ``attack_cm()`` running:
-    the median time of each, their ratio, the median of the per-round ratios, the load."""
+    """Generations in fresh backbones, alternating without and with ``attack_cm()`` running, the
+    order turned every round (without-with, with-without: neither side always goes first after a
+    pause): the median time of each, their ratio, the median of the per-round ratios, the load."""
     from backbone.model import Engine
     from backbone.service import BackboneService
 
     base, under, ratios, loads, bad, cpu = [], [], [], [], 0, ([], [])
     engine = Engine(rig.model)
-    for _ in range(repeat):
-        pair = []
-        for with_attack in (False, True):
+    for r in range(repeat):
+        pair = [0.0, 0.0]
+        for with_attack in ((False, True) if r % 2 == 0 else (True, False)):
             cm = attack_cm() if with_attack else contextlib.nullcontext()
             with cm:
                 with BackboneService(engine, backbone_cfg(rig, url)) as backbone:
@@ -326,7 +327,7 @@ def time_ratio(rig: Rig, url: str, attack_cm, *, ready=None, repeat: int) -> dic
                     c1 = resource.getrusage(resource.RUSAGE_SELF)
                     cpu[with_attack].append(c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime)
             bad += changed(tokens, rig.monolithic())
-            pair.append(seconds)
+            pair[with_attack] = seconds
         base.append(pair[0])
         under.append(pair[1])
         ratios.append(pair[1] / pair[0])
