@@ -18,7 +18,13 @@ Fair share: each request names its ``client`` (a bus identity's inbox prefix, an
 or address). One client may hold at most ``max_queue_per_client`` of the waiting places, so a
 flood from one leaves room for the others, and a free slot goes to the waiting request whose
 client runs the fewest streams (the earliest among equals): another client's request waits for
-the next slot that frees, never behind a flooder's queue. A cancelled request (its
+the next slot that frees, never behind a flooder's queue. When every slot is taken and a waiting
+request's client runs at least two streams fewer than the client running the most (one micro-batch lane), that client's
+newest stream is *parked* for it at the next step: it keeps its KV cache (and its memory) and
+waits with the queue, first in line for the next slot its client's share allows, so one client's
+long streams keep another's request out for one step, not until they end. A parked stream's
+tokens are the ones it would have had (deterministic mode: bit for bit). Memory is not freed by
+parking: a request that does not fit the memory bound still waits. A cancelled request (its
 client went away, or a stop string ended it) is dropped, and its KV cache freed, at the start
 of the next step.
 
@@ -176,6 +182,11 @@ class Job:
     lane: int = 0  # which micro-batch steps it
 
     @property
+    def parked(self) -> bool:
+        """Waiting in the queue with its KV cache kept (see the module docstring)."""
+        return self.seq is not None
+
+    @property
     def prefilling(self) -> bool:
         return self.fed < len(self.request.prompt)
 
@@ -192,6 +203,7 @@ class Stats:
     prompt_tokens: int = 0
     max_step_sequences: int = 0  # the most sequences one step has run
     max_step_tokens: int = 0
+    parked: int = 0  # streams parked for another client's request (fair share)
 
 
 class Scheduler:
@@ -331,7 +343,24 @@ class Scheduler:
             running.get(self._queue[i].request.client, 0), last.get(self._queue[i].request.client, 0), i))
 
     def _can_admit(self, job: Job) -> bool:
-        return len(self._active) < self.cfg.max_active and self._reserved + job.reserved_bytes <= self.kv_bytes
+        fits = job.parked or self._reserved + job.reserved_bytes <= self.kv_bytes
+        return len(self._active) < self.cfg.max_active and fits
+
+    def _park_for(self, job: Job) -> Job | None:
+        """Under the lock, every slot taken: the active job to park so that ``job`` (waiting, its
+        memory fits) can start, or None. Only a stream of the client running the most, and only
+        when ``job``'s client runs at least two fewer: a swap that leaves the two at most one apart,
+        so the next step never swaps them back."""
+        if len(self._active) < self.cfg.max_active or not (
+                job.parked or self._reserved + job.reserved_bytes <= self.kv_bytes):
+            return None
+        running: dict[str, list[Job]] = {}
+        for j in self._active:
+            running.setdefault(j.request.client, []).append(j)
+        heaviest = max(running.values(), key=len)
+        if len(heaviest) < len(running.get(job.request.client, ())) + 2:
+            return None
+        return heaviest[-1]  # its newest
 
     def _has_work(self, lane: int) -> bool:
         """Under the lock: whether ``lane`` has a step to run (after dropping cancelled queued jobs)."""
@@ -339,6 +368,10 @@ class Scheduler:
         if dropped:
             self._queue = [j for j in self._queue if not j.cancelled]
             self.stats.cancelled += len(dropped)
+            for job in dropped:
+                if job.parked:  # its KV cache goes with it
+                    self._reserved -= job.reserved_bytes
+                    job.seq = None
         return any(j.lane == lane for j in self._active) or bool(
             self._queue and self._can_admit(self._queue[self._next_queued()]))
 
@@ -349,6 +382,12 @@ class Scheduler:
             self._release(job)
             self.stats.cancelled += 1
         admitted = False
+        if self._queue and self.cfg.micro_batches == 1:  # (lanes step on their own: none parked there)
+            victim = self._park_for(self._queue[self._next_queued()])
+            if victim is not None:  # between steps (one lane): no step holds it now
+                self._active.remove(victim)
+                self._queue.insert(0, victim)  # first among its client's waiting requests
+                self.stats.parked += 1
         while self._queue and self._can_admit(self._queue[self._next_queued()]):
             job = self._queue.pop(self._next_queued())
             self._admissions += 1
@@ -356,13 +395,14 @@ class Scheduler:
             self._admitted_at[job.request.client] = self._admissions  # newest last
             while len(self._admitted_at) > MAX_CLIENTS_REMEMBERED:
                 del self._admitted_at[next(iter(self._admitted_at))]
-            job.seq = self.engine.new_sequence()
-            job.sampler = Sampler(job.request.sampler)
+            if not job.parked:  # a parked one resumes with its cache, sampler and reservation
+                job.seq = self.engine.new_sequence()
+                job.sampler = Sampler(job.request.sampler)
+                self._reserved += job.reserved_bytes
             counts = [0] * self.cfg.micro_batches
             for j in self._active:
                 counts[j.lane] += 1
             job.lane = counts.index(min(counts))
-            self._reserved += job.reserved_bytes
             self._active.append(job)
             admitted = True
         if admitted:
