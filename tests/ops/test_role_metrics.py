@@ -58,6 +58,7 @@ def test_backbone_service_times_each_winning_reply(nats_server, arun, models, tm
     from backbone.metrics import backbone_registry
     from backbone.model import Engine
     from backbone.sampling import Sampler, SamplerConfig
+    from backbone.dispatch import DispatchConfig
     from backbone.service import BackboneConfig, BackboneService
     from modelfile.slice_file import load_slice
     from modelfile.slicer import parse_span, plan_slice, write_slice
@@ -73,7 +74,10 @@ def test_backbone_service_times_each_winning_reply(nats_server, arun, models, tm
     bus.run(worker.start(nc))
     try:
         engine = Engine(path)
-        cfg = BackboneConfig(model_path=engine.path, nats_url=nats_server.url, market=False)
+        # a fixed timeout: every call waits for the worker (with the adaptive one a fresh backbone
+        # computes its first steps here while the calls are out, and a two-token run may use none)
+        cfg = BackboneConfig(model_path=engine.path, nats_url=nats_server.url, market=False,
+                             dispatch=DispatchConfig(timeout_s=10.0))
         with BackboneService(engine, cfg) as service:
             generate(engine, [1, 2, 3], 2, Sampler(SamplerConfig()))
             got = samples(arun(render(backbone_registry(service.metrics))).decode())
