@@ -18,7 +18,8 @@ def test_up_runs_the_swarm_and_checks_it_against_the_monolithic_run(tmp_path):
     db = tmp_path / "ledger.db"
     proc = subprocess.run([sys.executable, "-m", "kvasir_bus.cli", "up", "--model", str(model), "--workers", "3",
                            "--prompt", "The swarm splits a model into experts", "-n", "8", "--check", "--json",
-                           "--db", str(db)], capture_output=True, text=True, timeout=300)
+                           "--db", str(db), "--timeout-ms", "20000"],  # every call waits for the workers
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout)
     assert result["check"]["bit_identical"] and result["check"]["tokens_equal"]
