@@ -194,38 +194,6 @@ def load_avg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def closed_by_server(socks: list[socket.socket], within_s: float) -> list[float | None]:
-    """When (perf_counter) the server closed each socket (EOF or reset), None if it had not
-    within ``within_s``."""
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    for i, s in enumerate(socks):
-        s.setblocking(False)
-        sel.register(s, selectors.EVENT_READ, i)
-    closed: list[float | None] = [None] * len(socks)
-    deadline = time.perf_counter() + within_s
-    left = len(socks)
-    while left and time.perf_counter() < deadline:
-        for key, _ in sel.select(timeout=0.5):
-            try:
-                data = key.fileobj.recv(65536)
-            except BlockingIOError:
-                continue
-            except OSError:
-                data = b""
-            if not data:
-                closed[key.data] = time.perf_counter()
-                sel.unregister(key.fileobj)
-                left -= 1
-    sel.close()
-    return closed
-
-
-def load_avg() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
 def rss_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
