@@ -161,6 +161,16 @@ def _decode_rows(body: dict, record: str, allowed: tuple[str, ...], limits: Limi
     return rows if _LITTLE_ENDIAN else rows.astype(wire.newbyteorder("="))
 
 
+#: The bytes of an X25519 public key (a request's ``box``).
+BOX_BYTES = 32
+
+
+def _check_box(record: str, box: Any) -> None:
+    if box != b"" and not (type(box) is bytes and len(box) == BOX_BYTES):
+        got = f"{len(box)} bytes" if isinstance(box, bytes) else type(box).__name__
+        raise fail(record, "box", f"must be {BOX_BYTES} bytes (msgpack bin) or absent, got {got}")
+
+
 # -- records --------------------------------------------------------------------------------
 
 @record
@@ -176,6 +186,7 @@ class DispatchRequest(Record):
     expert: int
     rows: np.ndarray
     request_id: str
+    box: bytes = b""  # the backbone's X25519 public key: what a self-certifying node proves its reply to
 
     def __post_init__(self) -> None:
         r = self.what
@@ -185,17 +196,21 @@ class DispatchRequest(Record):
         _rows(r, self.rows, REQUEST_DTYPES)
         if not is_id(self.request_id):
             check_id(r, "request_id", self.request_id)
+        _check_box(r, self.box)
 
     def body(self) -> dict[str, Any]:
-        return {"model": self.model, "layer": self.layer, "expert": self.expert,
+        body = {"model": self.model, "layer": self.layer, "expert": self.expert,
                 "request_id": self.request_id, **_array_fields(self.rows)}
+        if self.box:
+            body["box"] = self.box
+        return body
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> DispatchRequest:
         r = cls.what
         rows = _decode_rows(body, r, REQUEST_DTYPES, limits)
         try:
-            return cls(body["model"], body["layer"], body["expert"], rows, body["request_id"])
+            return cls(body["model"], body["layer"], body["expert"], rows, body["request_id"], body.get("box", b""))
         except KeyError:  # name the first missing field
             return cls(model=need(body, r, "model"), layer=need(body, r, "layer"),
                        expert=need(body, r, "expert"), rows=rows, request_id=need(body, r, "request_id"))
@@ -427,11 +442,13 @@ class BundleRequest(Record):
     experts: tuple[int, ...]
     counts: tuple[int, ...]
     index: np.ndarray
+    box: bytes = b""  # as a request's
 
     def __post_init__(self) -> None:
         r = self.what
         s = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         _token(_check_model, r, "model", self.model)
+        _check_box(r, self.box)
         s("layer", _index(r, "layer", self.layer))
         if not is_id(self.bundle_id):
             check_id(r, "bundle_id", self.bundle_id)
@@ -452,9 +469,12 @@ class BundleRequest(Record):
         return self.index[o[i]:o[i + 1]]
 
     def body(self) -> dict[str, Any]:
-        return {"model": self.model, "layer": self.layer, "bundle_id": self.bundle_id,
+        body = {"model": self.model, "layer": self.layer, "bundle_id": self.bundle_id,
                 **_array_fields(self.rows), "ids": list(self.ids), "experts": list(self.experts),
                 "counts": list(self.counts), "index": _index_bytes(self.index)}
+        if self.box:
+            body["box"] = self.box
+        return body
 
     @classmethod
     def from_body(cls, body: dict, limits: Limits = NO_LIMITS) -> BundleRequest:
@@ -475,7 +495,7 @@ class BundleRequest(Record):
         if not _LITTLE_ENDIAN:
             index = index.astype(INDEX_DTYPE.newbyteorder("="))
         return cls(need(body, r, "model"), need(body, r, "layer"), need(body, r, "bundle_id"), rows, ids,
-                   need(body, r, "experts"), counts, index)
+                   need(body, r, "experts"), counts, index, body.get("box", b""))
 
     def headers(self) -> dict[str, str]:
         return {"Kvasir-Layer": str(self.layer), "Kvasir-Calls": str(len(self.ids)),
@@ -581,8 +601,10 @@ class RequestEncoder:
     record per request: the model is checked once here, the rest per call with the record's own
     checks (cheap ones first). The bytes are the record's, key for key (tested)."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, box: bytes = b""):
         self.model = check_model(DispatchRequest.what, model)
+        _check_box(DispatchRequest.what, box)
+        self.box = box  # every request carries it (kvasir_bus.attribution)
 
     def encode(self, layer: int, expert: int, request_id: str, rows: np.ndarray) -> bytes:
         r = DispatchRequest.what
@@ -593,9 +615,11 @@ class RequestEncoder:
         if not is_id(request_id):
             check_id(r, "request_id", request_id)
         _rows(r, rows, REQUEST_DTYPES)
-        return msgpack.packb({"v": VERSION, "t": DispatchRequest.kind, "model": self.model, "layer": layer,
-                              "expert": expert, "request_id": request_id, **_array_fields(rows)},
-                             use_bin_type=True)
+        body = {"v": VERSION, "t": DispatchRequest.kind, "model": self.model, "layer": layer,
+                "expert": expert, "request_id": request_id, **_array_fields(rows)}
+        if self.box:
+            body["box"] = self.box
+        return msgpack.packb(body, use_bin_type=True)
 
 
 class ReplyEncoder:
@@ -629,8 +653,10 @@ class BundleEncoder:
     without building the record: the model is checked once here, the rest per bundle with the
     record's own checks (``index`` a list of ints). The bytes are the record's (tested)."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, box: bytes = b""):
         self.model = check_model(BundleRequest.what, model)
+        _check_box(BundleRequest.what, box)
+        self.box = box  # every bundle carries it (kvasir_bus.attribution)
         self._parts: dict = {}  # encode_one_row's packed pieces: (layer, dtype, width) -> head, n -> tail
 
     def encode(self, layer: int, bundle_id: str, rows: np.ndarray, ids, experts, counts, index: list[int]) -> bytes:
@@ -650,10 +676,12 @@ class BundleEncoder:
         if n != sum(counts) or min(index) < 0 or max(index) >= rows.shape[0]:
             raise fail(r, "index", f"must be {sum(counts)} row indices below {rows.shape[0]}, got {n} "
                                    f"in {min(index, default=0)}..{max(index, default=0)}")
-        return msgpack.packb({"v": VERSION, "t": BundleRequest.kind, "model": self.model, "layer": layer,
-                              "bundle_id": bundle_id, **_array_fields(rows), "ids": list(ids),
-                              "experts": list(experts), "counts": list(counts),
-                              "index": struct.pack(f"<{n}I", *index)}, use_bin_type=True)
+        body = {"v": VERSION, "t": BundleRequest.kind, "model": self.model, "layer": layer,
+                "bundle_id": bundle_id, **_array_fields(rows), "ids": list(ids),
+                "experts": list(experts), "counts": list(counts), "index": struct.pack(f"<{n}I", *index)}
+        if self.box:
+            body["box"] = self.box
+        return msgpack.packb(body, use_bin_type=True)
 
     def encode_one_row(self, layer: int, bundle_id: str, row: np.ndarray, ids: list[str],
                        experts: list[int]) -> bytes:
@@ -677,7 +705,8 @@ class BundleEncoder:
             head = parts[(layer, row.dtype, shape[1])] = self._head(layer, row)
         tail = parts.get(n)
         if tail is None:
-            tail = parts[n] = _packb("counts") + _packb([1] * n) + _packb("index") + _packb(bytes(4 * n))
+            tail = parts[n] = _packb("counts") + _packb([1] * n) + _packb("index") + _packb(bytes(4 * n)) \
+                + (_packb("box") + _packb(self.box) if self.box else b"")
         if len(parts) > 4096:  # layers x widths x call counts: bounded all the same
             parts.clear()
         data = row.tobytes() if row.flags.c_contiguous and row.dtype.byteorder != ">" else \
@@ -692,7 +721,7 @@ class BundleEncoder:
         header), in the record's key order."""
         fields = _array_fields(np.ascontiguousarray(row, dtype=DTYPES[dtype_name(row.dtype)]))
         pk = msgpack.Packer(use_bin_type=True)
-        before = pk.pack_map_header(12) + b"".join(
+        before = pk.pack_map_header(13 if self.box else 12) + b"".join(
             map(pk.pack, ("v", VERSION, "t", BundleRequest.kind, "model", self.model, "layer", layer, "bundle_id")))
         data = pk.pack(fields["data"])
         after = b"".join(map(pk.pack, ("dtype", fields["dtype"], "shape", fields["shape"], "data"))) \
@@ -768,10 +797,12 @@ class RequestDecoder(_Decoder):
         if body is not None:
             rows = _fast_rows(body, self.n_embd, self._rows_limit)
             layer, expert, rid = body.get("layer"), body.get("expert"), body.get("request_id")
+            box = body.get("box", b"")
             if rows is not None and type(layer) is int and 0 <= layer <= MAX_INDEX and type(expert) is int \
-                    and 0 <= expert <= MAX_INDEX and type(rid) is str and is_id(rid):
+                    and 0 <= expert <= MAX_INDEX and type(rid) is str and is_id(rid) \
+                    and type(box) is bytes and len(box) in (0, BOX_BYTES):
                 return _built(DispatchRequest, {"model": self.model, "layer": layer, "expert": expert,
-                                                "rows": rows, "request_id": rid})
+                                                "rows": rows, "request_id": rid, "box": box})
         return decode_request(data, max_rows=self.max_rows, max_bytes=self.max_bytes, n_embd=self.n_embd)
 
 
@@ -793,8 +824,10 @@ class BundleDecoder(_Decoder):
         rows = _fast_rows(body, self.n_embd, self._rows_limit)
         layer, bid = body.get("layer"), body.get("bundle_id")
         ids, experts, counts, data = body.get("ids"), body.get("experts"), body.get("counts"), body.get("index")
+        box = body.get("box", b"")
         if rows is None or type(layer) is not int or not 0 <= layer <= MAX_INDEX or type(bid) is not str \
-                or not is_id(bid) or type(ids) is not list or type(experts) is not list or type(counts) is not list:
+                or not is_id(bid) or type(ids) is not list or type(experts) is not list or type(counts) is not list \
+                or type(box) is not bytes or len(box) not in (0, BOX_BYTES):
             return None
         n = len(ids)
         if not 1 <= n <= MAX_BUNDLE_CALLS or len(experts) != n or len(counts) != n or type(data) is not bytes:
@@ -814,7 +847,7 @@ class BundleDecoder(_Decoder):
             return None
         return _built(BundleRequest, {"model": self.model, "layer": layer, "bundle_id": bid, "rows": rows,
                                       "ids": tuple(ids), "experts": tuple(experts), "counts": tuple(counts),
-                                      "index": index, "offsets": offsets})
+                                      "index": index, "offsets": offsets, "box": box})
 
 
 class BundleReplyEncoder:
@@ -908,7 +941,7 @@ def decode_bundle_reply(data: bytes, *, max_rows: int | None = None, max_bytes: 
 
 
 _FAST_REPLY_KEYS = frozenset(("v", "t", "bundle_id", "node", "ids", "counts", "dtype", "shape", "data", "errors",
-                              "kernel"))
+                              "kernel", "key", "proof"))  # key, proof: a self-certifying node's (attribution)
 
 
 def _bundle_reply_fast(data: bytes, max_rows: int | None, n_embd: int | None) -> BundleReply | None:

@@ -122,7 +122,14 @@ def _add_worker(subparsers: argparse._SubParsersAction) -> None:
     t = p.add_argument_group("tuning")
     t.add_argument("--node", metavar="NAME", default=None,
                    help="node id on the bus, letters/digits/-/_ (default: the name of the --creds "
-                   "identity, else HOSTNAME-PID)")
+                   "identity, else the self-certifying name of this node's key, see --node-key). A "
+                   "chosen name is only a word on an open bus: anyone may answer under it")
+    t.add_argument("--node-key", metavar="FILE|fresh", default=None,
+                   help="the key that names this node (k + 26 base32 characters of its hash) and proves "
+                   "its replies, so nobody else can answer under its name: an nkey seed file, created "
+                   "if missing; 'fresh': a new key (and name) for this process only (default without "
+                   "--node/--creds/--enrol: the first free slot of $XDG_STATE_HOME/kvasir/node-keys/, "
+                   "kept across restarts)")
     t.add_argument("--heartbeat", type=float, default=2.0, metavar="S",
                    help="seconds between coverage heartbeats (default 2)")
     t.add_argument("--replicas", choices=("race", "balance"), default="race",
@@ -182,7 +189,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
 
         link_base(split_link(args.enrol)[0])  # a bad link is one line now, not after dialling
     node = node_for(args.node, ConnectOptions.from_args(args)) if args.enrol is None else "enrolling"
-    node = node or default_node_id()
+    node_key = _node_key(args, node)
+    node = node or (node_key.name if node_key is not None else default_node_id())
     try:
         check_node(node)
     except ValueError as exc:
@@ -199,7 +207,8 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     cfg = WorkerConfig(node=node, heartbeat_s=args.heartbeat, max_rows=args.max_rows,
                        max_bytes=args.max_request_bytes, queue_group=args.queue_group or (BALANCE_QUEUE if args.replicas == "balance" else None),
                        metrics=args.metrics, bundles=args.bundles == "on",
-                       inline_delivery=args.fast_paths == "on", direct_reply=args.fast_paths == "on")
+                       inline_delivery=args.fast_paths == "on", direct_reply=args.fast_paths == "on",
+                       node_key=node_key)
     if volunteering:
         import os
 
@@ -233,6 +242,37 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             return run_loop(enrol_and_serve(args.enrol, os.environ.get("KVASIR_ENROL_TOKEN") or None,
                                             args.cache_dir or "", cfg, slice_info=info))
         return run_loop(_serve(info, cfg, args.nats))
+
+
+def _node_key(args: argparse.Namespace, named: str | None):
+    """The node's own key (workers.identity), or None where the name comes from elsewhere (a
+    chosen ``--node``, a ``--creds`` identity, enrolment). A self-certifying ``--node`` must be the
+    name of the key given with it."""
+    from kvasir_bus.attribution import is_self_name
+    from workers import identity
+
+    if args.enrol is not None:
+        if args.node_key is not None:
+            raise UsageError("--enrol gives this node its identity: leave out --node-key")
+        return None
+    if args.node_key is not None and args.creds:
+        raise UsageError("--creds names this node: leave out --node-key")
+    if named is not None and args.node_key is None:
+        if is_self_name(named):
+            raise UsageError(f"--node {named} is a self-certifying name: give its key with --node-key FILE")
+        return None
+    if args.node_key is not None:
+        key, where = identity.from_flag(args.node_key), args.node_key
+    else:
+        key, where = identity.claim_slot()
+    if named is not None and named != key.name:
+        raise UsageError(f"--node {named} is not the name of the key in --node-key ({key.name}): leave "
+                         "out --node")
+    import structlog
+
+    structlog.get_logger("kvasir.worker").info("node_key", node=key.name, key=str(where),
+                                               note="replies under this name carry its proof")
+    return key
 
 
 async def _serve(info, cfg, url) -> int:

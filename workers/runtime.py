@@ -27,7 +27,10 @@ queue, no task wake-up), one decode by a decoder built for this slice's model, w
 the expected (layer, expert, weights) or, for a decode step's bundle, one table lookup per call
 and one graph bound once per holding and call count (:func:`kernels.expert.moe_step`: the row
 copied in, no plan lookup, allocation or pointer binding per call), one encode with node and
-kernel checked once, no task, no log line, no NATS header.
+kernel checked once, no task, no log line, no NATS header. A worker named by its own key
+(a self-certifying name, :mod:`workers.identity`) ends each reply with its proof to the asking
+backbone, bound to the request it answers (:meth:`kvasir_bus.attribution.NodeKey.seal`: one
+HMAC, in the payload, so the direct reply path stays open).
 """
 
 from __future__ import annotations
@@ -88,6 +91,9 @@ class WorkerConfig:
     inline_delivery: bool = True  # handle requests where nats.py parses them (kvasir_bus.lane), if it can
     direct_reply: bool = True  # write replies straight to the socket (kvasir_bus.lane.DirectReply), if it can
     reply_key: bytes = b""  # enrolled: every reply carries Kvasir-Proof under it (kvasir_bus.attribution)
+    # A self-certifying identity (kvasir_bus.attribution.NodeKey): when ``node`` is its name, every
+    # reply ends with the node's key and a proof to the backbone whose box the request carried.
+    node_key: object = None
 
 
 class State(enum.Enum):
@@ -133,6 +139,8 @@ class Worker:
         self._pool = ThreadPoolExecutor(max_workers=cfg.compute_threads, thread_name_prefix="expert")
         self._kernel = kernel_label()  # announced in heartbeats and replies: how audits compare
         self._replies = codec.ReplyEncoder(cfg.node, self._kernel)  # node and kernel checked once
+        key = cfg.node_key  # kvasir_bus.attribution.NodeKey: seals replies only under its own name
+        self._sealer = key if key is not None and getattr(key, "name", None) == cfg.node else None
         self._bundle_replies = codec.BundleReplyEncoder(cfg.node, self._kernel)
         # model, width and limits fixed once; anything else takes the full decoder and its error
         self._requests = codec.RequestDecoder(slice_info.fingerprint, slice_info.n_embd, cfg.max_rows, cfg.max_bytes)
@@ -371,14 +379,14 @@ class Worker:
             reply = codec.ErrorReply(request_id=req.request_id, node=self.cfg.node, code=codec.ERR_INTERNAL,
                                      message=f"{type(exc).__name__}: {exc}"[:codec.MAX_ERROR_MESSAGE])
             self.log.error("request_failed", subject=msg.subject, error=reply.message)
-            await self._send(msg.reply, reply.encode(), reply)
+            await self._send(msg.reply, reply.encode(), reply, box=req.box, request=msg.data)
             return
         self.served += 1
         self.rows += len(rows)
         self.compute_s += seconds
         if self.on_compute is not None:
             self.on_compute(req.layer, seconds)
-        await self._send(msg.reply, payload, None, req.request_id)
+        await self._send(msg.reply, payload, None, req.request_id, req.box, msg.data)
 
     # -- bundles ------------------------------------------------------------------------------
 
@@ -522,7 +530,7 @@ class Worker:
         if self.on_compute is not None:
             for _ in range(k):
                 self.on_compute(bundle.layer, seconds / k)
-        await self._send(msg.reply, payload, None, bundle.bundle_id)
+        await self._send(msg.reply, payload, None, bundle.bundle_id, bundle.box, msg.data)
 
     def _grouped(self, bundle: codec.BundleRequest, held: list) -> list:
         """A decode bundle (every call one row, the same row) -> one job per holding: its calls'
@@ -551,10 +559,10 @@ class Worker:
             raise _Refused(codec.ERR_BAD_REQUEST, str(exc)) from None
         if bundle.model != self.slice.fingerprint:
             raise _Refused(codec.ERR_WRONG_MODEL, f"model {bundle.model} is not {self.slice.fingerprint}",
-                           bundle.bundle_id)
+                           bundle.bundle_id, bundle.box)
         if len(bundle.ids) > self.slice.n_expert:
             raise _Refused(codec.ERR_BAD_REQUEST, f"{len(bundle.ids)} calls, but a layer has "
-                           f"{self.slice.n_expert} experts", bundle.bundle_id)
+                           f"{self.slice.n_expert} experts", bundle.bundle_id, bundle.box)
         return bundle
 
     async def _answer_bundle(self, msg, bundle: codec.BundleRequest, rows: np.ndarray, held, refused, pool) -> None:
@@ -566,7 +574,7 @@ class Worker:
             else:
                 done = await asyncio.get_running_loop().run_in_executor(pool, _bundle_timed, bundle, rows, held)
         except Exception as exc:  # the pool is gone (stopping): say so, keep serving
-            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}", bundle.bundle_id))
+            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}", bundle.bundle_id, bundle.box))
             return
         ids, counts, outs = [], [], []
         for i, out, seconds, error in done:
@@ -592,9 +600,9 @@ class Worker:
         try:
             payload = self._bundle_replies.encode(bundle.bundle_id, tuple(ids), tuple(counts), out, tuple(refused))
         except codec.CodecError as exc:  # a kernel returned a wrong shape: say so, keep serving
-            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, str(exc), bundle.bundle_id))
+            await self._refuse(msg, _Refused(codec.ERR_INTERNAL, str(exc), bundle.bundle_id, bundle.box))
             return
-        await self._send(msg.reply, payload, None, bundle.bundle_id)
+        await self._send(msg.reply, payload, None, bundle.bundle_id, bundle.box, msg.data)
 
     async def _refuse(self, msg, exc: _Refused) -> None:
         self.errors += 1
@@ -603,13 +611,18 @@ class Worker:
                                  message=str(exc)[:codec.MAX_ERROR_MESSAGE])
         self.refusals.warning((exc.code, _sender(msg.reply)), "request_refused", subject=msg.subject,
                               request_id=reply.request_id, code=exc.code, error=str(exc))
-        await self._send(msg.reply, reply.encode(), reply)
+        await self._send(msg.reply, reply.encode(), reply, box=exc.box, request=msg.data)
 
-    async def _send(self, to: str, payload: bytes, record: codec.Record | None, request_id: str = "") -> None:
+    async def _send(self, to: str, payload: bytes, record: codec.Record | None, request_id: str = "",
+                    box: bytes = b"", request: bytes = b"") -> None:
         """Publish a reply. Error replies carry headers for people watching the bus; dispatch
         replies, the hot path, carry none (the payload says everything, docs/protocol.md), and
-        go straight to the socket when that is safe (:class:`kvasir_bus.lane.DirectReply`)."""
+        go straight to the socket when that is safe (:class:`kvasir_bus.lane.DirectReply`). A
+        self-certifying node seals each reply to the asking backbone's ``box``, bound to the
+        ``request`` payload it answers (in the payload: the direct path stays open)."""
         try:
+            if box and self._sealer is not None:
+                payload = self._sealer.seal(payload, box, request)
             if self.cfg.reply_key:  # attributable: the proof travels in a header (no direct path)
                 from kvasir_bus.attribution import PROOF_HEADER, proof
 
@@ -632,19 +645,20 @@ class Worker:
         except codec.CodecError as exc:
             raise _Refused(codec.ERR_BAD_REQUEST, str(exc)) from None
         if req.model != self.slice.fingerprint:
-            raise _Refused(codec.ERR_WRONG_MODEL, f"model {req.model} is not {self.slice.fingerprint}", req.request_id)
+            raise _Refused(codec.ERR_WRONG_MODEL, f"model {req.model} is not {self.slice.fingerprint}",
+                           req.request_id, req.box)
         route = self._routes.get(msg.subject)
         if route is not None and route[0] == req.layer and route[1] == req.expert:
             return req, route[2]
         if not self.slice.holds(req.layer, req.expert):
             raise _Refused(codec.ERR_NOT_HELD, f"layer {req.layer} expert {req.expert} is not held here",
-                           req.request_id)
+                           req.request_id, req.box)
         try:
             where = parse_dispatch(msg.subject)
         except ValueError as exc:
-            raise _Refused(codec.ERR_BAD_REQUEST, str(exc), req.request_id) from None
+            raise _Refused(codec.ERR_BAD_REQUEST, str(exc), req.request_id, req.box) from None
         raise _Refused(codec.ERR_BAD_REQUEST, f"payload names layer {req.layer} expert {req.expert}, "
-                       f"subject names layer {where.layer} expert {where.expert}", req.request_id)
+                       f"subject names layer {where.layer} expert {where.expert}", req.request_id, req.box)
 
 
 INLINE_WORK = 1 << 20  # multiply-adds (~50-100 µs on one core) below which the loop computes inline
@@ -706,9 +720,9 @@ def _group_timed(bundle: codec.BundleRequest, rows: np.ndarray, calls, slabs) ->
 
 
 class _Refused(Exception):
-    def __init__(self, code: str, message: str, request_id: str = ""):
+    def __init__(self, code: str, message: str, request_id: str = "", box: bytes = b""):
         super().__init__(message)
-        self.code, self.request_id = code, request_id
+        self.code, self.request_id, self.box = code, request_id, box  # box: the request's, to seal to
 
 
 def _refusal(exc: Exception) -> _Refused:
