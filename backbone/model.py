@@ -37,8 +37,11 @@ How it runs on ggml (the same ops, so the same bits, whichever way):
   (``_attention_fused``; the second ends with the router's top-k, the same ops), the experts
   as one ``mul_mat_id`` graph or remote calls (the shared expert then in a graph of its own,
   while they are away: ``_shared_fused``);
-- delta-net and gated-query attention layers (qwen35moe, qwen3next): one call per op, below
-  (a one-sequence delta-net mixer: one graph).
+- delta-net and gated-query attention layers (qwen35moe, qwen3next): in the step graphs above
+  too, one sequence at a time (``fused._delta_net_part``: each layer's conv and recurrent
+  state bound by address and updated in place by the graph); a batch of several sequences,
+  and what step graphs do not cover, one call per op, below (a one-sequence delta-net mixer:
+  one graph).
 
 ``forward`` below is the order of operations of every architecture, op by op; the graph
 builders of ``kernels/fused.py`` follow it line for line (tests/backbone/test_parity.py,
@@ -344,33 +347,53 @@ class Engine:
                              "multi-section RoPE and attention sinks have no numpy path in the engine); "
                              "unset KVASIR_KERNEL")
         # Attention layers as two graphs each (kernels/fused.py) where ggml computes them; the
-        # gated-query (IMROPE) attention of qwen35moe/qwen3next keeps the op-by-op path.
+        # gated-query (IMROPE) attention of qwen35moe/qwen3next keeps the op-by-op path there.
         self.fused = self.ggml_attention and not cfg.traits.attn_q_gate and cfg.traits.rope_style != "imrope"
-        self.one_row_as_two = self.fused and ggml_deterministic()
+        # qwen35moe/qwen3next: their delta-net and gated-attention layers in the step graphs
+        # below (kernels/fused.py: _delta_net_part, the gated part of _attention_part), with
+        # at least one attention layer (the step's KV shapes come from one).
+        recurrent_graphs = self.ggml_attention and cfg.traits.delta_net \
+            and not all(cfg.is_recurrent(il) for il in range(cfg.n_layer))
+        graphs = self.fused or recurrent_graphs
+        self.one_row_as_two = graphs and ggml_deterministic()
         self._shapes: tuple[ModelConfig, list[fused.AttentionShape]] | None = None
         self._step_plans: dict = {}  # fused.step_graph's memo: what its calls on these layers share
         # One graph per step for one sequence where nothing needs Python between the layers:
         # no delta-net layers, no attention sinks or windows, no expert biases, the
         # softmax-then-top-k router, rows sent to the experts unrounded.
         t = cfg.traits
-        self.step_graphs = self.fused and not t.delta_net and not t.attn_sinks and t.router != "softmax_weight" \
+        self.step_graphs = graphs and not t.attn_sinks and t.router != "softmax_weight" \
             and weights.layers[0].ffn_gate_exps_bias is None and self.wire_dtype == np.float32
         # The same for a batch of several sequences (``_batch_graphs``); off: the per-layer path
         # (three graphs per layer and one attention graph per sequence), which gives the same bits.
-        self.batch_graphs = self.step_graphs
+        self.batch_graphs = self.step_graphs and not t.delta_net
         # Repacked now (fast mode), not in the middle of the first request; what it took is
         # reported by whoever logs (the backbone service), not here: a library prints nothing.
         t0 = time.perf_counter()
-        self.prepared_bytes = prepare(fused.repackable_weights(weights.layers, weights.output)) if self.fused else 0
+        self.prepared_bytes = prepare(fused.repackable_weights(weights.layers, weights.output)) if graphs else 0
         self.prepared_s = time.perf_counter() - t0
 
-    def _attention_shape(self, il: int) -> fused.AttentionShape:
-        """Layer ``il``'s attention shape and RoPE parameters, made once per config."""
+    def _attention_shape(self, il: int) -> fused.AttentionShape | fused.DeltaNetShape:
+        """Layer ``il``'s attention shape and RoPE parameters, or its delta-net shape, made once
+        per config."""
         c = self.cfg
         if self._shapes is None or self._shapes[0] is not c:
-            self._shapes = (c, [fused.AttentionShape(c.n_head, c.n_head_kv, c.head_dim, c.rms_eps, dense.rope_params(
-                c.n_rot, c.traits.rope_style, c.layer_rope_base(i), **c.rope.ggml_args())) for i in range(c.n_layer)])
+            self._shapes = (c, [self._layer_shape(i) for i in range(c.n_layer)])
         return self._shapes[1][il]
+
+    def _layer_shape(self, il: int) -> fused.AttentionShape | fused.DeltaNetShape:
+        c = self.cfg
+        if c.is_recurrent(il):
+            return fused.DeltaNetShape(c.ssm_k_heads, c.ssm_v_heads, c.ssm_head_dim, c.ssm_conv_kernel, c.rms_eps,
+                                       ba=c.traits.ssm_ba)
+        gate = c.traits.attn_q_gate
+        if c.traits.rope_style == "imrope":  # as _attention's deltanet.rope_multi_qk: YaRN off
+            rope = (int(c.n_rot), deltanet.ROPE_TYPE_IMROPE, int(c.n_ctx_train), float(c.rope_base),
+                    1.0, 0.0, 1.0, 32.0, 1.0)
+            return fused.AttentionShape(c.n_head, c.n_head_kv, c.head_dim, c.rms_eps, rope, q_gate=gate,
+                                        sections=tuple(int(s) for s in c.rope_sections))
+        return fused.AttentionShape(c.n_head, c.n_head_kv, c.head_dim, c.rms_eps, dense.rope_params(
+            c.n_rot, c.traits.rope_style, c.layer_rope_base(il), **c.rope.ggml_args()), q_gate=gate)
 
     def use_experts(self, experts: ExpertBackend | None) -> None:
         """From the next step on, ``experts`` computes the routed experts (None: this node)."""
@@ -510,13 +533,13 @@ class Engine:
         T = len(ids)
         R = 2 if T == 1 and self.one_row_as_two else T
         end = seq.n_past + T
-        caches = [seq.reserve(il, end) for il in range(c.n_layer)]
-        kv_size = caches[0][0].shape[0]
+        caches = self._caches(seq, end)
+        kv_size = next(kc.shape[0] for (kc, _), il in zip(caches, range(c.n_layer)) if not c.is_recurrent(il))
         n_kv = dense.n_kv_for(end, kv_size)
         step = fused.StepShape(R, T, kv_size, n_kv, _kq_scale(c.head_dim), c.n_expert_used,
                                w.expert_glu, c.traits.shexp_gate, c.traits.norm_topk)
         blocks = [fused.Block(w.layers[il], self._attention_shape(il), caches[il]) for il in range(c.n_layer)]
-        per_graph = fused.layers_per_graph(step, w.layers[0], blocks[0].shape, STEP_GRAPH_BYTES)
+        per_graph = _layers_per_graph(step, blocks, STEP_GRAPH_BYTES)
         positions = np.arange(seq.n_past, end, dtype=np.int32)
         if R != T:  # one row as two
             positions, ids = np.repeat(positions, 2), np.repeat(ids, 2)
@@ -530,6 +553,12 @@ class Engine:
         logits = self._run_step_graphs(step, blocks, per_graph, tokens, at, keep, head, n_out)
         seq.n_past = end
         return [logits[:n_out]]
+
+    def _caches(self, seq: Sequence, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer what the step graphs bind of ``seq``: its KV cache grown to hold cells
+        0..end-1, or for a delta-net layer its conv and recurrent states (updated in place)."""
+        c = self.cfg
+        return [(seq.conv[il], seq.ssm[il]) if c.is_recurrent(il) else seq.reserve(il, end) for il in range(c.n_layer)]
 
     def _batch_graphs(self, batch, lengths: list[int], keep: np.ndarray | None) -> list[np.ndarray]:
         """A step of several sequences (decode tokens and prompt chunks mixed) as one ggml graph
@@ -785,6 +814,13 @@ class Engine:
                 shared = shared * gate
             moe = moe + shared
         return moe
+
+
+def _layers_per_graph(step: fused.StepShape, blocks: list, budget: int) -> int:
+    """How many layers one step graph holds (``fused.layers_per_graph``) for the costliest kind
+    of layer among ``blocks`` (qwen35moe: delta-net and gated attention)."""
+    kinds = {b.shape: b for b in blocks}.values()
+    return min(fused.layers_per_graph(step, b.layer, b.shape, budget) for b in kinds)
 
 
 @functools.lru_cache(maxsize=None)

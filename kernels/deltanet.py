@@ -208,12 +208,15 @@ def delta_net_layer(h: np.ndarray, conv_state: np.ndarray, state: np.ndarray, *,
 
 
 def _core(g: Graph, lib, xin, cw, zt, bt, at, st, dt, aw, nw, *, L: int, C: int, Hv: int, S: int, k_heads: int,
-          eps: float, interleave: bool):
+          eps: float, interleave: bool, in_place: bool = False):
     """The module docstring's steps from the conv input on, into graph ``g``: the fused op's
     packed result (Hv*S, L + S) becomes an output here (the next bound array), and the gated
     output y (S, Hv, L) is returned for the caller to make an output or use further. ``xin``
     (W-1+L, C, 1): the conv input; zt (Hv*S, L), bt and at (Hv, L): the z, beta and alpha
-    projections; st (S, S, Hv) the state; cw, dt, aw, nw the layer's conv, dt, a and norm."""
+    projections (contiguous); st (S, S, Hv) the state; cw, dt, aw, nw the layer's conv, dt, a
+    and norm. ``in_place``: the packed result stays scratch and its new state is copied into
+    ``st`` itself (``ggml_cpy``, after the op has read it), as llama.cpp writes its recurrent
+    memory back (``build_recurrent_attn``)."""
     ctx = g.ctx
     l2_eps, l2_scale = l2_norm_params(eps, S)
     conv = g.scratch(lib.ggml_ssm_conv(ctx, xin, cw))  # (C, L, 1)
@@ -236,7 +239,13 @@ def _core(g: Graph, lib, xin, cw, zt, bt, at, st, dt, aw, nw, *, L: int, C: int,
     gate = g.scratch(lib.ggml_mul(ctx, gate, aw))
     gate = g.view(lib.ggml_reshape_4d(ctx, gate, 1, Hv, L, 1))
     s0 = g.view(lib.ggml_reshape_4d(ctx, st, S, S, Hv, 1))
-    out = g.output(lib.ggml_gated_delta_net(ctx, q, k, v, gate, beta, s0, 1))  # (Hv*S, L + S)
+    out = lib.ggml_gated_delta_net(ctx, q, k, v, gate, beta, s0, 1)  # (Hv*S, L + S)
+    if in_place:
+        out = g.scratch(out)
+        new_state = g.view(lib.ggml_view_3d(ctx, out, S, S, Hv, S * 4, S * S * 4, Hv * S * L * 4))  # (S, S, Hv)
+        g.expand(g.view(lib.ggml_cpy(ctx, new_state, st)))
+    else:
+        out = g.output(out)
     o = g.view(lib.ggml_view_4d(ctx, out, S, Hv, L, 1, S * f4, Hv * S * f4, Hv * S * L * f4, 0))
     y = g.scratch(lib.ggml_rms_norm(ctx, o, float(eps)))
     y = g.scratch(lib.ggml_mul(ctx, y, nw))

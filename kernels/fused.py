@@ -21,7 +21,9 @@ A step needs no Python between its layers at all: ``step_graph`` below runs it a
 (or a few), and split at the experts when they are remote; for a batch of several sequences
 with each sequence's attention against its own cache inside the graph (``StepShape.streams``).
 The two graphs above remain for what step graphs do not cover (``backbone.model.Engine.
-_one_graph_per_step``).
+_one_graph_per_step``). qwen35moe's and qwen3next's layers run in step graphs only: a gated
+delta-net layer as ``_delta_net_part`` (its states updated in place), a gated attention layer
+as ``_attention_part`` with the query gate and IMROPE (``AttentionShape.q_gate``, ``sections``).
 
 Every op is the one the single-op kernels of ``kernels/dense.py`` and ``kernels/ggml.py`` use,
 with the same shapes, so the results are those bits (the tests compare the two paths): rows
@@ -35,12 +37,13 @@ only rebinds the data pointers, the layer's weights included, so all layers shar
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from kernels import ggml
+from kernels import deltanet, ggml
 from kernels.ggml import Graph, address, repacked, run_cached, threads_for, weight_data, weight_input
 from kernels.tensors import QTensor
 
@@ -55,7 +58,32 @@ class AttentionShape:
     n_head_kv: int
     head_dim: int
     eps: float
-    rope: tuple  # kernels.dense.rope_params(...)
+    rope: tuple  # kernels.dense.rope_params(...): ggml_rope_ext's arguments after the positions
+    # Gated attention (qwen35moe, qwen3next): attn_q yields per head Dh query values, then Dh
+    # gate values; the attention's output is multiplied by sigmoid(gate) before attn_output.
+    q_gate: bool = False
+    # IMROPE (qwen35moe): ggml_rope_multi with these 4 section sizes and ``rope``'s arguments,
+    # on positions (pos, pos, pos, 0) per row; empty: ggml_rope_ext.
+    sections: tuple = ()
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """What fixes a gated delta-net layer's shapes besides the weights (``kernels/deltanet.py``):
+    Q/K heads, V heads, head size S, conv width W, the RMS eps; ``ba``: qwen3next's one ssm_ba
+    projection (beta and alpha interleaved per Q/K head) and its Q/K heads repeated interleaved."""
+
+    k_heads: int
+    v_heads: int
+    head_dim: int
+    conv_kernel: int
+    eps: float
+    ba: bool = False
+
+    @property
+    def channels(self) -> int:
+        """C: the conv's channels, Q, K and V of every head."""
+        return (2 * self.k_heads + self.v_heads) * self.head_dim
 
 
 def _key(w: QTensor | None) -> tuple | None:
@@ -69,7 +97,9 @@ def _vec(a: np.ndarray | None) -> np.ndarray | None:
 def _qkv_heads(g: Graph, lib, x, norm, ws, bs, q_norm, k_norm, shape: AttentionShape, rows: int):
     """The ops both attention builders start with: h = rms_norm(x) * norm, Q/K/V = W h (+ bias),
     Q and K as (Dh, heads, rows) with their per-head RMS norms when the model has them.
-    Returns (h, q, k, v); v stays (Hkv*Dh, rows)."""
+    Returns (h, q, k, v, gate); v stays (Hkv*Dh, rows); gate (H*Dh, rows) where the shape has a
+    query gate (``AttentionShape.q_gate``: llama.cpp's views of Qcur_full, the gate made
+    contiguous), else None."""
     ctx, eps = g.ctx, float(shape.eps)
     h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x, eps)), norm))
     outs = []
@@ -77,13 +107,21 @@ def _qkv_heads(g: Graph, lib, x, norm, ws, bs, q_norm, k_norm, shape: AttentionS
         y = g.scratch(lib.ggml_mul_mat(ctx, w, h))
         outs.append(y if b is None else g.scratch(lib.ggml_add(ctx, y, b)))
     q, k, v = outs
-    q = g.view(lib.ggml_reshape_3d(ctx, q, shape.head_dim, shape.n_head, rows))
+    Dh, H = shape.head_dim, shape.n_head
+    gate = None
+    if shape.q_gate:  # per head Dh query values, then Dh gate values
+        f4 = 4  # bytes per float
+        gate = g.view(lib.ggml_view_3d(ctx, q, Dh, H, rows, 2 * Dh * f4, 2 * Dh * H * f4, Dh * f4))
+        gate = g.scratch(lib.ggml_cont_2d(ctx, gate, Dh * H, rows))
+        q = g.view(lib.ggml_view_3d(ctx, q, Dh, H, rows, 2 * Dh * f4, 2 * Dh * H * f4, 0))
+    else:
+        q = g.view(lib.ggml_reshape_3d(ctx, q, Dh, H, rows))
     k = g.view(lib.ggml_reshape_3d(ctx, k, shape.head_dim, shape.n_head_kv, rows))
     if q_norm is not None:
         q = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, q, eps)), q_norm))
     if k_norm is not None:
         k = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, k, eps)), k_norm))
-    return h, q, k, v
+    return h, q, k, v, gate
 
 
 def attention_in(x: np.ndarray, positions: np.ndarray, shape: AttentionShape, *, attn_norm: np.ndarray,
@@ -115,7 +153,7 @@ def attention_in(x: np.ndarray, positions: np.ndarray, shape: AttentionShape, *,
             ws = [weight_input(g, w, rp) for w, rp in zip((wq, wk, wv), rps)]
             bs = [g.input(T.F32, (w.ne[1],)) if b is not None else None for w, b in zip((wq, wk, wv), bias)]
             ns = [g.input(T.F32, (Dh,)) if v is not None else None for v in norms]
-            _, q, k, v = _qkv_heads(g, lib, xt, nt, ws, bs, ns[0], ns[1], shape, n)
+            _, q, k, v, _ = _qkv_heads(g, lib, xt, nt, ws, bs, ns[0], ns[1], shape, n)
             g.output(lib.ggml_rope_ext(ctx, q, pt, None, *shape.rope))
             g.output(lib.ggml_rope_ext(ctx, k, pt, None, *shape.rope))
             g.output(lib.ggml_cont_2d(ctx, v, Hkv * Dh, n))  # a copy: the product is a scratch buffer
@@ -318,11 +356,12 @@ class Stream:
 
 
 def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionShape, step: StepShape, rps: dict,
-                    with_shared: bool = True):
+                    with_shared: bool = True, pos4=None):
     """Inputs of one layer's attention part, in binding order, and its ops; returns
     (x after attention, h, router probabilities, gated shared expert or None), of the rows
     ``keep`` (an I32 input, or None for all rows) after the output projection.
-    ``with_shared`` false: without the shared expert (a remote layer's: :func:`shared_expert`)."""
+    ``with_shared`` false: without the shared expert (a remote layer's: :func:`shared_expert`).
+    ``pos4``: the (4R,) I32 positions of IMROPE (``AttentionShape.sections``)."""
     ctx, eps, R, L = g.ctx, float(shape.eps), step.rows, step.n_new
     H, Hkv, Dh = shape.n_head, shape.n_head_kv, shape.head_dim
     gqa = Hkv * Dh
@@ -344,9 +383,16 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     br = g.input(T.F32, (layer.ffn_gate_inp.ne[1],)) if layer.ffn_gate_inp_bias is not None else None
     sw, sg = _shared_inputs(g, layer, rps) if with_shared else (None, None)
 
-    h, q, k, v = _qkv_heads(g, lib, x, an, ws, bs, qn, kn, shape, R)
-    q = g.scratch(lib.ggml_rope_ext(ctx, q, pos, None, *shape.rope))  # (Dh, H, R)
-    k = g.scratch(lib.ggml_rope_ext(ctx, k, pos, None, *shape.rope))
+    h, q, k, v, gate = _qkv_heads(g, lib, x, an, ws, bs, qn, kn, shape, R)
+    if shape.sections:  # IMROPE, as deltanet.rope_multi_qk (text positions: pos, pos, pos, 0)
+        secs = (ctypes.c_int * 4)(*shape.sections)
+        g.keep.append(secs)  # ggml copies them into op_params; kept anyway
+        n_rot, mode, *rest = shape.rope
+        q = g.scratch(lib.ggml_rope_multi(ctx, q, pos4, None, n_rot, secs, mode, *rest))  # (Dh, H, R)
+        k = g.scratch(lib.ggml_rope_multi(ctx, k, pos4, None, n_rot, secs, mode, *rest))
+    else:
+        q = g.scratch(lib.ggml_rope_ext(ctx, q, pos, None, *shape.rope))  # (Dh, H, R)
+        k = g.scratch(lib.ggml_rope_ext(ctx, k, pos, None, *shape.rope))
     if step.streams:
         attn = _attend_streams(g, lib, q, k, v, caches, mask, shape, step)
     else:
@@ -354,6 +400,8 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
         _store(g, lib, k, v, kd, vd, gqa, 0, L)
         cur = _attend(g, lib, q, kc, vc, mask, shape, step.kv_size, step.n_kv, step.scale)  # (Dh, H, R)
         attn = g.scratch(lib.ggml_cont_2d(ctx, cur, Dh * H, R))
+    if gate is not None:  # the gated attention's output: times sigmoid(gate) (deltanet.sigmoid_gate)
+        attn = g.scratch(lib.ggml_mul(ctx, attn, g.scratch(lib.ggml_sigmoid(ctx, gate))))
     y = g.scratch(lib.ggml_mul_mat(ctx, wo, attn))
     if bo is not None:
         y = g.scratch(lib.ggml_add(ctx, y, bo))
@@ -367,6 +415,110 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     probs = g.scratch(lib.ggml_soft_max(ctx, r))
     shared = _shared_expert(g, lib, h, sw, sg, step.shexp_gate) if sw is not None else None
     return x2, h, probs, shared
+
+
+def _delta_net_part(g: Graph, lib, x, keep, layer, shape: DeltaNetShape, step: StepShape, rps: dict,
+                    with_shared: bool = True):
+    """Inputs of one gated delta-net layer's part, in binding order (``_delta_net_arrays``), and
+    its ops, as llama.cpp's ``build_layer_attn_linear`` builds them and the op-by-op path
+    (``kernels.deltanet.delta_net`` between the projections) computes them; returns what
+    :func:`_attention_part` returns. The input projections run on all R rows; each sequence's
+    chunk (its rows of the step, or the step's first ``n_new`` rows: one row run as two) goes
+    through the conv and the fused recurrence against its own conv and recurrent state, which
+    the graph updates in place: the conv input is the state then the chunk's qkv (copies into a
+    buffer), its last W-1 columns are copied back into the conv state, the op's new state into
+    the recurrent state, each after it has been read."""
+    ctx, eps, R = g.ctx, float(shape.eps), step.rows
+    Hk, Hv, S, W, C = shape.k_heads, shape.v_heads, shape.head_dim, shape.conv_kernel, shape.channels
+    D = layer.attn_qkv.ne[0]
+    f4 = 4  # bytes per float
+    an = g.input(T.F32, (D,))
+    mix = [weight_input(g, w, rps.get(id(w))) for w in _delta_net_projections(layer)]
+    seqs = step.streams or (Stream(0, step.n_new, step.n_new, 0, 0),)
+    states = [(g.input(T.F32, (W - 1, C)), g.input(T.F32, (S, S, Hv))) for _ in seqs]
+    cw = g.input(T.F32, (W, C))
+    dt = g.input(T.F32, (Hv,))
+    aw = g.input(T.F32, (Hv,))
+    nw = g.input(T.F32, (S,))
+    wo = weight_input(g, layer.ssm_out, rps.get(id(layer.ssm_out)))
+    fn = g.input(T.F32, (D,))
+    wr = weight_input(g, layer.ffn_gate_inp, None)
+    br = g.input(T.F32, (layer.ffn_gate_inp.ne[1],)) if layer.ffn_gate_inp_bias is not None else None
+    sw, sg = _shared_inputs(g, layer, rps) if with_shared else (None, None)
+
+    h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x, eps)), an))
+    qkv = g.scratch(lib.ggml_mul_mat(ctx, mix[0], h))  # (C, R)
+    z = g.scratch(lib.ggml_mul_mat(ctx, mix[1], h))  # (Hv*S, R)
+    if shape.ba:  # qwen3next: per Q/K head [beta x r, alpha x r], split by copies
+        r = Hv // Hk
+        ba = g.scratch(lib.ggml_mul_mat(ctx, mix[2], h))  # (2*Hv, R)
+        beta, alpha = (g.scratch(lib.ggml_cont_2d(ctx, g.view(lib.ggml_view_3d(
+            ctx, ba, r, Hk, R, 2 * r * f4, 2 * Hv * f4, j * r * f4)), Hv, R)) for j in (0, 1))
+    else:
+        beta = g.scratch(lib.ggml_mul_mat(ctx, mix[2], h))  # (Hv, R)
+        alpha = g.scratch(lib.ggml_mul_mat(ctx, mix[3], h))
+
+    def cols(t, a: int, n: int):  # columns a..a+n of a (rows_of_t, R) tensor: contiguous
+        nb1 = t.contents.nb[1]
+        return g.view(lib.ggml_view_2d(ctx, t, t.contents.ne[0], n, nb1, a * nb1))
+
+    ys = []
+    for s, (cs, st) in zip(seqs, states):
+        a, n = s.start, s.n_new
+        conv_in = g.buffer(T.F32, (W - 1 + n, C))  # [conv state | the chunk's qkv transposed]
+        nb = conv_in.contents.nb[1]
+        g.expand(g.view(lib.ggml_cpy(ctx, cs, g.view(lib.ggml_view_2d(ctx, conv_in, W - 1, C, nb, 0)))))
+        g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_permute(ctx, cols(qkv, a, n), 1, 0, 2, 3)),
+                                     g.view(lib.ggml_view_2d(ctx, conv_in, n, C, nb, (W - 1) * f4)))))
+        # the next conv state: the last W-1 inputs (written after both copies above read it)
+        g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_view_2d(ctx, conv_in, W - 1, C, nb, n * f4)), cs)))
+        xin = g.view(lib.ggml_reshape_3d(ctx, conv_in, W - 1 + n, C, 1))
+        y = deltanet._core(g, lib, xin, cw, cols(z, a, n), cols(beta, a, n), cols(alpha, a, n), st, dt, aw, nw,
+                           L=n, C=C, Hv=Hv, S=S, k_heads=Hk, eps=eps, interleave=shape.ba, in_place=True)
+        ys.append(g.scratch(y))  # (S, Hv, n)
+    if step.streams:  # each sequence's outputs to its rows
+        y = g.buffer(T.F32, (Hv * S, R))
+        for s, ys_ in zip(seqs, ys):
+            g.expand(g.view(lib.ggml_cpy(ctx, ys_, cols(y, s.start, s.n_new))))
+    else:
+        y = g.view(lib.ggml_reshape_2d(ctx, ys[0], Hv * S, step.n_new))
+        if R > step.n_new:  # one row as two: the output projection runs on the row twice
+            y = g.scratch(lib.ggml_repeat_4d(ctx, y, Hv * S, R, 1, 1))
+    y = g.scratch(lib.ggml_mul_mat(ctx, wo, y))  # (D, R)
+    if keep is not None:  # the last layer: only the rows whose logits are wanted go on
+        y, x = (g.scratch(lib.ggml_get_rows(ctx, t, keep)) for t in (y, x))
+    x2 = g.scratch(lib.ggml_add(ctx, x, y))
+    h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x2, eps)), fn))
+    r = g.scratch(lib.ggml_mul_mat(ctx, wr, h))  # (E, R)
+    if br is not None:
+        r = g.scratch(lib.ggml_add(ctx, r, br))
+    probs = g.scratch(lib.ggml_soft_max(ctx, r))
+    shared = _shared_expert(g, lib, h, sw, sg, step.shexp_gate) if sw is not None else None
+    return x2, h, probs, shared
+
+
+def _delta_net_projections(layer) -> tuple:
+    """A delta-net layer's input projections, in graph input order: qkv, z (attn_gate), then
+    beta and alpha, or qwen3next's one ssm_ba."""
+    if layer.ssm_ba is not None:
+        return layer.attn_qkv, layer.attn_gate, layer.ssm_ba
+    return layer.attn_qkv, layer.attn_gate, layer.ssm_beta, layer.ssm_alpha
+
+
+def _delta_net_arrays(layer, rps: dict, with_shared: bool = True) -> tuple[list, list]:
+    """The data of :func:`_delta_net_part`'s inputs, in its order, but for each sequence's two
+    states (bound per call, between the two lists): those before them, and those after."""
+    pre = [layer.attn_norm, *(weight_data(w, rps.get(id(w))) for w in _delta_net_projections(layer))]
+    post = [layer.ssm_conv1d, layer.ssm_dt, layer.ssm_a, layer.ssm_norm,
+            weight_data(layer.ssm_out, rps.get(id(layer.ssm_out))), layer.ffn_norm, layer.ffn_gate_inp.ptr]
+    if layer.ffn_gate_inp_bias is not None:
+        post.append(layer.ffn_gate_inp_bias)
+    if with_shared:
+        post += _shared_arrays(layer, rps)
+    for a in post[:4]:  # bound by address: they must be what ggml reads
+        if not (isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous):
+            raise ValueError("delta-net conv, dt, a and norm weights must be C-contiguous float32")
+    return pre, post
 
 
 def _cache_inputs(g: Graph, gqa: int, kv_size: int, n_new: int):
@@ -532,21 +684,28 @@ def _cache_arrays(k_cache: np.ndarray, v_cache: np.ndarray, n_past: int) -> list
 def _layer_key(layer) -> tuple:
     """Which optional tensors a layer has, and its weights' types and shapes."""
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_shexp", "ffn_up_shexp",
-             "ffn_down_shexp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+             "ffn_down_shexp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", *_DELTA_NET_WEIGHTS)
     optional = ("attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_q_norm", "attn_k_norm", "attn_output_bias",
                 "ffn_gate_inp_bias", "ffn_gate_inp_shexp")
-    return (tuple(_key(getattr(layer, n)) for n in names), tuple(getattr(layer, n) is not None for n in optional))
+    return (tuple(_key(getattr(layer, n, None)) for n in names),
+            tuple(getattr(layer, n, None) is not None for n in optional))
 
 
 @dataclass(frozen=True)
 class Block:
     """One layer of a step graph: its weights, attention shape and the sequence's KV cache
-    ``(K (kv_size, gqa), V (gqa, kv_size))`` f16."""
+    ``(K (kv_size, gqa), V (gqa, kv_size))`` f16; or a gated delta-net layer: its
+    :class:`DeltaNetShape` and the sequence's states ``(conv (C, W-1), recurrent (Hv, S, S))``
+    float32, C-contiguous, which the graph updates in place."""
 
     layer: object  # backbone.model.Layer
-    shape: AttentionShape
+    shape: AttentionShape | DeltaNetShape
     cache: tuple[np.ndarray, np.ndarray] | None
     caches: tuple = ()  # a multi-sequence step (StepShape.streams): each sequence's (K, V), cache None
+
+    @property
+    def recurrent(self) -> bool:
+        return isinstance(self.shape, DeltaNetShape)
 
 
 @dataclass
@@ -583,6 +742,11 @@ def layers_per_graph(step: StepShape, layer, shape: AttentionShape, budget: int)
     R, K = step.rows, step.n_expert_used
     D, F, E = layer.ffn_gate_exps.ne
     Fs = layer.ffn_gate_shexp.ne[1] if layer.ffn_gate_shexp is not None else 0
+    if isinstance(shape, DeltaNetShape):  # projections, conv, norms; the op's packed state per sequence
+        C, VS, S = shape.channels, shape.v_heads * shape.head_dim, shape.head_dim
+        per_row = 16 * D + 4 * E + 5 * C + 8 * VS + 3 * K * F + (K + 2) * D + 3 * Fs
+        n_seq = max(1, len(step.streams))
+        return max(1, budget // (4 * (R * per_row + n_seq * (S * VS + shape.conv_kernel * C))))
     H, Dh = shape.n_head, shape.head_dim
     per_row = 16 * D + 4 * E + 6 * H * Dh + 3 * K * F + (K + 2) * D + 3 * Fs
     scores = sum(s.rows * s.n_kv for s in step.streams) if step.streams else R * step.n_kv  # KQ cells
@@ -623,7 +787,7 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
         lay = b.layer
         D, F, _ = lay.ffn_gate_exps.ne
         work += 3 * expert_rows[i] * step.n_expert_used * D * F if i < local else 0
-        work += step.rows * sum(w.ne[0] * w.ne[1] for w in (lay.attn_q, lay.attn_k, lay.attn_v, lay.attn_output))
+        work += step.rows * sum(w.ne[0] * w.ne[1] for w in _mixer_weights(lay))
     if head is not None:
         work += len(head[2]) * head[1].ne[0] * head[1].ne[1]
     threads = threads_for(work, n_new)
@@ -635,7 +799,7 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
     # addresses, read once: the arrays are the layers' (alive as long as the plan: ``owners``)
     pre, post = [], []
     for i, b in enumerate(blocks):
-        before, after = _attention_arrays(b.layer, rps, with_shared=i < local)
+        before, after = (_delta_net_arrays if b.recurrent else _attention_arrays)(b.layer, rps, with_shared=i < local)
         pre.append([address(a) for a in before])
         post.append([address(a) for a in after])
     exps = [[weight_data(w, rps[id(w)]) for w in _expert_slabs(b.layer)] for b in blocks]
@@ -733,13 +897,20 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
         if streams and len(b.caches) != len(streams):
             raise ValueError(f"step_graph: a block with {len(b.caches)} caches for {len(streams)} sequences")
         for (kc, vc), s in pairs:
-            if kc.shape[0] != s.kv_size or vc.shape[1] != s.kv_size:
+            if b.recurrent:  # conv and recurrent states, read and written in place
+                sh = b.shape
+                for a, shape in ((kc, (sh.channels, sh.conv_kernel - 1)), (vc, (sh.v_heads, sh.head_dim, sh.head_dim))):
+                    if a.shape != shape or a.dtype != np.float32 or not a.flags.c_contiguous:
+                        raise ValueError(f"step_graph: a delta-net state is {a.dtype}{a.shape}, expected "
+                                         f"C-contiguous float32{shape}")
+            elif kc.shape[0] != s.kv_size or vc.shape[1] != s.kv_size:
                 raise ValueError(f"step_graph: a cache of {kc.shape[0]} cells, the step's has {s.kv_size}")
     norm = step.norm_topk
+    imrope = any(not b.recurrent and b.shape.sections for b in blocks)  # (4R,) positions for rope_multi
 
     def build() -> Graph:
-        S = len(streams)  # a sequence's attention: ~24 tensors and ~20 nodes per layer
-        g = Graph(lib, n_tensors=(160 + 24 * S) * len(blocks) + 64 + S, nodes=(128 + 20 * S) * len(blocks) + 64)
+        S = len(streams)  # a sequence's attention or delta-net chunk: up to ~48 tensors, ~40 nodes per layer
+        g = Graph(lib, n_tensors=(200 + 48 * S) * len(blocks) + 64 + S, nodes=(160 + 40 * S) * len(blocks) + 64)
         try:
             ctx = g.ctx
             if tokens is not None:  # the token embedding's rows
@@ -755,14 +926,19 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                     xt = g.scratch(lib.ggml_repeat_4d(ctx, xt, D, R, 1, 1))  # one row as two again
             if blocks:
                 pt = g.input(T.I32, (R,))
+                p4 = g.input(T.I32, (4 * R,)) if imrope else None
                 mt = [g.input(T.F32, (s.n_kv, s.rows)) for s in streams] if streams \
                     else g.input(T.F32, (step.n_kv, R))
                 kt = g.input(T.I32, (len(keep),)) if keep is not None else None
             for i, b in enumerate(blocks):
                 last = i == len(blocks) - 1
                 rows, n = dense_rows[i], expert_rows[i]
-                x2, h, probs, shared = _attention_part(g, lib, xt, pt, mt, kt if last else None, b.layer, b.shape,
-                                                       step, rps, with_shared=i < local)
+                if b.recurrent:
+                    x2, h, probs, shared = _delta_net_part(g, lib, xt, kt if last else None, b.layer, b.shape, step,
+                                                           rps, with_shared=i < local)
+                else:
+                    x2, h, probs, shared = _attention_part(g, lib, xt, pt, mt, kt if last else None, b.layer,
+                                                           b.shape, step, rps, with_shared=i < local, pos4=p4)
                 ids, weights = _route(g, lib, probs, K, norm)
                 if n < rows:  # a one-row step run as two: the experts see its first row only
                     x2, h = _first(g, lib, x2, n), _first(g, lib, h, n)
@@ -795,12 +971,17 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     arrays: list = [tokens[0].ptr, tokens[1]] if tokens is not None else [x] if prev is None else [prev[0].x, *((prev[0].shared,) if has_shared else ()),
                                              np.ascontiguousarray(prev[0].weights), np.ascontiguousarray(prev[1])]
     if blocks:
-        arrays += [np.ascontiguousarray(positions, dtype=np.int32), *(masks if streams else (mask,))]
+        pos = np.ascontiguousarray(positions, dtype=np.int32)
+        arrays += [pos, np.concatenate([pos, pos, pos, np.zeros_like(pos)])] if imrope else [pos]
+        arrays += masks if streams else (mask,)
         arrays += [keep] if keep is not None else []
     result = StepOut(ids=[np.empty((n, K), np.int32) for n in expert_rows[:local]])
     for i, b in enumerate(blocks):
         arrays += plan.pre[i]
-        if streams:
+        if b.recurrent:  # each sequence's conv and recurrent state
+            for conv, ssm in (b.caches if streams else (b.cache,)):
+                arrays += [conv, ssm]
+        elif streams:
             for (kc, vc), p in zip(b.caches, n_pasts):
                 arrays += _cache_arrays(kc, vc, p)
         else:
@@ -893,5 +1074,14 @@ def _expert_slabs(layer) -> tuple:
 
 
 def _dense_weights(layer) -> list:
-    return [w for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output, layer.ffn_gate_shexp,
-                        layer.ffn_up_shexp, layer.ffn_down_shexp) if w is not None]
+    return [w for w in (*_mixer_weights(layer), layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp)
+            if w is not None]
+
+
+_DELTA_NET_WEIGHTS = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_ba", "ssm_out")
+
+
+def _mixer_weights(layer) -> list:
+    """A layer's attention or delta-net projections (the ones it has)."""
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", *_DELTA_NET_WEIGHTS)
+    return [w for w in (getattr(layer, n, None) for n in names) if w is not None]
