@@ -366,7 +366,7 @@ class Engine:
             and weights.layers[0].ffn_gate_exps_bias is None and self.wire_dtype == np.float32
         # The same for a batch of several sequences (``_batch_graphs``); off: the per-layer path
         # (three graphs per layer and one attention graph per sequence), which gives the same bits.
-        self.batch_graphs = self.step_graphs and not t.delta_net
+        self.batch_graphs = self.step_graphs
         # Repacked now (fast mode), not in the middle of the first request; what it took is
         # reported by whoever logs (the backbone service), not here: a library prints nothing.
         t0 = time.perf_counter()
@@ -580,8 +580,8 @@ class Engine:
         start = 0
         for (seq, _), L in zip(batch, lengths):
             end = seq.n_past + L
-            mine = [seq.reserve(il, end) for il in range(c.n_layer)]
-            kv_size = mine[0][0].shape[0]
+            mine = self._caches(seq, end)
+            kv_size = next(kc.shape[0] for (kc, _), il in zip(mine, range(c.n_layer)) if not c.is_recurrent(il))
             n_kv = dense.n_kv_for(end, kv_size)
             rows = max(L, min_rows)
             streams.append(fused.Stream(start, L, rows, kv_size, n_kv))
@@ -593,7 +593,7 @@ class Engine:
         blocks = [fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches))
                   for il in range(c.n_layer)]
         per_graph = 1 if T > len(batch) else min(  # chunks: one layer per graph (see MAX_STREAM_LAYERS)
-            fused.layers_per_graph(step, w.layers[0], blocks[0].shape, BATCH_GRAPH_BYTES),
+            _layers_per_graph(step, blocks, BATCH_GRAPH_BYTES),
             max(1, MAX_STREAM_LAYERS // len(batch)))
         n_pasts = tuple(seq.n_past for seq, _ in batch)
         positions = np.concatenate([np.arange(p, p + L, dtype=np.int32) for p, L in zip(n_pasts, lengths)])

@@ -1,8 +1,9 @@
 """qwen35moe and qwen3next steps as step graphs (kernels/fused.py: ``_delta_net_part`` and the
 gated, IMROPE attention of ``_attention_part``) against the op-by-op path they replace.
 
-A one-sequence step of these architectures runs from the token ids to the logits in a few ggml
-graphs, the conv and recurrent states updated in place by the graph. The op-by-op path
+A step of these architectures runs from the token ids to the logits in a few ggml graphs, the
+conv and recurrent states updated in place by the graph; a batch of several sequences (prompt
+chunks and decode tokens mixed) too, each sequence's conv and recurrence against its own states. The op-by-op path
 (``Engine.step_graphs`` off: one call per op, ``kernels.deltanet.delta_net`` between the
 projections) is what the llama.cpp parity tests also check; the two must agree bit for bit over
 prompt chunks and decode steps mixed, a chunk that crosses the KV cache's first 256 cells
@@ -68,13 +69,30 @@ def _compare(path) -> dict:
     finally:
         fused.step_graph = real
     same = all(np.array_equal(g, o) for got, want in zip(graphs, op_by_op) for g, o in zip(got, want))
-    return {"same": same, "decode_graphs": decode_graphs, "n_layer": engine.cfg.n_layer, "in_place": in_place}
+    return {"same": same, "decode_graphs": decode_graphs, "n_layer": engine.cfg.n_layer, "in_place": in_place,
+            "batch_same": _compare_batch(engine)}
+
+
+def _compare_batch(engine: Engine) -> bool:
+    """Three sequences' prompts in one step, then a step of a decode token, a chunk and a
+    decode token, then a decode token each: with and without step graphs, the same bits."""
+    rng = np.random.default_rng(1)
+    steps = [[rng.integers(0, engine.cfg.n_vocab, n) for n in lengths]
+             for lengths in ((5, 17, 33), (1, 7, 1), (1, 1, 1))]
+    runs = []
+    for graphs in (True, False):
+        engine.step_graphs = engine.batch_graphs = graphs
+        seqs = [engine.new_sequence() for _ in steps[0]]
+        out = [logits for i, tokens in enumerate(steps)
+               for logits in engine.forward(list(zip(seqs, tokens)), all_logits=i < 2)]
+        runs.append(out + [a for s in seqs for a in s.ssm + s.conv if a is not None])
+    return all(np.array_equal(a, b) for a, b in zip(*runs))
 
 
 @pytest.mark.parametrize("arch,qtype", [("qwen35moe", "q4_k"), ("qwen35moe", "f32"), ("qwen3next", "q8_0")])
 def test_step_graphs_give_the_bits_of_the_op_by_op_path(models, arch, qtype):
     got = _compare(models(arch, qtype, ctx=512))
-    assert got["same"]
+    assert got["same"] and got["batch_same"]
     assert 1 <= got["decode_graphs"] <= got["n_layer"]
     assert got["in_place"]  # the states are the sequence's own arrays, written by the graph
 
@@ -100,4 +118,4 @@ def test_fast_mode_step_graphs_give_the_bits_of_the_op_by_op_path(models):
     assert done.returncode == 0, done.stderr[-2000:]
     for line in done.stdout.splitlines():
         got = json.loads(line)
-        assert got["same"] and got["in_place"] and 1 <= got["decode_graphs"] <= got["n_layer"]
+        assert got["same"] and got["batch_same"] and got["in_place"] and 1 <= got["decode_graphs"] <= got["n_layer"]
