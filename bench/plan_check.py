@@ -8,9 +8,14 @@ worker`` processes (through bench/throughput.py's delaying proxy for an injected
 configuration with ``--colocated <cores>`` (every process here shares this machine's cores).
 Prints JSON: per configuration the measured and predicted tokens/s and p50 inter-token latency
 and their errors (predicted / measured - 1), and whether each is within the goal (15% tokens/s,
-25% p50 ITL). ``--save`` records it in bench/results/ (with the load average).
+25% p50 ITL). ``--save`` records it in bench/results/ (with the load average and the run's whole
+profile). ``--repredict RUN.json`` runs no swarm: today's model on a saved run's configurations,
+measured inputs (link round trip, other programs' load) and profile, its errors printed -- exact
+and quick, the way to check a change to the model against real runs (runs saved before the
+profile was kept need ``--profile``; bench/profiles/ holds one of this machine).
 
     python bench/plan_check.py [--tokens 16] [--quick-calibrate] [--grid full|reduced] [--save]
+    python bench/plan_check.py --repredict bench/results/plan_check-....json [--profile P.json]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
+from kvasir_bus.errors import UsageError  # noqa: E402
 from bench.throughput import Swarm, prompts, run_clients  # noqa: E402
 
 TOKENS_GOAL, ITL_GOAL = 0.15, 0.25
@@ -63,18 +69,40 @@ def calibrate(model: Path, out: Path, quick: bool) -> None:
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+def plan_argv(model: str, profile: str, group: dict, streams: int, tokens: int, prompt: int,
+              max_active: int, rtt_ms: float, background: float, cores: int | None = None,
+              worker_kernel: str | None = None) -> list[str]:
+    """`kvasir plan`'s arguments for one configuration of the grid (the real run and
+    ``--repredict`` ask the same question). ``worker_kernel``: the label the grid's workers
+    announce (they run this process's kernel mode, the fast one, beside a deterministic backbone:
+    an audit then recomputes with numpy, backbone/audit.py)."""
+    argv = ["plan", "--model", model, "--profile", profile,
+            "--workers", str(group["workers"]), "--streams", str(streams), "--tokens", str(tokens),
+            "--prompt-tokens", str(prompt), "--rtt-ms", str(rtt_ms), "--background-load", str(background),
+            "--audit", str(group.get("audit", 0)),
+            "--colocated", str(cores or os.cpu_count() or 2), "--max-active", str(max_active), "--json",
+            "--timeout-ms", str(group.get("timeout_ms", 2000)),
+            "--worker-kernel", worker_kernel or workers_kernel()]
+    if group.get("replicate"):
+        argv += ["--replicas", group["replicate"], "--replicated"]
+    if group.get("stop_at_s") is not None:
+        argv += ["--stop-at", str(group["stop_at_s"])]
+    return argv
+
+
+def workers_kernel() -> str:
+    """The kernel label of the workers this bench starts (bench/throughput.py's Swarm: this
+    process's environment, no --deterministic)."""
+    from kernels.backend import kernel_label
+
+    return kernel_label()
+
+
 def predict(model: Path, profile: Path, group: dict, streams: int, tokens: int, prompt: int,
             max_active: int, rtt_ms: float, background: float) -> dict:
     """`kvasir plan --json` for one configuration (the real CLI, in a child)."""
-    cmd = [sys.executable, "-m", "planner", "plan", "--model", str(model), "--profile", str(profile),
-           "--workers", str(group["workers"]), "--streams", str(streams), "--tokens", str(tokens),
-           "--prompt-tokens", str(prompt), "--rtt-ms", str(rtt_ms), "--background-load", str(background), "--audit", str(group.get("audit", 0)),
-           "--colocated", str(os.cpu_count() or 2), "--max-active", str(max_active), "--json",
-           "--timeout-ms", str(group.get("timeout_ms", 2000))]
-    if group.get("replicate"):
-        cmd += ["--replicas", group["replicate"], "--replicated"]
-    if group.get("stop_at_s") is not None:
-        cmd += ["--stop-at", str(group["stop_at_s"])]
+    cmd = [sys.executable, "-m", "planner", *plan_argv(str(model), str(profile), group, streams, tokens, prompt,
+                                                      max_active, rtt_ms, background)]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if res.returncode != 0:
         raise SystemExit(f"kvasir plan failed: {res.stderr.strip()}")
@@ -268,29 +296,120 @@ def run(model: Path, grid: list[dict], tokens: int, prompt: int, quick_calibrate
             # as sampled during the run: inputs of the configuration, not fitted to its result.
             p = predict(model, profile, group, m["streams"], tokens, prompt, max(group["streams"]),
                         m["link_rtt_ms"], m["background_runnable"])
-            err_t = p["tokens_per_s"] / m["tok_s"] - 1
-            itl_m, itl_p = m["itl_ms"]["p50"], p["itl_ms"]["p50"]
-            err_i = (itl_p / itl_m - 1) if itl_m and itl_p else None
-            configs.append({
-                "workers": group["workers"], "rtt_ms": group["rtt_ms"], "streams": m["streams"],
-                "audit": group.get("audit", 0), "replicas": group.get("replicate") or "split",
-                "stop_at_s": group.get("stop_at_s"),
-                "measured": {"tokens_per_s": m["tok_s"], "itl_ms": m["itl_ms"], "ttft_ms": m["ttft_ms"],
-                             "load_avg_1m": m["load_avg_1m"], "background_runnable": m["background_runnable"],
-                             "link_rtt_ms": m["link_rtt_ms"]},
-                "predicted": {"tokens_per_s": p["tokens_per_s"], "itl_ms": p["itl_ms"], "ttft_ms": p["ttft_ms"],
-                              "bottleneck": p["bottleneck"]},
-                "tokens_per_s_error": round(err_t, 3), "itl_p50_error": None if err_i is None else round(err_i, 3),
-                "within_goal": abs(err_t) <= TOKENS_GOAL and (err_i is None or abs(err_i) <= ITL_GOAL)})
+            configs.append(compare(group, m, p))
+    out = summarise(model.name, tokens, prompt, json.loads(profile.read_text()), configs)
+    out["worker_kernel"] = workers_kernel()
+    return out
+
+
+def compare(group: dict, m: dict, p: dict) -> dict:
+    """One configuration's record: the measured figures (``m``, run_clients' and measure's), the
+    predicted (``p``, kvasir plan's JSON), their errors (predicted / measured - 1) and the verdict."""
+    err_t = p["tokens_per_s"] / m["tok_s"] - 1
+    itl_m, itl_p = m["itl_ms"]["p50"], p["itl_ms"]["p50"]
+    err_i = (itl_p / itl_m - 1) if itl_m and itl_p else None
+    return {
+        "workers": group["workers"], "rtt_ms": group["rtt_ms"], "streams": m["streams"],
+        "audit": group.get("audit", 0), "replicas": group.get("replicate") or "split",
+        "stop_at_s": group.get("stop_at_s"), "group": group,
+        "measured": {"tokens_per_s": m["tok_s"], "itl_ms": m["itl_ms"], "ttft_ms": m["ttft_ms"],
+                     "load_avg_1m": m["load_avg_1m"], "background_runnable": m["background_runnable"],
+                     "link_rtt_ms": m["link_rtt_ms"]},
+        "predicted": {"tokens_per_s": p["tokens_per_s"], "itl_ms": p["itl_ms"], "ttft_ms": p["ttft_ms"],
+                      "bottleneck": p["bottleneck"]},
+        "tokens_per_s_error": round(err_t, 3), "itl_p50_error": None if err_i is None else round(err_i, 3),
+        "within_goal": abs(err_t) <= TOKENS_GOAL and (err_i is None or abs(err_i) <= ITL_GOAL)}
+
+
+def summarise(model_name: str, tokens: int, prompt: int, profile: dict, configs: list[dict],
+              cpus: int | None = None) -> dict:
     errs = [abs(c["tokens_per_s_error"]) for c in configs]
     ierrs = [abs(c["itl_p50_error"]) for c in configs if c["itl_p50_error"] is not None]
-    return {"bench": "plan_check", "model": model.name, "cpus": os.cpu_count(), "tokens": tokens,
+    return {"bench": "plan_check", "model": model_name, "cpus": cpus or os.cpu_count(), "tokens": tokens,
             "prompt_tokens": prompt, "goal": {"tokens_per_s": TOKENS_GOAL, "itl_p50": ITL_GOAL},
-            "profile": json.loads(profile.read_text()), "configs": configs,
+            "profile": profile, "configs": configs,
             "summary": {"configurations": len(configs), "within_goal": sum(c["within_goal"] for c in configs),
                         "max_tokens_per_s_error": round(max(errs), 3) if errs else None,
                         "mean_abs_tokens_per_s_error": round(sum(errs) / len(errs), 3) if errs else None,
                         "max_itl_p50_error": round(max(ierrs), 3) if ierrs else None}}
+
+
+def _group_of(c: dict) -> dict:
+    """A saved configuration's grid group: saved with it since the runs kept it, else the full
+    grid's group it came from (its timeout and top concurrency are not in older records)."""
+    if c.get("group"):
+        return c["group"]
+    for group in FULL_GRID:
+        if (group["workers"], group["rtt_ms"], group.get("audit", 0), group.get("replicate") or "split",
+                group.get("stop_at_s")) == (c["workers"], c["rtt_ms"], c["audit"], c["replicas"], c["stop_at_s"]) \
+                and c["streams"] in group["streams"]:
+            return group
+    raise UsageError(f"a saved configuration that is in no grid group: {c['workers']} workers, "
+                     f"{c['streams']} streams, rtt {c['rtt_ms']} ms")
+
+
+def repredict(saved: dict, profile: dict | None = None, profile_path: str | None = None) -> dict:
+    """Run only the model again on a saved run's configurations: each measured figure and input
+    (link round trip, other programs' load) as saved, against today's ``kvasir plan`` from the
+    run's own profile (``profile``: another one, for runs that did not keep theirs). No swarm
+    runs: deterministic and quick, so a change to the model can be checked against real runs."""
+    import argparse as _argparse
+    import tempfile
+
+    from planner import plan_cli
+    from planner.shapes import Shapes
+
+    result = saved.get("result", saved)
+    own = result.get("profile") or {}
+    if profile is None:
+        if "backbone" not in own:
+            raise UsageError("this run did not keep its profile (runs before the full profile was saved): "
+                             "pass --profile FILE")
+        profile = own
+    shapes = Shapes.from_dict(profile["model"])
+    if shapes.name != result["model"]:
+        raise UsageError(f"the profile is of {shapes.name}, the run of {result['model']}")
+    parser = _argparse.ArgumentParser(prog="kvasir")
+    plan_cli.add_parser(parser.add_subparsers())
+    configs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = profile_path
+        if path is None:
+            path = os.path.join(tmp, "profile.json")
+            with open(path, "w") as f:
+                json.dump(profile, f)
+        for c in result["configs"]:
+            group = _group_of(c)
+            m = {"streams": c["streams"], "tok_s": c["measured"]["tokens_per_s"], **c["measured"]}
+            argv = plan_argv("-", path, group, c["streams"], result["tokens"], result["prompt_tokens"],
+                             max(group["streams"]), c["measured"]["link_rtt_ms"],
+                             c["measured"]["background_runnable"], cores=result.get("cpus"),
+                             worker_kernel=result.get("worker_kernel"))
+            args = parser.parse_args(argv)
+            p = plan_cli.points(args, shapes=shapes)[-1]
+            configs.append(compare(group, m, p))
+    out = summarise(result["model"], result["tokens"], result["prompt_tokens"], profile, configs, result.get("cpus"))
+    out["worker_kernel"] = result.get("worker_kernel") or workers_kernel()
+    out["repredicted"] = {"run": saved.get("date"), "commit": (saved.get("commit") or {}).get("sha"),
+                          "profile": "the run's own" if profile is own else (profile_path or "given")}
+    return out
+
+
+def print_table(out: dict) -> None:
+    """The errors, one line per configuration (stderr: stdout is the JSON)."""
+    print(f"{'workers':>7} {'rtt':>4} {'streams':>7} {'audit':>5} {'replicas':>8} {'stop':>4} "
+          f"{'meas tok/s':>10} {'pred tok/s':>10} {'err':>7} {'ITL meas':>8} {'ITL pred':>8} {'err':>7}",
+          file=sys.stderr)
+    for c in out["configs"]:
+        ie = c["itl_p50_error"]
+        print(f"{c['workers']:>7} {c['rtt_ms']:>4} {c['streams']:>7} {c['audit']:>5} {c['replicas']:>8} "
+              f"{'yes' if c['stop_at_s'] is not None else '':>4} {c['measured']['tokens_per_s']:>10.1f} "
+              f"{c['predicted']['tokens_per_s']:>10.1f} {c['tokens_per_s_error']:>+7.1%} "
+              f"{c['measured']['itl_ms']['p50']:>8.1f} {c['predicted']['itl_ms']['p50'] or 0:>8.1f} "
+              f"{'' if ie is None else format(ie, '+7.1%'):>7}{'' if c['within_goal'] else '  miss'}",
+              file=sys.stderr)
+    s = out["summary"]
+    print(f"{s['within_goal']} of {s['configurations']} within the goal", file=sys.stderr)
 
 
 def main() -> None:
@@ -305,8 +424,23 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="runs of each configuration; the fastest counts (default 2)")
     ap.add_argument("--keep-profile", metavar="FILE", default=None, help="also write the run's profile here")
     ap.add_argument("--quick-calibrate", action="store_true", help="kvasir calibrate --quick")
+    ap.add_argument("--repredict", metavar="RUN.json", default=None,
+                    help="run no swarm: today's model on a saved run's configurations and measured inputs "
+                    "(its own profile, or --profile), printing the errors")
+    ap.add_argument("--profile", metavar="FILE", default=None,
+                    help="with --repredict: this profile instead of the run's (runs before 2026-12-03 12:00 "
+                    "kept none; bench/profiles/ holds one of this machine)")
     record.add_save_flag(ap)
     args = ap.parse_args()
+    if args.repredict:
+        try:
+            sys.exit(_repredict_main(args))
+        except UsageError as exc:
+            print(f"plan_check: {exc}", file=sys.stderr)
+            sys.exit(2)
+    if args.profile:
+        print("plan_check: --profile goes with --repredict (a run calibrates its own)", file=sys.stderr)
+        sys.exit(2)
     from kvasir_bus.logs import configure
     from synth.model import synth_model
     import tempfile
@@ -321,9 +455,31 @@ def main() -> None:
                   args.quick_calibrate, Path(tmp), args.rounds)
     if args.keep_profile:
         Path(args.keep_profile).write_text(json.dumps(out["profile"], indent=1))
-    out["profile"] = {k: out["profile"][k] for k in ("machine", "seconds", "quick")}
+    # The whole profile stays with the run (a few kB): --repredict re-runs the model on it later.
     print(json.dumps(out, indent=2))
+    print_table(out)
     record.save(args, "plan_check", out)
+
+
+def _repredict_main(args) -> int:
+    from planner import profile as prof
+
+    if args.save:
+        raise UsageError("--repredict runs no swarm: nothing to --save")
+    try:
+        with open(args.repredict) as f:
+            saved = json.load(f)
+    except OSError as exc:
+        raise UsageError(f"--repredict {args.repredict}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"--repredict {args.repredict}: not JSON ({exc})") from None
+    if (saved.get("result", saved)).get("bench") != "plan_check":
+        raise UsageError(f"--repredict {args.repredict}: not a plan_check run")
+    profile = prof.load(args.profile) if args.profile else None
+    out = repredict(saved, profile, args.profile)
+    print(json.dumps(out, indent=2))
+    print_table(out)
+    return 0
 
 
 if __name__ == "__main__":

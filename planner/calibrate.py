@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import replace
 import tempfile
 import platform
 import sys
@@ -196,6 +197,124 @@ def measure_kernel(engine, threads: int, quick: bool) -> dict:
     return {"threads": threads, "c0_s": c0, "c_call_s": c_call, "c_row_s": c_row, "samples": samples}
 
 
+def measure_local_call(engine, quick: bool) -> dict:
+    """One expert computed alone on the backbone (:meth:`backbone.experts.LocalExperts.compute`,
+    the path of a fallback, an audit's recomputation, a silent expert and a fresh backbone's
+    compute-ahead: one call at a time, each its own graph), against its rows: fitted
+    ``c0 + c_row * rows`` per call. The local kernel above times a whole layer's calls in one
+    graph (hot experts), which these paths never run."""
+    cfg = engine.cfg
+    local = engine.local_experts
+    rng = np.random.default_rng(3)
+    sizes = [1, 2, 4, 8] if quick else [1, 2, 4, 8, 16, 32]
+    samples = []
+    for n in sizes:
+        rows = rng.standard_normal((n, cfg.n_embd)).astype(np.float32)
+        local.compute(0, 0, rows)
+        times = []
+        deadline = time.perf_counter() + (0.1 if quick else 0.3)
+        while len(times) < 5 or (time.perf_counter() < deadline and len(times) < 400):
+            layer, expert = int(rng.integers(0, cfg.n_layer)), int(rng.integers(0, cfg.n_expert))
+            t0 = time.perf_counter()
+            local.compute(layer, expert, rows)
+            times.append(time.perf_counter() - t0)
+        samples.append((n, float(np.percentile(times, 25))))
+    c0, c_row = fit([[1, n] for n, _ in samples], [t for _, t in samples])
+    _say(f"one expert alone on the backbone (fallback, audit): {1e6 * c0:.0f} us + {1e6 * c_row:.1f} us per row")
+    return {"c0_s": c0, "c_row_s": c_row, "samples": samples}
+
+
+def _replies_main() -> None:
+    """A child's part of :func:`_other_mode`: (path, items) pickled on stdin, each item's
+    :meth:`LocalExperts.compute` pickled on stdout."""
+    import pickle
+
+    import kvasir_bus  # noqa: F401  (thread settings before ggml loads)
+    from backbone.model import Engine
+
+    path, items = pickle.load(sys.stdin.buffer)
+    local = Engine(path, n_ctx=64).local_experts
+    pickle.dump([local.compute(layer, expert, rows) for layer, expert, rows in items], sys.stdout.buffer)
+
+
+def _other_mode(path: str, items) -> list[np.ndarray] | None:
+    """Each (layer, expert, rows) as a worker of the other kernel mode computes it (fast for a
+    deterministic backbone: what a worker started without --deterministic answers), in a child.
+    None where the child fails."""
+    import pickle
+    import subprocess
+
+    from kvasir_bus import threads
+
+    other = "fast" if threads.kernel_mode() == "deterministic" else "deterministic"
+    env = {**os.environ, threads.ENV_MODE: other, "GGML_CPU_TILED_MM": "1" if other == "fast" else "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       os.environ.get("PYTHONPATH")]))}
+    try:
+        res = subprocess.run([sys.executable, "-c", "from planner.calibrate import _replies_main; _replies_main()"],
+                             input=pickle.dumps((path, items)), capture_output=True, env=env, timeout=300)
+        if res.returncode == 0:
+            return pickle.loads(res.stdout)
+        why = res.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+    except (OSError, subprocess.SubprocessError, pickle.UnpicklingError) as exc:
+        why = [f"{type(exc).__name__}: {exc}"]
+    _say(f"audit: no reply of the other kernel mode ({why[0]}); timed on this one's")
+    return None
+
+
+def measure_audit(engine, path: str, quick: bool) -> dict:
+    """An audit's recomputation of one call, by the path backbone/audit.py takes for the kernel
+    a worker announced: ``exact`` (a kernel this backbone runs: the reference computed ahead is
+    compared, nothing more; a deterministic worker audited by a fast backbone reruns in chunks of
+    7 rows, :func:`backbone.audit.rerun_rows`), ``numpy`` (the numpy kernel of another CPU, the
+    browser's: recomputed with numpy) and ``explained`` (any other kernel, such as a fast-mode
+    worker audited by a deterministic backbone: numpy with the quant-step flips taken out,
+    :func:`kernels.flips.explained_gap`, on the replies of a worker of the other kernel mode).
+    Timed as a backbone runs them: a few after each layer's ggml graph (numpy's OpenBLAS threads
+    and ggml's OpenMP team then wake in turn, which costs more than back-to-back calls show), the
+    mean kept. Each fitted ``c0 + c_row * rows`` per call."""
+    cfg = engine.cfg
+    local = engine.local_experts
+    rng = np.random.default_rng(4)
+    sizes = [1, 4] if quick else [1, 2, 3, 4]  # a decode step's calls: a few rows each
+    pairs = [(int(rng.integers(0, cfg.n_layer)), int(rng.integers(0, cfg.n_expert))) for _ in range(8)]
+    inputs = {n: rng.standard_normal((n, cfg.n_embd)).astype(np.float32) for n in sizes}
+    items = [(layer, expert, inputs[n]) for n in sizes for layer, expert in pairs]
+    # An honest reply of each (layer, expert): a worker's of the other kernel mode, whose gap to
+    # numpy's is the flips the audit takes out.
+    theirs = _other_mode(path, items) or [local.compute(layer, expert, rows) for layer, expert, rows in items]
+    replies = {(layer, expert, len(rows)): out for (layer, expert, rows), out in zip(items, theirs)}
+    per_layer = 4  # audits after one layer's graph: 0.1 of a node's ~40 calls
+    out = {}
+    for name in ("numpy", "explained"):
+        samples = []
+        for n in sizes:
+            rows = inputs[n]
+            if name == "numpy":
+                def run(layer, expert):
+                    local.compute(layer, expert, rows, backend="numpy")
+            else:
+                def run(layer, expert):
+                    local.explained_gap(layer, expert, rows, replies[(layer, expert, n)])
+            run(*pairs[0])
+            times = []
+            deadline = time.perf_counter() + (0.2 if quick else 0.5)
+            while len(times) < 8 or (time.perf_counter() < deadline and len(times) < 100):
+                layer = int(rng.integers(0, cfg.n_layer))
+                local.run_layer(layer, [(int(e), rows) for e in rng.choice(cfg.n_expert, 8, replace=False)])
+                t0 = time.perf_counter()
+                for k in range(per_layer):
+                    run(*pairs[(len(times) + k) % len(pairs)])
+                times.append((time.perf_counter() - t0) / per_layer)
+            samples.append((n, float(np.median(times))))  # every layer's first audit wakes the threads
+        c0, c_row = fit([[1, n] for n, _ in samples], [t for _, t in samples])
+        out[name] = {"c0_s": c0, "c_row_s": c_row, "samples": samples}
+    _say(f"an audit's recomputation per call: numpy {1e6 * out['numpy']['c0_s']:.0f} us + "
+         f"{1e6 * out['numpy']['c_row_s']:.1f} us per row; a foreign kernel's (flips taken out) "
+         f"{1e6 * out['explained']['c0_s']:.0f} us + {1e6 * out['explained']['c_row_s']:.1f} us per row")
+    return out
+
+
 def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int = 3, progress=_say) -> dict:
     """Real dispatch to one worker process over an embedded nats-server (module docstring)."""
     from backbone.audit import AuditConfig
@@ -249,8 +368,14 @@ def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int
                 for b in rows:
                     engine.use_experts(None)
                     seqs = _sequences(engine, b, 16, rng)
-                    for bundles in (True, False):
+                    direct_cfg = remote.cfg
+                    # Bundles on the engine thread's own connection (as kvasir serve's race and
+                    # split steps go), one message per call, and bundles through the bus
+                    # client's loop thread (as balance mode's, and any step with a call on an
+                    # expert's subject or a probe, go: ``bus_path``).
+                    for bundles, via_bus in ((True, False), (False, False), (True, True)):
                         remote.bundles = bundles
+                        remote.cfg = replace(direct_cfg, engine_connection=not via_bus)
                         best = None
                         for _ in range(rounds):  # the quietest round counts: others share the cores
                             engine.use_experts(remote)
@@ -276,7 +401,7 @@ def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int
                             null_wall, null_cpu = time.perf_counter() - w1, time.process_time() - c1
                             layer_steps = steps * cfg.n_layer
                             messages = d["bundles"] + d["calls"] - d["local"] - d["bundled_calls"]
-                            run = {"rows": b, "bundles": bundles, "steps": steps, "wall_s": wall, "cpu_s": cpu,
+                            run = {"rows": b, "bundles": bundles, "via_bus": via_bus, "steps": steps, "wall_s": wall, "cpu_s": cpu,
                                    "worker_cpu_s": wcpu, "nats_cpu_s": ncpu, "null_wall_s": null_wall,
                                    "null_cpu_s": null_cpu, "layer_steps": layer_steps, "messages": messages,
                                    "calls": d["remote"], "local_calls": d["local"],
@@ -294,9 +419,11 @@ def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int
                         runs.append(best)
                         wall, null_wall, messages, layer_steps = best["wall_s"], best["null_wall_s"], \
                             best["messages"], best["layer_steps"]
-                        progress(f"dispatch: {b} rows, bundles {'on' if bundles else 'off'}: "
+                        progress(f"dispatch: {b} rows, bundles {'on' if bundles else 'off'}"
+                                 f"{' through the bus thread' if via_bus else ''}: "
                                  f"{1e3 * wall / steps:.1f} ms per step ({1e3 * null_wall / steps:.1f} without experts), "
                                  f"{messages / layer_steps:.1f} messages per layer step")
+                remote.cfg = direct_cfg
                 engine.use_experts(None)
         finally:
             worker.stop()
@@ -319,8 +446,10 @@ def fit_dispatch(runs: list[dict], kernel: dict, dense: dict | None = None, n_la
     the wall time left over per layer step, from :func:`measure_dispatch`'s runs. ``dense``: the
     dense path's fit, whose prediction replaces a measured step without experts that came out
     slower (a burst of another process's work, or ggml's OpenMP team stalled beside it)."""
+    via_bus = [r for r in runs if r.get("via_bus")]
+    runs = [r for r in runs if not r.get("via_bus")]
     if dense is not None:
-        for r in runs:
+        for r in runs + via_bus:
             r["null_wall_s"] = min(r["null_wall_s"], r["steps"] * dense_step_s(dense, n_layer, r["rows"], 20))
     def kern(r):  # the worker's kernel seconds for these messages
         return r["messages"] * kernel["c0_s"] + r["calls"] * kernel["c_call_s"] + r["rows_sent"] * kernel["c_row_s"]
@@ -346,14 +475,20 @@ def fit_dispatch(runs: list[dict], kernel: dict, dense: dict | None = None, n_la
     cpu_fit = fit([[r["messages"], r["calls"]] for r in runs],
                   [r["engine_dispatch_cpu_s"] + r["bus_thread_cpu_s"] for r in runs])
     hops = [hop]
+    # The bus thread's path: the same bundled steps handed to the loop thread and woken from it,
+    # against the engine thread's own connection, per layer step (the median over the row counts
+    # measured: the extra wall time is the hand-offs, not the rows).
+    direct = {r["rows"]: r for r in runs if r["bundles"]}
+    extra = [(r["wall_s"] - direct[r["rows"]]["wall_s"]) / r["layer_steps"] for r in via_bus if r["rows"] in direct]
+    bus_path = max(0.0, float(np.median(extra))) if extra else 0.0
     out_b = [r["bytes_out"] / max(1, r["messages"]) for r in runs]
     return {"backbone_per_message_s": bb[0], "backbone_per_call_s": bb[1], "backbone_per_row_s": bb[2],
             "worker_per_message_s": worker_msg, "nats_per_message_s": nats_msg,
             "worker_in_place": {"c0_s": wfit[0], "c_call_s": wfit[1], "c_row_s": wfit[2],
                                 "note": "per message, call and row, the worker process's CPU in place"},
-            "hop_s": float(np.median(hops)), "backbone_cpu_per_message_s": cpu_fit[0],
+            "hop_s": float(np.median(hops)), "bus_path_s": bus_path, "backbone_cpu_per_message_s": cpu_fit[0],
             "backbone_cpu_per_call_s": cpu_fit[1], "backbone_cpu_note": "the engine and bus threads' CPU, for "
-            "comparison (a bundle's reply is taken elsewhere)", "bytes_out_per_message_mean": float(np.mean(out_b)), "runs": runs}
+            "comparison (a bundle's reply is taken elsewhere)", "bytes_out_per_message_mean": float(np.mean(out_b)), "runs": runs + via_bus}
 
 
 def _stream(url: str, max_tokens: int) -> tuple[float, float, int]:
@@ -429,6 +564,7 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
     """The profile of this machine for the model at ``path`` (module docstring)."""
     import kvasir_bus  # noqa: F401  (thread settings before ggml loads)
     from backbone.model import Engine
+    from kernels.backend import backend_name, kernel_label
     from planner.shapes import from_gguf
 
     if threads:
@@ -444,12 +580,16 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
                            "backbone_threads": threads or None, "worker_threads": worker_threads,
                            "kernel_mode": os.environ.get("KVASIR_KERNEL_MODE", "fast")},
                "quick": quick}
-    profile["worker"] = {"kernel": measure_kernel(engine, worker_threads, quick)}
+    # The label a worker started from here announces (its kernel mode is this process's): which
+    # way a backbone audits its replies (kvasir plan --worker-kernel says otherwise).
+    profile["worker"] = {"kernel": measure_kernel(engine, worker_threads, quick), "kernel_label": kernel_label()}
     if role in ("backbone", "both"):
         rows = [1, 4, 16] if quick else [1, 4, 16, 32]
         contexts = [16, 96] if quick else [16, 256]
         dense = measure_dense(engine, rows, contexts, steps=4 if quick else 6, rounds=2)
         local = measure_kernel(engine, threads or max(1, (os.cpu_count() or 2) // 2), quick)
+        local_call = measure_local_call(engine, quick)
+        audit = measure_audit(engine, path, quick)
         runs = measure_dispatch(engine, path, [1, 8] if quick else [1, 4, 16, 32], steps=6 if quick else 12,
                                 rounds=3)["runs"]
         dense["n_attention"], dense["n_recurrent"] = shapes.n_attention_layers, shapes.n_recurrent_layers
@@ -461,14 +601,17 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
                 local["c0_s"] + distinct * local["c_call_s"] + rows * k * local["c_row_s"])
 
         serving = measure_serving(path, engine_step)
-        profile["backbone"] = {"dense": dense, "local_kernel": local, "dispatch": disp, "serving": serving}
+        profile["backbone"] = {"dense": dense, "local_kernel": local, "local_call": local_call, "audit": audit,
+                               "dispatch": disp, "serving": serving, "backend": backend_name(),
+                               "kernel_label": kernel_label()}
         profile["worker"]["per_message_s"] = disp["worker_per_message_s"]
         profile["worker"]["in_place"] = disp["worker_in_place"]
         profile["nats"] = {"per_message_s": disp["nats_per_message_s"]}
         _say(f"backbone per message {1e6 * disp['backbone_per_message_s']:.0f} us, per call "
              f"{1e6 * disp['backbone_per_call_s']:.0f} us; "
              f"worker per message {1e6 * disp['worker_per_message_s']:.0f} us; nats-server per message "
-             f"{1e6 * disp['nats_per_message_s']:.0f} us; left-over wall per layer step {1e6 * disp['hop_s']:.0f} us")
+             f"{1e6 * disp['nats_per_message_s']:.0f} us; through the bus thread "
+             f"{1e6 * disp['bus_path_s']:.0f} us more per layer step")
     profile["wire"] = {"row_bytes": 4 * shapes.n_embd, "call_bytes": 96, "message_bytes": 1024,
                        "note": "f32 rows; a bundle carries its step's rows once (the union), "
                                "its reply every call's output rows"}

@@ -74,8 +74,17 @@ def add_parser(subparsers) -> None:
                      help="round trips drawn per worker: lan (median 1 ms), wan (40), cdn (90; lognormal), or "
                      "a file of round trips in ms (whitespace or commas)")
     p.add_argument("--audit", type=float, default=0.0, metavar="R", help="share of remote replies recomputed on the backbone (0..1, default 0)")
+    p.add_argument("--audit-probation", type=int, default=None, metavar="N",
+                   help="every reply of a new worker is audited until it has passed N audits (backbone/audit.py; default 16, as kvasir serve)")
+    p.add_argument("--worker-kernel", metavar="LABEL", default=None,
+                   help="the kernel label the workers announce (ggml-x86_64, ggml-x86_64-det, numpy-aarch64, "
+                   "js-wasm32...): with --audit, whether an audit compares bits with the backbone's own result "
+                   "or recomputes with numpy (default: the worker profile's, as calibrated)")
     p.add_argument("--replicas", choices=("race", "balance"), default="race",
                    help="replicas of an expert (past one worker per expert index): race (all compute) or balance (one, hedged)")
+    p.add_argument("--race-confirm", type=float, default=None, metavar="X",
+                   help="race mode: a won layer step waits up to X times its round trip for the other replicas' "
+                   "replies, as kvasir serve --race-confirm (default: kvasir serve's)")
     p.add_argument("--replicated", action="store_true",
                    help="every worker holds every expert (default: the experts split over the workers, "
                    "repeated past one worker per expert index)")
@@ -132,6 +141,16 @@ def _rtts(args, n: int) -> list[tuple[float, ...]]:
     return [tuple(v / 1000.0 for v in rng.choice(values, max(1, n)))]
 
 
+def race_confirm(args) -> float:
+    """``--race-confirm``, or kvasir serve's default (backbone.dispatch.DispatchConfig's; 0 where
+    the dispatcher has no such wait)."""
+    if args.race_confirm is not None:
+        return args.race_confirm
+    from backbone.dispatch import DispatchConfig
+
+    return float(getattr(DispatchConfig(), "confirm", 0.0))
+
+
 def check(args) -> None:
     if not 0.0 <= args.audit <= 1.0:
         raise UsageError(f"--audit must be between 0 and 1, got {args.audit}")
@@ -149,6 +168,10 @@ def check(args) -> None:
         raise UsageError(f"--backbone-cores must be >= 1, got {args.backbone_cores}")
     if args.timeout_ms is not None and args.timeout_ms <= 0:
         raise UsageError(f"--timeout-ms must be positive, got {args.timeout_ms}")
+    if args.race_confirm is not None and not 0 <= args.race_confirm <= 100:
+        raise UsageError(f"--race-confirm must be between 0 and 100, got {args.race_confirm}")
+    if args.audit_probation is not None and args.audit_probation < 0:
+        raise UsageError(f"--audit-probation must be >= 0, got {args.audit_probation}")
     if args.stop_at is not None and args.stop_at < 0:
         raise UsageError(f"--stop-at must be >= 0, got {args.stop_at}")
     if args.remote_layers is not None and args.remote_layers < 0:
@@ -159,16 +182,19 @@ def check(args) -> None:
         raise UsageError(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}")
 
 
-def points(args) -> list[dict]:
-    """Every point of the sweep, simulated: dicts ready for --json."""
+def points(args, shapes=None) -> list[dict]:
+    """Every point of the sweep, simulated: dicts ready for --json. ``shapes``: the model's, when
+    the caller has them already (bench/plan_check.py --repredict: a saved profile's own)."""
     from planner import profile as prof
     from planner.shapes import from_gguf, published
     from planner.sim import Config, simulate
 
     check(args)
-    shapes = from_gguf(args.model) if args.model else published(args.shape)
+    if shapes is None:
+        shapes = from_gguf(args.model) if args.model else published(args.shape)
     profile = prof.load(args.profile)
-    costs = prof.costs_for(profile, shapes, rescale=args.rescale, backbone_cores=args.backbone_cores)
+    costs = prof.costs_for(profile, shapes, rescale=args.rescale, backbone_cores=args.backbone_cores,
+                           worker_kernel=args.worker_kernel)
     worker_costs = None
     if args.worker_profile:
         worker_costs = []
@@ -178,14 +204,16 @@ def points(args) -> list[dict]:
                 raise UsageError(f"--worker-profile {path}: calibrated for {wp['model'].get('name')}, not {shapes.name} "
                                  "(pass --rescale to scale it by the experts' bytes)")
             worker_costs.append(prof.costs_for(profile, shapes, rescale=True, worker=wp,
-                                               backbone_cores=args.backbone_cores))
+                                               backbone_cores=args.backbone_cores, worker_kernel=args.worker_kernel))
     out = []
     n_max = max(args.workers)
     for rtt in _rtts(args, n_max):
         for workers in args.workers:
             for streams in args.streams:
                 cfg = Config(workers=workers, streams=streams, tokens=args.tokens[0], prompt_tokens=args.prompt_tokens,
-                             rtt_s=rtt, audit=args.audit, replicas=args.replicas, bundles=args.bundles == "on",
+                             rtt_s=rtt, audit=args.audit, replicas=args.replicas,
+                             **({} if args.audit_probation is None else {"probation": args.audit_probation}),
+                             race_confirm=race_confirm(args), bundles=args.bundles == "on",
                              micro_batches=args.micro_batches, hot_fraction=args.hot, churn_mtbf_s=args.churn,
                              churn_down_s=args.churn_down, stop_at_s=args.stop_at,
                              timeout_s=args.timeout_ms / 1000.0 if args.timeout_ms else None,

@@ -74,6 +74,18 @@ class Costs:
     backbone_threads: int  # the cores the dense path keeps busy while it runs
     request: float = 0.0  # kvasir serve's HTTP exchange and admission, per request
     token: float = 0.0  # its streamed event, per token
+    # One expert computed alone on the backbone, per call: (rows,). Fallbacks, audits, silent
+    # experts, hot experts and a fresh backbone's compute-ahead run it one call at a time.
+    local_call: Line = Line()
+    # A layer step sent and awaited through the bus client's loop thread instead of the engine
+    # thread's own connection (balance mode, calls on experts' subjects, probes): the extra wall
+    # time of the hand-offs between the threads, per layer step.
+    bus_path: float = 0.0
+    # An audited call's recomputation beyond the reference computed ahead, per call: (rows,). 0
+    # when the worker's kernel is one this backbone runs (the bits are compared); numpy's, or numpy
+    # with the flips taken out, for other kernels (backbone/audit.py rerun_backend).
+    audit_recompute: Line = Line()
+    audit_path: str = "exact"
     notes: tuple[str, ...] = field(default=())
 
 
@@ -88,10 +100,28 @@ def same_model(profile: dict, shapes: Shapes) -> bool:
     return shapes.name == m.get("name")
 
 
+def audit_path(profile: dict, worker_kernel: str) -> tuple[str, int]:
+    """How this profile's backbone audits a reply of a worker that announces ``worker_kernel``
+    (:func:`backbone.audit.rerun_backend`, on the profile's CPU and kernel mode): "exact" (bits
+    compared with the reference computed ahead; with the rows per rerun when a fast backbone reruns
+    a deterministic worker in chunks), "numpy" or "explained"."""
+    from backbone.audit import numpy_family, rerun_backend, rerun_rows
+
+    m = profile["machine"]
+    own = profile["backbone"].get("backend", "ggml")
+    machine, mode = m.get("machine"), m.get("kernel_mode")
+    mode = "deterministic" if mode == "deterministic" else "fast"
+    _, exact = rerun_backend(worker_kernel, own, machine=machine, mode=mode)
+    if exact:
+        return "exact", rerun_rows(worker_kernel, own, machine=machine, mode=mode)
+    return ("numpy" if numpy_family(worker_kernel) else "explained"), 0
+
+
 def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: dict | None = None,
-              backbone_cores: int | None = None, where: str = "--profile") -> Costs:
+              backbone_cores: int | None = None, where: str = "--profile", worker_kernel: str | None = None) -> Costs:
     """The cost functions for ``shapes`` from ``profile`` (its backbone part) and ``worker`` (a
-    worker profile's kernel, default the profile's own)."""
+    worker profile's kernel, default the profile's own). ``worker_kernel``: the kernel label the
+    workers announce (default the worker profile's), which decides how audits recompute."""
     measured = Shapes.from_dict(profile["model"])
     notes = []
     if not same_model(profile, shapes):
@@ -155,6 +185,27 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
         c1 = old_bytes * k * per_row_byte if per_row_byte else line.c1 * k
         return Line(line.c0 - streamed + streamed * k, c1, line.c2 * (k if k2 is None else k2))
 
+    if "local_call" in b:
+        local_call = Line(b["local_call"]["c0_s"], b["local_call"]["c_row_s"]).scaled(k_exp * core_k)
+    else:  # a profile made before it was measured: the layer kernel's cost of one expert
+        local_call = Line(lk["c0_s"] + lk["c_call_s"], lk["c_row_s"]).scaled(k_exp * core_k)
+        notes.append("one expert alone on the backbone costed as the layer kernel's one call (not in the profile)")
+    label = worker_kernel or (worker or profile)["worker"].get("kernel_label")
+    if label is None:
+        path, chunk = "exact", 0
+        notes.append("audits costed as the same kernel's (the profile does not say which kernel its worker ran)")
+    else:
+        path, chunk = audit_path(profile, label)
+    aud = b.get("audit", {})
+    if path == "exact":
+        # A fast backbone rerunning a deterministic worker's reply in chunks of `chunk` rows: one
+        # call per chunk (its per-row cost is the reference's again); otherwise nothing beyond it.
+        audit_recompute = Line(local_call.c0, local_call.c1) if chunk else Line()
+    elif path in aud:
+        audit_recompute = Line(aud[path]["c0_s"], aud[path]["c_row_s"]).scaled(k_exp * core_k)
+    else:
+        audit_recompute = Line(local_call.c0 * 10, local_call.c1 * 10)
+        notes.append(f"audits by {path} costed at 10x a local call (not measured in this profile)")
     return Costs(
         attention=split(attention, measured.dense_bytes_attention, k_attn, k_ctx).scaled(core_k),
         recurrent=split(recurrent, measured.dense_bytes_recurrent or measured.dense_bytes_attention, k_rec).scaled(core_k),
@@ -170,4 +221,5 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
         row_bytes=4 * shapes.n_embd, call_bytes=int(profile["wire"]["call_bytes"]),
         message_bytes=int(profile["wire"]["message_bytes"]), backbone_threads=threads,
         request=float(b.get("serving", {}).get("request_s", 0.0)), token=float(b.get("serving", {}).get("token_s", 0.0)),
-        notes=tuple(notes))
+        local_call=local_call, bus_path=float(disp.get("bus_path_s", 0.0)), audit_recompute=audit_recompute,
+        audit_path=path, notes=tuple(notes))

@@ -18,17 +18,46 @@ What it follows, and where in the code that behaviour lives:
   has its answer (the first replica's in race mode; one holder's, hedged, in balance mode).
 * **placement** (``launch.swarm.split_experts`` with ``--layer all``): each worker holds one
   range of expert indices on every layer; past ``n_expert`` workers the ranges repeat (replicas).
+* **audits** (``backbone/audit.py``, ``RemoteExperts._audit_ahead`` and ``_finish_step``): every
+  reply of a node is audited until it has passed ``probation`` audits (a step's verdicts are taken
+  together, so the step that starts on probation is audited whole), then one in each window of
+  ``ceil(1 / rate)`` of its replies on a layer. An audited call in one node's bundle has its
+  reference computed ahead on the engine thread while the reply travels; a raced call's is
+  computed once it is won. Where the worker's kernel is not one the backbone runs, the audit then
+  recomputes with numpy (and takes the quant-step flips out): ``Costs.audit_recompute``, measured.
+* **local computes** (fallbacks, silent experts, hot experts, audits' references) run one call at
+  a time (``LocalExperts.compute``), each its own graph: ``Costs.local_call`` per call.
+* **the engine thread's own connection** (``_run_direct``): an all-bundle step is sent and read on
+  the engine thread, its replies read once the engine's own work of the step is done; a step with
+  a call on an expert's subject, a probe, or in balance mode (hedges on a timer) goes through the
+  bus client's loop thread, which costs ``Costs.bus_path`` more per layer step (measured).
+* **race confirmation** (``DispatchConfig.confirm``): in race mode a won step waits up to
+  ``race_confirm`` times its round trip (at least 5 ms) for the replicas that raced a call another
+  node won (nodes that answered bundles before; not one that missed that wait 3 steps in a row,
+  but every 64th step).
 * **timeouts and silence** (``AdaptiveTimeout``, ``backbone/coverage_view.py``): a worker that stops
   answering (``stop_at``) costs one timeout (``srtt + 4 rttvar``, clamped, or the fixed one), then
-  its experts are computed locally at once while probes go on; a worker that is gone (churn) is
-  "no responders": local at once, no wait.
+  its experts are computed locally at once while probes (one message per expert, not waited for)
+  go on; a node whose bundle timed out gets none for a hold that doubles (2 s first), its experts
+  asked on their subjects meanwhile; a worker that is gone (churn) is "no responders": local at
+  once, no wait.
 * **resources**: the backbone's dense cores, its dispatch thread (the GIL's: planning, encoding,
   replies), nats-server, each worker's cores, the backbone's uplink; ``colocated`` = C puts all
-  of them on one pool of C cores (the check on this machine: workers share the backbone's cores).
+  of them on one pool of C cores (the check on this machine: workers share the backbone's cores),
+  each process's Python one thread of work there, and other programs' runnable threads
+  (``background_runnable``) time-share them with whatever of ours runs at the moment. A job goes
+  into the earliest gap of a server where it fits (work ready early runs before work booked for
+  later, such as a losing replica's reply).
+
+What it leaves out: a fresh backbone's first layer step computed here while its calls are out
+(``_before_any_answer``: only until the first reply ever, which kvasir serve's warm-up and the
+check's first request see, not the measured runs); balance mode's hedged re-sends (none while
+replies come within twice their median latency, 10 ms at least); the clients' own CPU.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -39,6 +68,14 @@ from planner.profile import Costs
 from planner.shapes import Shapes
 
 FAST = True  # the vectorised path where it applies (tests compare it with the general one)
+
+# The dispatcher's constants the model follows (tests/planner check them against the code's):
+# backbone.audit.DEFAULT_PROBATION, backbone.dispatch.MAX_UNPROVEN_BUNDLE_NODES, and
+# backbone.coverage_view.CoverageView's silence_hold_s and max_hold_s (a bundle hold's first
+# length and its cap).
+PROBATION = 16
+MAX_UNPROVEN_BUNDLE_NODES = 2
+SILENCE_HOLD_S, MAX_HOLD_S = 2.0, 60.0
 
 RTT_DISTS = {  # (median ms, lognormal sigma): a LAN, a WAN path, through a CDN edge (a relay)
     "lan": (1.0, 0.3), "wan": (40.0, 0.35), "cdn": (90.0, 0.35)}
@@ -52,6 +89,8 @@ class Config:
     prompt_tokens: int = 16
     rtt_s: tuple[float, ...] = (0.0,)  # per worker, cycled (one entry: every worker's)
     audit: float = 0.0
+    probation: int = PROBATION  # replies of a new node all audited until it passed this many
+    race_confirm: float = 1.0  # race mode: a won step waits up to this many times its round trip for the racing replicas
     replicas: str = "race"
     bundles: bool = True
     micro_batches: int = 1
@@ -74,24 +113,103 @@ class Config:
     seed: int = 0
 
 
-class Pool:
-    """``n`` identical servers, FIFO in the order work is handed to them; busy time counted."""
+class _Lane:
+    """One server's busy intervals, in time order (the latest ``keep`` of them): a job goes into
+    the earliest gap at or after it is ready that it fits (work handed over later but ready
+    earlier, such as a step's planning after a slow replica's reply was booked, runs first)."""
 
-    def __init__(self, n: int):
-        self.free = [0.0] * max(1, n)
+    __slots__ = ("starts", "ends")
+    keep = 512
+
+    def __init__(self):
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def earliest(self, ready: float, seconds: float) -> tuple[float, int]:
+        i = bisect.bisect_right(self.ends, ready)
+        t = ready
+        while i < len(self.starts) and self.starts[i] < t + seconds:
+            t = max(t, self.ends[i])
+            i += 1
+        return t, i
+
+    def take(self, start: float, end: float, i: int) -> None:
+        self.starts.insert(i, start)
+        self.ends.insert(i, end)
+        if len(self.starts) > 2 * self.keep:
+            del self.starts[:self.keep], self.ends[:self.keep]
+
+    def busy_at(self, t: float) -> bool:
+        i = bisect.bisect_right(self.ends, t)
+        return i < len(self.starts) and self.starts[i] <= t
+
+
+class Pool:
+    """``n`` identical servers; a job runs on the one where it can start first (:class:`_Lane`);
+    busy time counted.
+
+    ``background``: other programs' runnable threads on the same cores, on average (a shared
+    test machine). A job then runs on a time-shared core: while ``k`` of our jobs run at once
+    (itself included), each takes ``max(1, (background + k) / n)`` times its CPU time."""
+
+    def __init__(self, n: int, background: float = 0.0):
+        self.lanes = [_Lane() for _ in range(max(1, n))]
         self.busy = 0.0
+        self.background = background
+
+    def wall(self, start: float, seconds: float, lane: _Lane) -> float:
+        if self.background <= 0.0 or seconds <= 0.0:
+            return seconds
+        ours = 1 + sum(1 for other in self.lanes if other is not lane and other.busy_at(start))
+        return seconds * max(1.0, (self.background + ours) / len(self.lanes))
+
+    def earliest(self, ready: float, seconds: float) -> tuple[float, _Lane, int]:
+        best = None
+        for lane in self.lanes:
+            t, i = lane.earliest(ready, seconds)
+            if best is None or t < best[0]:
+                best = (t, lane, i)
+                if t == ready:
+                    break
+        return best
 
     def run(self, ready: float, seconds: float) -> float:
-        t = heapq.heappop(self.free)
-        start = max(t, ready)
-        end = start + seconds
-        heapq.heappush(self.free, end)
+        start, lane, i = self.earliest(ready, seconds)
+        end = start + self.wall(start, seconds, lane)
+        lane.take(start, end, i)
         self.busy += seconds
         return end
 
     @property
     def size(self) -> int:
-        return len(self.free)
+        return len(self.lanes)
+
+
+class Serial:
+    """One thread of work (a process's Python under its GIL, a single-threaded worker) on the
+    cores of ``pool``: its jobs never overlap, each runs on whichever core is free."""
+
+    def __init__(self, pool: Pool):
+        self.pool, self.lane, self.busy = pool, _Lane(), 0.0
+
+    def run(self, ready: float, seconds: float) -> float:
+        t = ready
+        for _ in range(64):  # a time both this thread and a core are free
+            t, _ = self.lane.earliest(t, seconds)
+            start, core, j = self.pool.earliest(t, seconds)
+            if start == t:
+                break
+            t = start
+        end = start + self.pool.wall(start, seconds, core)
+        core.take(start, end, j)
+        self.lane.take(start, end, self.lane.earliest(start, 0.0)[1])
+        self.pool.busy += seconds
+        self.busy += seconds
+        return end
+
+    @property
+    def size(self) -> int:
+        return 1
 
 
 class _Routing:
@@ -170,15 +288,13 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
     rtt = [cfg.rtt_s[w % len(cfg.rtt_s)] for w in range(max(1, cfg.workers))]
 
     # Resources. Colocated: one pool of cores for everything (the backbone's dense graphs, its
-    # dispatch thread, nats-server and every worker).
+    # Python -- the engine thread's dispatch and the bus thread, one GIL --, nats-server and every
+    # worker process, each of those one thread of work on the shared cores).
     if cfg.colocated_cores:
-        stretch = max(1.0, (cfg.background_runnable + 1.0) / cfg.colocated_cores)
-        if stretch > 1.0:
-            costs = _stretched(costs, stretch)
-            kinds_of_worker = [_stretched(c, stretch) for c in kinds_of_worker]
-        shared = Pool(cfg.colocated_cores)
-        dense_pool = disp_pool = nats_pool = shared
-        worker_pools = [shared] * max(1, cfg.workers)
+        shared = Pool(cfg.colocated_cores, cfg.background_runnable)
+        dense_pool = shared
+        disp_pool, nats_pool = Serial(shared), Serial(shared)
+        worker_pools = [Serial(shared) for _ in range(max(1, cfg.workers))]
     else:
         shared = None
         dense_pool = Pool(max(1, cfg.micro_batches))  # each lane's graphs on the backbone's cores
@@ -191,11 +307,6 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         and len(kinds_of_worker) == 1
     rtt_arr = np.asarray(rtt, dtype=float)
     worker_free = np.zeros(max(1, cfg.workers))
-
-    def stopped_arr(t: float) -> np.ndarray | None:
-        if cfg.stop_at_s is None:
-            return None
-        return np.arange(max(1, cfg.workers)) == 0
 
     # Churn: per worker, alternating up and down intervals (exponential), precomputed lazily.
     down: dict[int, list[tuple[float, float]]] = {}
@@ -222,6 +333,14 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
     timeouts = 0
     totals = {"bytes_out": 0.0, "bytes_in": 0.0, "messages": 0, "calls": 0, "local": 0}
 
+    audit_window = math.ceil(1.0 / cfg.audit) if cfg.audit > 0 else 0
+    passed = [0] * max(1, cfg.workers)  # per node: audits passed (probation ends at cfg.probation)
+    seen: dict[tuple[int, int], int] = {}  # (node, layer): verdicts taken (each window of them has one audit)
+    held: dict[int, tuple[float, float]] = {}  # node -> (no bundles until, hold): its bundle timed out
+    heard: set[int] = set()  # nodes that answered a bundle: racing replicas worth waiting for
+    misses: dict[int, int] = {}  # node -> racing waits it missed in a row
+    unproven_turn = [0]  # layer steps planned (the unproven nodes' turns)
+
     def current_timeout() -> float:
         if cfg.timeout_s is not None:
             return cfg.timeout_s
@@ -229,8 +348,27 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
             return 0.5
         return min(2.0, max(0.05, srtt + 4 * rttvar))
 
+    def local_cost(rows_per_call) -> float:
+        """Calls computed on the backbone one at a time (LocalExperts.compute each)."""
+        rows_per_call = list(rows_per_call)
+        return len(rows_per_call) * costs.local_call.c0 + costs.local_call.c1 * sum(rows_per_call)
+
+    def audits_of(w: int, il: int, n: int) -> int:
+        """How many of node ``w``'s ``n`` replies of this layer step are audited (backbone/audit.py):
+        every one while it is on probation when the step's verdicts are taken, else one in each
+        window of ceil(1 / rate) of its replies on that layer."""
+        if not audit_window or not n:
+            return 0
+        key = (w, il)
+        before = seen.get(key, 0)
+        seen[key] = before + n
+        if cfg.audit >= 1.0 or passed[w] < cfg.probation:
+            return n
+        return (before + n) // audit_window - before // audit_window
+
     def layer_step(t: float, il: int, rows: int, ctx_rows: float) -> float:
-        """One layer of one lane's step starting at ``t``: its end time."""
+        """One layer of one lane's step starting at ``t``: its end time (backbone/dispatch.py's
+        run_layer, as the module docstring says)."""
         nonlocal srtt, rttvar, timeouts
         line = costs.recurrent if kinds[il] == "recurrent" else costs.attention
         t = dense_pool.run(t, line(rows, ctx_rows))
@@ -242,63 +380,85 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         if cfg.remote_layers is not None and il - (L - shapes.n_moe_layers) >= cfg.remote_layers:
             n_hot = len(chosen)  # a layer the backbone keeps: every expert here, as without workers
         local_calls: list[int] = list(chosen[:n_hot]) if n_hot else []
-        by_node: dict[int, list[int]] = {}
+        unproven_turn[0] += 1
+        unproven = [w for w in range(cfg.workers) if audit_window and cfg.audit < 1.0 and passed[w] < cfg.probation]
+        if len(unproven) > MAX_UNPROVEN_BUNDLE_NODES:  # a few of them hold bundles a step, in turn
+            k = unproven_turn[0] % len(unproven)
+            out_of_turn = set((unproven[k:] + unproven[:k])[MAX_UNPROVEN_BUNDLE_NODES:])
+        else:
+            out_of_turn = set()
+        by_node: dict[int, list[int]] = {}  # bundles
+        singles: list[tuple[int, int]] = []  # (node, expert): a request on the expert's subject, waited for
+        probes: list[tuple[int, int]] = []  # ... only a probe (a silent expert): nobody waits for it
+        nodes_of: dict[int, tuple[int, ...]] = {}  # a waited call -> the nodes asked
         for e in chosen[n_hot:]:
             e = int(e)
             live = [w for w in holders[e] if not is_down(w, t)]
-            if not live or (il, e) in silent:
+            if not live:  # "no responders": computed here at once
                 local_calls.append(e)
-                if (il, e) in silent:  # the probe still goes
-                    for w in live:
-                        by_node.setdefault(w, [])
                 continue
-            if cfg.replicas == "race":
-                for w in live:
-                    by_node.setdefault(w, []).append(e)
-            else:  # balance: the holder with the fewest calls of this step
-                w = min(live, key=lambda n: (len(by_node.get(n, ())), n))
+            if (il, e) in silent:  # computed here at once; the request still goes, as a probe
+                local_calls.append(e)
+                probes.extend((w, e) for w in (live if cfg.replicas == "race" else live[:1]))
+                continue
+            bundled = [w for w in live if cfg.bundles and held.get(w, (0.0,))[0] <= t and w not in out_of_turn]
+            if cfg.replicas == "balance" and bundled:  # one holder: the fewest calls of this step
+                bundled = [min(bundled, key=lambda n: (len(by_node.get(n, ())), n))]
+            for w in bundled:
                 by_node.setdefault(w, []).append(e)
-        # Messages: one per node (bundles) or one per call.
-        messages: list[tuple[int, list[int]]] = []
-        for w, es in by_node.items():
-            if not es:
-                continue
-            if cfg.bundles:
-                messages.append((w, es))
-            else:
-                messages.extend((w, [e]) for e in es)
-        # A call's planning, booking and records are paid once whatever its replicas (race sends it
-        # to every holder; the losers' replies are compared and dropped: a message's cost).
-        unique = {e for _, es in messages for e in es}
-        n_calls = len(unique)
-        rows_calls = sum(int(counts[e]) for e in unique)
+            if bundled:
+                nodes_of[e] = tuple(bundled)
+            else:  # on the expert's subject: every holder hears it (race), one of them (balance)
+                asked = tuple(live) if cfg.replicas == "race" else (live[0],)
+                singles.extend((w, e) for w in asked)
+                nodes_of[e] = asked
+        # Messages: one per node's bundle, one per call on an expert's subject (probes too).
+        messages: list[tuple[int, list[int], bool]] = [(w, es, True) for w, es in by_node.items()]
+        messages += [(w, [e], True) for w, e in singles] + [(w, [e], False) for w, e in probes]
+        n_calls = len(nodes_of) + len({e for _, e in probes})
+        rows_calls = sum(int(counts[e]) for e in nodes_of)
+        # The engine thread plans and encodes the step (a call's books once, whatever its replicas);
+        # a step with anything on an expert's subject, or in balance mode (hedges on a timer), goes
+        # through the bus client's loop thread instead of the engine thread's own connection.
+        direct = cfg.bundles and not singles and not probes and cfg.replicas != "balance"
         send_cpu = len(messages) * costs.backbone_per_message / 2 + n_calls * costs.backbone_per_call \
-            + rows_calls * costs.backbone_per_row / 2
+            + rows_calls * costs.backbone_per_row / 2 + (0.0 if direct or not messages else costs.bus_path)
         t_sent = disp_pool.run(t, send_cpu)
-        # The engine thread, while the replies travel: the shared expert, local calls, audits' references.
-        remote_calls = len({e for _, es in messages for e in es})
-        audited = int(round(cfg.audit * remote_calls))
-        local_rows = sum(int(counts[e]) for e in local_calls)
-        audit_rows = int(round(cfg.audit * rows_calls / max(1, len(by_node) if cfg.replicas == "race" else 1)))
-        engine_work = costs.shared(rows)
-        if local_calls:
-            engine_work += costs.backbone_kernel(len(local_calls), local_rows)
-        if audited:
-            engine_work += costs.backbone_kernel(audited, audit_rows)
+        # The engine thread while the replies travel: the shared expert, the calls nobody was asked
+        # for, then (_audit_ahead) the references of the audited calls that one node answers.
+        # The auditor's verdicts, per node in the order of its calls: a call in one node's
+        # bundle has its reference computed ahead, while its reply travels (_audit_ahead); a call
+        # that several replicas race for is recomputed once it is won and the step has settled.
+        ahead: list[int] = []
+        if audit_window:
+            single: dict[int, list[int]] = {}
+            for e, asked in nodes_of.items():
+                if len(asked) == 1 and asked[0] in by_node and not stopped(asked[0], t_sent):
+                    single.setdefault(asked[0], []).append(e)
+            for w, es in sorted(single.items()):
+                n = audits_of(w, il, len(es))
+                ahead += es[:n]
+                passed[w] += n
+        engine_work = costs.shared(rows) + local_cost(int(counts[e]) for e in local_calls) \
+            + local_cost(int(counts[e]) for e in ahead)
         t_engine = dense_pool.run(t_sent, engine_work) if engine_work > 0 else t_sent
         answered: dict[int, float] = {}
-        wait_for: set[int] = {e for _, es in messages for e in es}
+        winner: dict[int, int] = {}
+        reply_at: dict[int, float] = {}  # node -> when its bundle's reply was taken
+        wait_for: set[int] = set(nodes_of)
+        waited = [(w, es) for w, es, wait in messages if wait]
         row_b = costs.row_bytes
-        if fast and messages and len({w for w, _ in messages}) == len(messages):
-            srtt, rttvar = _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_free, nats_pool,
-                                         disp_pool, answered, totals, srtt, rttvar, stopped_arr(t_sent))
+        if fast and waited and not probes and len({w for w, _ in waited}) == len(waited) and not singles:
+            srtt, rttvar = _fast_flights(waited, counts, rows, t_sent, costs, cfg, rtt_arr, worker_free, nats_pool,
+                                         disp_pool, answered, totals, srtt, rttvar, cfg.stop_at_s, winner,
+                                         reply_at, t_engine if direct else 0.0)
         else:
             # In phases, each in time order (the pools serve work in the order it is handed to
             # them): the requests through nats-server, the workers, the replies back.
             flights = []
-            for w, es in messages:
+            for w, es, wait in messages:
                 rows_m = sum(int(counts[e]) for e in es)
-                union = min(rows, rows_m) if cfg.bundles else rows_m
+                union = min(rows, rows_m) if len(es) > 1 else rows_m
                 out_b = union * row_b + len(es) * costs.call_bytes + costs.message_bytes
                 in_b = rows_m * row_b + len(es) * costs.call_bytes + costs.message_bytes
                 totals["bytes_out"] += out_b
@@ -306,20 +466,28 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 totals["messages"] += 1
                 depart = uplink.run(t_sent, out_b * 8 / cfg.uplink_bps) if cfg.uplink_bps else t_sent
                 at_nats = nats_pool.run(depart, costs.nats_per_message)
-                flights.append((at_nats + rtt[w] / 2, w, es, rows_m))
+                flights.append((at_nats + rtt[w] / 2, w, es, rows_m, wait))
             done_at = []
-            for arrive, w, es, rows_m in sorted(flights, key=lambda f: f[0]):
+            for arrive, w, es, rows_m, wait in sorted(flights, key=lambda f: f[0]):
                 if stopped(w, arrive):
                     continue  # a frozen worker: never answers
                 wc = kinds_of_worker[w % len(kinds_of_worker)]
                 work = wc.worker_per_message + wc.worker_kernel(len(es), rows_m) / cfg.worker_speedup
-                done_at.append((worker_pools[w].run(arrive, work) + rtt[w] / 2, w, es, rows_m))
-            for back, w, es, rows_m in sorted(done_at, key=lambda f: f[0]):
+                done_at.append((worker_pools[w].run(arrive, work) + rtt[w] / 2, w, es, rows_m, wait))
+            for back, w, es, rows_m, wait in sorted(done_at, key=lambda f: f[0]):
                 relayed = nats_pool.run(back, costs.nats_per_message)
-                got = disp_pool.run(relayed, costs.backbone_per_message / 2 + rows_m * costs.backbone_per_row / 2)
+                # On the engine thread's own connection the replies are read by the engine thread,
+                # once its work of the step is done; the bus thread takes them as they come.
+                got = disp_pool.run(max(relayed, t_engine) if direct else relayed,
+                                    costs.backbone_per_message / 2 + rows_m * costs.backbone_per_row / 2)
+                if not wait:
+                    silent.difference_update((il, e) for e in es)  # a probe's answer ends the silence
+                    continue
+                if w in by_node and by_node[w] is es:
+                    reply_at[w] = got
                 for e in es:
                     if e not in answered or got < answered[e]:
-                        answered[e] = got
+                        answered[e], winner[e] = got, w
                 lat = got - t_sent
                 if srtt is None:
                     srtt, rttvar = lat, lat / 2
@@ -328,15 +496,53 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                     srtt = 0.875 * srtt + 0.125 * lat
         missing = wait_for - set(answered)
         end = max([t_engine, *answered.values()]) if answered else t_engine
+        # Race mode: once every call is won, the step waits for the replicas that raced a call
+        # another node won (nodes that answered bundles before, and did not miss that wait three
+        # steps in a row, but every 64th step), up to race_confirm times its round trip (at least
+        # 5 ms): their answers check the winners' before any is used.
+        if cfg.replicas == "race" and cfg.race_confirm > 0 and cfg.audit < 1.0 and answered and not missing:
+            t_won = max(answered.values())
+            retry = unproven_turn[0] % 64 == 0
+            racing = [w for w, es in by_node.items() if w in heard and reply_at.get(w, math.inf) > t_won
+                      and (misses.get(w, 0) < 3 or retry) and any(winner.get(e, w) != w for e in es)]
+            if racing:
+                until = t_won + max(0.005, cfg.race_confirm * (t_won - t_sent))
+                last = max(reply_at.get(w, math.inf) for w in racing)
+                end = max(end, min(last, until))
+                for w in racing:
+                    misses[w] = misses.get(w, 0) + 1 if reply_at.get(w, math.inf) > until else 0
+        heard.update(reply_at)
+        after: list[int] = []
+        if audit_window:
+            by_winner: dict[int, list[int]] = {}
+            for e, w in winner.items():
+                if len(nodes_of.get(e, ())) > 1:
+                    by_winner.setdefault(w, []).append(e)
+            for w, es in sorted(by_winner.items()):
+                n = audits_of(w, il, len(es))
+                after += es[:n]
+                passed[w] += n
         if missing:  # a frozen holder: the timeout, then computed here; silent from now on
             timeouts += 1
             deadline = t_sent + current_timeout()
-            missing_rows = sum(int(counts[e]) for e in missing)
-            end = max(end, dense_pool.run(deadline, costs.backbone_kernel(len(missing), missing_rows)))
+            end = max(end, dense_pool.run(deadline, local_cost(int(counts[e]) for e in missing)))
             silent.update((il, e) for e in missing)
+            for w in {w for e in missing for w in nodes_of[e] if w in by_node}:  # no bundles to it for a while
+                until, hold = held.get(w, (0.0, SILENCE_HOLD_S / 2))
+                if until <= deadline:
+                    hold = min(MAX_HOLD_S, 2 * hold)
+                    held[w] = (deadline + hold, hold)
             local_calls.extend(missing)
+        # Once the step has settled (_finish_step): the audits' comparisons, and a recomputation
+        # where the worker's kernel is not one this backbone runs (costs.audit_path); a raced
+        # call's reference only now (_accept).
+        audit_work = local_cost(int(counts[e]) for e in after) + sum(
+            costs.audit_recompute(int(counts[e])) for e in (*ahead, *after))
+        if audit_work > 0:
+            end = dense_pool.run(end, audit_work)
         totals["calls"] += len(chosen)
         totals["local"] += len(local_calls)
+        totals["audits"] = totals.get("audits", 0) + len(ahead) + len(after)
         return end + costs.hop
 
     # -- continuous batching over lanes ---------------------------------------------------------
@@ -431,7 +637,8 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         uplink_bytes_per_s=round(totals["bytes_out"] / span), downlink_bytes_per_s=round(totals["bytes_in"] / span),
         messages_per_token=round(totals["messages"] / max(1, tokens), 2),
         local_fraction=round(totals["local"] / max(1, totals["calls"]), 4),
-        bottleneck="", bounds=bounds, seconds=round(span, 4), timeouts=timeouts)
+        bottleneck="", bounds=bounds, seconds=round(span, 4), timeouts=timeouts,
+        extra={"audits": totals.get("audits", 0)})
     result.bottleneck = _bottleneck(result, cfg)
     return result
 
@@ -445,7 +652,7 @@ def _fifo(ready: np.ndarray, cost: np.ndarray, free: float) -> np.ndarray:
 
 
 def _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_free, nats_pool, disp_pool,
-                  answered, totals, srtt, rttvar, frozen):
+                  answered, totals, srtt, rttvar, stop_at, winner, reply_at, read_from=0.0):
     """The three phases of a layer step's messages (requests through nats-server, the workers,
     the replies) for messages to distinct single-core workers, vectorised."""
     ws = np.fromiter((w for w, _ in messages), dtype=np.int64, count=len(messages))
@@ -458,14 +665,16 @@ def _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_fr
     totals["messages"] += len(messages)
     M = len(messages)
     nc = costs.nats_per_message
-    at_nats = _fifo(np.full(M, t_sent), np.full(M, nc), nats_pool.free[0])
-    nats_pool.free[0] = float(at_nats[-1])
+    at_nats = _fifo(np.full(M, t_sent), np.full(M, nc), nats_pool.run(t_sent, 0.0))
+    if M:
+        lane = nats_pool.lanes[0]
+        lane.take(float(at_nats[0]) - nc, float(at_nats[-1]), lane.earliest(float(at_nats[0]) - nc, 0.0)[1])
     nats_pool.busy += M * nc
     arrive = at_nats + rtt_arr[ws] / 2
     k = costs.worker_kernel
     work = costs.worker_per_message + (k.c0 + k.c1 * n_calls + k.c2 * rows_m) / cfg.worker_speedup
     done = np.maximum(worker_free[ws], arrive) + work
-    live = np.ones(M, bool) if frozen is None else ~frozen[ws]
+    live = np.ones(M, bool) if stop_at is None else ~((ws == 0) & (arrive >= stop_at))  # worker 0 frozen from then
     worker_free[ws[live]] = done[live]
     busy = totals.setdefault("worker_busy", np.zeros(len(worker_free)))
     np.add.at(busy, ws[live], work[live])
@@ -475,17 +684,14 @@ def _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_fr
         return srtt, rttvar
     order = np.argsort(back, kind="stable")
     back, idx = back[order], idx[order]
-    relayed = _fifo(back, np.full(len(idx), nc), nats_pool.free[0])
-    nats_pool.free[0] = float(relayed[-1])
-    nats_pool.busy += len(idx) * nc
+    relayed = np.array([nats_pool.run(b, nc) for b in back.tolist()])
     handle = costs.backbone_per_message / 2 + rows_m[idx] * costs.backbone_per_row / 2
-    got = _fifo(relayed, handle, disp_pool.free[0])
-    disp_pool.free[0] = float(got[-1])
-    disp_pool.busy += float(np.sum(handle))
+    got = np.array([disp_pool.run(max(r, read_from), h) for r, h in zip(relayed.tolist(), handle.tolist())])
     for g, i in zip(got.tolist(), idx.tolist()):
+        reply_at[int(ws[i])] = g
         for e in messages[i][1]:
             if e not in answered or g < answered[e]:
-                answered[e] = g
+                answered[e], winner[e] = g, int(ws[i])
     for lat in (got - t_sent).tolist():  # the adaptive timeout's smoothing, reply by reply
         if srtt is None:
             srtt, rttvar = lat, lat / 2
@@ -493,17 +699,6 @@ def _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_fr
             rttvar = 0.75 * rttvar + 0.25 * abs(srtt - lat)
             srtt = 0.875 * srtt + 0.125 * lat
     return srtt, rttvar
-
-
-def _stretched(c: Costs, k: float) -> Costs:
-    """Every CPU cost of ``c`` times ``k`` (a time-shared core); the wire's bytes unchanged."""
-    from dataclasses import replace
-
-    lines = {n: getattr(c, n).scaled(k) for n in ("attention", "recurrent", "shared", "head", "backbone_kernel",
-                                                   "worker_kernel")}
-    return replace(c, **lines, backbone_per_message=c.backbone_per_message * k, backbone_per_call=c.backbone_per_call * k,
-                   backbone_per_row=c.backbone_per_row * k, worker_per_message=c.worker_per_message * k,
-                   nats_per_message=c.nats_per_message * k, hop=c.hop * k, request=c.request * k, token=c.token * k)
 
 
 def _bounds(shapes: Shapes, costs: Costs, cfg: Config) -> dict:

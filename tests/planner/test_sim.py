@@ -141,3 +141,76 @@ def test_the_vectorised_path_gives_the_general_paths_answer(cfg, monkeypatch):
     slow = simulate(TOY, costs, cfg)
     assert (fast.tokens_per_s, fast.itl_ms, fast.ttft_ms, fast.timeouts) == \
         (slow.tokens_per_s, slow.itl_ms, slow.ttft_ms, slow.timeouts)
+
+
+def test_the_models_constants_are_the_dispatchers():
+    from backbone.audit import DEFAULT_PROBATION
+    from backbone.coverage_view import CoverageView
+    from backbone.dispatch import MAX_UNPROVEN_BUNDLE_NODES
+    from planner import sim
+
+    view = CoverageView(1.0)
+    assert (sim.PROBATION, sim.MAX_UNPROVEN_BUNDLE_NODES, sim.SILENCE_HOLD_S, sim.MAX_HOLD_S) == \
+        (DEFAULT_PROBATION, MAX_UNPROVEN_BUNDLE_NODES, view.silence_hold_s, view.max_hold_s)
+
+
+def _audits(cfg: Config) -> int:
+    return simulate(TOY, prof.costs_for(toy_profile(), TOY), cfg).extra["audits"]
+
+
+def test_audits_follow_probation_then_one_in_each_window_per_node_and_layer():
+    # One worker, one stream, top-2: each layer step is 2 replies of the one node. Without
+    # probation, one in every 4 of them per layer: 2 x 8 = 16 replies a layer, 4 audits each.
+    base = dict(workers=1, streams=1, tokens=8, prompt_tokens=1)
+    assert _audits(Config(**base, audit=0.25, probation=0)) == TOY.n_layer * (2 * 8 // 4)
+    # Probation 4: the first step's two layers (2 replies each, all audited, all passed) end it;
+    # the windows count those replies too: per layer 16 // 4 - 2 // 4 = 4 more.
+    assert _audits(Config(**base, audit=0.25, probation=4)) == 2 + 2 + 4 + 4
+    assert _audits(Config(**base, audit=1.0)) == TOY.n_layer * 2 * 8
+    assert _audits(Config(**base, audit=0.0)) == 0
+
+
+def test_an_audit_costs_what_the_workers_kernel_makes_the_backbone_recompute():
+    profile = toy_profile()
+    profile["machine"]["kernel_mode"], profile["machine"]["machine"] = "deterministic", "x86_64"
+    profile["backbone"]["local_call"] = {"c0_s": 1e-4, "c_row_s": 1e-5}
+    profile["backbone"]["audit"] = {"numpy": {"c0_s": 1e-3, "c_row_s": 0.0},
+                                    "explained": {"c0_s": 3e-3, "c_row_s": 0.0}}
+    same = prof.costs_for(profile, TOY, worker_kernel="ggml-x86_64-det")
+    numpy_ = prof.costs_for(profile, TOY, worker_kernel="numpy-aarch64")
+    fast = prof.costs_for(profile, TOY, worker_kernel="ggml-x86_64")  # a fast worker, a deterministic backbone
+    assert (same.audit_path, numpy_.audit_path, fast.audit_path) == ("exact", "numpy", "explained")
+    assert same.audit_recompute(1) == 0 and numpy_.audit_recompute(1) == 1e-3 and fast.audit_recompute(1) == 3e-3
+    cfg = Config(workers=1, streams=1, tokens=8, prompt_tokens=1, audit=1.0)
+    t = {c.audit_path: simulate(TOY, c, cfg).seconds for c in (same, numpy_, fast)}
+    calls = TOY.n_layer * 2 * 8  # every reply audited, each recomputed after its step settles
+    assert t["numpy"] - t["exact"] == pytest.approx(calls * 1e-3, rel=1e-6)
+    assert t["explained"] - t["exact"] == pytest.approx(calls * 3e-3, rel=1e-6)
+
+
+def test_balance_mode_steps_take_the_bus_threads_path():
+    profile = toy_profile()
+    profile["backbone"]["dispatch"]["bus_path_s"] = 4e-4
+    costs = prof.costs_for(profile, TOY)
+    cfg = dict(workers=1, streams=1, tokens=8, prompt_tokens=1, replicated=True)
+    race = simulate(TOY, costs, Config(**cfg, replicas="race"))
+    balance = simulate(TOY, costs, Config(**cfg, replicas="balance"))
+    assert balance.itl_ms["p50"] - race.itl_ms["p50"] == pytest.approx(1000 * TOY.n_layer * 4e-4, abs=0.01)
+
+
+def test_other_programs_load_stretches_only_what_runs_beside_our_own_work():
+    from planner.sim import Pool
+
+    quiet, loaded = Pool(2), Pool(2, background=1.0)
+    assert loaded.run(0.0, 1.0) == quiet.run(0.0, 1.0) == 1.0  # one job and one other thread: a core each
+    assert loaded.run(0.0, 1.0) == pytest.approx(1.5)  # two of ours and one other on two cores
+
+
+def test_race_mode_waits_for_the_racing_replica_to_confirm():
+    costs = prof.costs_for(toy_profile(), TOY)
+    cfg = dict(workers=2, streams=1, tokens=8, prompt_tokens=1, replicated=True, rtt_s=(0.002, 0.02))
+    first = simulate(TOY, costs, Config(**cfg, race_confirm=0.0))
+    confirmed = simulate(TOY, costs, Config(**cfg, race_confirm=100.0))
+    # Each layer step waits for the 20 ms replica instead of taking the 2 ms one's answers (after
+    # the first step: a replica is waited for once it has answered a bundle).
+    assert confirmed.itl_ms["p50"] - first.itl_ms["p50"] == pytest.approx(1000 * TOY.n_layer * 0.018, rel=0.05)
