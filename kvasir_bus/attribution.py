@@ -7,8 +7,10 @@ sends each reply with header ``Kvasir-Proof: hex(HMAC-SHA256(key, payload)[:16])
 being the reply's exact msgpack bytes as sent (they hold the request id, the node name and the
 rows, so a proof never fits another call or another node). A backbone holding the deployment's
 reply secret derives any node's key from its name alone (:class:`ProofChecker`) and drops a
-reply naming an enrolled node whose proof is missing or wrong: it is counted as a forgery, never
-against the named node.
+reply whose proof is missing or wrong: it is counted as a forgery, never against the named node.
+Fixed ``kvasir creds`` workers get the same key, derived from their identity's name, in their
+credentials file (:data:`REPLY_KEY_LINE`), so under creds a worker cannot answer per expert
+under another worker's name either: with the secret, every name needs its proof.
 
 **Self-certifying names** (an open bus: no secret, no enrolment). A worker without an identity
 holds an ed25519 key pair (:class:`NodeKey`, an nkey seed) and is named by it: ``k`` and the
@@ -41,9 +43,27 @@ from pathlib import Path
 PROOF_HEADER = "Kvasir-Proof"
 REPLY_KEY_CONTEXT = b"kvasir-reply-v1\0"
 TAG_BYTES = 16
-#: The names enrolment gives (``v`` and 12 base32 characters of the key): replies naming one
-#: must carry a proof where the backbone checks them.
+#: The names enrolment gives (``v`` and 12 base32 characters of the key). A backbone holding the
+#: reply secret takes a reply naming any node but a self-certifying one only with its proof:
+#: enrolled nodes get their key at enrolment, ``kvasir creds`` workers in their creds file.
 ENROLLED_NAME = re.compile(r"v[a-z2-7]{12}")
+#: The line of a ``kvasir creds`` worker's credentials file that holds its reply key (hex).
+REPLY_KEY_LINE = "# kvasir reply key:"
+
+
+def reply_key_in(path: str | os.PathLike) -> bytes:
+    """The reply key in credentials file ``path`` (:data:`REPLY_KEY_LINE`), b"" if it has none;
+    ValueError for a line that is not 32 bytes of hex."""
+    for line in Path(path).read_text(errors="replace").splitlines():
+        if line.startswith(REPLY_KEY_LINE):
+            try:
+                key = bytes.fromhex(line[len(REPLY_KEY_LINE):].strip())
+            except ValueError:
+                key = b""
+            if len(key) != 32:
+                raise ValueError(f"{path}: the reply key line is not 32 bytes of hex")
+            return key
+    return b""
 
 
 def reply_key(secret: bytes, node: str) -> bytes:
@@ -199,7 +219,7 @@ class ProofChecker:
     self_named = staticmethod(is_self_name)
 
     def needs_proof(self, node: str) -> bool:
-        return is_self_name(node) or (bool(self.secret) and ENROLLED_NAME.fullmatch(node) is not None)
+        return is_self_name(node) or bool(self.secret)
 
     def key(self, node: str) -> bytes:
         k = self._keys.get(node)
@@ -215,7 +235,7 @@ class ProofChecker:
         bound to it; None: not known here, so no such reply holds)."""
         if is_self_name(node):
             return request is not None and self.sealed_by(node, payload, request)
-        if not self.secret or ENROLLED_NAME.fullmatch(node) is None:
+        if not self.secret:
             return True
         given = (headers or {}).get(PROOF_HEADER)
         return isinstance(given, str) and hmac.compare_digest(given, proof(self.key(node), payload))

@@ -11,6 +11,10 @@ calls :func:`init`, which writes::
                            (``# kvasir identity: w1 (worker)``): a worker's ``--node``
                            defaults to that name (:func:`kvasir_bus.connect.identity_name`)
     DIR/deployment.json    what :func:`add_worker` needs to write the configs again
+    DIR/trust/reply.key    the reply secret (mode 0600): each worker's credentials file holds
+                           its reply key, derived from it and the worker's name (a line
+                           ``# kvasir reply key: HEX``); a backbone given the secret takes a
+                           reply naming a worker only with that worker's proof
 
 Identities: ``backbone``, ``market``, ``observer`` (``kvasir tap`` / ``kvasir status``),
 ``operator`` (the only user of the ``$SYS`` account), one per worker, named as the worker's
@@ -301,12 +305,37 @@ def load(directory: str | os.PathLike) -> Deployment:
         raise UsageError(f"{path} is unreadable: {exc}") from None
 
 
+#: The deployment's reply secret (32 random bytes, hex), shared with enrolment: every worker's
+#: reply key derives from it and its name (:mod:`kvasir_bus.attribution`); a backbone given it
+#: (``--reply-secret DIR/trust/reply.key``) takes a reply only with the named worker's proof.
+REPLY_SECRET = "trust/reply.key"
+
+
+def reply_secret(directory: str | os.PathLike) -> bytes:
+    """The deployment's reply secret (created on first use, mode 0600)."""
+    path = Path(directory) / REPLY_SECRET
+    if not path.exists():
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(os.urandom(32).hex() + "\n")
+    return bytes.fromhex(path.read_text().strip())
+
+
+def _reply_key_line(directory: Path, name: str) -> str:
+    """A worker's credentials file line with its reply key (its replies carry ``Kvasir-Proof``)."""
+    from kvasir_bus.attribution import REPLY_KEY_LINE, reply_key
+
+    return f"{REPLY_KEY_LINE} {reply_key(reply_secret(directory), name).hex()}\n"
+
+
 def _new_identity(directory: Path, name: str, role: str, auth: str = "nkey") -> Identity:
     seed, public = new_seed()
     if auth == "jwt":  # the standard .creds file is written by _save, with its user JWT
         _write_secret(directory / USER_SEED_DIR / f"{name}.nk", seed)
         return Identity(name, role, public)
-    _write_secret(directory / f"{name}.creds", seed, f"{IDENTITY_HEADER} {name} ({role})\n")
+    header = f"{IDENTITY_HEADER} {name} ({role})\n" + (_reply_key_line(directory, name) if role == "worker" else "")
+    _write_secret(directory / f"{name}.creds", seed, header)
     return Identity(name, role, public)
 
 
@@ -502,7 +531,10 @@ def _write_user_creds(directory: Path, dep: Deployment) -> None:
         path = directory / f"{ident.name}.creds"
         tmp = directory / f".{ident.name}.creds.tmp"
         tmp.unlink(missing_ok=True)
-        _write_secret(tmp, jwt.creds_text(token, seed).encode().rstrip(b"\n"))
+        text = jwt.creds_text(token, seed).rstrip("\n")
+        if ident.role == "worker":
+            text += "\n\n" + _reply_key_line(directory, ident.name).rstrip("\n")
+        _write_secret(tmp, text.encode())
         tmp.replace(path)
 
 

@@ -73,13 +73,9 @@ REPLY_SECRET = "trust/reply.key"  # 32 random bytes (hex): every enrolled node's
 
 # -- keys and tokens -------------------------------------------------------------------------------
 def reply_secret(directory: str | os.PathLike) -> bytes:
-    """The deployment's reply secret (created on first use, mode 0600)."""
-    path = Path(directory) / REPLY_SECRET
-    if not path.exists():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(os.urandom(32).hex() + "\n")
-    return bytes.fromhex(path.read_text().strip())
+    """The deployment's reply secret (created on first use, mode 0600): :func:`creds.reply_secret`,
+    the same file ``kvasir creds`` derives its workers' reply keys from."""
+    return creds.reply_secret(directory)
 
 
 def reply_key(secret: bytes, node: str) -> bytes:

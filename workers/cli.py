@@ -188,8 +188,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         from kvasir_bus.enrol import link_base, split_link
 
         link_base(split_link(args.enrol)[0])  # a bad link is one line now, not after dialling
-    node = node_for(args.node, ConnectOptions.from_args(args)) if args.enrol is None else "enrolling"
+    options = ConnectOptions.from_args(args)
+    node = node_for(args.node, options) if args.enrol is None else "enrolling"
     node_key = _node_key(args, node)
+    reply_key = _creds_reply_key(options.creds) if args.enrol is None and options.creds else b""
     node = node or (node_key.name if node_key is not None else default_node_id())
     try:
         check_node(node)
@@ -208,7 +210,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
                        max_bytes=args.max_request_bytes, queue_group=args.queue_group or (BALANCE_QUEUE if args.replicas == "balance" else None),
                        metrics=args.metrics, bundles=args.bundles == "on",
                        inline_delivery=args.fast_paths == "on", direct_reply=args.fast_paths == "on",
-                       node_key=node_key)
+                       node_key=node_key, reply_key=reply_key)
     if volunteering:
         import os
 
@@ -242,6 +244,19 @@ def _cmd_worker(args: argparse.Namespace) -> int:
             return run_loop(enrol_and_serve(args.enrol, os.environ.get("KVASIR_ENROL_TOKEN") or None,
                                             args.cache_dir or "", cfg, slice_info=info))
         return run_loop(_serve(info, cfg, args.nats))
+
+
+def _creds_reply_key(path) -> bytes:
+    """The reply key ``kvasir creds`` wrote into a worker's credentials file (b"" if none: the
+    replies then carry no proof, and a backbone holding the reply secret drops them)."""
+    from kvasir_bus.attribution import reply_key_in
+
+    try:
+        return reply_key_in(path)
+    except ValueError as exc:
+        raise UsageError(f"--creds: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"--creds {path}: {exc.strerror or exc}") from None
 
 
 def _node_key(args: argparse.Namespace, named: str | None):
