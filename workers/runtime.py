@@ -347,7 +347,7 @@ class Worker:
                                   in_flight=len(self._tasks))
             busy = codec.ErrorReply(request_id="", node=self.cfg.node, code=codec.ERR_OVERLOADED,
                                     message=f"{len(self._tasks)} requests in flight")
-            await self._send(msg.reply, busy.encode(), busy)
+            await self._send(msg.reply, busy.encode(), busy, box=_peek_box(msg.data), request=msg.data)
             return
         try:
             req, weights = self._validate(msg)
@@ -401,7 +401,8 @@ class Worker:
             self.refusals.warning(("no_reply", msg.subject), "request_without_reply_subject", subject=msg.subject)
             return
         if len(self._tasks) >= self.cfg.max_in_flight:
-            await self._refuse(msg, _Refused(codec.ERR_OVERLOADED, f"{len(self._tasks)} requests in flight"))
+            await self._refuse(msg, _Refused(codec.ERR_OVERLOADED, f"{len(self._tasks)} requests in flight",
+                                             box=_peek_box(msg.data)))
             return
         try:
             bundle = self._validate_bundle(msg)
@@ -729,6 +730,16 @@ def _refusal(exc: Exception) -> _Refused:
     """Why a request is refused: what a check said (an invalid request), or ``internal`` for a
     bug in a check."""
     return exc if isinstance(exc, _Refused) else _Refused(codec.ERR_INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+_BOX_TAIL = b"\xa3box\xc4\x20"  # "box": bin 32, the last entry of a request the reference encodes
+
+
+def _peek_box(data: bytes) -> bytes:
+    """The backbone's ``box`` of a request not decoded (a refusal while overloaded), where the
+    reference encoder puts it: the map's last entry. b"" otherwise (the refusal then goes out
+    without a proof, and a backbone that needs one drops it and waits for its timeout)."""
+    return bytes(data[-32:]) if len(data) > 38 and data[-38:-32] == _BOX_TAIL else b""
 
 
 def _sender(reply: str | None) -> str:

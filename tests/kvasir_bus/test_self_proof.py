@@ -124,3 +124,14 @@ def test_the_documented_test_vector_is_what_the_reference_computes():
     for value in (key.public.hex(), key.name, box.hex(), key.agreed(box).hex(),
                   hashlib.sha256(request).hexdigest(), sealed[-16:].hex()):
         assert f"`{value}`" in doc, value
+
+
+def test_a_refusal_before_decoding_finds_the_box_where_the_reference_encodes_it():
+    from workers.runtime import _peek_box
+
+    box = ProofChecker().box
+    assert _peek_box(codec.RequestEncoder(MODEL, box).encode(3, 17, "1a", ROW)) == box
+    bundle = codec.BundleEncoder(MODEL, box)
+    assert _peek_box(bundle.encode_one_row(3, "b1", ROW, ["1a", "1b"], [17, 20])) == box
+    assert _peek_box(bundle.encode(3, "b1", ROW, ["1a"], [17], [1], [0])) == box
+    assert _peek_box(codec.RequestEncoder(MODEL).encode(3, 17, "1a", ROW)) == b""
