@@ -95,6 +95,12 @@ def add_replica_flags(p: argparse.ArgumentParser) -> None:
                    "each expert in a NATS queue group (one computes) and an unanswered request is re-sent "
                    "after the p95 of that expert's latency (hedging); give the workers the same "
                    "--replicas (default race)")
+    p.add_argument("--race-confirm", type=float, default=1.0, metavar="X",
+                   help="race mode: once a layer step's calls are won, wait up to X times the step's round trip "
+                   "for the other replicas' replies (workers past probation), so each winner is compared "
+                   "with another replica before its answer is used; a disagreement is audited here and the "
+                   "call recomputed. 0: use the first replies at once (a sleeper's racing lie may then be "
+                   "used once before it is caught) (default 1.0)")
     p.add_argument("--bundles", choices=("on", "off"), default="on",
                    help="on: every call of a layer step for one worker goes in one message on the worker's "
                    "node subject (workers that announce bundles); off: one message per expert (default on)")

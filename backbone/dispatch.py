@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import queue
 import threading
 import time
@@ -88,6 +89,12 @@ from kvasir_bus.throttle import ThrottledLog
 log = structlog.get_logger("kvasir.dispatch")
 
 _ENVELOPE_BYTES = 1024  # msgpack map, ids and headers around the rows, generously
+#: Rows of a reply an audit reruns in numpy when the node's kernel is one the backbone cannot rerun
+#: bit for bit (a random sample of them, drawn after the reply came): the numpy rerun and its flip
+#: analysis cost 3-6x a ggml compute, so without a cap one stranger's 512-row prefill reply cost
+#: the backbone about a second per audit. A liar that lies on every row is caught as before; one
+#: that lies on k of n > 16 rows is caught by an audit with probability about 1 - (1 - k/n)^16.
+EXPLAINED_ROWS = 16
 #: Bundle-capable nodes still on probation that get bundles in one step (in turn across steps).
 MAX_UNPROVEN_BUNDLE_NODES = 2
 _CALL_BYTES = 96  # a call's id, expert and count in a bundle, or its id and count (or error) in the reply
@@ -106,6 +113,10 @@ class DispatchConfig:
     direct_publish: bool = True  # a step's requests written straight to the socket (kvasir_bus.lane), if safe
     engine_connection: bool = True  # all-bundle steps sent and awaited on the engine thread's own connection
     reply_secret: bytes = b""  # the deployment's reply secret: replies naming an enrolled node need its proof
+    # Race mode: once a step's calls are won, wait up to this many times the step's round trip for
+    # the racing replicas' bundle replies (nodes past probation), so that a lie is compared with
+    # an honest replica's answer before it is used. 0: use the first replies at once.
+    confirm: float = 1.0
 
 
 class AdaptiveTimeout:
@@ -209,12 +220,14 @@ def _row_bytes(rows: np.ndarray) -> list[bytes]:
 class _Bundle:
     """The calls of one layer step sent to one node in one message (:class:`codec.BundleRequest`)."""
 
-    __slots__ = ("node", "layer", "token", "calls", "tokens", "payload")
+    __slots__ = ("node", "layer", "token", "calls", "tokens", "payload", "answered", "step")
 
     def __init__(self, node: str, layer: int, token: str, calls: list[_Call], payload: bytes,
                  tokens: frozenset[str]):
         self.node, self.layer, self.token, self.calls, self.payload = node, layer, token, calls, payload
         self.tokens = tokens  # the calls' tokens: what a reply to it may answer
+        self.answered = False  # its node's reply (or the server's 503) has been taken
+        self.step: _Step | None = calls[0].step if calls else None
 
 
 class _Union:
@@ -253,7 +266,8 @@ class _Step:
     once every call is settled. One loop hop and one queue per step, not per call; one timer for
     all steps (:meth:`RemoteExperts._wait_for`)."""
 
-    __slots__ = ("layer", "calls", "probes", "bundles", "singles", "timeout_s", "t0", "left", "fallbacks")
+    __slots__ = ("layer", "calls", "probes", "bundles", "singles", "timeout_s", "t0", "left", "fallbacks",
+                 "confirming")
 
     def __init__(self, layer: int, timeout_s: float):
         self.layer, self.timeout_s = layer, timeout_s
@@ -264,6 +278,7 @@ class _Step:
         self.t0 = 0.0
         self.left = 0  # calls not settled yet
         self.fallbacks: queue.SimpleQueue = queue.SimpleQueue()
+        self.confirming: tuple[list[_Bundle], threading.Event] | None = None  # racing replies awaited
 
 
 _SETTLED = -1  # on a step's queue: every call is settled
@@ -271,6 +286,10 @@ _FINISHED_KEPT = 65536  # settled calls' tokens remembered, to tell a late reply
 _WON_KEPT = 4096  # won chunks kept for comparison with a losing replica's reply (their rows and outputs) ...
 _WON_KEPT_BYTES = 32 << 20  # ... and at most this many bytes of outputs among them (prefill chunks are big)
 _DISPUTES_KEPT = 256  # disagreements waiting for the engine thread's audit
+_CONFIRM_FLOOR_S = 0.010  # the least a won step may wait for its racing replicas (confirm > 0): a busy CPU's scheduling delays
+_CONFIRM_MISSES = 3  # a node that missed that wait this many steps in a row is not waited for ...
+_CONFIRM_RETRY = 64  # ... except every this many steps (it may have become faster)
+_CONFIRM_KEPT = 4096  # nodes remembered as having answered a bundle (with their misses in a row)
 
 
 def _release(step: _Step) -> None:
@@ -281,7 +300,8 @@ def _release(step: _Step) -> None:
     small model). Nothing reads a settled call's step (every path there checks ``call.done`` or
     the pending tokens first)."""
     for bundle in step.bundles:
-        bundle.calls = ()
+        bundle.calls, bundle.step = (), None
+    step.confirming = None
     for call in (*step.calls, *step.probes):
         call.step = None
 
@@ -385,6 +405,8 @@ class RemoteExperts:
         self._won_recent: OrderedDict[str, tuple[_Call, int]] = OrderedDict()
         self._disputes: deque = deque(maxlen=_DISPUTES_KEPT)
         self._won_bytes = 0
+        self._confirm_misses: dict[str, int] = {}  # node that answered bundles -> racing waits it missed in a row
+        self._audit_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))  # rows a node cannot foresee
         self._audit_lock = threading.Lock()  # two micro-batches accept replies at once; the audit windows count
         self._pending: dict[str, tuple[_Call, int]] = {}  # token -> (call, chunk)
         self._finished: OrderedDict[str, tuple[str, int, int]] = OrderedDict()  # token -> (how, layer, expert)
@@ -481,6 +503,7 @@ class RemoteExperts:
                     log.error("dispatch_step_lost", layer=layer)
                     break
                 if i == _SETTLED:
+                    self._await_racing(step, stats)
                     break
                 if i in ahead:
                     stats.rows_local += len(calls[i][1])
@@ -646,12 +669,103 @@ class RemoteExperts:
                 elif not self._take_direct(bundle, msg, stats):
                     rest = msgs[n:]
                     break
+        if not step.left and not rest:
+            self._confirm_direct(conn, step, stats, ours, skip, deadline)
         if step.left:
             self._hand_over(step, deadline, rest, skip)
             return self._wait_handed(layer, calls, step, stats, references, deadline, outs)
         while (i := step.fallbacks.get_nowait()) != _SETTLED:  # a call refused as invalid
             outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
         return self._finish_step(layer, calls, step, stats, references, outs)
+
+    def _racing(self, step: _Step) -> list[_Bundle]:
+        """A won step's bundles whose nodes have not answered yet but raced a call another node
+        won: their answers check the winners' (:meth:`_compare_loser`). Only in race mode with
+        sampled or no audits (at ``--audit 1`` every reply is recomputed anyway), and only nodes that
+        have answered a bundle before, on time or late (a crowd of strangers that never answer
+        costs no waiting; an honest replica that always loses the race, and so is never audited,
+        still checks the winner), and have not missed the wait ``_CONFIRM_MISSES`` steps in a row."""
+        if self.cfg.confirm <= 0 or not step.bundles or self.auditor.cfg.rate >= 1.0 or \
+                (self.replicas is not None and self.replicas.cfg.mode == "balance"):
+            return []
+        auditor, misses, retry = self.auditor, self._confirm_misses, self._steps_planned % _CONFIRM_RETRY == 0
+        racing = []
+        for bundle in step.bundles:
+            node = bundle.node
+            missed = misses.get(node)
+            if bundle.answered or missed is None or (missed >= _CONFIRM_MISSES and not retry) \
+                    or auditor.is_quarantined(node):
+                continue
+            if any(call.won is not None and call.won.parts[0].node != node for call in bundle.calls):
+                racing.append(bundle)
+        return racing
+
+    def _confirm_grace(self, step: _Step, deadline: float) -> float:
+        """How long a won step waits for its racing replicas: ``confirm`` times its round trip so
+        far (at least ``_CONFIRM_FLOOR_S``), within the step's own deadline (``time.monotonic``)."""
+        grace = max(_CONFIRM_FLOOR_S, self.cfg.confirm * (time.perf_counter() - step.t0))
+        return max(0.0, min(grace, deadline - time.monotonic()))
+
+    def _count_racing(self, racing: list[_Bundle], stats: LayerStats) -> None:
+        stats.confirm_waits += 1
+        misses = self._confirm_misses
+        for bundle in racing:
+            if bundle.answered:
+                misses[bundle.node] = 0
+            else:
+                stats.confirm_missed += 1
+                misses[bundle.node] = misses.get(bundle.node, 0) + 1
+
+    def _bundle_heard(self, node: str) -> None:
+        """A node answered a bundle (in time or late): a racing replica worth waiting for. The
+        names are strangers': at most ``_CONFIRM_KEPT``, the oldest first out."""
+        misses = self._confirm_misses
+        if node not in misses:
+            misses[node] = 0
+            if len(misses) > _CONFIRM_KEPT:
+                try:
+                    del misses[next(iter(misses))]
+                except (KeyError, RuntimeError, StopIteration):  # the other thread got there first
+                    pass
+
+    def _await_racing(self, step: _Step, stats: LayerStats) -> None:
+        """The bus thread's path: a won step waits for its racing replicas' bundle replies (the
+        loop thread sets the event when the last one has been taken, compared with the winners)."""
+        racing = self._racing(step)
+        if not racing:
+            return
+        event = threading.Event()
+        step.confirming = (racing, event)
+        if not all(bundle.answered for bundle in racing):  # the loop may have taken them meanwhile
+            event.wait(self._confirm_grace(step, time.monotonic() + step.timeout_s))
+        self._count_racing(racing, stats)
+
+    def _confirm_direct(self, conn, step: _Step, stats: LayerStats, ours: dict[str, _Bundle], skip: int,
+                        deadline: float) -> None:
+        """The engine connection's path of :meth:`_await_racing`: read the racing replicas'
+        bundle replies here until each has come or the grace is over. Every call of the step is
+        settled, so a reply that is not a clean answer (an error, a liar's NaN) is taken here too,
+        the bus thread's way: it can only be compared with a winner."""
+        racing = self._racing(step)
+        if not racing:
+            return
+        until = time.monotonic() + self._confirm_grace(step, deadline)
+        while not all(bundle.answered for bundle in racing):
+            try:
+                msgs = conn.receive(until)
+            except DirectError as exc:
+                log.info("engine_connection_lost", error=str(exc))
+                break
+            if not msgs:
+                break
+            for msg in msgs:
+                bundle = ours.get(msg.subject[skip:])
+                if bundle is None:
+                    self._forward((msg,), skip)
+                elif not self._take_direct(bundle, msg, stats):
+                    self._on_bundle_reply(bundle, _Forwarded(msg.subject, {"Status": msg.status} if msg.status else None,
+                                                             msg.data))
+        self._count_racing(racing, stats)
 
     def _take_direct(self, bundle: _Bundle, msg, stats: LayerStats) -> bool:
         """A bundle reply read on the engine thread, taken as :meth:`_on_bundle_reply` takes it
@@ -667,6 +781,7 @@ class RemoteExperts:
                 stats.bundles_unheard += 1
                 for call in bundle.calls:
                     call.routes -= 1
+                bundle.answered = True
                 return True
             return False
         try:
@@ -678,7 +793,9 @@ class RemoteExperts:
             return False
         stats.bytes_in += len(msg.data)
         self.coverage.bundle_answered(bundle.node)  # under the view's lock
+        self._bundle_heard(bundle.node)
         self._take_bundle(bundle, reply, stats)
+        bundle.answered = True
         return True
 
     def _forward(self, msgs, skip: int | None = None) -> None:
@@ -687,9 +804,13 @@ class RemoteExperts:
             return
         if skip is None:
             skip = len(self._conn.inbox) + 1
-        loop = self.bus.loop
+        loop, bundles = self.bus.loop, self._bundles
         for msg in msgs:
-            loop.call_soon_threadsafe(self._on_forwarded, msg.subject[skip:], msg.status, msg.data)
+            token = msg.subject[skip:]
+            bundle = bundles.get(token) if msg.status is None else None
+            if bundle is not None:  # a racing replica's late bundle reply: the next steps wait for it
+                self._bundle_heard(bundle.node)
+            loop.call_soon_threadsafe(self._on_forwarded, token, msg.status, msg.data)
 
     def _on_forwarded(self, token: str, status: str | None, data: bytes) -> None:
         _start_now(self._on_reply(_Forwarded(f"{self._inbox}.{token}", {"Status": status} if status else None, data)))
@@ -902,7 +1023,11 @@ class RemoteExperts:
         gap = None
         if not exact and not numpy_family(part.kernel) and explain is not None:
             # a kernel we cannot rerun: its quant-step flips are taken out before the bound applies
-            gap = explain(layer, expert, rows[part.rows], part.out)
+            mine, theirs = rows[part.rows], part.out
+            if len(mine) > EXPLAINED_ROWS:  # the numpy rerun's cost bounded: rows the node could not foresee
+                pick = np.sort(self._audit_rng.choice(len(mine), EXPLAINED_ROWS, replace=False))
+                mine, theirs = mine[pick], theirs[pick]
+            gap = explain(layer, expert, mine, theirs)
             ref = None
         elif chunk:
             mine = rows[part.rows]
@@ -1229,7 +1354,18 @@ class RemoteExperts:
         return True
 
     def _on_bundle_reply(self, bundle: _Bundle, msg) -> None:
-        """One node's answer to its bundle: each call's part goes the way a single reply goes."""
+        """One node's answer to its bundle: each call's part goes the way a single reply goes;
+        then a won step waiting for it as a racing replica (:meth:`_await_racing`) hears so."""
+        try:
+            self._take_bundle_reply(bundle, msg)
+        finally:
+            bundle.answered = True
+            step = bundle.step
+            confirming = step.confirming if step is not None else None
+            if confirming is not None and all(b.answered for b in confirming[0]):
+                confirming[1].set()
+
+    def _take_bundle_reply(self, bundle: _Bundle, msg) -> None:
         stats = self.stats.layer(bundle.layer)
         if msg.headers and msg.headers.get("Status") == "503":  # nobody on the node's subject: it is gone
             self.coverage.forget_node(bundle.node)
@@ -1245,6 +1381,7 @@ class RemoteExperts:
             if reply.node != bundle.node:
                 raise codec.CodecError(f"bundle reply: node {reply.node!r} answers a bundle sent to {bundle.node!r}")
             self.coverage.bundle_answered(bundle.node)
+            self._bundle_heard(bundle.node)
             if isinstance(reply, codec.ErrorReply):  # the whole bundle refused: each call hears why
                 answers = [(token, codec.ErrorReply(token, reply.node, reply.code, reply.message))
                            for token in bundle.tokens]

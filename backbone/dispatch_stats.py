@@ -39,6 +39,8 @@ class LayerStats:
     recomputed: int = 0  # won calls recomputed here: their node failed an audit in the same step
     disputes: int = 0  # race losers whose reply differed from the winner's (both audited here)
     forged: int = 0  # replies naming an enrolled node without its proof (dropped; kvasir_bus.attribution)
+    confirm_waits: int = 0  # won steps that waited for racing replicas' replies to check the winners
+    confirm_missed: int = 0  # racing bundles that did not answer within that wait (their lies, if any, used)
 
     @property
     def local(self) -> int:

@@ -90,6 +90,9 @@ class BackboneConfig:
         timeout_ms = getattr(args, "timeout_ms", None)
         if timeout_ms is not None and not timeout_ms > 0:
             raise UsageError(f"--timeout-ms must be positive, got {timeout_ms}")
+        confirm = getattr(args, "race_confirm", None)
+        if confirm is not None and not (0 <= confirm <= 100):  # NaN fails both
+            raise UsageError(f"--race-confirm must be between 0 and 100, got {confirm}")
         values = dict(
             model_path=os.fspath(args.model),
             nats_url=getattr(args, "nats", None),
@@ -97,6 +100,7 @@ class BackboneConfig:
                                     audit=_audit_config(getattr(args, "audit", None)),
                                     bundles=getattr(args, "bundles", None) != "off",
                                     reply_secret=_reply_secret(getattr(args, "reply_secret", None)),
+                                    confirm=1.0 if confirm is None else confirm,
                                     **_fast_paths(getattr(args, "fast_paths", None) != "off")),
             wire_dtype=getattr(args, "wire_dtype", None) or "float32",
             n_ctx=getattr(args, "ctx", None),

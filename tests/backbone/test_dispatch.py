@@ -876,3 +876,39 @@ def test_settled_layer_steps_leave_nothing_for_the_cycle_collector(rig, bus):
         gc.enable()
     assert left == []
     assert remote.stats.layer(0).remote == 60 and local.calls == []
+
+
+class ExplainingLocal(DoublingLocal):
+    """A fallback that can also judge a kernel it cannot rerun (``explained_gap``), counting the
+    rows each such judgement is given."""
+
+    def __init__(self):
+        super().__init__()
+        self.explained_rows: list[int] = []
+
+    def explained_gap(self, layer, expert, rows, reply):
+        self.explained_rows.append(len(rows))
+        ref = 2 * rows
+        return float(np.linalg.norm(reply - ref) / np.linalg.norm(ref))
+
+
+def test_an_audit_of_a_kernel_the_backbone_cannot_rerun_judges_a_bounded_sample_of_rows(bus):
+    """The numpy rerun with its flip analysis costs several ggml computes: an audit of a 100-row
+    reply judges 16 rows drawn after the reply came, so a stranger's big reply costs the backbone
+    a bounded audit, and a liar on every row is caught all the same."""
+    from backbone.dispatch import EXPLAINED_ROWS
+
+    cfg = DispatchConfig(timeout_s=5.0, audit=AuditConfig(rate=1.0))
+    nc, local, recorder = FakeNats(), ExplainingLocal(), Recorder()
+    remote = RemoteExperts(bus, nc, MODEL, local, D, cfg, coverage=CoverageView(cfg.uncovered_ttl_s, Clock()),
+                           recorder=recorder)
+    bus.run(remote.start())
+    rows = np.random.default_rng(1).standard_normal((100, D)).astype(np.float32) + 3
+    foreign = "ggml-riscv64"  # a CPU this backbone is not: not rerun bit for bit
+    nc.answer = times(2, node="honest", kernel=foreign)
+    (out,) = remote.run_layer(0, [(5, rows)])
+    assert np.array_equal(out, 2 * rows) and recorder.audits == [("honest", True)]
+    nc.answer = times(2 * (1 + 1e-3), node="liar", kernel=foreign)
+    remote.run_layer(0, [(5, rows)])
+    assert recorder.audits[-1] == ("liar", False) and remote.stats.to_dict()["quarantined"] == ["liar"]
+    assert local.explained_rows == [EXPLAINED_ROWS, EXPLAINED_ROWS]

@@ -52,11 +52,13 @@ class BusLiar:
     """Answers every expert of the model (per expert and, with ``bundles``, in bundles)."""
 
     def __init__(self, model_path, url: str, lie, node: str = "liar", *, bundles: bool = True,
-                 heartbeat_s: float = 0.2, kernel: str | None = None, backend: str | None = None):
+                 heartbeat_s: float = 0.2, kernel: str | None = None, backend: str | None = None,
+                 delay_s: float = 0.0):
         self.engine, self.url, self.lie, self.node = Engine(model_path), url, lie, node
         self.model = model_fingerprint(self.engine.reader)
         self.subjects = Subjects(self.model)
         self.bundles, self.heartbeat_s = bundles, heartbeat_s
+        self.delay_s = delay_s  # added before each reply goes out: a slower replica
         self.kernel = kernel or kernel_label()  # what it announces (None: the backbone's own kernel)
         self.backend = backend  # what its honest answer is computed with (None: this process's default)
         self.sent = 0  # replies (calls answered)
@@ -131,6 +133,8 @@ class BusLiar:
         req = codec.decode_request(msg.data)
         out = self._out(parse_dispatch(msg.subject).layer, req.expert, req.rows)
         reply = codec.DispatchReply(request_id=req.request_id, node=self.node, rows=out, kernel=self.kernel)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         await self.nc.publish(msg.reply, reply.encode())
 
     async def _answer_bundle(self, msg) -> None:
@@ -138,4 +142,6 @@ class BusLiar:
         outs = [self._out(bundle.layer, expert, bundle.rows[bundle.call_index(i)])
                 for i, expert in enumerate(bundle.experts)]
         payload = codec.BundleReplyEncoder(self.node, self.kernel).encode_answers(bundle, np.concatenate(outs))
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         await self.nc.publish(msg.reply, payload)
