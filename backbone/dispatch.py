@@ -309,6 +309,12 @@ def _release(step: _Step) -> None:
 _HANDED_POLL_S = 0.002  # a step handed to the bus thread: how often the engine thread reads its connection
 
 
+def _sent(call: _Call | None, k: int) -> bytes | None:
+    """The request payload of chunk ``k`` of ``call`` as sent on its expert's subject (None if it
+    went only in a bundle, or the call is not known any more)."""
+    return call.payloads[k] if call is not None and k < len(call.payloads) else None
+
+
 class _Forwarded(NamedTuple):
     """A reply read on the engine thread's connection, as the bus thread's handler reads one."""
     subject: str
@@ -383,13 +389,15 @@ class RemoteExperts:
         self.refusals = ThrottledLog(log, 60.0)
         from kvasir_bus.attribution import ProofChecker
 
-        self.proofs = ProofChecker(cfg.reply_secret) if cfg.reply_secret else None  # kvasir_bus.attribution
+        # Replies naming a self-certifying node (always) or an enrolled one (with the reply secret)
+        # need its proof; every request carries this backbone's box key for the former.
+        self.proofs = ProofChecker(cfg.reply_secret)  # kvasir_bus.attribution
         self.coverage = coverage or CoverageView(cfg.uncovered_ttl_s)
         self.recorder = recorder
         self.subjects = Subjects(model)
         self.model = model
-        self.requests = codec.RequestEncoder(model)  # the model is checked once, not per request
-        self.bundle_requests = codec.BundleEncoder(model)
+        self.requests = codec.RequestEncoder(model, self.proofs.box)  # the model is checked once, not per request
+        self.bundle_requests = codec.BundleEncoder(model, self.proofs.box)
         self.bundles = cfg.bundles
         self._steps_planned = 0  # layer steps planned: the turn of the unproven bundle nodes
         self.coverage.track_nodes = self.coverage.track_nodes or cfg.bundles
@@ -788,6 +796,8 @@ class RemoteExperts:
             reply = codec.decode_bundle_reply(msg.data, n_embd=self.n_embd)
         except codec.CodecError:
             return False
+        if self._forged(bundle.layer, reply, msg, bundle.payload, bundle=True):
+            return True  # dropped and counted here: the node's own reply may still come
         if isinstance(reply, codec.ErrorReply) or reply.errors or reply.node != bundle.node \
                 or self.auditor.is_quarantined(reply.node) or not codec.all_finite(reply.rows):
             return False
@@ -1339,14 +1349,22 @@ class RemoteExperts:
             return
         self.stats.layer(layer).bytes_in += len(msg.data)
         reply = self._decode(msg.data)
-        if self.proofs is not None and self._forged(layer, reply, msg):
+        if self._forged(layer, reply, msg, _sent(call, k)):
             return  # not the named node's: wait for the real replicas, blame nobody
         self._on_answer(call, k, token, reply)
 
-    def _forged(self, layer: int, reply, msg) -> bool:
-        """Whether a reply names an enrolled node without that node's proof (counted, dropped)."""
-        if not isinstance(reply, (codec.DispatchReply, codec.ErrorReply)) or \
-                self.proofs.holds(reply.node, msg.data, msg.headers):
+    def _forged(self, layer: int, reply, msg, request: bytes | None, bundle: bool = False) -> bool:
+        """Whether a reply names a self-certifying or enrolled node without that node's proof
+        (counted, dropped). ``request``: the payload the reply answers (a self-certifying node's
+        proof is bound to it; None where no such request went out). A bundle reply (``bundle``) is
+        checked for self-certifying names only: an enrolled node's bundle subject is its own under
+        creds, and its header proof does not survive the engine thread's connection."""
+        if not isinstance(reply, (codec.DispatchReply, codec.ErrorReply, codec.BundleReply)):
+            return False
+        if bundle:
+            if not self.proofs.self_named(reply.node) or self.proofs.sealed_by(reply.node, msg.data, request):
+                return False
+        elif self.proofs.holds(reply.node, msg.data, msg.headers, request):
             return False
         self.stats.layer(layer).forged += 1
         self.refusals.warning(("forged", reply.node), "reply_forged", layer=layer, node=reply.node,
@@ -1380,6 +1398,8 @@ class RemoteExperts:
             reply = codec.decode_bundle_reply(msg.data, n_embd=self.n_embd)
             if reply.node != bundle.node:
                 raise codec.CodecError(f"bundle reply: node {reply.node!r} answers a bundle sent to {bundle.node!r}")
+            if self._forged(bundle.layer, reply, msg, bundle.payload, bundle=True):
+                return  # an eavesdropper on the node's subject: wait for the node, blame nobody
             self.coverage.bundle_answered(bundle.node)
             self._bundle_heard(bundle.node)
             if isinstance(reply, codec.ErrorReply):  # the whole bundle refused: each call hears why
@@ -1468,14 +1488,22 @@ class RemoteExperts:
             elif self._shows_life(probe, self._decode(msg.data)):
                 self.stats.layer(probe[0]).probes_answered += 1
             return
-        if self.proofs is not None:  # a forged loser must not start a dispute against the named node
-            _, layer, _ = self._finished.get(token, ("unknown", -1, -1))
-            reply = self._decode(msg.data)
-            if layer >= 0 and self._forged(layer, reply, msg):
-                return
-            self._count_stray(token, lambda: reply)
-            return
-        self._count_stray(token, lambda: self._decode(msg.data))
+        # A forged loser must not start a dispute against the named node. Only a won call's loser
+        # can, while the call is kept for comparison (its request with it); a late reply only
+        # shows its expert's life, which a stranger may show under its own name as well.
+        how, layer, _ = self._finished.get(token, ("unknown", -1, -1))
+        reply = self._decode(msg.data)
+        if layer >= 0 and isinstance(reply, (codec.DispatchReply, codec.ErrorReply)):
+            if not self.proofs.self_named(reply.node):
+                if self._forged(layer, reply, msg, None):
+                    return
+            elif how == "won":
+                won = self._won_recent.get(token)
+                if won is None:
+                    return  # nothing left to compare it with: dropped unchecked, blaming nobody
+                if self._forged(layer, reply, msg, _sent(*won)):
+                    return
+        self._count_stray(token, lambda: reply)
 
     def _count_stray(self, token: str, decode) -> None:
         """A reply for a call already settled: late (its expert still shows life) or a duplicate.

@@ -379,30 +379,59 @@ def attack_sleeper(rig: Rig) -> list[dict]:
 
 
 def attack_impersonation(rig: Rig) -> list[dict]:
-    """A liar answering per-expert requests under the honest worker's name, on an open bus
-    (names are words there: the documented limit) and under enrolment with reply proofs (the
-    test's own run, on creds)."""
+    """A liar answering under the honest worker's name, on an open bus: the honest worker is named
+    by its key (a self-certifying name, ``--node-key``), the liar answers every per-expert
+    request, and in a second generation every bundle too (it subscribes to the honest node's own
+    bundle subject and heartbeats as it), with noise and no proof; and under enrolment with reply
+    proofs (the test's own run, on creds)."""
     from backbone.model import Engine
     from backbone.service import BackboneService
+    from kvasir_bus.attribution import NodeKey
+    from launch.swarm import spawn_worker, wait_for_nodes
     from tests.trust import liars
 
     out = []
-    with bus() as server, honest_workers(rig, server.url):
-        engine = Engine(rig.model)
-        with liars.BusLiar(rig.model, server.url, liars.noise, node="honest", bundles=False):
-            with BackboneService(engine, backbone_cfg(rig, server.url, bundles=False)) as backbone:
-                tokens, _ = generate_in(rig, engine)
-                stats = backbone.stats.to_dict()
-    framed = "honest" in stats["quarantined"]
-    diff = changed(tokens, rig.monolithic())
-    out.append(row("impersonation (open bus)", "a liar answering per-expert requests under the honest worker's "
-                   "name, on an open bus, default audit",
-                   {"tokens_changed": diff, "tokens": len(rig.monolithic()), "honest_quarantined": framed},
-                   f"{diff} of {len(rig.monolithic())} tokens changed; honest node quarantined: "
-                   f"{'yes' if framed else 'no'}",
-                   "0 tokens changed, the honest node not quarantined (met only where replies are attributable)",
-                   diff == 0 and not framed,
-                   "tests/net/test_enrol_liar.py::test_a_liar_under_an_honest_nodes_name_never_gets_it_quarantined"))
+    key = NodeKey.fresh()
+    path = key.write(rig.tmp / "honest.seed")
+    runs = []
+    with bus() as server:
+        proc = spawn_worker(server.url, key.name, ["--model", str(rig.model), "--layer", "all", "--experts",
+                                                   f"0-{rig.cfg.n_expert - 1}"], log_file=rig.log("honest"),
+                            heartbeat_s=0.5, extra=["--node-key", str(path)])
+        try:
+            asyncio.run(wait_for_nodes(server.url, rig.fp, {key.name}, procs=[proc]))
+            for bundles in (False, True):
+                engine = Engine(rig.model)
+                with liars.BusLiar(rig.model, server.url, liars.noise, node=key.name, bundles=bundles) as liar:
+                    with BackboneService(engine, backbone_cfg(rig, server.url, bundles=bundles)) as backbone:
+                        if bundles:
+                            wait(lambda: key.name in backbone.dispatch.coverage.bundle_holders(0, 0),
+                                 "the backbone to hear the honest node's bundles")
+                        tokens, _ = generate_in(rig, engine)
+                        stats = backbone.stats.to_dict()
+                runs.append({"bundles": bundles, "tokens_changed": changed(tokens, rig.monolithic()),
+                             "tokens": len(rig.monolithic()), "liar_replies": liar.sent,
+                             "forged": stats["totals"]["forged"],
+                             "honest_quarantined": key.name in stats["quarantined"],
+                             "honest_calls": stats["per_node"].get(key.name, {}).get("calls", 0)})
+        finally:
+            proc.stop()
+    diff = sum(r["tokens_changed"] for r in runs)
+    total = sum(r["tokens"] for r in runs)
+    framed = any(r["honest_quarantined"] for r in runs)
+    out.append(row("impersonation (open bus)", "a liar answering under the honest worker's self-certifying name "
+                   "(named by its key, replies proved), on an open bus, default audit: per-expert requests, "
+                   "then bundles too (subscribed to the honest node's bundle subject, heartbeating as it)",
+                   {"name_bits": 130, "runs": runs, "tokens_changed": diff, "tokens": total,
+                    "honest_quarantined": framed},
+                   f"{diff} of {total} tokens changed; honest node quarantined: {'yes' if framed else 'no'}; "
+                   f"forged replies dropped: {runs[0]['forged']} per-expert, {runs[1]['forged']} bundles (the "
+                   f"liar answered {runs[0]['liar_replies']} and {runs[1]['liar_replies']} calls); the honest node "
+                   f"won {runs[0]['honest_calls']} and {runs[1]['honest_calls']} calls",
+                   "0 tokens changed, the honest node not quarantined, its wins kept",
+                   diff == 0 and not framed and all(r["forged"] > 0 and r["honest_calls"] > 0 for r in runs),
+                   "tests/trust/test_impersonation.py::"
+                   "test_an_impersonator_on_an_open_bus_changes_no_token_and_never_gets_the_honest_node_quarantined"))
     # under enrolment, with the deployment's reply secret: the test's own run (creds, JWTs, enrolment)
     import pytest
 
