@@ -170,9 +170,11 @@ def add_audit_flags(p: argparse.ArgumentParser) -> None:
                    f"first {DEFAULT_PROBATION} is audited too; 1 makes the output exact by construction, "
                    f"0 turns audits off (default {DEFAULT_RATE})")
     p.add_argument("--reply-secret", metavar="FILE", default=None,
-                   help="the deployment's reply secret (kvasir enrol's DIR/trust/reply.key): a reply naming "
-                   "an enrolled node (v...) counts only with that node's Kvasir-Proof, so no one can answer "
-                   "under another's name; without it the name is the sender's word (docs/security.md)")
+                   help="the deployment's reply secret (kvasir creds/enrol's DIR/trust/reply.key): a reply "
+                   "naming any node counts only with that node's Kvasir-Proof (enrolled nodes get their key at "
+                   "enrolment, kvasir creds workers in their credentials file), so no one can answer under "
+                   "another's name; without it only self-certifying names (k..., a worker's own key) are "
+                   "checked, and a chosen name is the sender's word (docs/security.md)")
 
 
 def add_http_flags(p: argparse.ArgumentParser) -> None:
