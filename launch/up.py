@@ -204,6 +204,11 @@ def cmd_up(args) -> int:
                 raise UsageError("--secure starts its own server: leave out --nats and $NATS_URL "
                                  "(for a server of your own, give each command --creds)")
             creds = _secure_deployment(Path(args.secure or logdir / "creds"), len(ranges))
+            if not cfg.dispatch.reply_secret:  # every worker's creds file holds its reply key: check them
+                from kvasir_bus import creds as creds_mod
+
+                secret = creds_mod.reply_secret(Path(args.secure or logdir / "creds"))
+                cfg = replace(cfg, dispatch=replace(cfg.dispatch, reply_secret=secret))
             # the generated nats.conf runs JetStream for the ledger stream itself
             server = stack.enter_context(EmbeddedNats(config=creds["nats.conf"], port=None, host=None,
                                                           procs=SHARED_MACHINE_PROCS))
