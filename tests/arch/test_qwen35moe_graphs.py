@@ -119,3 +119,25 @@ def test_fast_mode_step_graphs_give_the_bits_of_the_op_by_op_path(models):
     for line in done.stdout.splitlines():
         got = json.loads(line)
         assert got["same"] and got["batch_same"] and got["in_place"] and 1 <= got["decode_graphs"] <= got["n_layer"]
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen35moe", "q4_k"), ("qwen3next", "f16")])
+def test_step_graphs_split_at_remote_experts_give_the_bits_of_local_ones(models, arch, qtype):
+    """With another backend computing the experts, the step graphs stop at each layer's routing
+    (``_step_graphs_remote``): the same logits for a batch (chunks and decode tokens mixed) and
+    for one sequence."""
+    from backbone.experts import LocalExperts
+
+    engine = Engine(models(arch, qtype))
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, engine.cfg.n_vocab, n) for n in (5, 17, 33)]
+    nxt = [rng.integers(0, engine.cfg.n_vocab, n) for n in (1, 7, 1)]
+    runs = []
+    for remote in (False, True):
+        engine.use_experts(LocalExperts(engine.weights) if remote else None)
+        seqs = [engine.new_sequence() for _ in prompts]
+        out = engine.forward(list(zip(seqs, prompts))) + engine.forward(list(zip(seqs, nxt)))
+        one = engine.new_sequence()
+        out += engine.forward([(one, prompts[2])]) + engine.forward([(one, nxt[0])])
+        runs.append(out)
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
