@@ -84,6 +84,12 @@ BATCH_GRAPH_BYTES = 64 << 20
 # less: the amortised cost stays under ~6% of a step at any S. A step with prompt chunks (a
 # shape that seldom recurs) runs one layer per graph: a build of one layer.
 MAX_STREAM_LAYERS = 128
+# A delta-net layer's graph holds every sequence's new recurrent state in its scratch (the fused
+# op's packed result, copied into the sequence's state after): 4 MB per sequence at the 122B's
+# shapes (64 heads of 128 x 128). A batch whose states take more runs the per-layer path (each
+# sequence's delta-net graph of its own, its scratch freed after it), so that a wide batch never
+# holds a graph of gigabytes: 16 sequences at the 122B's shapes, any at the tiny test models'.
+MAX_STATE_BYTES = 64 << 20
 
 
 @functools.lru_cache(maxsize=None)
@@ -514,8 +520,12 @@ class Engine:
         ``_batch_graphs`` for several; one per layer with remote experts): rows sent to the
         experts unrounded, standard attention and routing (``self.step_graphs``), and chunks
         that need no splitting of their attention (``kernels.dense.attention`` runs a long one
-        in pieces). Otherwise the per-layer path of ``forward``."""
+        in pieces), and for delta-net layers a batch whose recurrent states fit a graph's scratch
+        (``MAX_STATE_BYTES``). Otherwise the per-layer path of ``forward``."""
         if not self.step_graphs or (len(batch) > 1 and not self.batch_graphs):
+            return False
+        c = self.cfg
+        if c.traits.delta_net and len(batch) * c.ssm_v_heads * c.ssm_head_dim ** 2 * 4 > MAX_STATE_BYTES:
             return False
         for seq, ids in batch:
             end = seq.n_past + len(ids)

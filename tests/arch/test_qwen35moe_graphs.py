@@ -141,3 +141,24 @@ def test_step_graphs_split_at_remote_experts_give_the_bits_of_local_ones(models,
         out += engine.forward([(one, prompts[2])]) + engine.forward([(one, nxt[0])])
         runs.append(out)
     assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_batch_whose_states_exceed_the_bound_runs_the_per_layer_path(models, monkeypatch):
+    """A wide batch's recurrent states would make a graph of gigabytes at the 122B's shapes
+    (4 MB per sequence and layer): past ``MAX_STATE_BYTES`` it runs the per-layer path, whose
+    bits are the same."""
+    from backbone import model
+
+    engine = Engine(models("qwen35moe", "q8_0"))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, engine.cfg.n_vocab, n) for n in (4, 9)]
+    want = engine.forward([(engine.new_sequence(), p) for p in prompts])
+    calls = []
+    real = fused.step_graph
+    monkeypatch.setattr(fused, "step_graph", lambda *a, **k: calls.append(1) or real(*a, **k))
+    c = engine.cfg
+    monkeypatch.setattr(model, "MAX_STATE_BYTES", c.ssm_v_heads * c.ssm_head_dim ** 2 * 4)  # one sequence's
+    got = engine.forward([(engine.new_sequence(), p) for p in prompts])
+    assert not calls and all(np.array_equal(a, b) for a, b in zip(got, want))
+    engine.forward([(engine.new_sequence(), prompts[0])])  # one sequence: its graphs still
+    assert calls
