@@ -1374,16 +1374,20 @@ class RemoteExperts:
     def _on_bundle_reply(self, bundle: _Bundle, msg) -> None:
         """One node's answer to its bundle: each call's part goes the way a single reply goes;
         then a won step waiting for it as a racing replica (:meth:`_await_racing`) hears so."""
+        taken = False
         try:
-            self._take_bundle_reply(bundle, msg)
+            taken = self._take_bundle_reply(bundle, msg)
         finally:
-            bundle.answered = True
+            if taken:  # not a forgery or bytes nobody can vouch for: the node's own answer came
+                bundle.answered = True
             step = bundle.step
             confirming = step.confirming if step is not None else None
             if confirming is not None and all(b.answered for b in confirming[0]):
                 confirming[1].set()
 
-    def _take_bundle_reply(self, bundle: _Bundle, msg) -> None:
+    def _take_bundle_reply(self, bundle: _Bundle, msg) -> bool:
+        """Whether what came is the node's answer (a 503 included): a forged or undecodable reply
+        leaves a racing replica's wait (:meth:`_await_racing`) waiting for the real one."""
         stats = self.stats.layer(bundle.layer)
         if msg.headers and msg.headers.get("Status") == "503":  # nobody on the node's subject: it is gone
             self.coverage.forget_node(bundle.node)
@@ -1392,14 +1396,16 @@ class RemoteExperts:
                 call.routes -= 1
                 if not call.done and call.routes == 0:
                     self._send_per_expert(call)  # as a call without a bundle holder; its 503 settles it
-            return
+            return True
         stats.bytes_in += len(msg.data)
+        taken = False
         try:
             reply = codec.decode_bundle_reply(msg.data, n_embd=self.n_embd)
             if reply.node != bundle.node:
                 raise codec.CodecError(f"bundle reply: node {reply.node!r} answers a bundle sent to {bundle.node!r}")
             if self._forged(bundle.layer, reply, msg, bundle.payload, bundle=True):
-                return  # an eavesdropper on the node's subject: wait for the node, blame nobody
+                return False  # an eavesdropper on the node's subject: wait for the node, blame nobody
+            taken = True
             self.coverage.bundle_answered(bundle.node)
             self._bundle_heard(bundle.node)
             if isinstance(reply, codec.ErrorReply):  # the whole bundle refused: each call hears why
@@ -1426,6 +1432,7 @@ class RemoteExperts:
                 self._count_stray(token, lambda answer=answer: answer)
             else:
                 self._on_answer(entry[0], entry[1], token, answer)
+        return taken
 
     def _take_bundle(self, bundle: _Bundle, reply: codec.BundleReply, stats: LayerStats) -> None:
         """The outputs of a valid bundle reply from an honest node, every row finite: what
