@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import kvasir_bus  # noqa: E402,F401  (thread settings before numpy loads)
+from bench import record  # noqa: E402  (--save)
 import numpy as np  # noqa: E402
 
 from kvasir_bus import codec  # noqa: E402
@@ -51,6 +52,7 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=2000,
                    help="calls per method and round for a one-row payload (R rows: calls / R, at least 20)")
     p.add_argument("--rounds", type=int, default=3, help="rounds (each method keeps its best)")
+    record.add_save_flag(p)
     args = p.parse_args()
     if args.calls < 10 or args.rounds < 1:
         print("self_proof: error: --calls >= 10 and --rounds >= 1", file=sys.stderr)
@@ -107,6 +109,7 @@ def main() -> int:
                                    "node_key_generation": round(keygen_us, 1)},
               "payloads": rows_out}
     print(json.dumps(result, indent=2))
+    record.save(args, "self_proof", result)
     return 0
 
 
