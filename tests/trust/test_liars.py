@@ -92,12 +92,6 @@ class Liar:
             self.caught_at, self.caught_layer = event.at, event.layer
             self.quarantined.set()
 
-    def lies_before_quarantine(self, layer: int | None = None) -> int:
-        """Lies sent before the backbone decided (same clock: one machine), on ``layer`` or on
-        all. Those sent after it are ignored by the backbone, however long the announcement takes."""
-        return sum(lied for at, lied, where in self.replies
-                   if (self.caught_at is None or at < self.caught_at) and layer in (None, where))
-
     async def _answer(self, msg) -> None:
         req = codec.decode_request(msg.data)
         layer = parse_dispatch(msg.subject).layer
