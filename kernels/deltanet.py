@@ -106,7 +106,7 @@ def delta_net(qkv: np.ndarray, z: np.ndarray, beta_logits: np.ndarray, alpha_log
             dt = g.input(_F32, (Hv,))
             aw = g.input(_F32, (Hv,))
             nw = g.input(_F32, (S,))
-            g.output(_core(g, lib, xin, cw, zt, bt, at, st, dt, aw, nw, L=L, C=C, Hv=Hv, S=S, k_heads=k_heads,
+            g.output(core(g, lib, xin, cw, zt, bt, at, st, dt, aw, nw, L=L, C=C, Hv=Hv, S=S, k_heads=k_heads,
                            eps=eps, interleave=interleave))  # (S, Hv, L)
             return g.finish(threads)
         except BaseException:
@@ -189,7 +189,7 @@ def delta_net_layer(h: np.ndarray, conv_state: np.ndarray, state: np.ndarray, *,
             at = g.scratch(lib.ggml_mul_mat(ctx, wt[3], ht))  # (Hv, L)
             dst = g.view(lib.ggml_view_2d(ctx, xin, L, C, (W - 1 + L) * 4, (W - 1) * 4))  # (L, C) of xin
             g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_permute(ctx, qkv, 1, 0, 2, 3)), dst)))
-            y = g.scratch(_core(g, lib, xin, cw, zt, bt, at, st, dt, aw, nw, L=L, C=C, Hv=Hv, S=S,
+            y = g.scratch(core(g, lib, xin, cw, zt, bt, at, st, dt, aw, nw, L=L, C=C, Hv=Hv, S=S,
                                 k_heads=k_heads, eps=eps, interleave=False))  # (S, Hv, L)
             y = g.view(lib.ggml_reshape_2d(ctx, y, Hv * S, L))
             g.output(lib.ggml_mul_mat(ctx, wt[4], y))  # (D, L)
@@ -207,7 +207,7 @@ def delta_net_layer(h: np.ndarray, conv_state: np.ndarray, state: np.ndarray, *,
     return out, np.ascontiguousarray(conv_in[:, L:]), np.ascontiguousarray(packed[L:].reshape(Hv, S, S))
 
 
-def _core(g: Graph, lib, xin, cw, zt, bt, at, st, dt, aw, nw, *, L: int, C: int, Hv: int, S: int, k_heads: int,
+def core(g: Graph, lib, xin, cw, zt, bt, at, st, dt, aw, nw, *, L: int, C: int, Hv: int, S: int, k_heads: int,
           eps: float, interleave: bool, in_place: bool = False):
     """The module docstring's steps from the conv input on, into graph ``g``: the fused op's
     packed result (Hv*S, L + S) becomes an output here (the next bound array), and the gated

@@ -473,7 +473,7 @@ def _delta_net_part(g: Graph, lib, x, keep, layer, shape: DeltaNetShape, step: S
         # the next conv state: the last W-1 inputs (written after both copies above read it)
         g.expand(g.view(lib.ggml_cpy(ctx, g.view(lib.ggml_view_2d(ctx, conv_in, W - 1, C, nb, n * f4)), cs)))
         xin = g.view(lib.ggml_reshape_3d(ctx, conv_in, W - 1 + n, C, 1))
-        y = deltanet._core(g, lib, xin, cw, cols(z, a, n), cols(beta, a, n), cols(alpha, a, n), st, dt, aw, nw,
+        y = deltanet.core(g, lib, xin, cw, cols(z, a, n), cols(beta, a, n), cols(alpha, a, n), st, dt, aw, nw,
                            L=n, C=C, Hv=Hv, S=S, k_heads=Hk, eps=eps, interleave=shape.ba, in_place=True)
         ys.append(g.scratch(y))  # (S, Hv, n)
     if step.streams:  # each sequence's outputs to its rows
