@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import record  # noqa: E402
 from kvasir_bus.errors import UsageError  # noqa: E402
-from bench.throughput import Swarm, prompts, run_clients  # noqa: E402
+from bench.throughput import Swarm, dispatch_counts, prompts, run_clients  # noqa: E402
 
 TOKENS_GOAL, ITL_GOAL = 0.15, 0.25
 
@@ -109,15 +109,37 @@ def predict(model: Path, profile: Path, group: dict, streams: int, tokens: int, 
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _cpu_ticks(pids) -> tuple[int, int]:
+    """(the machine's busy CPU ticks, /proc/stat's user to steal, summed over cores; those of the
+    processes ``pids``, every thread, utime + stime)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:9]]
+    busy = sum(fields) - fields[3] - fields[4]  # less idle and iowait (steal counts: the host took it)
+    ours = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+            ours += int(stat[11]) + int(stat[12])
+        except OSError:
+            continue
+    return busy, ours
+
+
 class Background:
-    """Other programs' runnable threads on this machine while a run goes on, sampled every 50 ms:
-    /proc/stat's ``procs_running`` less the threads of our own processes in state R."""
+    """Other programs on this machine while a run goes on. ``mean``: their runnable threads,
+    sampled every 50 ms (/proc/stat's ``procs_running`` less our own processes' threads in state
+    R); ``cores``: the CPU they used, in cores (the machine's busy time less our processes', over
+    the wall time; the host's steal counted as theirs). The runnable count overstates what takes
+    cores from us on a shared VM (runs at 5-8 such threads on 2 cores went as fast as at 0.2), so
+    the model is given the CPU they used."""
 
     def __init__(self, pids):
         import threading
 
         self.pids, self.samples, self._stop = list(pids), [], threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self.cores = 0.0
 
     def _ours(self) -> int:
         n = 0
@@ -138,12 +160,17 @@ class Background:
             self.samples.append(max(0, running - self._ours()))
 
     def __enter__(self):
+        self._t0, self._ticks0 = time.perf_counter(), _cpu_ticks(self.pids)
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(5)
+        (busy0, ours0), (busy1, ours1) = self._ticks0, _cpu_ticks(self.pids)
+        wall = time.perf_counter() - self._t0
+        hz = os.sysconf("SC_CLK_TCK")
+        self.cores = round(max(0.0, (busy1 - busy0) - (ours1 - ours0)) / hz / wall, 2) if wall > 0 else 0.0
 
     @property
     def mean(self) -> float:
@@ -259,10 +286,15 @@ def measure(model: Path, group: dict, tokens: int, prompt: int, rounds: int = 2)
                 load0 = os.getloadavg()[0]
                 best = None
                 for _ in range(1 if stop_pid else rounds):  # the quietest round counts
+                    calls0 = dispatch_counts(swarm.nats.url)
                     with Background(pids) as background, Pinger(swarm) as pinger:
                         res = asyncio.run(_clients_with_stop(url, prompts(s, prompt), tokens, stop_pid,
                                                              group.get("stop_at_s")))
+                    # The backbone's expert calls in the run (remote, local, timeouts, hedges): beside the
+                    # model's local fraction and timeouts, where a miss comes from.
+                    res["dispatch"] = {k: v - calls0[k] for k, v in dispatch_counts(swarm.nats.url).items()}
                     res["background_runnable"] = background.mean
+                    res["background_cores"] = background.cores
                     during = pinger.median_ms()
                     res["link_rtt_ms"] = round(max(link, during - direct), 2) if during is not None else link
                     if best is None or res["tok_s"] > best["tok_s"]:
@@ -295,7 +327,7 @@ def run(model: Path, grid: list[dict], tokens: int, prompt: int, quick_calibrate
             # The link's round trip as measured through the proxy, and the other programs' load
             # as sampled during the run: inputs of the configuration, not fitted to its result.
             p = predict(model, profile, group, m["streams"], tokens, prompt, max(group["streams"]),
-                        m["link_rtt_ms"], m["background_runnable"])
+                        m["link_rtt_ms"], m["background_cores"])
             configs.append(compare(group, m, p))
     out = summarise(model.name, tokens, prompt, json.loads(profile.read_text()), configs)
     out["worker_kernel"] = workers_kernel()
@@ -314,9 +346,11 @@ def compare(group: dict, m: dict, p: dict) -> dict:
         "stop_at_s": group.get("stop_at_s"), "group": group,
         "measured": {"tokens_per_s": m["tok_s"], "itl_ms": m["itl_ms"], "ttft_ms": m["ttft_ms"],
                      "load_avg_1m": m["load_avg_1m"], "background_runnable": m["background_runnable"],
-                     "link_rtt_ms": m["link_rtt_ms"]},
+                     **({"background_cores": m["background_cores"]} if "background_cores" in m else {}),
+                     "link_rtt_ms": m["link_rtt_ms"], **({"dispatch": m["dispatch"]} if m.get("dispatch") else {})},
         "predicted": {"tokens_per_s": p["tokens_per_s"], "itl_ms": p["itl_ms"], "ttft_ms": p["ttft_ms"],
-                      "bottleneck": p["bottleneck"]},
+                      "bottleneck": p["bottleneck"], "local_fraction": p.get("local_fraction"),
+                      "timeouts": p.get("timeouts")},
         "tokens_per_s_error": round(err_t, 3), "itl_p50_error": None if err_i is None else round(err_i, 3),
         "within_goal": abs(err_t) <= TOKENS_GOAL and (err_i is None or abs(err_i) <= ITL_GOAL)}
 
@@ -383,7 +417,9 @@ def repredict(saved: dict, profile: dict | None = None, profile_path: str | None
             m = {"streams": c["streams"], "tok_s": c["measured"]["tokens_per_s"], **c["measured"]}
             argv = plan_argv("-", path, group, c["streams"], result["tokens"], result["prompt_tokens"],
                              max(group["streams"]), c["measured"]["link_rtt_ms"],
-                             c["measured"]["background_runnable"], cores=result.get("cpus"),
+                             # the other programs' CPU, where the run measured it (runnable threads before)
+                             c["measured"].get("background_cores", c["measured"]["background_runnable"]),
+                             cores=result.get("cpus"),
                              worker_kernel=result.get("worker_kernel"))
             args = parser.parse_args(argv)
             p = plan_cli.points(args, shapes=shapes)[-1]

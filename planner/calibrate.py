@@ -430,6 +430,107 @@ def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int
     return {"runs": runs}
 
 
+def measure_fanout(engine, path: str, rows: list[int], steps: int, rounds: int = 3) -> dict:
+    """Decode steps of ``rows`` rows against one worker holding every expert and, on a second
+    embedded nats-server, two workers that split them (two bundles a layer step), bundles on, in
+    turns round by round (so that other programs' load, which drifts, falls on both alike): the
+    wall time per step of each. What the second worker costs beyond the model's arithmetic (its
+    wake-ups and nats-server's, on cores it shares with the backbone) is fitted from the
+    differences by :func:`fit_fanout`."""
+    from contextlib import ExitStack
+
+    from backbone.audit import AuditConfig
+    from backbone.dispatch import DispatchConfig
+    from backbone.service import BackboneConfig, BackboneService
+    from kvasir_bus.fingerprint import model_fingerprint
+    from kvasir_bus.server import SHARED_MACHINE_PROCS, EmbeddedNats
+    from launch.swarm import spawn_worker, split_experts, wait_for_nodes
+
+    cfg = engine.cfg
+    fp = model_fingerprint(engine.reader)
+    rng = np.random.default_rng(5)
+    out = []
+    shares = {1: [(0, cfg.n_expert - 1)], 2: split_experts(cfg.n_expert, 2)}
+    workers = []
+    with ExitStack() as stack:
+        try:
+            remotes = {}
+            for n, ranges in shares.items():
+                server = stack.enter_context(EmbeddedNats(procs=SHARED_MACHINE_PROCS))
+                mine = [spawn_worker(server.url, f"calibrate-{n}-{i}", ["--model", path, "--layer", "all",
+                                                                         "--experts", f"{lo}-{hi}"])
+                        for i, (lo, hi) in enumerate(ranges)]
+                workers += mine
+                asyncio.run(wait_for_nodes(server.url, fp, {w.node for w in mine}, procs=mine, timeout=300))
+                role = BackboneConfig(model_path=path, nats_url=server.url, serve_manifest=False,
+                                      spool=os.path.join(tempfile.mkdtemp(prefix="kvasir-calibrate-"), "spool"),
+                                      dispatch=DispatchConfig(timeout_s=5.0, audit=AuditConfig(rate=0.0)))
+                remote = stack.enter_context(BackboneService(engine, role)).dispatch
+                deadline = time.monotonic() + 30
+                while remote.coverage.bundle_nodes < n and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                remotes[n] = remote
+            for b in rows:
+                engine.use_experts(None)
+                seqs = {n: _sequences(engine, b, 16, rng) for n in remotes}
+                walls: dict[int, list[float]] = {n: [] for n in remotes}
+                for k in range(rounds + 1):  # the first round warms both
+                    for n, remote in remotes.items():
+                        engine.use_experts(remote)
+                        w0 = time.perf_counter()
+                        for _ in range(steps):
+                            _decode_step(engine, seqs[n], rng)
+                        if k:
+                            walls[n].append(time.perf_counter() - w0)
+                engine.use_experts(None)
+                out.append({"rows": b, "steps": steps, "one_worker_s": walls[1], "two_workers_s": walls[2]})
+                _say(f"dispatch to 1 and 2 workers in turns: {b} rows: {1e3 * min(walls[1]) / steps:.1f} and "
+                     f"{1e3 * min(walls[2]) / steps:.1f} ms per step")
+        finally:
+            engine.use_experts(None)
+            for w in workers:
+                w.stop()
+    return {"runs": out}
+
+
+def fit_fanout(profile: dict, fanout_runs: list[dict]) -> float:
+    """CPU seconds per worker a layer step wakes past the first, on cores the workers share with
+    the backbone (``Costs.fanout``): the value at which the model's step with two workers exceeds
+    its step with one by what was measured (the median of the rounds' differences, the two
+    measured in turns), found by bisection; the median over the row counts, at least 0. What it
+    stands for: the wake-ups and cache refills of processes woken at once, which no other term
+    counts."""
+    from dataclasses import replace as with_
+
+    from planner import profile as prof
+    from planner.shapes import Shapes
+    from planner.sim import Config, simulate
+
+    shapes = Shapes.from_dict(profile["model"])
+    costs = prof.costs_for(profile, shapes)
+    cores = int(profile["machine"].get("cpus") or 2)
+
+    def step(workers: int, rows: int, steps: int, fanout: float) -> float:
+        cfg = Config(workers=workers, streams=rows, tokens=steps + 2, prompt_tokens=16, colocated_cores=cores,
+                     race_confirm=0.0, max_active=rows, step_tokens=256)
+        return simulate(shapes, with_(costs, fanout=fanout), cfg).itl_ms["p50"] / 1e3
+
+    fits = []
+    for run in fanout_runs:
+        target = float(np.median([two - one for one, two in zip(run["one_worker_s"], run["two_workers_s"])])) \
+            / run["steps"]
+        single = step(1, run["rows"], run["steps"], 0.0)
+        lo, hi = 0.0, 0.02
+        if step(2, run["rows"], run["steps"], 0.0) - single >= target:
+            fits.append(0.0)
+            continue
+        for _ in range(24):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if step(2, run["rows"], run["steps"], mid) - single < target else (lo, mid)
+        fits.append((lo + hi) / 2)
+    return max(0.0, float(np.median(fits))) if fits else 0.0
+
+
 def dense_step_s(dense: dict, n_layer: int, rows: int, ctx: int) -> float:
     """One step's dense path (every layer of the fitted kind, the head) from :func:`measure_dense`."""
     total = 0.0
@@ -607,6 +708,12 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
         profile["worker"]["per_message_s"] = disp["worker_per_message_s"]
         profile["worker"]["in_place"] = disp["worker_in_place"]
         profile["nats"] = {"per_message_s": disp["nats_per_message_s"]}
+        fanout = measure_fanout(engine, path, [1] if quick else [1, 4], steps=6 if quick else 12, rounds=3)
+        disp["fanout_runs"] = fanout["runs"]
+        profile["wire"] = {"row_bytes": 4 * shapes.n_embd, "call_bytes": 96, "message_bytes": 1024}
+        disp["fanout_s"] = fit_fanout(profile, fanout["runs"])
+        _say(f"a second worker on these cores: {1e6 * disp['fanout_s']:.0f} us more CPU per worker woken "
+             "past the first in a layer step")
         _say(f"backbone per message {1e6 * disp['backbone_per_message_s']:.0f} us, per call "
              f"{1e6 * disp['backbone_per_call_s']:.0f} us; "
              f"worker per message {1e6 * disp['worker_per_message_s']:.0f} us; nats-server per message "

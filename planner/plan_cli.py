@@ -106,8 +106,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--colocated", type=int, default=0, metavar="CORES",
                    help="backbone, nats-server and every worker share one machine of CORES cores (as on one test box)")
     p.add_argument("--background-load", type=float, default=0.0, metavar="R",
-                   help="with --colocated: other programs' runnable threads on those cores, on average (a shared "
-                   "test machine); each task then runs on a time-shared core")
+                   help="with --colocated: other programs' load on those cores, in cores busy on average (a "
+                   "shared test machine): while k of our tasks run, each takes max(1, (R + k) / CORES) times "
+                   "its CPU time (default 0)")
     p.add_argument("--backbone-cores", type=int, default=None, metavar="N",
                    help="a backbone of N cores, its dense path scaled linearly from the profile's (optimistic; said in the output)")
     p.add_argument("--worker-cores", type=int, default=1, metavar="N", help="cores per worker for its kernel (default 1)")

@@ -81,6 +81,10 @@ class Costs:
     # thread's own connection (balance mode, calls on experts' subjects, probes): the extra wall
     # time of the hand-offs between the threads, per layer step.
     bus_path: float = 0.0
+    # Workers on the cores the backbone runs on (colocated): CPU per worker a layer step wakes past
+    # the first (processes woken at once on shared cores), fitted by kvasir calibrate so that a
+    # second worker costs the model what it was measured to cost.
+    fanout: float = 0.0
     # An audited call's recomputation beyond the reference computed ahead, per call: (rows,). 0
     # when the worker's kernel is one this backbone runs (the bits are compared); numpy's, or numpy
     # with the flips taken out, for other kernels (backbone/audit.py rerun_backend).
@@ -221,5 +225,6 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
         row_bytes=4 * shapes.n_embd, call_bytes=int(profile["wire"]["call_bytes"]),
         message_bytes=int(profile["wire"]["message_bytes"]), backbone_threads=threads,
         request=float(b.get("serving", {}).get("request_s", 0.0)), token=float(b.get("serving", {}).get("token_s", 0.0)),
-        local_call=local_call, bus_path=float(disp.get("bus_path_s", 0.0)), audit_recompute=audit_recompute,
+        local_call=local_call, bus_path=float(disp.get("bus_path_s", 0.0)), fanout=float(disp.get("fanout_s", 0.0)),
+        audit_recompute=audit_recompute,
         audit_path=path, notes=tuple(notes))

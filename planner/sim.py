@@ -31,6 +31,9 @@ What it follows, and where in the code that behaviour lives:
   the engine thread, its replies read once the engine's own work of the step is done; a step with
   a call on an expert's subject, a probe, or in balance mode (hedges on a timer) goes through the
   bus client's loop thread, which costs ``Costs.bus_path`` more per layer step (measured).
+* **hedges** (balance mode, ``backbone/replicas.py``): a call past the p95 of its expert's
+  recent round trips is re-sent on its expert's subject, so about 5% of the calls: an extra
+  request another holder computes (bench/plan_check.py's balance run under load: 9% of calls).
 * **race confirmation** (``DispatchConfig.confirm``): in race mode a won step waits up to
   ``race_confirm`` times its round trip (at least 5 ms) for the replicas that raced a call another
   node won (nodes that answered bundles before; not one that missed that wait 3 steps in a row,
@@ -47,12 +50,14 @@ What it follows, and where in the code that behaviour lives:
   each process's Python one thread of work there, and other programs' runnable threads
   (``background_runnable``) time-share them with whatever of ours runs at the moment. A job goes
   into the earliest gap of a server where it fits (work ready early runs before work booked for
-  later, such as a losing replica's reply).
+  later, such as a losing replica's reply). Each worker a layer step wakes past the first costs
+  ``Costs.fanout`` more CPU there when the workers share the backbone's cores: fitted so that a
+  second worker costs the model what it was measured to cost (processes woken at once).
 
 What it leaves out: a fresh backbone's first layer step computed here while its calls are out
 (``_before_any_answer``: only until the first reply ever, which kvasir serve's warm-up and the
-check's first request see, not the measured runs); balance mode's hedged re-sends (none while
-replies come within twice their median latency, 10 ms at least); the clients' own CPU.
+check's first request see, not the measured runs); when a hedge is sent (the model sends them
+with the step: only their cost counts, never an earlier answer); the clients' own CPU.
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ FAST = True  # the vectorised path where it applies (tests compare it with the g
 PROBATION = 16
 MAX_UNPROVEN_BUNDLE_NODES = 2
 SILENCE_HOLD_S, MAX_HOLD_S = 2.0, 60.0
+# backbone.replicas.ReplicaConfig's hedge_quantile (95): the share of calls past it, re-sent.
+HEDGED_SHARE = 0.05
 
 RTT_DISTS = {  # (median ms, lognormal sigma): a LAN, a WAN path, through a CDN edge (a relay)
     "lan": (1.0, 0.3), "wan": (40.0, 0.35), "cdn": (90.0, 0.35)}
@@ -105,8 +112,8 @@ class Config:
     max_active: int = 1024
     step_tokens: int = 1024
     replicated: bool = False  # every worker holds every expert (replicas of the whole model)
-    # Colocated only: other programs' runnable threads on the same cores, on average. Each of our
-    # tasks then gets a time-shared core: it takes max(1, (R + 1) / cores) times its CPU time.
+    # Colocated only: other programs' load on the same cores (cores busy, on average). While k of
+    # our tasks run at once, each takes max(1, (R + k) / cores) times its CPU time (Pool).
     background_runnable: float = 0.0
     remote_layers: int | None = None  # only the first N MoE layers ask workers; the rest run here
     worker_speedup: float = 1.0  # workers' kernels this many times faster than the profile's (a GPU)
@@ -340,6 +347,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
     heard: set[int] = set()  # nodes that answered a bundle: racing replicas worth waiting for
     misses: dict[int, int] = {}  # node -> racing waits it missed in a row
     unproven_turn = [0]  # layer steps planned (the unproven nodes' turns)
+    hedge_debt = [0.0]  # balance mode: hedged calls owed (a share of the calls, carried over)
 
     def current_timeout() -> float:
         if cfg.timeout_s is not None:
@@ -412,9 +420,23 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 asked = tuple(live) if cfg.replicas == "race" else (live[0],)
                 singles.extend((w, e) for w in asked)
                 nodes_of[e] = asked
-        # Messages: one per node's bundle, one per call on an expert's subject (probes too).
+        # Balance mode hedges: a call not answered after the p95 of its expert's recent round trips
+        # (and twice their median) is re-sent on its expert's subject (backbone/replicas.py), so
+        # about 1 - quantile of the calls, by the quantile's own definition: each an extra request
+        # another holder computes, nobody waits for (the first answer wins).
+        hedges: list[tuple[int, int]] = []
+        if cfg.replicas == "balance" and by_node:
+            hedge_debt[0] += HEDGED_SHARE * sum(len(es) for es in by_node.values())
+            for w, es in by_node.items():
+                for e in es:
+                    others = [o for o in holders[e] if o != w and not is_down(o, t)]
+                    if hedge_debt[0] < 1.0 or not others:
+                        continue
+                    hedge_debt[0] -= 1.0
+                    hedges.append((others[0], e))
+        # Messages: one per node's bundle, one per call on an expert's subject (probes, hedges too).
         messages: list[tuple[int, list[int], bool]] = [(w, es, True) for w, es in by_node.items()]
-        messages += [(w, [e], True) for w, e in singles] + [(w, [e], False) for w, e in probes]
+        messages += [(w, [e], True) for w, e in singles] + [(w, [e], False) for w, e in (*probes, *hedges)]
         n_calls = len(nodes_of) + len({e for _, e in probes})
         rows_calls = sum(int(counts[e]) for e in nodes_of)
         # The engine thread plans and encodes the step (a call's books once, whatever its replicas);
@@ -448,7 +470,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         wait_for: set[int] = set(nodes_of)
         waited = [(w, es) for w, es, wait in messages if wait]
         row_b = costs.row_bytes
-        if fast and waited and not probes and len({w for w, _ in waited}) == len(waited) and not singles:
+        if fast and waited and not probes and not hedges and len({w for w, _ in waited}) == len(waited) and not singles:
             srtt, rttvar = _fast_flights(waited, counts, rows, t_sent, costs, cfg, rtt_arr, worker_free, nats_pool,
                                          disp_pool, answered, totals, srtt, rttvar, cfg.stop_at_s, winner,
                                          reply_at, t_engine if direct else 0.0)
@@ -468,11 +490,15 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 at_nats = nats_pool.run(depart, costs.nats_per_message)
                 flights.append((at_nats + rtt[w] / 2, w, es, rows_m, wait))
             done_at = []
+            woken: set[int] = set()  # workers this layer step woke so far
             for arrive, w, es, rows_m, wait in sorted(flights, key=lambda f: f[0]):
                 if stopped(w, arrive):
                     continue  # a frozen worker: never answers
                 wc = kinds_of_worker[w % len(kinds_of_worker)]
                 work = wc.worker_per_message + wc.worker_kernel(len(es), rows_m) / cfg.worker_speedup
+                if cfg.colocated_cores and woken and w not in woken:  # another process woken on the shared cores
+                    work += costs.fanout
+                woken.add(w)
                 done_at.append((worker_pools[w].run(arrive, work) + rtt[w] / 2, w, es, rows_m, wait))
             for back, w, es, rows_m, wait in sorted(done_at, key=lambda f: f[0]):
                 relayed = nats_pool.run(back, costs.nats_per_message)
@@ -480,8 +506,8 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 # once its work of the step is done; the bus thread takes them as they come.
                 got = disp_pool.run(max(relayed, t_engine) if direct else relayed,
                                     costs.backbone_per_message / 2 + rows_m * costs.backbone_per_row / 2)
-                if not wait:
-                    silent.difference_update((il, e) for e in es)  # a probe's answer ends the silence
+                if not wait:  # a probe's answer ends the silence; a hedge's is a duplicate
+                    silent.difference_update((il, e) for e in es)
                     continue
                 if w in by_node and by_node[w] is es:
                     reply_at[w] = got

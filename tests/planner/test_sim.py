@@ -214,3 +214,24 @@ def test_race_mode_waits_for_the_racing_replica_to_confirm():
     # Each layer step waits for the 20 ms replica instead of taking the 2 ms one's answers (after
     # the first step: a replica is waited for once it has answered a bundle).
     assert confirmed.itl_ms["p50"] - first.itl_ms["p50"] == pytest.approx(1000 * TOY.n_layer * 0.018, rel=0.05)
+
+
+def test_the_fanout_fit_recovers_the_cost_a_second_worker_was_measured_at():
+    from dataclasses import replace
+
+    from planner.calibrate import fit_fanout
+
+    profile = toy_profile()
+    costs = prof.costs_for(profile, TOY)
+
+    def step(workers: int, fanout: float) -> float:
+        cfg = Config(workers=workers, streams=1, tokens=14, prompt_tokens=16, colocated_cores=2, race_confirm=0.0,
+                     max_active=1, step_tokens=256)
+        return simulate(TOY, replace(costs, fanout=fanout), cfg).itl_ms["p50"] / 1e3
+
+    assert step(2, 0.0) == step(2, 0.0) and step(2, 2e-4) > step(2, 0.0)
+    assert step(1, 2e-4) == step(1, 0.0)  # one worker: nothing to fan out to
+    runs = [{"rows": 1, "steps": 12, "one_worker_s": [12 * step(1, 0.0)] * 3, "two_workers_s": [12 * step(2, 3e-4)] * 3}]
+    assert fit_fanout(profile, runs) == pytest.approx(3e-4, rel=0.02)
+    runs[0]["two_workers_s"] = runs[0]["one_worker_s"]  # no slower with two: nothing to fit
+    assert fit_fanout(profile, runs) == 0.0
