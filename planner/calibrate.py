@@ -377,8 +377,17 @@ def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int
                         remote.bundles = bundles
                         remote.cfg = replace(direct_cfg, engine_connection=not via_bus)
                         best = None
+                        paired = []  # through the bus thread: each round's wall less a direct round's just before
                         for _ in range(rounds):  # the quietest round counts: others share the cores
                             engine.use_experts(remote)
+                            if via_bus:
+                                remote.cfg = direct_cfg
+                                _decode_step(engine, seqs, rng)
+                                t = time.perf_counter()
+                                for _ in range(steps):
+                                    _decode_step(engine, seqs, rng)
+                                direct_wall = time.perf_counter() - t
+                                remote.cfg = replace(direct_cfg, engine_connection=False)
                             _decode_step(engine, seqs, rng)  # warm
                             before = remote.stats.to_dict()["totals"]
                             w0, c0, k0, n0 = time.perf_counter(), time.process_time(), \
@@ -387,6 +396,8 @@ def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int
                             for _ in range(steps):
                                 _decode_step(engine, seqs, rng)
                             wall = time.perf_counter() - w0
+                            if via_bus:
+                                paired.append(wall - direct_wall)
                             engine_cpu, loop_cpu = in_dispatch[0] - e0, bus_cpu() - l0
                             cpu, wcpu, ncpu = time.process_time() - c0, _proc_cpu_s(worker.proc.pid) - k0, \
                                 _proc_cpu_s(server.pid) - n0
@@ -416,6 +427,8 @@ def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int
                             else:
                                 best["null_wall_s"] = min(null_wall, best["null_wall_s"])
                                 best["null_cpu_s"] = min(null_cpu, best["null_cpu_s"])
+                        if via_bus:
+                            best["paired_extra_s"] = paired
                         runs.append(best)
                         wall, null_wall, messages, layer_steps = best["wall_s"], best["null_wall_s"], \
                             best["messages"], best["layer_steps"]
@@ -577,10 +590,13 @@ def fit_dispatch(runs: list[dict], kernel: dict, dense: dict | None = None, n_la
                   [r["engine_dispatch_cpu_s"] + r["bus_thread_cpu_s"] for r in runs])
     hops = [hop]
     # The bus thread's path: the same bundled steps handed to the loop thread and woken from it,
-    # against the engine thread's own connection, per layer step (the median over the row counts
-    # measured: the extra wall time is the hand-offs, not the rows).
+    # against the engine thread's own connection, per layer step.
+    # Each round through the bus thread is set against a direct round just before it (the load
+    # drifts: the variants' best rounds, minutes apart, differed by noise): the median of every
+    # such pair, all row counts together (the hand-offs are per layer step, not per row).
     direct = {r["rows"]: r for r in runs if r["bundles"]}
-    extra = [(r["wall_s"] - direct[r["rows"]]["wall_s"]) / r["layer_steps"] for r in via_bus if r["rows"] in direct]
+    extra = [x / r["layer_steps"] for r in via_bus for x in r.get("paired_extra_s", ())] or \
+        [(r["wall_s"] - direct[r["rows"]]["wall_s"]) / r["layer_steps"] for r in via_bus if r["rows"] in direct]
     bus_path = max(0.0, float(np.median(extra))) if extra else 0.0
     out_b = [r["bytes_out"] / max(1, r["messages"]) for r in runs]
     return {"backbone_per_message_s": bb[0], "backbone_per_call_s": bb[1], "backbone_per_row_s": bb[2],
