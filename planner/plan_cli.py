@@ -73,9 +73,11 @@ def add_parser(subparsers) -> None:
     rtt.add_argument("--rtt-dist", metavar="lan|wan|cdn|FILE",
                      help="round trips drawn per worker: lan (median 1 ms), wan (40), cdn (90; lognormal), or "
                      "a file of round trips in ms (whitespace or commas)")
-    p.add_argument("--audit", type=float, default=0.0, metavar="R", help="share of remote replies recomputed on the backbone (0..1, default 0)")
+    p.add_argument("--audit", type=float, default=0.0, metavar="R", help="kvasir serve --audit: the share of remote replies recomputed on the backbone, one in every "
+                   "ceil(1/R) of a worker's replies on a layer once its probation is over (0..1, default 0)")
     p.add_argument("--audit-probation", type=int, default=None, metavar="N",
-                   help="every reply of a new worker is audited until it has passed N audits (backbone/audit.py; default 16, as kvasir serve)")
+                   help="with --audit: every reply of a new worker is audited until it has passed N audits "
+                   "(backbone/audit.py; default 16, as kvasir serve)")
     p.add_argument("--worker-kernel", metavar="LABEL", default=None,
                    help="the kernel label the workers announce (ggml-x86_64, ggml-x86_64-det, numpy-aarch64, "
                    "js-wasm32...): with --audit, whether an audit compares bits with the backbone's own result "
