@@ -724,7 +724,7 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
         profile["worker"]["per_message_s"] = disp["worker_per_message_s"]
         profile["worker"]["in_place"] = disp["worker_in_place"]
         profile["nats"] = {"per_message_s": disp["nats_per_message_s"]}
-        fanout = measure_fanout(engine, path, [1] if quick else [1, 4], steps=6 if quick else 12, rounds=3)
+        fanout = measure_fanout(engine, path, [1] if quick else [1, 2, 4], steps=6 if quick else 12, rounds=3)
         disp["fanout_runs"] = fanout["runs"]
         profile["wire"] = {"row_bytes": 4 * shapes.n_embd, "call_bytes": 96, "message_bytes": 1024}
         disp["fanout_s"] = fit_fanout(profile, fanout["runs"])
