@@ -384,7 +384,10 @@ class Engine:
         per config."""
         c = self.cfg
         if self._shapes is None or self._shapes[0] is not c:
-            self._shapes = (c, [self._layer_shape(i) for i in range(c.n_layer)])
+            shapes = [self._layer_shape(i) for i in range(c.n_layer)]
+            # the first layer of each distinct shape: what sizes a step's graphs (_layers_per_graph)
+            self._shape_kinds = sorted({s: i for i, s in reversed(list(enumerate(shapes)))}.values())
+            self._shapes = (c, shapes)
         return self._shapes[1][il]
 
     def _layer_shape(self, il: int) -> fused.AttentionShape | fused.DeltaNetShape:
@@ -549,7 +552,7 @@ class Engine:
         step = fused.StepShape(R, T, kv_size, n_kv, _kq_scale(c.head_dim), c.n_expert_used,
                                w.expert_glu, c.traits.shexp_gate, c.traits.norm_topk)
         blocks = [fused.Block(w.layers[il], self._attention_shape(il), caches[il]) for il in range(c.n_layer)]
-        per_graph = _layers_per_graph(step, blocks, STEP_GRAPH_BYTES)
+        per_graph = _layers_per_graph(step, [blocks[i] for i in self._shape_kinds], STEP_GRAPH_BYTES)
         positions = np.arange(seq.n_past, end, dtype=np.int32)
         if R != T:  # one row as two
             positions, ids = np.repeat(positions, 2), np.repeat(ids, 2)
@@ -603,7 +606,7 @@ class Engine:
         blocks = [fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches))
                   for il in range(c.n_layer)]
         per_graph = 1 if T > len(batch) else min(  # chunks: one layer per graph (see MAX_STREAM_LAYERS)
-            _layers_per_graph(step, blocks, BATCH_GRAPH_BYTES),
+            _layers_per_graph(step, [blocks[i] for i in self._shape_kinds], BATCH_GRAPH_BYTES),
             max(1, MAX_STREAM_LAYERS // len(batch)))
         n_pasts = tuple(seq.n_past for seq, _ in batch)
         positions = np.concatenate([np.arange(p, p + L, dtype=np.int32) for p, L in zip(n_pasts, lengths)])
@@ -826,10 +829,9 @@ class Engine:
         return moe
 
 
-def _layers_per_graph(step: fused.StepShape, blocks: list, budget: int) -> int:
-    """How many layers one step graph holds (``fused.layers_per_graph``) for the costliest kind
-    of layer among ``blocks`` (qwen35moe: delta-net and gated attention)."""
-    kinds = {b.shape: b for b in blocks}.values()
+def _layers_per_graph(step: fused.StepShape, kinds: list, budget: int) -> int:
+    """How many layers one step graph holds (``fused.layers_per_graph``) for the costliest of
+    ``kinds``, one block of each distinct layer shape (qwen35moe: delta-net, gated attention)."""
     return min(fused.layers_per_graph(step, b.layer, b.shape, budget) for b in kinds)
 
 
