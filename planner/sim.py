@@ -35,7 +35,7 @@ What it follows, and where in the code that behaviour lives:
   recent round trips is re-sent on its expert's subject, so about 5% of the calls: an extra
   request another holder computes (bench/plan_check.py's balance run under load: 9% of calls).
 * **race confirmation** (``DispatchConfig.confirm``): in race mode a won step waits up to
-  ``race_confirm`` times its round trip (at least 5 ms) for the replicas that raced a call another
+  ``race_confirm`` times its round trip (at least 10 ms) for the replicas that raced a call another
   node won (nodes that answered bundles before; not one that missed that wait 3 steps in a row,
   but every 64th step).
 * **timeouts and silence** (``AdaptiveTimeout``, ``backbone/coverage_view.py``): a worker that stops
@@ -75,12 +75,14 @@ from planner.shapes import Shapes
 FAST = True  # the vectorised path where it applies (tests compare it with the general one)
 
 # The dispatcher's constants the model follows (tests/planner check them against the code's):
-# backbone.audit.DEFAULT_PROBATION, backbone.dispatch.MAX_UNPROVEN_BUNDLE_NODES, and
+# backbone.audit.DEFAULT_PROBATION, backbone.dispatch.MAX_UNPROVEN_BUNDLE_NODES, its race
+# confirmation's floor, misses and retry (_CONFIRM_FLOOR_S, _CONFIRM_MISSES, _CONFIRM_RETRY), and
 # backbone.coverage_view.CoverageView's silence_hold_s and max_hold_s (a bundle hold's first
 # length and its cap).
 PROBATION = 16
 MAX_UNPROVEN_BUNDLE_NODES = 2
 SILENCE_HOLD_S, MAX_HOLD_S = 2.0, 60.0
+CONFIRM_FLOOR_S, CONFIRM_MISSES, CONFIRM_RETRY = 0.010, 3, 64
 # backbone.replicas.ReplicaConfig's hedge_quantile (95): the share of calls past it, re-sent.
 HEDGED_SHARE = 0.05
 
@@ -525,14 +527,14 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         # Race mode: once every call is won, the step waits for the replicas that raced a call
         # another node won (nodes that answered bundles before, and did not miss that wait three
         # steps in a row, but every 64th step), up to race_confirm times its round trip (at least
-        # 5 ms): their answers check the winners' before any is used.
+        # 10 ms): their answers check the winners' before any is used.
         if cfg.replicas == "race" and cfg.race_confirm > 0 and cfg.audit < 1.0 and answered and not missing:
             t_won = max(answered.values())
-            retry = unproven_turn[0] % 64 == 0
+            retry = unproven_turn[0] % CONFIRM_RETRY == 0
             racing = [w for w, es in by_node.items() if w in heard and reply_at.get(w, math.inf) > t_won
-                      and (misses.get(w, 0) < 3 or retry) and any(winner.get(e, w) != w for e in es)]
+                      and (misses.get(w, 0) < CONFIRM_MISSES or retry) and any(winner.get(e, w) != w for e in es)]
             if racing:
-                until = t_won + max(0.005, cfg.race_confirm * (t_won - t_sent))
+                until = t_won + max(CONFIRM_FLOOR_S, cfg.race_confirm * (t_won - t_sent))
                 last = max(reply_at.get(w, math.inf) for w in racing)
                 end = max(end, min(last, until))
                 for w in racing:

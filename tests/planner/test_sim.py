@@ -149,9 +149,14 @@ def test_the_models_constants_are_the_dispatchers():
     from backbone.dispatch import MAX_UNPROVEN_BUNDLE_NODES
     from planner import sim
 
+    from backbone import dispatch
+
     view = CoverageView(1.0)
     assert (sim.PROBATION, sim.MAX_UNPROVEN_BUNDLE_NODES, sim.SILENCE_HOLD_S, sim.MAX_HOLD_S) == \
         (DEFAULT_PROBATION, MAX_UNPROVEN_BUNDLE_NODES, view.silence_hold_s, view.max_hold_s)
+    assert (sim.CONFIRM_FLOOR_S, sim.CONFIRM_MISSES, sim.CONFIRM_RETRY) == \
+        (dispatch._CONFIRM_FLOOR_S, dispatch._CONFIRM_MISSES, dispatch._CONFIRM_RETRY)
+    assert sim.Config(1, 1, 1).race_confirm == dispatch.DispatchConfig().confirm
 
 
 def _audits(cfg: Config) -> int:
