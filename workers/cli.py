@@ -188,6 +188,10 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         from kvasir_bus.enrol import link_base, split_link
 
         link_base(split_link(args.enrol)[0])  # a bad link is one line now, not after dialling
+    if args.metrics is not None:
+        from kvasir_bus.metrics import parse_listen
+
+        parse_listen(args.metrics)  # a bad address is one line now, not after connecting or claiming a key
     options = ConnectOptions.from_args(args)
     node = node_for(args.node, options) if args.enrol is None else "enrolling"
     node_key = _node_key(args, node)
@@ -197,10 +201,6 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         check_node(node)
     except ValueError as exc:
         raise UsageError(f"--node: {exc}") from None
-    if args.metrics is not None:
-        from kvasir_bus.metrics import parse_listen
-
-        parse_listen(args.metrics)  # a bad address is one line now, not after connecting
     from kernels.backend import apply_kernel_flags
 
     apply_kernel_flags(args)  # before the slice is read: ggml loads once, in this mode
