@@ -4,7 +4,9 @@ any trusted backbone caught.
 * **At start**, the backbone asks the market for the model's status, whose ``quarantined`` field
   lists the nodes the market holds quarantined (its ledger file keeps them for good; with
   ``--trust-backbone`` only verdicts signed by a trusted backbone got there). Without a market
-  (or when it does not answer within ``timeout_s``) the backbone starts with its own list only.
+  (or when it does not answer within ``timeout_s``) the backbone starts with its own list and
+  asks again, 1 s later, then 2, 4 ... up to every 30 s, until a market answers once (a market
+  started later, or one too busy to answer in time, still gets its list here).
 * **On the bus**, it follows ``kvasir.<model>.quarantine``: a verdict counts when its signature
   (:mod:`kvasir_bus.signing`) is by this backbone's own key or one in ``trusted``. An unsigned or
   unknown-key verdict is ignored (one log line a minute): a forger cannot make a backbone drop an
@@ -17,6 +19,8 @@ the bus (its permissions, kvasir_bus/creds.py); loading from the market needs on
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import structlog
 
@@ -38,13 +42,24 @@ class QuarantineList:
         self.followed = 0  # verdicts taken from the bus
         self.ignored = 0  # verdicts refused for their signature
         self._sub = None
+        self._stopped = None  # asyncio.Event, made on the loop by start()
 
-    async def start(self, *, load: bool = True, timeout_s: float = 1.0) -> None:
+    async def start(self, *, load: bool = True, timeout_s: float = 1.0, retry_max_s: float = 30.0) -> None:
+        """Follow the verdicts on the bus, then (``load``) take the market's list, asking again
+        with back-off until one answer came or :meth:`stop`."""
+        self._stopped = asyncio.Event()
         self._sub = await self.nc.subscribe(self.subjects.quarantine(), cb=self._on_verdict)
-        if load:
-            await self.load(timeout_s)
+        wait = 1.0
+        while load and await self.load(timeout_s) is None and not self._stopped.is_set():
+            try:
+                await asyncio.wait_for(self._stopped.wait(), wait)
+            except asyncio.TimeoutError:
+                pass
+            wait = min(retry_max_s, 2 * wait)
 
     async def stop(self) -> None:
+        if self._stopped is not None:
+            self._stopped.set()
         if self._sub is not None:
             sub, self._sub = self._sub, None
             try:
@@ -52,16 +67,17 @@ class QuarantineList:
             except Exception:
                 pass
 
-    async def load(self, timeout_s: float = 1.0) -> int:
-        """Take the market's quarantine list; how many nodes were new here."""
+    async def load(self, timeout_s: float = 1.0) -> int | None:
+        """Take the market's quarantine list; how many nodes were new here (None: no list came)."""
         try:
             msg = await self.nc.request(self.subjects.status(), b"", timeout=timeout_s)
             status = mc.decode_status_reply(msg.data)
         except Exception as exc:  # no market, or its answer is no status
-            log.info("quarantine_list_not_loaded", model=self.model, error=f"{type(exc).__name__}: {exc}"[:200])
-            return 0
+            self.refusals.info(("not_loaded",), "quarantine_list_not_loaded", model=self.model,
+                               error=f"{type(exc).__name__}: {exc}"[:200], note="asking again with back-off")
+            return None
         if not isinstance(status, mc.MarketStatus):
-            return 0
+            return None
         new = sum(self.auditor.quarantine(node, caught_here=False) for node in status.quarantined)
         self.loaded += new
         log.info("quarantine_list_loaded", model=self.model, nodes=len(status.quarantined), new=new)

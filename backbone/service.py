@@ -383,6 +383,8 @@ class BackboneService:
             run.subs.clear()
             if run.link is not None:
                 step("market link", run.link.stop())
+            if run.quarantines is not None:  # ends its asking for the market's list, if it still asks
+                step("quarantine list", run.quarantines.stop())
             if run.dispatch is not None:
                 log_summary(run.dispatch)
                 step("dispatch", run.dispatch.close())

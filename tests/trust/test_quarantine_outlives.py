@@ -83,3 +83,28 @@ def test_a_forged_verdict_on_the_bus_drops_no_honest_node(model, nats_server):
         quarantines = backbone._run.quarantines
         asyncio.run(until(lambda: quarantines.ignored == 2, "both forgeries heard", 10))
         assert not backbone.dispatch.auditor.is_quarantined("honest")
+
+
+def test_a_backbone_started_before_its_market_still_loads_the_list(model, nats_server):
+    """No market when the backbone starts (or one too busy to answer in time): it asks again with
+    back-off, and the list a market gives later is taken."""
+    engine = Engine(model)
+    fp = model_fingerprint(engine.reader)
+    with BackboneService(engine, backbone_cfg(model, nats_server.url)) as backbone:
+        quarantines = backbone._run.quarantines
+        assert not backbone.dispatch.auditor.is_quarantined("liar")
+
+        async def market_answers():
+            nc = await connect(nats_server.url, name="late-market")
+            status = mc.MarketStatus(model=fp, market="m", sent_at=1.0, manifest_known=False, n_layer=0,
+                                     n_expert=0, range_experts=4, expiry_s=2.0, nodes=(), demand=(), totals=(),
+                                     quarantined=("liar",))
+
+            async def answer(msg):
+                await msg.respond(status.encode())
+            await nc.subscribe(Subjects(fp).status(), cb=answer)
+            await nc.flush()
+            await until(lambda: backbone.dispatch.auditor.is_quarantined("liar"), "the list loaded late", 20)
+            await nc.close()
+        asyncio.run(market_answers())
+        assert quarantines.loaded == 1
