@@ -262,6 +262,34 @@ def _other_mode(path: str, items) -> list[np.ndarray] | None:
     return None
 
 
+class _Capture:
+    """An expert backend that computes locally and keeps the rows each expert was handed."""
+
+    def __init__(self, local):
+        self.local, self.rows = local, []
+
+    def run_layer(self, layer, calls):
+        self.rows += [rows for _, rows in calls]
+        return self.local.run_layer(layer, calls)
+
+
+def _expert_inputs(engine, sizes: list[int], rng) -> dict[int, np.ndarray]:
+    """Per row count, rows as the engine hands them to an expert (normed hidden states of real
+    decode steps): an audit's flip analysis looks at how close activations sit to rounding
+    boundaries, which random rows do not show as real ones do."""
+    capture = _Capture(engine.local_experts)
+    seqs = _sequences(engine, max(sizes), 16, rng)
+    engine.use_experts(capture)
+    try:
+        for _ in range(2):
+            _decode_step(engine, seqs, rng)
+    finally:
+        engine.use_experts(None)
+    rows = np.concatenate(capture.rows) if capture.rows else rng.standard_normal((max(sizes), engine.cfg.n_embd))
+    return {n: np.ascontiguousarray(rows[rng.choice(len(rows), n, replace=len(rows) < n)], dtype=np.float32)
+            for n in sizes}
+
+
 def measure_audit(engine, path: str, quick: bool) -> dict:
     """An audit's recomputation of one call, by the path backbone/audit.py takes for the kernel
     a worker announced: ``exact`` (a kernel this backbone runs: the reference computed ahead is
@@ -278,7 +306,7 @@ def measure_audit(engine, path: str, quick: bool) -> dict:
     rng = np.random.default_rng(4)
     sizes = [1, 4] if quick else [1, 2, 3, 4]  # a decode step's calls: a few rows each
     pairs = [(int(rng.integers(0, cfg.n_layer)), int(rng.integers(0, cfg.n_expert))) for _ in range(8)]
-    inputs = {n: rng.standard_normal((n, cfg.n_embd)).astype(np.float32) for n in sizes}
+    inputs = _expert_inputs(engine, sizes, rng)
     items = [(layer, expert, inputs[n]) for n in sizes for layer, expert in pairs]
     # An honest reply of each (layer, expert): a worker's of the other kernel mode, whose gap to
     # numpy's is the flips the audit takes out.
