@@ -355,6 +355,23 @@ class Stream:
     n_kv: int
 
 
+def _ffn_input(g: Graph, lib, x, y, keep, eps: float, fn, wr, br, sw, sg, step: StepShape) -> tuple:
+    """What follows every mixer (attention or delta-net) of a layer: the residual, the FFN norm,
+    the router's probabilities and the shared expert. ``y``: the mixer's output projection;
+    ``keep``: on the last layer, the rows whose logits are wanted. Returns (x2, h, probs, shared)."""
+    ctx = g.ctx
+    if keep is not None:  # the last layer: only the rows whose logits are wanted go on
+        y, x = (g.scratch(lib.ggml_get_rows(ctx, t, keep)) for t in (y, x))
+    x2 = g.scratch(lib.ggml_add(ctx, x, y))
+    h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x2, eps)), fn))
+    r = g.scratch(lib.ggml_mul_mat(ctx, wr, h))  # (E, R)
+    if br is not None:
+        r = g.scratch(lib.ggml_add(ctx, r, br))
+    probs = g.scratch(lib.ggml_soft_max(ctx, r))
+    shared = _shared_expert(g, lib, h, sw, sg, step.shexp_gate) if sw is not None else None
+    return x2, h, probs, shared
+
+
 def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionShape, step: StepShape, rps: dict,
                     with_shared: bool = True, pos4=None):
     """Inputs of one layer's attention part, in binding order, and its ops; returns
@@ -405,16 +422,7 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     y = g.scratch(lib.ggml_mul_mat(ctx, wo, attn))
     if bo is not None:
         y = g.scratch(lib.ggml_add(ctx, y, bo))
-    if keep is not None:  # the last layer: only the rows whose logits are wanted go on
-        y, x = (g.scratch(lib.ggml_get_rows(ctx, t, keep)) for t in (y, x))
-    x2 = g.scratch(lib.ggml_add(ctx, x, y))
-    h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x2, eps)), fn))
-    r = g.scratch(lib.ggml_mul_mat(ctx, wr, h))  # (E, R)
-    if br is not None:
-        r = g.scratch(lib.ggml_add(ctx, r, br))
-    probs = g.scratch(lib.ggml_soft_max(ctx, r))
-    shared = _shared_expert(g, lib, h, sw, sg, step.shexp_gate) if sw is not None else None
-    return x2, h, probs, shared
+    return _ffn_input(g, lib, x, y, keep, eps, fn, wr, br, sw, sg, step)
 
 
 def _delta_net_part(g: Graph, lib, x, keep, layer, shape: DeltaNetShape, step: StepShape, rps: dict,
@@ -485,16 +493,7 @@ def _delta_net_part(g: Graph, lib, x, keep, layer, shape: DeltaNetShape, step: S
         if R > step.n_new:  # one row as two: the output projection runs on the row twice
             y = g.scratch(lib.ggml_repeat_4d(ctx, y, Hv * S, R, 1, 1))
     y = g.scratch(lib.ggml_mul_mat(ctx, wo, y))  # (D, R)
-    if keep is not None:  # the last layer: only the rows whose logits are wanted go on
-        y, x = (g.scratch(lib.ggml_get_rows(ctx, t, keep)) for t in (y, x))
-    x2 = g.scratch(lib.ggml_add(ctx, x, y))
-    h = g.scratch(lib.ggml_mul(ctx, g.scratch(lib.ggml_rms_norm(ctx, x2, eps)), fn))
-    r = g.scratch(lib.ggml_mul_mat(ctx, wr, h))  # (E, R)
-    if br is not None:
-        r = g.scratch(lib.ggml_add(ctx, r, br))
-    probs = g.scratch(lib.ggml_soft_max(ctx, r))
-    shared = _shared_expert(g, lib, h, sw, sg, step.shexp_gate) if sw is not None else None
-    return x2, h, probs, shared
+    return _ffn_input(g, lib, x, y, keep, eps, fn, wr, br, sw, sg, step)
 
 
 def _delta_net_projections(layer) -> tuple:
