@@ -412,8 +412,11 @@ def _spawn_market(url: str, model: str, db: str, log_file, extra: list[str] = ()
                                            stderr=subprocess.STDOUT))
 
 
-def _rewards(backbone: BackboneService, model: str, timeout_s: float = 10.0) -> dict | None:
-    """Wait until the market acknowledged this run's ledger events, then ask it for the totals."""
+def _rewards(backbone: BackboneService, model: str, timeout_s: float = 30.0) -> dict | None:
+    """Wait until the market acknowledged this run's ledger events, then ask it for the totals.
+    The wait ends as soon as they are acknowledged; its bound is generous because the market
+    holds back events their routing statistics do not yet back (read again a little later), and
+    on a loaded machine that can take seconds (a CI run got empty totals with a 10 s bound)."""
     from kvasir_bus import market_codec as mc
     from kvasir_bus.subjects import Subjects
     from market.show import totals_json
