@@ -28,6 +28,7 @@ from kvasir_bus.fingerprint import model_fingerprint
 from kvasir_bus.loopthread import LoopThread
 from kvasir_bus.subjects import Subjects, parse_dispatch
 from launch.swarm import spawn_worker, wait_for_nodes
+from tests.polling import until
 
 pytest.importorskip("llama_cpp", reason="the backbone's kernel and the synthetic models need llama.cpp")
 
@@ -158,11 +159,17 @@ class UsedReplies:
                    if who == node and where in first and at >= first[where] and layer in (None, where))
 
 
-def sharded(model, url, prompt, audit: AuditConfig, n: int = N_DECODE, used: UsedReplies | None = None):
+def sharded(model, url, prompt, audit: AuditConfig, n: int = N_DECODE, used: UsedReplies | None = None,
+            wait_nodes: frozenset = frozenset()):
+    """``wait_nodes``: generate once this backbone has heard their heartbeats (a worker's holdings
+    reach a fresh backbone with its next heartbeat: before that every call is computed here)."""
     engine = Engine(model)
     cfg = BackboneConfig(model_path=str(model), nats_url=url, market=False, serve_manifest=False,
                          dispatch=DispatchConfig(audit=audit))
     with BackboneService(engine, cfg) as backbone:
+        if wait_nodes:
+            asyncio.run(until(lambda: wait_nodes <= set(backbone.dispatch.coverage.bundle_holders(0, 0)),
+                              f"the backbone hears {sorted(wait_nodes)}'s heartbeats", 20))
         if used is not None:
             backbone.dispatch.recorder = used
         gen = generate(engine, prompt, n, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
@@ -211,7 +218,8 @@ def test_an_honest_worker_on_the_numpy_kernel_is_never_quarantined(model, prompt
     try:
         fp = model_fingerprint(Engine(model).reader)
         asyncio.run(wait_for_nodes(nats_server.url, fp, {"numpy-w"}, procs=[worker]))
-        tokens, logits, stats = sharded(model, nats_server.url, prompt, AuditConfig(rate=1.0))
+        tokens, logits, stats = sharded(model, nats_server.url, prompt, AuditConfig(rate=1.0),
+                                        wait_nodes=frozenset({"numpy-w"}))
     finally:
         worker.stop()
     assert stats["quarantined"] == [] and stats["audit_failures"] == 0
