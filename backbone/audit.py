@@ -20,10 +20,12 @@ construction. How it is compared depends on the kernel the worker announced (hea
 carry a label such as ``ggml-x86_64`` or ``numpy-aarch64``, see :func:`kernel_label`):
 
 * a kernel the backbone runs on the same CPU architecture (ggml or numpy): the backbone recomputes
-  the reply *with that kernel* and demands identical bits (``-repack`` or not: routed experts run
-  the plain layout in both; a ``-det`` worker's reply is recomputed by a fast-mode backbone
-  7 rows at a time, which gives the deterministic mode's bits; a deterministic backbone cannot
-  recompute the fast mode's tiled kernel, so a fast worker is a foreign kernel to it);
+  the reply *with that kernel* and demands identical bits (in the fast mode ``-repack`` or not:
+  routed experts run the plain layout in both; a ``-det`` worker, whose experts are plain, is
+  recomputed by a fast-mode backbone 7 rows at a time, which gives the deterministic mode's
+  bits; a ``-det-repack`` worker's experts are repacked, which only a ``-det-repack`` backbone
+  computes; a deterministic backbone cannot recompute the fast mode's tiled kernel, so a fast
+  worker is a foreign kernel to it);
 * the numpy kernel on another CPU (``numpy-aarch64`` against an x86 backbone) and the browser's
   (``js-wasm32``, ``js-scalar``): they compute the numpy kernel's function, whose only float
   rounding left to the CPU is that of float64 sums rounded to float32 once (the activations are
@@ -211,9 +213,12 @@ DET_CHUNK_ROWS = 7
 
 
 def _expert_kernel(label: str) -> str:
-    # routed experts run ggml's plain layout with or without repacking (kernels.ggml.expert_layout):
-    # a -repack worker's expert bits are the plain ones
-    return label[:-len("-repack")] if label.endswith("-repack") else label
+    # in the fast mode routed experts run ggml's plain layout with or without repacking
+    # (kernels.ggml.expert_layout): a -repack worker's expert bits are the plain ones; a
+    # deterministic-mode worker's -repack means its experts are repacked (other bits)
+    if label.endswith("-repack") and not label.endswith("-det-repack"):
+        return label[:-len("-repack")]
+    return label
 
 
 def rerun_backend(announced: str, own_backend: str, *, machine: str | None = None,
@@ -240,8 +245,8 @@ def rerun_rows(announced: str, own_backend: str, *, machine: str | None = None, 
     backbone recomputes a deterministic-mode worker's reply :data:`DET_CHUNK_ROWS` rows at a time."""
     if own_backend != "ggml":
         return 0
-    det = kernel_label("ggml", machine, "deterministic")
-    if announced == det and kernel_label("ggml", machine, mode) != det:
+    det = kernel_label("ggml", machine, "deterministic", repack=False)  # plain experts: vec_dot at every row count
+    if announced == det and kernel_label("ggml", machine, mode) not in (det, det + "-repack"):
         return DET_CHUNK_ROWS
     return 0
 

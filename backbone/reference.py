@@ -55,18 +55,29 @@ def _stderr_silenced():
 class Reference:
     """llama.cpp on one model, as its CPU backend computes by default except for settings that
     change the kernels, not the model: flash attention off (our engine computes attention the
-    classic way) and, with ``repack=False``, no weight repacking into interleaved layouts
-    (llama.cpp's default repacks Q4_0/Q4_K/IQ4_NL... weights for other kernels that round in
-    another order; our fast mode repacks the same weights, the deterministic mode none)."""
+    classic way) and, with ``repack=False``, no repacking of dense weights into interleaved
+    layouts (llama.cpp's default repacks Q4_0/Q4_K/IQ4_NL... weights for other kernels that round
+    in another order; our fast mode repacks the same dense weights, the deterministic mode none).
+    ``repack_experts``: whether the routed experts are repacked (None: llama.cpp's default with
+    ``repack``, this process's setting without it: our deterministic mode repacks them)."""
 
     def __init__(self, path: str | os.PathLike, n_ctx: int, n_threads: int | None = None, n_batch: int = 512,
                  repack: bool = False, logits_all: bool = True, repack_experts: bool | None = None):
         llama_cpp = import_llama_cpp()
         self.path = os.fspath(path)
-        fields = {"use_extra_bufts": repack}
+        if not repack and repack_experts is None:  # as this process: the deterministic mode repacks experts
+            from kernels.backend import kernel_settings
+
+            repack_experts = kernel_settings()["repack_experts"]
+        fields = {"use_extra_bufts": repack or bool(repack_experts)}
+        overrides = None
         if repack and repack_experts is False:  # as our fast mode: routed experts plain (kernels.ggml.expert_layout)
-            self._overrides = _plain_experts_override()  # read by llama.cpp as it loads; kept with the model
-            fields["tensor_buft_overrides"] = ctypes.addressof(self._overrides[0])
+            overrides = _plain_override(b"_exps")
+        elif not repack and repack_experts:  # as our deterministic mode: only the routed experts repacked
+            overrides = _plain_override(_NOT_EXPERTS)
+        if overrides is not None:
+            self._overrides = overrides  # read by llama.cpp as it loads; kept with the model
+            fields["tensor_buft_overrides"] = ctypes.addressof(overrides[0])
         with _model_params(llama_cpp, **fields):
             self.llm = quiet_llama(llama_cpp, self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                                    logits_all=logits_all, flash_attn=False,
@@ -112,10 +123,13 @@ class _BuftOverride(ctypes.Structure):
     _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]  # llama_model_tensor_buft_override
 
 
-def _plain_experts_override() -> tuple:
-    """``tensor_buft_overrides`` that keep the routed experts' tensors (``*_exps*``) in a plain
-    host buffer while every other weight goes where llama.cpp puts it (its extra, repacking
-    buffer types). Overriding to ``ggml_backend_cpu_buffer_type()`` itself would not do: llama.cpp
+_NOT_EXPERTS = b"^(?!.*_exps)"  # every tensor but the routed experts' (llama.cpp's std::regex_search, ECMAScript)
+
+
+def _plain_override(pattern: bytes) -> tuple:
+    """``tensor_buft_overrides`` that keep the tensors whose names match ``pattern`` (``_exps``:
+    the routed experts; :data:`_NOT_EXPERTS`: all others) in a plain host buffer while every
+    other weight goes where llama.cpp puts it (its extra, repacking buffer types). Overriding to ``ggml_backend_cpu_buffer_type()`` itself would not do: llama.cpp
     then tries the extra types first. The type of a buffer made over host memory
     (``ggml_backend_cpu_buffer_from_ptr``, "CPU_Mapped", the type of llama.cpp's own mapped
     weights) is plain and not that pointer. Returns (the NULL-terminated array, what it needs
@@ -130,7 +144,7 @@ def _plain_experts_override() -> tuple:
     host = aligned_empty(64)  # ggml asserts the buffer's alignment
     buffer = base.ggml_backend_cpu_buffer_from_ptr(host.ctypes.data, host.nbytes)
     buft = base.ggml_backend_buffer_get_type(buffer)
-    return (_BuftOverride * 2)(_BuftOverride(b"_exps", buft), _BuftOverride(None, None)), host, buffer
+    return (_BuftOverride * 2)(_BuftOverride(pattern, buft), _BuftOverride(None, None)), host, buffer
 
 
 @contextlib.contextmanager

@@ -163,8 +163,8 @@ def main() -> int:
         print(json.dumps(check_dump(args.check_dump, args.how)))
         return 0
     npb = get_backend("numpy")
-    # routed experts run ggml's plain layout in both kernel modes (kernels/ggml.py expert_layout):
-    # one mode, this process's, is measured
+    # one mode, this process's, is measured (the deterministic mode runs its experts repacked
+    # where ggml has a repacked kernel for the type, the fast mode plain: kernels/ggml.py expert_layout)
     modes = {kernel_mode(): get_backend("ggml")}
     shapes = {"small": SHAPES["small"]} if args.quick else SHAPES
     rows_list = (1, 8) if args.quick else (1, 8, 64)

@@ -265,13 +265,15 @@ def _select_default() -> Backend:
 def kernel_label(backend: str | None = None, machine: str | None = None, mode: str | None = None,
                  repack: bool | None = None) -> str:
     """What a node announces as its kernel: the backend, the CPU architecture and, for ggml,
-    ``-det`` in deterministic mode or ``-repack`` in fast mode with its weights repacked
-    (``ggml-x86_64-repack``, ``ggml-x86_64``, ``ggml-x86_64-det``, ``numpy-aarch64``).
-    ggml's dot products have one implementation per architecture and round differently, its
-    two modes take different kernels from 8 rows on, and its repacked kernels sum in another
-    order: two nodes with the same label give identical bits. numpy is batch-invariant in both
-    modes (it emulates the one-row kernel). ``repack`` None: this process's setting when
-    ``mode`` is this process's mode (or None), else off."""
+    ``-det`` in deterministic mode, ``-repack`` after it where the mode repacks (the fast mode
+    its dense weights, the deterministic mode its routed experts: ``kernels.ggml.expert_layout``)
+    (``ggml-x86_64-repack``, ``ggml-x86_64``, ``ggml-x86_64-det-repack``, ``ggml-x86_64-det``,
+    ``numpy-aarch64``). ggml's dot products have one implementation per architecture and round
+    differently, its two modes take different kernels from 8 rows on, and its repacked kernels
+    sum in another order: two nodes with the same label give identical bits. numpy is
+    batch-invariant in both modes (it emulates the one-row kernel). ``repack`` None: this
+    process's setting when ``mode`` is this process's mode (or None); for the other mode, the
+    fast one's off and the deterministic one's what this machine's ggml would do."""
     import platform
 
     backend = backend or backend_name()
@@ -280,8 +282,10 @@ def kernel_label(backend: str | None = None, machine: str | None = None, mode: s
         return label
     own_mode = kernel_mode()
     mode = mode or own_mode
-    if mode == "deterministic":
-        return label + "-det"
+    if mode == "deterministic":  # -repack here: its routed experts repacked (kernels.ggml.expert_layout)
+        if repack is None:
+            repack = _repack_experts_setting() if mode == own_mode else _repack_possible()
+        return label + "-det-repack" if repack else label + "-det"
     if repack is None:
         repack = mode == own_mode and _repack_setting()
     return label + "-repack" if repack else label
@@ -313,7 +317,7 @@ def kernel_settings() -> dict:
     mode = kernel_mode()
     return {"backend": backend_name(), "mode": mode, "label": kernel_label(),
             "tiled_mm": mode == "fast", "one_row_as_two": mode == "deterministic",
-            "repack": _repack_setting(), "repack_experts": False,  # routed experts: kernels.ggml.expert_layout
+            "repack": _repack_setting(), "repack_experts": _repack_experts_setting(),  # kernels.ggml.expert_layout
             "threads": _threads_setting(), "decode_threads": _decode_threads()}
 
 
@@ -321,6 +325,21 @@ def _decode_threads() -> int:
     from kernels.ggml import decode_threads
 
     return decode_threads()
+
+
+def _repack_experts_setting() -> bool:
+    from kernels import ggml
+
+    return backend_name() == "ggml" and ggml.repack_experts_enabled()
+
+
+def _repack_possible() -> bool:
+    """Whether a process of the other mode on this machine would repack (its ggml has the
+    repack buffer, KVASIR_REPACK is not 0)."""
+    from kernels import ggml
+
+    return (backend_name() == "ggml" and ggml.load().repack_buft is not None
+            and os.environ.get(ggml.ENV_REPACK, "1") != "0")
 
 
 def _repack_setting() -> bool:

@@ -77,15 +77,19 @@ def moe_step(gate: QTensor, up: QTensor, down: QTensor, k: int, *,
 
 def prepare(weights) -> int:
     """Lay ``weights`` (QTensors: 3-D expert slabs, dense matrices) out for this process's
-    kernels now rather than on their first call: ggml's repacking of the dense matrices in the
-    fast mode (a copy in memory, about 0.6 GB/s on 2 cores), nothing otherwise. Routed experts'
-    slabs are never repacked (``kernels.ggml.expert_layout``): they count 0 here, and a worker's
-    resident memory stays its slice's size. The backbone does it before it serves, so that no
-    request waits a second for a weight. Returns the bytes laid out anew."""
+    kernels now rather than on their first call (a copy in memory, about 0.6 GB/s on 2 cores):
+    in the fast mode ggml's repacking of the dense matrices, in the deterministic mode that of
+    the routed experts' slabs (``kernels.ggml.expert_layout``; each slab then lets go of its
+    mapped pages, so a worker's resident memory stays its slice's size), nothing otherwise. The
+    backbone and the workers do it before they serve, so that no request waits a second for a
+    weight. Returns the bytes laid out anew."""
     if backends.backend_name() != "ggml":
         return 0
     from kernels import ggml
 
-    if not ggml.repack_enabled():
-        return 0
-    return sum(w.nbytes for w in weights if ggml.repacked(w) is not None)
+    done = 0
+    for w in weights:
+        expert = len(w.ne) == 3 or w.slab is not None
+        rp = ggml.expert_repacked(w) if expert else ggml.repacked(w)
+        done += w.nbytes if rp is not None else 0
+    return done

@@ -44,7 +44,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from kernels import deltanet, ggml
-from kernels.ggml import Graph, address, repacked, run_cached, threads_for, weight_data, weight_input
+from kernels.ggml import Graph, address, expert_repacked, repacked, run_cached, threads_for, weight_data, weight_input
 from kernels.tensors import QTensor
 
 NODES = 64  # graph size: attention_out with a shared expert and its gate has about 25 nodes
@@ -778,8 +778,10 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
           key_tail: tuple) -> _StepPlan:
     rps = {}
     for b in blocks:
-        for w in _packable(b.layer):
+        for w in _dense_weights(b.layer):
             rps[id(w)] = repacked(w)
+        for w in _expert_slabs(b.layer):  # the routed experts' own layout rule (expert_layout)
+            rps[id(w)] = expert_repacked(w)
     rp_head = repacked(head[1]) if head is not None else None
     work = 0
     for i, b in enumerate(blocks):
@@ -1058,7 +1060,8 @@ def shared_expert(layer, h: np.ndarray, rows: int, gate_kind: str, *, tokens: in
 
 def repackable_weights(layers, head) -> list:
     """Every weight the step graphs bind repacked where the mode repacks: each layer's dense
-    matrices and routed-expert slabs, and the output head (``kernels.expert.prepare``)."""
+    matrices and routed-expert slabs (each by its own rule), and the output head
+    (``kernels.expert.prepare``)."""
     return [w for layer in layers for w in _packable(layer)] + [head]
 
 

@@ -284,8 +284,9 @@ def load() -> Lib:
                 _lib = Lib(lib_dir())
                 _lib.mode = mode
                 # read once, like the mode: repacked() is asked for every dense weight of every call
-                _lib.repack = (mode == "fast" and _lib.repack_buft is not None
-                               and os.environ.get(ENV_REPACK, "1") != "0")
+                allowed = _lib.repack_buft is not None and os.environ.get(ENV_REPACK, "1") != "0"
+                _lib.repack = mode == "fast" and allowed
+                _lib.repack_experts = mode == "deterministic" and allowed  # expert_layout
             except GgmlUnavailable as exc:
                 _lib_error = exc
     if _lib is None:
@@ -732,18 +733,22 @@ def run_cached(key: tuple, build, arrays) -> None:
 # --- weight repacking ---------------------------------------------------------------------------
 # llama.cpp on this CPU puts Q4_0, Q4_K, IQ4_NL... weights into ggml_backend_cpu's "repack"
 # buffer type: the bytes are interleaved once, at load, for gemv/gemm kernels that round in
-# another order than vec_dot and switch kernels with the row count, so only the fast mode
-# repacks (the deterministic mode stays batch-invariant). Dense weights (attention, shared
-# expert, output head) are repacked where ggml has a kernel for them, as llama.cpp does.
+# another order than vec_dot. For a dense weight (``ggml_mul_mat``) the repacked kernels switch
+# with the row count (a gemm per 4 rows, a gemv for the rest: other bits), so only the fast mode
+# repacks dense weights (attention, shared expert, output head), as llama.cpp does.
 #
-# The routed experts are not (:func:`expert_layout`): ggml's repacked ``mul_mat_id`` takes every
-# row through a gemv of its own, so an expert called on many rows never reaches a gemm. Measured
-# at the 122B expert shape (3072x1024 Q4_K, 2 threads, ``bench/kernel.py``): repacked 1.06x the
-# plain layout at 1 row, 0.78x at 8, 0.33x at 64, 0.32x at 512. The plain ``mul_mat_id`` chooses
-# its kernel by the rows each expert gets (vec_dot below 8, the tiled kernel from 8 on in the
-# fast mode), so the choice by rows is ggml's own and holds inside one graph: the backbone's
-# one-graph layer and a worker's call of one expert give the same bits at every row count, with
-# no second copy of the experts in memory (a worker's resident memory stays its slice's size).
+# The routed experts (:func:`expert_layout`) go the other way. ggml's repacked ``mul_mat_id``
+# takes every row through a gemv of its own, so a repacked expert gives each row the same bits
+# at any row count (batch-invariant, checked in tests/kernels/test_expert_layout.py) but never
+# reaches a gemm. Measured at the 122B expert shape (3072x1024 Q4_K, 2 threads,
+# ``bench/kernel.py``): against the plain layout's tiled kernel (the fast mode's from 8 rows)
+# repacked is 1.1x at 1 row and 0.3x from 64 rows; against the plain one-row kernel at every row
+# count (the deterministic mode's) it is 1.1-1.2x at every row count. So the fast mode keeps the
+# experts plain (ggml's plain ``mul_mat_id`` chooses vec_dot or the tiled kernel by the rows
+# each expert gets, the same choice inside the backbone's one-graph layer and in a worker's call)
+# and the deterministic mode repacks them (one kernel at every row count on both sides). Either
+# way a process holds one copy of each expert: a repacked slab lets go of its mapped pages
+# (:func:`release_mapped_pages`), so a worker's resident memory stays its slice's size.
 
 ENV_REPACK = "KVASIR_REPACK"  # "0" turns repacking off in fast mode (default on, as llama.cpp: see repack_enabled)
 
@@ -805,38 +810,80 @@ def repack_enabled() -> bool:
     return load().repack
 
 
+def repack_experts_enabled() -> bool:
+    """Whether routed experts are repacked in this process (:func:`expert_layout`): the
+    deterministic mode where ggml has its repack buffer, unless KVASIR_REPACK=0."""
+    return load().repack_experts
+
+
+@functools.lru_cache(maxsize=None)
+def has_repacked_kernel(ggml_type: int) -> bool:
+    """Whether ggml on this CPU has a repacked layout for experts of ``ggml_type`` (probed on a
+    256 x 8 matrix: expert shapes are whole blocks of rows and of the 8-row interleave)."""
+    lib = load()
+    if lib.repack_buft is None:
+        return False
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if 256 % block:
+        return False
+    probe = QTensor("layout probe", GGMLQuantizationType(ggml_type), (256, 8),
+                    np.zeros(8 * (256 // block) * type_size, np.uint8))
+    return repack_weight(probe) is not None
+
+
 def expert_layout(ggml_type: int, rows: int, mode: str | None = None) -> str:
     """The layout a routed expert's weights are multiplied in for a call of ``rows`` rows:
-    ``"plain"`` (the GGUF's bytes) at every row count, type and mode. ggml's plain
-    ``mul_mat_id`` then picks its kernel by the rows that reach each expert (vec_dot below 8
-    rows, the tiled kernel from 8 in the fast mode), the same in a worker's call and in the
-    backbone's one-graph layer. The repacked layout is left out because ggml's repacked
-    ``mul_mat_id`` runs a gemv per row: at most 6% quicker at 1 row, 3x slower from 64 rows
-    (see the repacking notes above); choosing it below 8 rows only would split a layer's graph
-    by each expert's row count, which the in-graph router does not know when the graph is built.
-    The arguments are what both sides of a call see; kept so the rule is stated where it is
-    applied and tested (tests/kernels/test_expert_layout.py)."""
+    ``"repacked"`` in the deterministic mode where ggml has a repacked kernel for the type
+    (Q4_K, Q4_0, IQ4_NL on x86; not KVASIR_REPACK=0), else ``"plain"`` (the GGUF's bytes).
+    The repacked ``mul_mat_id`` runs one gemv per row, so it gives every row count the same
+    bits and is the quicker kernel at every row count when the alternative is the one-row
+    vec_dot (the deterministic mode's); in the fast mode the plain layout's tiled kernel wins
+    from 8 rows by 3x, and choosing the repacked one below 8 rows only would split a layer's
+    graph by each expert's row count, which the in-graph router does not know when the graph
+    is built (see the repacking notes above). The rule takes only what both sides of a call see
+    (the type, the rows, the mode: the mode is in each node's kernel label); ``mode`` None:
+    this process's. Tested in tests/kernels/test_expert_layout.py."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
-    return "plain"
+    own = load().mode
+    mode = mode or own
+    enabled = repack_experts_enabled() if mode == own else (
+        mode == "deterministic" and os.environ.get(ENV_REPACK, "1") != "0")
+    return "repacked" if mode == "deterministic" and enabled and has_repacked_kernel(ggml_type) else "plain"
 
 
-def repacked(w: QTensor) -> Repacked | RepackedSlab | None:
-    """``w`` in the repack buffer (made once per tensor), or None where repacking is off, ggml
-    has no repacked kernel for its type and shape, or ``w`` holds routed experts (a 3-D slab or
-    an expert's 2-D view of one, ``w.slab``: :func:`expert_layout`). :func:`repack_weight`
-    repacks any weight on request (the benchmark's raw graphs, the tests)."""
-    if not load().repack or len(w.ne) != 2 or w.slab is not None:
+def expert_repacked(w: QTensor) -> Repacked | RepackedSlab | None:
+    """A routed expert's weight (a 3-D slab, an expert's 2-D view of one, or a lone expert
+    matrix) in the repack buffer where :func:`expert_layout` says so (made once per tensor; a
+    view finds its bytes in its slab's repacked copy), else None: the plain bytes."""
+    if not load().repack_experts:
         return None
     try:
         return _repacked[w]
     except KeyError:
         pass
     if len(w.ne) == 2 and w.slab is not None:
-        parent = repacked(w.slab)
+        parent = expert_repacked(w.slab)
         rp = None if parent is None else parent.slab(w.slab_index, w.nbytes)
         with _repack_lock:
             return _repacked.setdefault(w, rp)
+    with _repack_lock:
+        if w not in _repacked:
+            _repacked[w] = repack_weight(w)
+    return _repacked[w]
+
+
+def repacked(w: QTensor) -> Repacked | RepackedSlab | None:
+    """A dense weight ``w`` in the repack buffer (made once per tensor), or None where
+    repacking is off, ggml has no repacked kernel for its type and shape, or ``w`` holds routed
+    experts (a 3-D slab or an expert's 2-D view of one: their layout is :func:`expert_repacked`'s).
+    :func:`repack_weight` repacks any weight on request (the benchmark's raw graphs, the tests)."""
+    if not load().repack or len(w.ne) != 2 or w.slab is not None:
+        return None
+    try:
+        return _repacked[w]
+    except KeyError:
+        pass
     with _repack_lock:
         if w not in _repacked:
             _repacked[w] = repack_weight(w)
@@ -996,7 +1043,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
     n = x.shape[0]
     lib = load()
     threads = expert_threads(n * w.ne[0] * w.ne[1]) if routed else threads_for(n * w.ne[0] * w.ne[1], n)
-    rp = None if routed else repacked(w)  # a routed expert's layout: expert_layout
+    rp = expert_repacked(w) if routed else repacked(w)  # a routed expert's layout: expert_layout
 
     def build() -> Graph:
         g = Graph(lib, n_tensors=5)
@@ -1026,21 +1073,25 @@ class _FfnPlan:
     graph shape (types, sizes, biases, activation: never the weights' bytes, which are bound
     per call), so experts of one shape share their cached graphs."""
 
-    __slots__ = ("up", "down", "n_embd", "n_ff", "work", "shape_id", "weights", "rps", "routed_weights")
+    __slots__ = ("up", "down", "n_embd", "n_ff", "work", "shape_id", "weights", "rps", "routed_weights",
+                 "routed_rps", "routed_shape_id")
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
         self.up, self.down = up, down
         self.n_embd, self.n_ff = gate.ne
         self.work = 3 * self.n_embd * self.n_ff  # multiply-adds per row
-        self.rps = tuple(repacked(w) for w in (gate, up, down))  # None each where not repacked
-        self.shape_id = shape_id((int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), gate.ne,
-                                   tuple(w.bias is not None for w in (gate, up, down)), gate.glu,
-                                   tuple(rp is not None for rp in self.rps)))
+        triple = (gate, up, down)
+        biases = tuple(w.bias_ptr for w in triple if w.bias is not None)
+        # a dense call (a shared expert) and a routed call each bind their own layout
+        self.rps = tuple(repacked(w) for w in triple)  # None each where not repacked
+        self.routed_rps = tuple(expert_repacked(w) for w in triple)  # expert_layout
+        shape = (int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), gate.ne,
+                 tuple(w.bias is not None for w in triple), gate.glu)
+        self.shape_id = shape_id((*shape, tuple(rp is not None for rp in self.rps)))
+        self.routed_shape_id = shape_id((*shape, "routed", tuple(rp is not None for rp in self.routed_rps)))
         # the addresses a call binds after x, in graph input order: weights, then bias rows
-        self.weights = (*(weight_data(w, rp) for w, rp in zip((gate, up, down), self.rps)),
-                        *(w.bias_ptr for w in (gate, up, down) if w.bias is not None))
-        # a routed call binds the plain bytes (expert_layout), whatever the dense calls use
-        self.routed_weights = (gate.ptr, up.ptr, down.ptr, *self.weights[3:])
+        self.weights = (*(weight_data(w, rp) for w, rp in zip(triple, self.rps)), *biases)
+        self.routed_weights = (*(weight_data(w, rp) for w, rp in zip(triple, self.routed_rps)), *biases)
 
 
 _ffn_plans: "weakref.WeakKeyDictionary[QTensor, _FfnPlan]" = weakref.WeakKeyDictionary()
@@ -1101,11 +1152,12 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
     n = x.shape[0]
     if n == 1 and not routed and deterministic():  # batch invariance: see _one_row
         return _one_row(expert_ffn, gate, up, down, x, routed=False)
-    if routed:  # the plain layout at every row count (expert_layout), the team for any large call
+    if routed:  # the layout of expert_layout at every row count, the team for any large call
         threads = expert_threads(plan.work * n)
-        key = ("ffn", plan.shape_id, True, n, threads)
+        key = ("ffn", plan.routed_shape_id, True, n, threads)
         out = np.empty((n, plan.n_embd), dtype=np.float32)
-        run_cached(key, lambda: _build_ffn(gate, up, down, True, n, threads), (x, *plan.routed_weights, out))
+        run_cached(key, lambda: _build_ffn(gate, up, down, True, n, threads, plan.routed_rps),
+                   (x, *plan.routed_weights, out))
         return out
     threads = threads_for(plan.work * n, n)
     key = ("ffn", plan.shape_id, False, n, threads)
@@ -1306,7 +1358,7 @@ class _MoePlan:
                                  f"{getattr(b, 'dtype', type(b).__name__)} {getattr(b, 'shape', '')}")
         self.up, self.down, self.biases, self.glu = up, down, biases, glu
         self.work = 3 * n_embd * n_ff  # multiply-adds per (row, slot)
-        self.rps = tuple(repacked(w) for w in (gate, up, down))  # None each where not repacked
+        self.rps = tuple(expert_repacked(w) for w in (gate, up, down))  # expert_layout: None each where plain
         self.shape_id = shape_id(("moe", gate.shape_key, up.shape_key, down.shape_key,
                                    tuple(b is not None for b in biases), glu, tuple(rp is not None for rp in self.rps)))
         self.weights = (*(weight_data(w, rp) for w, rp in zip((gate, up, down), self.rps)),

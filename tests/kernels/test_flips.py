@@ -50,12 +50,21 @@ def ggml_scaled(gg, ex, x):
 
 
 # (type, expert seed, row) of one-row calls where ggml and numpy round an activation of the down
-# projection to different Q8 steps (found by search over 6 experts x 64 rows of each type)
-FLIPS = [("Q6_K", 2, 47), ("Q5_K", 0, 43), ("Q4_0", 1, 40)]
+# projection to different Q8 steps (found by search over 6 experts x 64 rows of each type); Q4_0
+# where this process's experts are plain, and where they are repacked (the deterministic mode's
+# layout on CPUs with a repacked Q4_0 kernel: kernels.ggml.expert_layout), which sums in another
+# order and flips elsewhere
+FLIPS = [("Q6_K", 2, 47), ("Q5_K", 0, 43), ("Q4_0", 1, 40), ("Q4_0", 5, 5)]
+FLIP_LAYOUT = {("Q4_0", 1, 40): "plain", ("Q4_0", 5, 5): "repacked"}
 
 
 @pytest.mark.parametrize("name,seed,row", FLIPS)
 def test_a_flip_moves_a_one_row_call_by_about_1e_3_and_is_taken_out(ggml, name, seed, row):
+    from kernels.ggml import expert_layout
+
+    layout = FLIP_LAYOUT.get((name, seed, row))
+    if layout and expert_layout(int(T[name]), 1) != layout:
+        pytest.skip(f"this row flips with the {layout} layout; this process's {name} experts are the other")
     npb, gg = get_backend("numpy"), get_backend("ggml")
     ex = make_expert(T[name], 512, 256, seed)
     x = np.random.default_rng(7 + seed).standard_normal((64, 512)).astype(np.float32)[row:row + 1]

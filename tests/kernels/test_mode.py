@@ -80,15 +80,23 @@ def test_fast_mode_without_repacking_takes_the_tiled_kernel(need_ggml):
 def test_deterministic_mode_is_batch_invariant_and_says_so_in_its_label(need_ggml):
     got = _probe("deterministic")
     assert got["settings"]["mode"] == "deterministic" and got["settings"]["tiled_mm"] is False
-    assert got["label"].endswith("-det")
+    # its routed experts repacked where ggml has a kernel for them (kernels.ggml.expert_layout)
+    assert got["label"].endswith("-det-repack" if got["settings"]["repack_experts"] else "-det")
+    assert got["routed_batch_invariant"] is True and got["one_row_as_in_batch"] is True
+
+
+def test_deterministic_mode_without_repacking_keeps_its_experts_plain_and_batch_invariant(need_ggml):
+    got = _probe("deterministic", repack="0")
+    assert got["settings"]["repack_experts"] is False and got["label"].endswith("-det")
     assert got["routed_batch_invariant"] is True and got["one_row_as_in_batch"] is True
 
 
 def test_labels_name_the_mode_only_where_it_changes_the_bits():
     assert backend.kernel_label("ggml", "x86_64", "fast", repack=False) == "ggml-x86_64"
     assert backend.kernel_label("ggml", "x86_64", "fast", repack=True) == "ggml-x86_64-repack"
-    assert backend.kernel_label("ggml", "x86_64", "deterministic", repack=True) == "ggml-x86_64-det"
-    assert backend.kernel_label("ggml", "x86_64", "deterministic") == "ggml-x86_64-det"
+    # the deterministic mode's -repack: its routed experts repacked (other bits than plain -det)
+    assert backend.kernel_label("ggml", "x86_64", "deterministic", repack=True) == "ggml-x86_64-det-repack"
+    assert backend.kernel_label("ggml", "x86_64", "deterministic", repack=False) == "ggml-x86_64-det"
     assert backend.kernel_label("numpy", "x86_64", "deterministic") == "numpy-x86_64"
 
 

@@ -181,7 +181,10 @@ def test_an_audit_costs_what_the_workers_kernel_makes_the_backbone_recompute():
     profile["backbone"]["local_call"] = {"c0_s": 1e-4, "c_row_s": 1e-5}
     profile["backbone"]["audit"] = {"numpy": {"c0_s": 1e-3, "c_row_s": 0.0},
                                     "explained": {"c0_s": 3e-3, "c_row_s": 0.0}}
-    same = prof.costs_for(profile, TOY, worker_kernel="ggml-x86_64-det")
+    from kernels.backend import kernel_label
+
+    # a deterministic backbone's own label here (-det-repack where ggml repacks experts)
+    same = prof.costs_for(profile, TOY, worker_kernel=kernel_label("ggml", "x86_64", "deterministic"))
     numpy_ = prof.costs_for(profile, TOY, worker_kernel="numpy-aarch64")
     fast = prof.costs_for(profile, TOY, worker_kernel="ggml-x86_64")  # a fast worker, a deterministic backbone
     assert (same.audit_path, numpy_.audit_path, fast.audit_path) == ("exact", "numpy", "explained")

@@ -3,13 +3,14 @@
 How an audit compares depends on the kernel label a worker announces (backbone/audit.py):
 
 * identical bits for a kernel the backbone computes on its own CPU architecture: its own ggml
-  label (``-repack`` or not: routed experts run the plain layout either way), ``-det`` from a
-  fast-mode backbone (recomputed 7 rows at a time, which gives the deterministic mode's bits),
-  and ``numpy-<its arch>``;
+  label (in the fast mode ``-repack`` or not: routed experts run the plain layout either way),
+  ``-det`` (experts plain) from a fast-mode backbone (recomputed 7 rows at a time, which gives
+  the deterministic mode's bits), and ``numpy-<its arch>``;
 * NUMPY_TOLERANCE (1e-5) against the backbone's numpy for the numpy kernel of another CPU and
   the browser's (``numpy-aarch64`` on x86, ``js-wasm32``, ``js-scalar``): they compute the numpy
   kernel's function;
-* anything else (ggml of another CPU, a GPU kernel, and for a deterministic-mode backbone ggml's
+* anything else (ggml of another CPU, a GPU kernel, ``-det-repack`` for a fast backbone and the
+  other deterministic layout for a deterministic one, and for a deterministic-mode backbone ggml's
   fast mode, whose tiled kernel it cannot run): EXPLAINED_TOLERANCE (1e-4) on the gap to numpy
   after the quant-step flips that summation order could cause are taken out (kernels/flips.py).
 
@@ -48,7 +49,9 @@ HERE = platform.machine()
 OTHER = "aarch64" if HERE != "aarch64" else "x86_64"
 FAST = kernel_label("ggml", HERE, "fast", repack=False)
 REPACK = kernel_label("ggml", HERE, "fast", repack=True)
-DET = kernel_label("ggml", HERE, "deterministic")
+DET = kernel_label("ggml", HERE, "deterministic", repack=False)  # routed experts plain: vec_dot at every row count
+DET_REPACK = kernel_label("ggml", HERE, "deterministic", repack=True)  # routed experts repacked (expert_layout)
+DET_HERE = kernel_label("ggml", HERE, "deterministic")  # what a deterministic backbone on this machine runs
 NUMPY_LIKE = (kernel_label("numpy", OTHER), "js-wasm32", "js-scalar")
 ELSEWHERE = (kernel_label("ggml", OTHER, "fast", repack=False), "cuda-sm90")
 Q4_K = int(T.Q4_K)
@@ -56,11 +59,11 @@ Q4_K = int(T.Q4_K)
 
 def expected(mode: str) -> dict[str, tuple[str, bool, float]]:
     """label -> (rerun with, bits demanded, bound when not) for a ggml backbone in ``mode``."""
-    own = {FAST, REPACK, DET} if mode == "fast" else {DET}
+    own = {FAST, REPACK, DET} if mode == "fast" else {DET_HERE}
     table = {label: ("ggml", True, 0.0) for label in own}
     table[kernel_label("numpy", HERE)] = ("numpy", True, 0.0)
     table.update({label: ("numpy", False, NUMPY_TOLERANCE) for label in NUMPY_LIKE})
-    table.update({label: ("ggml", False, 1e-2) for label in (*ELSEWHERE, *({FAST, REPACK} - own))})  # explained
+    table.update({label: ("ggml", False, 1e-2) for label in (*ELSEWHERE, *({FAST, REPACK, DET, DET_REPACK} - own))})  # explained
     return table
 
 
@@ -73,11 +76,14 @@ def test_every_label_names_its_rerun_and_its_bound(mode):
     assert NUMPY_TOLERANCE * 10 <= EXPLAINED_TOLERANCE * 10 <= 1e-3  # the liar at 1e-3: 10x above either
     assert rerun_rows(DET, "ggml", machine=HERE, mode="fast") == DET_CHUNK_ROWS
     assert rerun_rows(DET, "ggml", machine=HERE, mode="deterministic") == 0
+    assert rerun_rows(DET_REPACK, "ggml", machine=HERE, mode="fast") == 0  # repacked experts: not the fast mode's
 
 
 def test_a_deterministic_workers_bits_are_the_fast_modes_in_chunks_of_seven_rows(tmp_path):
     """What makes ``-det`` rerunnable by a fast backbone: every type, 40 rows, both modes in a
-    child process each (ggml reads its mode once, as it loads)."""
+    child process each (ggml reads its mode once, as it loads). ``-det`` is the deterministic
+    mode with its experts plain (KVASIR_REPACK=0; with them repacked it is ``-det-repack``, which
+    a fast backbone cannot rerun and audits as a foreign kernel)."""
     script = (
         "import sys, json, numpy as np; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/bench']\n"
         "from gguf import GGMLQuantizationType as T\n"
@@ -93,7 +99,7 @@ def test_a_deterministic_workers_bits_are_the_fast_modes_in_chunks_of_seven_rows
     for mode, chunk in (("deterministic", 40), ("fast", DET_CHUNK_ROWS)):
         d = tmp_path / mode
         d.mkdir()
-        env = {**os.environ, "KVASIR_KERNEL_MODE": mode}
+        env = {**os.environ, "KVASIR_KERNEL_MODE": mode, "KVASIR_REPACK": "0" if mode == "deterministic" else "1"}
         subprocess.run([sys.executable, "-c", script, str(ROOT), str(d), str(chunk)], env=env, check=True,
                        timeout=300)
         out[mode] = d
