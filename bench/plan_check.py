@@ -382,6 +382,23 @@ def _group_of(c: dict) -> dict:
                      f"{c['streams']} streams, rtt {c['rtt_ms']} ms")
 
 
+def refit(profile: dict) -> dict:
+    """``profile`` with the terms kvasir calibrate fits through the model itself fitted again by
+    today's model from the runs it kept (what workers sharing the backbone's cores cost,
+    ``fanout_s`` and ``core_efficiency``: :func:`planner.calibrate.fit_sharing`): a change
+    elsewhere in the model changes what those terms must stand for. A copy; nothing else changes."""
+    disp = (profile.get("backbone") or {}).get("dispatch") or {}
+    if not disp.get("fanout_runs"):
+        return profile
+    from planner.calibrate import fit_sharing
+
+    out = json.loads(json.dumps(profile))
+    out["backbone"]["dispatch"].pop("core_efficiency", None)  # fitted again with fanout_s, from 1
+    out["backbone"]["dispatch"]["fanout_s"], out["backbone"]["dispatch"]["core_efficiency"] = \
+        fit_sharing(out, disp["fanout_runs"])
+    return out
+
+
 def repredict(saved: dict, profile: dict | None = None, profile_path: str | None = None) -> dict:
     """Run only the model again on a saved run's configurations: each measured figure and input
     (link round trip, other programs' load) as saved, against today's ``kvasir plan`` from the
@@ -400,18 +417,18 @@ def repredict(saved: dict, profile: dict | None = None, profile_path: str | None
             raise UsageError("this run did not keep its profile (runs before the full profile was saved): "
                              "pass --profile FILE")
         profile = own
+    whose = "the run's own" if profile is own else (profile_path or "given")
     shapes = Shapes.from_dict(profile["model"])
+    profile = refit(profile)
     if shapes.name != result["model"]:
         raise UsageError(f"the profile is of {shapes.name}, the run of {result['model']}")
     parser = _argparse.ArgumentParser(prog="kvasir")
     plan_cli.add_parser(parser.add_subparsers())
     configs = []
     with tempfile.TemporaryDirectory() as tmp:
-        path = profile_path
-        if path is None:
-            path = os.path.join(tmp, "profile.json")
-            with open(path, "w") as f:
-                json.dump(profile, f)
+        path = os.path.join(tmp, "profile.json")  # refitted: written here even when given as a file
+        with open(path, "w") as f:
+            json.dump(profile, f)
         for c in result["configs"]:
             group = _group_of(c)
             m = {"streams": c["streams"], "tok_s": c["measured"]["tokens_per_s"], **c["measured"]}
@@ -427,7 +444,8 @@ def repredict(saved: dict, profile: dict | None = None, profile_path: str | None
     out = summarise(result["model"], result["tokens"], result["prompt_tokens"], profile, configs, result.get("cpus"))
     out["worker_kernel"] = result.get("worker_kernel") or workers_kernel()
     out["repredicted"] = {"run": saved.get("date"), "commit": (saved.get("commit") or {}).get("sha"),
-                          "profile": "the run's own" if profile is own else (profile_path or "given")}
+                          "profile": whose, "refitted": {k: (profile.get("backbone") or {}).get("dispatch", {}).get(k)
+                                                         for k in ("fanout_s", "core_efficiency")}}
     return out
 
 

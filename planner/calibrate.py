@@ -18,7 +18,8 @@ Measured with the project's own code, nothing modelled:
   message, per call and per row (least squares over the runs); the worker process's CPU less its
   kernel's gives its CPU per message; nats-server's CPU per message relayed; the wall time left
   over per layer step (wake-ups, the loopback) is ``hop_s``. Bytes per message, call and row are
-  the dispatcher's own counters.
+  the dispatcher's own counters. Balance mode's hedge delay and timer per call
+  (:func:`measure_hedge`), on the bus thread, timed on the code's own functions.
 
 The profile records the model's shapes and fingerprint: ``kvasir plan`` refuses a profile of
 another model unless told to rescale it.
@@ -475,6 +476,37 @@ def measure_dispatch(engine, path: str, rows: list[int], steps: int, rounds: int
     return {"runs": runs}
 
 
+def measure_hedge(n_layer: int, n_expert: int, calls: int = 4000) -> dict:
+    """Balance mode's work per call on the bus thread (backbone/dispatch.py's send of a step):
+    when to hedge it (:meth:`backbone.replicas.Replicas.hedge_delay`, the percentiles of the
+    expert's recent round trips, from a book as full as serving keeps it) and its timer, armed and
+    fired (a won call's timer still fires and finds it done). The CPU seconds per call, the median
+    of five rounds."""
+    from backbone.replicas import ReplicaConfig, Replicas
+
+    replicas = Replicas(ReplicaConfig(mode="balance"))
+    rng = np.random.default_rng(6)
+    for _ in range(replicas.cfg.window):
+        for layer in range(n_layer):
+            replicas.book.observe_wins(layer, [(e, f"w{e % 2}", float(rng.uniform(0.002, 0.004)))
+                                               for e in range(n_expert)])
+    loop = asyncio.new_event_loop()
+    rounds = []
+    try:
+        for _ in range(5):
+            t0 = time.thread_time()
+            for i in range(calls):
+                replicas.hedge_delay(i % n_layer, i % n_expert)
+                loop.call_later(0.0, lambda: None)  # armed as the send arms it, fired at once below
+            loop.run_until_complete(asyncio.sleep(0))
+            rounds.append((time.thread_time() - t0) / calls)
+    finally:
+        loop.close()
+    per_call = float(np.median(rounds))
+    _say(f"balance mode: {1e6 * per_call:.0f} us per call on the bus thread (hedge delay and its timer)")
+    return {"per_call_s": per_call, "rounds": rounds}
+
+
 def measure_fanout(engine, path: str, rows: list[int], steps: int, rounds: int = 3) -> dict:
     """Decode steps of ``rows`` rows against one worker holding every expert and, on a second
     embedded nats-server, two workers that split them (two bundles a layer step), bundles on, in
@@ -574,6 +606,46 @@ def fit_fanout(profile: dict, fanout_runs: list[dict]) -> float:
             lo, hi = (mid, hi) if step(2, run["rows"], run["steps"], mid) - single < target else (lo, mid)
         fits.append((lo + hi) / 2)
     return max(0.0, float(np.median(fits))) if fits else 0.0
+
+
+def fit_sharing(profile: dict, fanout_runs: list[dict]) -> tuple[float, float]:
+    """``(fanout_s, core_efficiency)``: what the workers sharing the backbone's cores cost, fitted
+    together on the one- and two-worker runs (:func:`measure_fanout`) at two row counts or more:
+    per worker woken past the first in a layer step (``Costs.fanout``: a cost per layer step,
+    which weighs most at one row), and a core's speed while both (all) cores run our work
+    (``Costs.core_efficiency``: a share of all work, which a bigger step shows as much). The pair
+    at which the model's two-worker / one-worker step ratios come nearest (least squares) to the
+    measured ones (each run's median of its paired rounds), on a grid (efficiency 1 down to 0.5
+    by 0.05, fanout 0 to 1 ms by 50 us; ties to the higher efficiency, then the lower fanout). With
+    one row count: efficiency 1 and :func:`fit_fanout`."""
+    from dataclasses import replace as with_
+
+    from planner import profile as prof
+    from planner.shapes import Shapes
+    from planner.sim import Config, simulate
+
+    if len({run["rows"] for run in fanout_runs}) < 2:
+        return fit_fanout(profile, fanout_runs), 1.0
+    shapes = Shapes.from_dict(profile["model"])
+    costs = prof.costs_for(profile, shapes)
+    cores = int(profile["machine"].get("cpus") or 2)
+
+    def step(workers: int, run: dict, fanout: float, efficiency: float) -> float:
+        cfg = Config(workers=workers, streams=run["rows"], tokens=run["steps"] + 2, prompt_tokens=16,
+                     colocated_cores=cores, race_confirm=0.0, max_active=run["rows"], step_tokens=256)
+        return simulate(shapes, with_(costs, fanout=fanout, core_efficiency=efficiency), cfg).itl_ms["p50"]
+
+    targets = [float(np.median([two / one for one, two in zip(run["one_worker_s"], run["two_workers_s"])]))
+               for run in fanout_runs]
+    best = None
+    for efficiency in np.round(np.arange(1.0, 0.499, -0.05), 2):
+        ones = [step(1, run, 0.0, efficiency) for run in fanout_runs]
+        for fanout in np.arange(0.0, 1.0001e-3, 50e-6):
+            loss = sum((step(2, run, fanout, efficiency) / one - target) ** 2
+                       for run, one, target in zip(fanout_runs, ones, targets))
+            if best is None or loss < best[0] - 1e-12:
+                best = (loss, float(fanout), float(efficiency))
+    return best[1], best[2]
 
 
 def dense_step_s(dense: dict, n_layer: int, rows: int, ctx: int) -> float:
@@ -756,12 +828,14 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
         profile["worker"]["per_message_s"] = disp["worker_per_message_s"]
         profile["worker"]["in_place"] = disp["worker_in_place"]
         profile["nats"] = {"per_message_s": disp["nats_per_message_s"]}
+        disp["hedge_per_call_s"] = measure_hedge(shapes.n_layer, shapes.n_expert)["per_call_s"]
         fanout = measure_fanout(engine, path, [1] if quick else [1, 2, 4], steps=6 if quick else 12, rounds=3)
         disp["fanout_runs"] = fanout["runs"]
         profile["wire"] = {"row_bytes": 4 * shapes.n_embd, "call_bytes": 96, "message_bytes": 1024}
-        disp["fanout_s"] = fit_fanout(profile, fanout["runs"])
+        disp["fanout_s"], disp["core_efficiency"] = fit_sharing(profile, fanout["runs"])
         _say(f"a second worker on these cores: {1e6 * disp['fanout_s']:.0f} us more CPU per worker woken "
-             "past the first in a layer step")
+             f"past the first in a layer step; a core's speed while both run our work "
+             f"{disp['core_efficiency']:.2f} of one alone")
         _say(f"backbone per message {1e6 * disp['backbone_per_message_s']:.0f} us, per call "
              f"{1e6 * disp['backbone_per_call_s']:.0f} us; "
              f"worker per message {1e6 * disp['worker_per_message_s']:.0f} us; nats-server per message "

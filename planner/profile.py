@@ -85,6 +85,19 @@ class Costs:
     # the first (processes woken at once on shared cores), fitted by kvasir calibrate so that a
     # second worker costs the model what it was measured to cost.
     fanout: float = 0.0
+    # The bus client's loop thread's CPU per won call while the engine thread sends and reads the
+    # step itself (the market link's share: each win's ledger event and the routing statistics,
+    # batched and stored): work of a thread of its own on the backbone's cores, beside the engine's.
+    bus_per_win: float = 0.0
+    # Of ``backbone_per_call``, the part that taking a call's reply costs (decoding its output,
+    # settling it), paid once per reply: twice for a call two replicas both answer (race mode).
+    reply_per_call: float = 0.0
+    # Balance mode, per call: when to hedge it (the percentiles of its expert's recent round trips,
+    # backbone/replicas.py hedge_delay) and its timer, on the bus thread (the GIL's).
+    hedge_per_call: float = 0.0
+    # Colocated: a core's speed while every core of the machine runs our work, relative to one
+    # alone (kvasir calibrate fits it with ``fanout`` on its one- and two-worker runs); 1: no loss.
+    core_efficiency: float = 1.0
     # An audited call's recomputation beyond the reference computed ahead, per call: (rows,). 0
     # when the worker's kernel is one this backbone runs (the bits are compared); numpy's, or numpy
     # with the flips taken out, for other kernels (backbone/audit.py rerun_backend).
@@ -95,6 +108,33 @@ class Costs:
 
 def _line(d: dict, a: str, b: str | None = None) -> Line:
     return Line(float(d.get("c0_s", 0.0)), float(d.get(a, 0.0)), float(d.get(b, 0.0)) if b else 0.0)
+
+
+def bus_per_win(dispatch: dict) -> float:
+    """The bus thread's CPU per won call on the engine connection's path, from calibrate's
+    dispatch runs (bundles on, not through the bus thread: there every call is one win and the loop
+    thread does nothing for the step itself): the median over the row counts."""
+    if "bus_per_win_s" in dispatch:
+        return float(dispatch["bus_per_win_s"])
+    per = [r["bus_thread_cpu_s"] / r["calls"] for r in dispatch.get("runs", ())
+           if r.get("bundles") and not r.get("via_bus") and r.get("calls") and "bus_thread_cpu_s" in r]
+    return float(sorted(per)[len(per) // 2]) if per else 0.0
+
+
+def reply_per_call(dispatch: dict) -> float:
+    """The engine thread's CPU per call that taking a bundle's reply costs, from calibrate's
+    dispatch runs: the same bundled steps on the engine thread's own connection (it sends and
+    takes the replies) and through the bus thread (which takes them), each row count's difference
+    of the engine thread's CPU per call; the median, within ``[0, backbone_per_call]``."""
+    if "reply_per_call_s" in dispatch:
+        return float(dispatch["reply_per_call_s"])
+    runs = [r for r in dispatch.get("runs", ()) if r.get("bundles") and r.get("calls") and "engine_dispatch_cpu_s" in r]
+    direct = {r["rows"]: r for r in runs if not r.get("via_bus")}
+    diffs = sorted(direct[r["rows"]]["engine_dispatch_cpu_s"] / direct[r["rows"]]["calls"]
+                   - r["engine_dispatch_cpu_s"] / r["calls"] for r in runs if r.get("via_bus") and r["rows"] in direct)
+    if not diffs:
+        return 0.0
+    return min(float(dispatch.get("backbone_per_call_s", 0.0)), max(0.0, diffs[len(diffs) // 2]))
 
 
 def same_model(profile: dict, shapes: Shapes) -> bool:
@@ -226,5 +266,8 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
         message_bytes=int(profile["wire"]["message_bytes"]), backbone_threads=threads,
         request=float(b.get("serving", {}).get("request_s", 0.0)), token=float(b.get("serving", {}).get("token_s", 0.0)),
         local_call=local_call, bus_path=float(disp.get("bus_path_s", 0.0)), fanout=float(disp.get("fanout_s", 0.0)),
+        bus_per_win=bus_per_win(disp), reply_per_call=reply_per_call(disp),
+        hedge_per_call=float(disp.get("hedge_per_call_s", 0.0)),
+        core_efficiency=float(disp.get("core_efficiency", 1.0)),
         audit_recompute=audit_recompute,
         audit_path=path, notes=tuple(notes))

@@ -159,18 +159,24 @@ class Pool:
 
     ``background``: other programs' runnable threads on the same cores, on average (a shared
     test machine). A job then runs on a time-shared core: while ``k`` of our jobs run at once
-    (itself included), each takes ``max(1, (background + k) / n)`` times its CPU time."""
+    (itself included), each takes ``max(1, (background + k) / n)`` times its CPU time.
+    ``efficiency``: a core's speed while all ``n`` run our jobs, relative to one alone (shared
+    caches and memory bandwidth, SMT siblings, a hypervisor's): while ``k`` do, each job takes
+    ``1 + (1 / efficiency - 1) (k - 1) / (n - 1)`` times more (``Costs.core_efficiency``)."""
 
-    def __init__(self, n: int, background: float = 0.0):
+    def __init__(self, n: int, background: float = 0.0, efficiency: float = 1.0):
         self.lanes = [_Lane() for _ in range(max(1, n))]
         self.busy = 0.0
         self.background = background
+        self.efficiency = efficiency
 
     def wall(self, start: float, seconds: float, lane: _Lane) -> float:
-        if self.background <= 0.0 or seconds <= 0.0:
+        if (self.background <= 0.0 and self.efficiency >= 1.0) or seconds <= 0.0:
             return seconds
+        n = len(self.lanes)
         ours = 1 + sum(1 for other in self.lanes if other is not lane and other.busy_at(start))
-        return seconds * max(1.0, (self.background + ours) / len(self.lanes))
+        slow = 1.0 + (1.0 / self.efficiency - 1.0) * (ours - 1) / (n - 1) if n > 1 else 1.0
+        return seconds * slow * max(1.0, (self.background + ours) / n)
 
     def earliest(self, ready: float, seconds: float) -> tuple[float, _Lane, int]:
         best = None
@@ -300,7 +306,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
     # Python -- the engine thread's dispatch and the bus thread, one GIL --, nats-server and every
     # worker process, each of those one thread of work on the shared cores).
     if cfg.colocated_cores:
-        shared = Pool(cfg.colocated_cores, cfg.background_runnable)
+        shared = Pool(cfg.colocated_cores, cfg.background_runnable, costs.core_efficiency)
         dense_pool = shared
         disp_pool, nats_pool = Serial(shared), Serial(shared)
         worker_pools = [Serial(shared) for _ in range(max(1, cfg.workers))]
@@ -445,8 +451,9 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         # a step with anything on an expert's subject, or in balance mode (hedges on a timer), goes
         # through the bus client's loop thread instead of the engine thread's own connection.
         direct = cfg.bundles and not singles and not probes and cfg.replicas != "balance"
-        send_cpu = len(messages) * costs.backbone_per_message / 2 + n_calls * costs.backbone_per_call \
-            + rows_calls * costs.backbone_per_row / 2 + (0.0 if direct or not messages else costs.bus_path)
+        send_cpu = len(messages) * costs.backbone_per_message / 2 + n_calls * (costs.backbone_per_call - costs.reply_per_call) \
+            + rows_calls * costs.backbone_per_row / 2 + (0.0 if direct or not messages else costs.bus_path) \
+            + (len(nodes_of) * costs.hedge_per_call if cfg.replicas == "balance" else 0.0)
         t_sent = disp_pool.run(t, send_cpu)
         # The engine thread while the replies travel: the shared expert, the calls nobody was asked
         # for, then (_audit_ahead) the references of the audited calls that one node answers.
@@ -507,7 +514,8 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 # On the engine thread's own connection the replies are read by the engine thread,
                 # once its work of the step is done; the bus thread takes them as they come.
                 got = disp_pool.run(max(relayed, t_engine) if direct else relayed,
-                                    costs.backbone_per_message / 2 + rows_m * costs.backbone_per_row / 2)
+                                    costs.backbone_per_message / 2 + rows_m * costs.backbone_per_row / 2
+                                    + (len(es) * costs.reply_per_call if wait else 0.0))
                 if not wait:  # a probe's answer ends the silence; a hedge's is a duplicate
                     silent.difference_update((il, e) for e in es)
                     continue
@@ -552,6 +560,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 passed[w] += n
         if missing:  # a frozen holder: the timeout, then computed here; silent from now on
             timeouts += 1
+            totals["timed_out_calls"] = totals.get("timed_out_calls", 0) + len(missing)
             deadline = t_sent + current_timeout()
             end = max(end, dense_pool.run(deadline, local_cost(int(counts[e]) for e in missing)))
             silent.update((il, e) for e in missing)
@@ -568,6 +577,8 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
             costs.audit_recompute(int(counts[e])) for e in (*ahead, *after))
         if audit_work > 0:
             end = dense_pool.run(end, audit_work)
+        if costs.bus_per_win and winner:  # the market link's share of the wins, on the bus thread
+            disp_pool.run(end, costs.bus_per_win * len(winner))
         totals["calls"] += len(chosen)
         totals["local"] += len(local_calls)
         totals["audits"] = totals.get("audits", 0) + len(ahead) + len(after)
@@ -666,7 +677,11 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         messages_per_token=round(totals["messages"] / max(1, tokens), 2),
         local_fraction=round(totals["local"] / max(1, totals["calls"]), 4),
         bottleneck="", bounds=bounds, seconds=round(span, 4), timeouts=timeouts,
-        extra={"audits": totals.get("audits", 0)})
+        extra={"audits": totals.get("audits", 0), "timed_out_calls": totals.get("timed_out_calls", 0),
+               # each thread of work's busy share (colocated: of one core), where a miss comes from
+               "busy": {"engine_python": round(disp_pool.busy / span, 3), "nats_server": round(nats_pool.busy / span, 3),
+                        "workers": [round(p.busy / span, 3) for p in worker_pools] if not fast else None,
+                        "dense": round(dense_pool.busy / span, 3) if not shared else None}})
     result.bottleneck = _bottleneck(result, cfg)
     return result
 
@@ -713,7 +728,7 @@ def _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_fr
     order = np.argsort(back, kind="stable")
     back, idx = back[order], idx[order]
     relayed = np.array([nats_pool.run(b, nc) for b in back.tolist()])
-    handle = costs.backbone_per_message / 2 + rows_m[idx] * costs.backbone_per_row / 2
+    handle = costs.backbone_per_message / 2 + rows_m[idx] * costs.backbone_per_row / 2 + n_calls[idx] * costs.reply_per_call
     got = np.array([disp_pool.run(max(r, read_from), h) for r, h in zip(relayed.tolist(), handle.tolist())])
     for g, i in zip(got.tolist(), idx.tolist()):
         reply_at[int(ws[i])] = g
