@@ -21,6 +21,10 @@ Measured with the project's own code, nothing modelled:
   the dispatcher's own counters. Balance mode's hedge delay and timer per call
   (:func:`measure_hedge`), on the bus thread, timed on the code's own functions.
 
+* **routing** (``--role backbone|both``): the rows each expert gets per layer while the engine
+  reads prompts and decodes greedily (:func:`measure_routing`): ``kvasir plan`` draws each layer
+  step's experts from these shares (``--routing measured``) rather than uniformly.
+
 The profile records the model's shapes and fingerprint: ``kvasir plan`` refuses a profile of
 another model unless told to rescale it.
 """
@@ -106,14 +110,43 @@ def _decode_step(engine, seqs, rng) -> None:
     engine.forward([(s, rng.integers(0, engine.cfg.n_vocab, 1)) for s in seqs], all_logits=False)
 
 
-def measure_dense(engine, rows: list[int], contexts: list[int], steps: int, rounds: int = 2) -> dict:
-    """Per layer kind: (B, C, seconds) samples of the dense part, the shared expert's, the
-    head's; fitted."""
+def _dense_marks(clock, kinds, per, t_start: float, t_end: float | None) -> None:
+    """One step's :class:`_Clock` marks split into each layer's dense part (from the previous
+    layer's exit to this layer's entry), its shared expert and (``t_end``) the head."""
+    prev = t_start
+    for (layer, t0, t1, t2, _, _) in clock.marks:
+        per[kinds(layer)].append(t0 - prev)
+        per["shared"].append(t1 - t0)
+        prev = t2
+    if t_end is not None:
+        per["head"].append(t_end - prev)
+
+
+def measure_dense(engine, rows: list[int], contexts: list[int], steps: int, rounds: int = 2,
+                  prompts: tuple[int, ...] = (1, 4, 8), prompt_tokens: int = 16) -> dict:
+    """Per layer kind: samples ``(rows, mean context, seconds, sequences)`` of the dense part, the
+    shared expert's, the head's; fitted. Decode steps of B sequences at a context of C (B rows,
+    B sequences), and prompt steps of n sequences reading ``prompt_tokens`` each (n x P rows of
+    n sequences: a prompt's rows share its sequence's work, so a row costs less there, and a
+    prefill predicted at a decode row's cost would come out slow). Fitted as
+    ``c0 + c_row * rows + c_row_ctx * rows * context + c_seq * sequences``."""
     cfg = engine.cfg
     clock = _Clock(engine.local_experts)
     rng = np.random.default_rng(0)
     samples = {"attention": [], "recurrent": [], "shared": [], "head": []}
     best: dict = {}
+
+    def kind(layer: int) -> str:
+        return "recurrent" if cfg.is_recurrent(layer) else "attention"
+
+    def keep(per: dict, key: tuple) -> None:
+        for k, v in per.items():
+            if v:
+                # A low quantile over the steps (the layers of a kind share a cell), the least over
+                # the rounds: on a shared machine other processes' bursts only ever add time.
+                value = float(np.percentile(v, 10))
+                best[(k, *key)] = min(best.get((k, *key), value), value)
+
     for ctx, b in [(c, b) for _ in range(rounds) for c in contexts for b in rows]:
         engine.use_experts(None)
         seqs = _sequences(engine, b, ctx, rng)
@@ -124,38 +157,85 @@ def measure_dense(engine, rows: list[int], contexts: list[int], steps: int, roun
             clock.marks = []
             t_start = time.perf_counter()
             _decode_step(engine, seqs, rng)
-            t_end = time.perf_counter()
-            prev = t_start
-            for (layer, t0, t1, t2, _, _) in clock.marks:
-                kind = "recurrent" if cfg.is_recurrent(layer) else "attention"
-                per[kind].append(t0 - prev)
-                per["shared"].append(t1 - t0)
-                prev = t2
-            per["head"].append(t_end - prev)
-        n_ctx = ctx + steps // 2 + 1
-        for k, v in per.items():
-            if v:
-                # A low quantile over the steps (the layers of a kind share a cell), the least over
-                # the rounds: on a shared machine other processes' bursts only ever add time.
-                value = float(np.percentile(v, 10))
-                best[(k, b, n_ctx)] = min(best.get((k, b, n_ctx), value), value)
+            _dense_marks(clock, kind, per, t_start, time.perf_counter())
+        keep(per, (b, ctx + steps // 2 + 1, b))
         step_ms = 1e3 * sum(float(np.percentile(v, 10)) * (1 if k == "head" else len(v) / steps)
                             for k, v in per.items() if v)
         _say(f"dense path: {b} rows at context {ctx}: {step_ms:.2f} ms per step without the routed experts")
+    for n in [n for _ in range(rounds) for n in prompts]:
+        per = {k: [] for k in samples}
+        for _ in range(max(2, steps // 2)):
+            seqs = [engine.new_sequence() for _ in range(n)]
+            batch = [(s, rng.integers(0, cfg.n_vocab, prompt_tokens)) for s in seqs]
+            engine.use_experts(clock)
+            clock.marks = []
+            t_start = time.perf_counter()
+            engine.forward(batch, all_logits=False)
+            _dense_marks(clock, kind, per, t_start, None)  # the head: each sequence's last row only
+            engine.use_experts(None)
+        per.pop("head")
+        keep(per, (n * prompt_tokens, (prompt_tokens + 1) / 2, n))
+        _say(f"dense path: {n} prompt(s) of {prompt_tokens} tokens: "
+             f"{1e3 * sum(float(np.percentile(v, 10)) * len(v) for v in per.values() if v) / max(2, steps // 2):.2f} ms "
+             "per step without the routed experts")
     engine.use_experts(None)
-    for (k, b, n_ctx), v in sorted(best.items()):
-        samples[k].append((b, n_ctx, v))
+    for (k, b, n_ctx, n_seq), v in sorted(best.items()):
+        samples[k].append((b, n_ctx, v, n_seq))
     out = {}
-    for kind in ("attention", "recurrent"):
-        s = samples[kind]
+    for kind_ in ("attention", "recurrent"):
+        s = samples[kind_]
         if s:
-            c0, c_row, c_ctx = fit([[1, b, b * c] for b, c, _ in s], [t for *_, t in s])
-            out[kind] = {"c0_s": c0, "c_row_s": c_row, "c_row_ctx_s": c_ctx, "samples": s}
-    for kind in ("shared", "head"):
-        s = samples[kind]
-        c0, c_row = fit([[1, b] for b, _, _ in s], [t for *_, t in s])
-        out[kind] = {"c0_s": c0, "c_row_s": c_row, "samples": s}
+            c0, c_row, c_ctx, c_seq = fit([[1, b, b * c, q] for b, c, _, q in s], [t for _, _, t, _ in s])
+            out[kind_] = {"c0_s": c0, "c_row_s": c_row, "c_row_ctx_s": c_ctx, "c_seq_s": c_seq, "samples": s}
+    for kind_ in ("shared", "head"):
+        s = samples[kind_]
+        c0, c_row = fit([[1, b] for b, *_ in s], [t for _, _, t, _ in s])
+        out[kind_] = {"c0_s": c0, "c_row_s": c_row, "samples": s}
     return out
+
+
+ROUTING_PROMPT_IDS = 256  # the prompts' token ids come from the vocabulary's first 256 (see measure_routing)
+
+
+def measure_routing(engine, streams: int = 8, prompt: int = 16, tokens: int = 32) -> dict:
+    """Which experts the router picks, per layer, on a serving-like workload: ``streams``
+    prompts of ``prompt`` token ids drawn from the vocabulary's first ``ROUTING_PROMPT_IDS`` (a
+    text's tokens are a small part of a vocabulary; bench/throughput.py's prompts are drawn so)
+    read in one step, then ``tokens`` greedy decode steps of all of them, as kvasir serve runs
+    them. Returns the rows each expert got on each layer (a list per layer, empty for a layer
+    without routed experts): ``kvasir plan`` draws its routing from them (a real router is
+    skewed: the rarely picked experts are the last a frozen worker's timeouts reach, and fewer
+    distinct experts a step means fewer calls)."""
+    cfg = engine.cfg
+    rng = np.random.default_rng(5)
+    counts: dict[int, np.ndarray] = {}
+
+    class Count(_Clock):
+        def run_layer(self, layer, calls, while_waiting=None):
+            row = counts.setdefault(layer, np.zeros(cfg.n_expert, dtype=np.int64))
+            for expert, rows in calls:
+                row[int(expert)] += len(rows)
+            return super().run_layer(layer, calls, while_waiting)
+
+    engine.use_experts(Count(engine.local_experts))
+    try:
+        seqs = [engine.new_sequence() for _ in range(streams)]
+        high = min(ROUTING_PROMPT_IDS, cfg.n_vocab)
+        logits = engine.forward([(s, rng.integers(0, high, prompt)) for s in seqs], all_logits=False)
+        for _ in range(tokens - 1):
+            nxt = [np.asarray([int(np.argmax(lg[-1]))]) for lg in logits]
+            logits = engine.forward(list(zip(seqs, nxt)), all_logits=False)
+    finally:
+        engine.use_experts(None)
+    per_layer = [counts[il].tolist() if il in counts else [] for il in range(cfg.n_layer)]
+    rows = sum(sum(c) for c in per_layer)
+    shares = np.sort(np.concatenate([np.asarray(c, float) / max(1, sum(c)) for c in per_layer if c]))
+    _say(f"routing: {rows} expert rows over {streams} streams x {tokens} tokens; the rarest tenth of the "
+         f"experts got {100 * shares[: max(1, len(shares) // 10)].sum() / max(1, sum(1 for c in per_layer if c)):.1f}% "
+         f"of a layer's rows (uniform: 10%)")
+    return {"workload": {"streams": streams, "prompt_tokens": prompt, "tokens": tokens,
+                         "prompt_ids": high, "decode": "greedy"},
+            "rows": rows, "counts": per_layer}
 
 
 def measure_kernel(engine, threads: int, quick: bool) -> dict:
@@ -649,12 +729,13 @@ def fit_sharing(profile: dict, fanout_runs: list[dict]) -> tuple[float, float]:
 
 
 def dense_step_s(dense: dict, n_layer: int, rows: int, ctx: int) -> float:
-    """One step's dense path (every layer of the fitted kind, the head) from :func:`measure_dense`."""
+    """One decode step's dense path (every layer of the fitted kind, the head; ``rows`` sequences
+    of one row) from :func:`measure_dense`."""
     total = 0.0
     for kind, n in (("attention", dense.get("n_attention", n_layer)), ("recurrent", dense.get("n_recurrent", 0))):
         if kind in dense and n:
             d = dense[kind]
-            total += n * (d["c0_s"] + d["c_row_s"] * rows + d["c_row_ctx_s"] * rows * ctx)
+            total += n * (d["c0_s"] + (d["c_row_s"] + d.get("c_seq_s", 0.0)) * rows + d["c_row_ctx_s"] * rows * ctx)
     h = dense["head"]
     return total + h["c0_s"] + h["c_row_s"] * rows
 
@@ -822,6 +903,7 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
                 local["c0_s"] + distinct * local["c_call_s"] + rows * k * local["c_row_s"])
 
         serving = measure_serving(path, engine_step)
+        profile["routing"] = measure_routing(engine)
         profile["backbone"] = {"dense": dense, "local_kernel": local, "local_call": local_call, "audit": audit,
                                "dispatch": disp, "serving": serving, "backend": backend_name(),
                                "kernel_label": kernel_label()}

@@ -116,6 +116,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--worker-cores", type=int, default=1, metavar="N", help="cores per worker for its kernel (default 1)")
     p.add_argument("--uplink-mbps", type=float, default=0.0, metavar="X", help="the backbone's uplink, Mbit/s (default unbounded)")
     p.add_argument("--max-active", type=int, default=1024, metavar="N", help="streams in one step at most (kvasir serve's default 1024)")
+    p.add_argument("--routing", choices=("measured", "uniform"), default="measured",
+                   help="which experts each row picks: by the shares of the rows each expert got while the "
+                   "profile was calibrated on this model (measured; uniform where the profile has none or is "
+                   "another model's), or uniformly (default measured)")
     p.add_argument("--seed", type=int, default=0, help="routing and churn draws (default 0)")
     p.add_argument("--json", action="store_true", help="one JSON object per point on stdout")
     p.add_argument("--plot", metavar="FILE.png", help="for a sweep: tokens/s against workers (or streams) as a PNG")
@@ -198,6 +202,7 @@ def points(args, shapes=None) -> list[dict]:
     profile = prof.load(args.profile)
     costs = prof.costs_for(profile, shapes, rescale=args.rescale, backbone_cores=args.backbone_cores,
                            worker_kernel=args.worker_kernel)
+    routing = prof.routing_of(profile, shapes) if args.routing == "measured" else None
     worker_costs = None
     if args.worker_profile:
         worker_costs = []
@@ -226,7 +231,7 @@ def points(args, shapes=None) -> list[dict]:
                              background_runnable=args.background_load, remote_layers=args.remote_layers,
                              worker_speedup=args.worker_speedup,
                              seed=args.seed)
-                r = simulate(shapes, costs, cfg, worker_costs)
+                r = simulate(shapes, costs, cfg, worker_costs, routing)
                 print(f"plan: {workers} workers, {streams} streams, rtt {1000 * float(np.median(rtt)):.0f} ms: "
                       f"{r.tokens_per_s:.1f} tok/s", file=sys.stderr, flush=True)
                 out.append({"model": shapes.name, "workers": workers, "streams": streams, "tokens": cfg.tokens,
@@ -236,7 +241,8 @@ def points(args, shapes=None) -> list[dict]:
                             "uplink_mbit_s": round(r.uplink_bytes_per_s * 8 / 1e6, 2),
                             "downlink_bytes_per_s": r.downlink_bytes_per_s, "messages_per_token": r.messages_per_token,
                             "local_fraction": r.local_fraction, "timeouts": r.timeouts, "bounds": r.bounds,
-                            "simulated_s": r.seconds, "notes": list(costs.notes)})
+                            "simulated_s": r.seconds, "routing": "measured" if routing else "uniform",
+                            "notes": list(costs.notes)})
     return out
 
 

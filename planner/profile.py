@@ -39,25 +39,26 @@ def load(path: str) -> dict:
 
 @dataclass(frozen=True)
 class Line:
-    """``c0 + c1 * x1 + c2 * x2`` (seconds)."""
+    """``c0 + c1 * x1 + c2 * x2 + c3 * x3`` (seconds)."""
 
     c0: float = 0.0
     c1: float = 0.0
     c2: float = 0.0
+    c3: float = 0.0
 
-    def __call__(self, x1: float = 0.0, x2: float = 0.0) -> float:
-        return self.c0 + self.c1 * x1 + self.c2 * x2
+    def __call__(self, x1: float = 0.0, x2: float = 0.0, x3: float = 0.0) -> float:
+        return self.c0 + self.c1 * x1 + self.c2 * x2 + self.c3 * x3
 
     def scaled(self, k: float, k2: float | None = None) -> "Line":
-        return Line(self.c0 * k, self.c1 * k, self.c2 * (k if k2 is None else k2))
+        return Line(self.c0 * k, self.c1 * k, self.c2 * (k if k2 is None else k2), self.c3 * k)
 
 
 @dataclass(frozen=True)
 class Costs:
     """Seconds per piece of work, for one model's shapes on one backbone and one kind of worker."""
 
-    attention: Line  # per layer: (rows, rows * context)
-    recurrent: Line  # per layer: (rows, rows * context)
+    attention: Line  # per layer: (rows, rows * context, sequences in the step)
+    recurrent: Line  # per layer: (rows, rows * context, sequences in the step)
     shared: Line  # per layer: (rows,), overlapped with the routed experts' wait
     head: Line  # per step: (rows,)
     backbone_kernel: Line  # a local fallback or audit of a layer: (calls, rows)
@@ -106,8 +107,9 @@ class Costs:
     notes: tuple[str, ...] = field(default=())
 
 
-def _line(d: dict, a: str, b: str | None = None) -> Line:
-    return Line(float(d.get("c0_s", 0.0)), float(d.get(a, 0.0)), float(d.get(b, 0.0)) if b else 0.0)
+def _line(d: dict, a: str, b: str | None = None, c: str | None = None) -> Line:
+    return Line(float(d.get("c0_s", 0.0)), float(d.get(a, 0.0)), float(d.get(b, 0.0)) if b else 0.0,
+                float(d.get(c, 0.0)) if c else 0.0)
 
 
 def bus_per_win(dispatch: dict) -> float:
@@ -142,6 +144,30 @@ def same_model(profile: dict, shapes: Shapes) -> bool:
     if shapes.fingerprint and m.get("fingerprint"):
         return shapes.fingerprint == m["fingerprint"]
     return shapes.name == m.get("name")
+
+
+def routing_of(profile: dict, shapes: Shapes) -> list | None:
+    """Per layer of ``shapes``, each expert's share of the rows in the profile's routing
+    measurement (``kvasir calibrate``'s :func:`planner.calibrate.measure_routing`), or None (a
+    layer without routed experts) -- None in all where the profile has none or is another
+    model's (a router's skew is its own weights'). A share is (rows + 1/2) / (all + E/2): an
+    expert the measurement never saw picked stays possible, as it is for the real router."""
+    r = profile.get("routing")
+    if not r or not same_model(profile, shapes):
+        return None
+    counts = r.get("counts") or []
+    if len(counts) != shapes.n_layer:
+        return None
+    out = []
+    for c in counts:
+        if not c:
+            out.append(None)
+            continue
+        if len(c) != shapes.n_expert:
+            return None
+        total = float(sum(c)) + shapes.n_expert / 2
+        out.append([(v + 0.5) / total for v in c])
+    return out
 
 
 def audit_path(profile: dict, worker_kernel: str) -> tuple[str, int]:
@@ -185,12 +211,12 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
     k_attn = ratio(shapes.dense_bytes_attention, measured.dense_bytes_attention)
     kv_new, kv_old = shapes.n_head_kv * shapes.head_dim, measured.n_head_kv * measured.head_dim
     k_ctx = ratio(kv_new, kv_old) * ratio(shapes.n_head, measured.n_head)
-    attention = _line(dense["attention"], "c_row_s", "c_row_ctx_s") if "attention" in dense else Line()
+    attention = _line(dense["attention"], "c_row_s", "c_row_ctx_s", "c_seq_s") if "attention" in dense else Line()
     if "recurrent" in dense:
-        recurrent = _line(dense["recurrent"], "c_row_s", "c_row_ctx_s")
+        recurrent = _line(dense["recurrent"], "c_row_s", "c_row_ctx_s", "c_seq_s")
         k_rec = ratio(shapes.dense_bytes_recurrent, measured.dense_bytes_recurrent)
     else:  # never measured: a delta-net layer costs like an attention layer of its bytes, no context term
-        recurrent = Line(attention.c0, attention.c1, 0.0)
+        recurrent = Line(attention.c0, attention.c1, 0.0, attention.c3)
         k_rec = ratio(shapes.dense_bytes_recurrent, measured.dense_bytes_attention)
         if shapes.n_recurrent_layers:
             notes.append("delta-net layers costed as attention layers of their bytes (none in the profile's model)")
@@ -227,7 +253,7 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
             return line.scaled(k, k2)
         streamed = min(line.c0, old_bytes / bw)
         c1 = old_bytes * k * per_row_byte if per_row_byte else line.c1 * k
-        return Line(line.c0 - streamed + streamed * k, c1, line.c2 * (k if k2 is None else k2))
+        return Line(line.c0 - streamed + streamed * k, c1, line.c2 * (k if k2 is None else k2), line.c3 * k)
 
     if "local_call" in b:
         local_call = Line(b["local_call"]["c0_s"], b["local_call"]["c_row_s"]).scaled(k_exp * core_k)

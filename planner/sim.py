@@ -9,7 +9,8 @@ What it follows, and where in the code that behaviour lives:
   (sequences split at admission to the lane with fewer) step on their own, interleaved.
 * **a layer step** (``backbone/model.py`` forward, ``backbone/dispatch.py``): the layer's dense
   part on the backbone (attention or delta-net, at the rows and context of the step), the router's
-  choice (``n_expert_used`` distinct experts per row, uniform: a real router's skew only helps),
+  choice (``n_expert_used`` distinct experts per row, drawn by the experts' shares of the rows that
+  ``kvasir calibrate`` measured for this model, or uniformly: ``_Routing``),
   the calls grouped per worker into one bundle each (``--bundles on``) or one message per
   expert, planned and encoded by the engine thread, relayed by nats-server, computed by the
   worker (its CPU per message plus its kernel on the bundle's experts and rows, FIFO on its
@@ -228,24 +229,37 @@ class Serial:
 
 
 class _Routing:
-    """Per-expert row counts of a step of ``rows`` rows, from a pool of samples per size."""
+    """Per-expert row counts of a layer step of ``rows`` rows: each row picks ``k`` distinct
+    experts, uniformly or (``shares``: per layer, each expert's share of the rows, measured by
+    ``kvasir calibrate``) weighted so, by successive sampling without replacement (the top ``k``
+    of Gumbel-perturbed log shares). A small step is drawn afresh every time (``fresh``: rows x
+    experts up to this many keys, a few microseconds), so that a rare expert turns up as seldom
+    as it should; a big one's counts come from a pool of samples per (layer, size), one chosen
+    at random each time (its counts sum over many rows: a pool stands for them well, and a
+    1024-worker sweep stays quick)."""
 
-    def __init__(self, n_expert: int, k: int, rng: np.random.Generator, pool: int = 24):
-        self.E, self.k, self.rng, self.pool, self.cache, self.turn = n_expert, k, rng, pool, {}, 0
+    def __init__(self, n_expert: int, k: int, rng: np.random.Generator, pool: int = 24,
+                 shares: list | None = None, fresh: int = 1 << 14):
+        self.E, self.k, self.rng, self.pool, self.cache, self.fresh = n_expert, k, rng, pool, {}, fresh
+        self.log_shares = None if shares is None else [None if p is None else np.log(np.asarray(p)) for p in shares]
 
-    def counts(self, rows: int) -> np.ndarray:
-        samples = self.cache.get(rows)
+    def _draw(self, rows: int, log_p) -> np.ndarray:
+        keys = self.rng.gumbel(size=(rows, self.E))
+        if log_p is not None:
+            keys += log_p
+        chosen = np.argpartition(-keys, self.k - 1, axis=1)[:, :self.k] if self.k < self.E else \
+            np.broadcast_to(np.arange(self.E), (rows, self.E))
+        return np.bincount(chosen.ravel(), minlength=self.E)
+
+    def counts(self, rows: int, layer: int = 0) -> np.ndarray:
+        log_p = None if self.log_shares is None else self.log_shares[layer]
+        if rows * self.E <= self.fresh:
+            return self._draw(rows, log_p)
+        key = (rows, layer if log_p is not None else -1)
+        samples = self.cache.get(key)
         if samples is None:
-            samples = []
-            for _ in range(self.pool):
-                if rows * self.k <= 4 * self.E:
-                    chosen = np.concatenate([self.rng.choice(self.E, self.k, replace=False) for _ in range(rows)])
-                else:
-                    chosen = np.argpartition(self.rng.random((rows, self.E)), self.k, axis=1)[:, :self.k].ravel()
-                samples.append(np.bincount(chosen, minlength=self.E))
-            self.cache[rows] = samples
-        self.turn += 1
-        return samples[self.turn % self.pool]
+            samples = self.cache[key] = [self._draw(rows, log_p) for _ in range(self.pool)]
+        return samples[int(self.rng.integers(self.pool))]
 
 
 @dataclass
@@ -287,9 +301,11 @@ def holders_of(n_expert: int, workers: int) -> list[list[int]]:
     return out
 
 
-def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs] | None = None) -> Result:
+def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs] | None = None,
+             routing: list | None = None) -> Result:
     """Run the model; ``worker_costs``: per worker (cycled) the kernel and per-message CPU of its
-    device (``--worker-profile``), default ``costs``'."""
+    device (``--worker-profile``), default ``costs``'; ``routing``: per layer each expert's share
+    of the rows (``planner.profile.routing_of``), None: uniform."""
     kinds_of_worker = worker_costs or [costs]
     rng = np.random.default_rng(cfg.seed)
     E, K, L = shapes.n_expert, shapes.n_expert_used, shapes.n_layer
@@ -299,7 +315,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         kinds = ["attention"] * L
     moe_layer = [il >= L - shapes.n_moe_layers for il in range(L)]  # DeepSeek-V3: the first 3 are dense
     holders = [list(range(cfg.workers))] * E if cfg.replicated else holders_of(E, cfg.workers)
-    routing = _Routing(E, K, rng)
+    router = _Routing(E, K, rng, shares=routing)
     rtt = [cfg.rtt_s[w % len(cfg.rtt_s)] for w in range(max(1, cfg.workers))]
 
     # Resources. Colocated: one pool of cores for everything (the backbone's dense graphs, its
@@ -382,15 +398,15 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
             return n
         return (before + n) // audit_window - before // audit_window
 
-    def layer_step(t: float, il: int, rows: int, ctx_rows: float) -> float:
+    def layer_step(t: float, il: int, rows: int, ctx_rows: float, seqs: int) -> float:
         """One layer of one lane's step starting at ``t``: its end time (backbone/dispatch.py's
         run_layer, as the module docstring says)."""
         nonlocal srtt, rttvar, timeouts
         line = costs.recurrent if kinds[il] == "recurrent" else costs.attention
-        t = dense_pool.run(t, line(rows, ctx_rows))
+        t = dense_pool.run(t, line(rows, ctx_rows, seqs))
         if not moe_layer[il]:
             return t
-        counts = routing.counts(rows)
+        counts = router.counts(rows, il)
         chosen = np.nonzero(counts)[0]
         n_hot = int(round(cfg.hot_fraction * len(chosen)))
         if cfg.remote_layers is not None and il - (L - shapes.n_moe_layers) >= cfg.remote_layers:
@@ -621,7 +637,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         rows = len(decoding) + sum(chunks.values())
         ctx_rows = sum(fed[s] + produced[s] for s in decoding) + sum(c * (fed[s] + c / 2) for s, c in chunks.items())
         for il in range(L):
-            t = layer_step(t, il, rows, ctx_rows)
+            t = layer_step(t, il, rows, ctx_rows, len(decoding) + len(chunks))
         t = dense_pool.run(t, costs.head(len(decoding) + len(chunks)))
         emitting = len(decoding) + sum(1 for s, c in chunks.items() if fed[s] + c >= P)
         if costs.token and emitting:  # each token's streamed event (the HTTP layer, on the GIL)
@@ -751,7 +767,7 @@ def _bounds(shapes: Shapes, costs: Costs, cfg: Config) -> dict:
     B = min(S, cfg.max_active)
     lanes = max(1, cfg.micro_batches)
     per_lane = math.ceil(B / lanes)
-    dense = L * min(costs.attention(per_lane), costs.recurrent(per_lane)) + costs.head(per_lane)
+    dense = L * min(costs.attention(per_lane, 0, per_lane), costs.recurrent(per_lane, 0, per_lane)) + costs.head(per_lane)
     out = {"dense_path_tok_s": round(per_lane * min(lanes, 1 if cfg.colocated_cores else lanes) / dense, 2)
            if dense > 0 else None}
     # Worker compute: every row's K experts, at the kernel's per-row cost, on every worker's cores.
