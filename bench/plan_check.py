@@ -14,7 +14,7 @@ measured inputs (link round trip, other programs' load) and profile, its errors 
 and quick, the way to check a change to the model against real runs (runs saved before the
 profile was kept need ``--profile``; bench/profiles/ holds one of this machine).
 
-    python bench/plan_check.py [--tokens 16] [--quick-calibrate] [--grid full|reduced] [--save]
+    python bench/plan_check.py [--tokens 16] [--passes 2] [--quick-calibrate] [--grid full|reduced] [--save]
     python bench/plan_check.py --repredict bench/results/plan_check-....json [--profile P.json]
 """
 
@@ -315,20 +315,33 @@ def measure(model: Path, group: dict, tokens: int, prompt: int, rounds: int = 2)
 
 
 def run(model: Path, grid: list[dict], tokens: int, prompt: int, quick_calibrate: bool, workdir: Path,
-        rounds: int = 2) -> dict:
+        rounds: int = 2, passes: int = 2) -> dict:
+    """Calibrate, then measure the grid ``passes`` times over (each pass its own swarms, minutes
+    apart), the fastest of a configuration's measurements counting, every pass's tokens/s kept
+    beside it (``passes_tokens_per_s``): on a shared VM the same configuration runs up to 1.7x
+    apart in runs an hour apart, and the spread between passes says how far one measurement can
+    be trusted."""
     profile = workdir / "profile.json"
     t0 = time.time()
     calibrate(model, profile, quick_calibrate)
     print(f"# calibrated in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    best: dict[tuple[int, int], dict] = {}
+    seen: dict[tuple[int, int], list[float]] = {}
+    for _ in range(passes):
+        for i, group in enumerate(grid):
+            for m in measure(model, group, tokens, prompt, rounds):
+                key = (i, m["streams"])
+                seen.setdefault(key, []).append(m["tok_s"])
+                if key not in best or m["tok_s"] > best[key]["tok_s"]:
+                    best[key] = m
     configs = []
-    for group in grid:
-        measured = measure(model, group, tokens, prompt, rounds)
-        for m in measured:
-            # The link's round trip as measured through the proxy, and the other programs' load
-            # as sampled during the run: inputs of the configuration, not fitted to its result.
-            p = predict(model, profile, group, m["streams"], tokens, prompt, max(group["streams"]),
-                        m["link_rtt_ms"], m["background_cores"])
-            configs.append(compare(group, m, p))
+    for key, m in sorted(best.items()):
+        group = grid[key[0]]
+        # The link's round trip as measured through the proxy, and the other programs' load as
+        # sampled during the run: inputs of the configuration, not fitted to its result.
+        p = predict(model, profile, group, m["streams"], tokens, prompt, max(group["streams"]),
+                    m["link_rtt_ms"], m["background_cores"])
+        configs.append(compare(group, {**m, "passes_tok_s": seen[key]}, p))
     out = summarise(model.name, tokens, prompt, json.loads(profile.read_text()), configs)
     out["worker_kernel"] = workers_kernel()
     return out
@@ -345,6 +358,7 @@ def compare(group: dict, m: dict, p: dict) -> dict:
         "audit": group.get("audit", 0), "replicas": group.get("replicate") or "split",
         "stop_at_s": group.get("stop_at_s"), "group": group,
         "measured": {"tokens_per_s": m["tok_s"], "itl_ms": m["itl_ms"], "ttft_ms": m["ttft_ms"],
+                     **({"passes_tokens_per_s": m["passes_tok_s"]} if "passes_tok_s" in m else {}),
                      "load_avg_1m": m["load_avg_1m"], "background_runnable": m["background_runnable"],
                      **({"background_cores": m["background_cores"]} if "background_cores" in m else {}),
                      "link_rtt_ms": m["link_rtt_ms"], **({"dispatch": m["dispatch"]} if m.get("dispatch") else {})},
@@ -477,6 +491,9 @@ def main() -> None:
     ap.add_argument("--grid", choices=("full", "reduced"), default="full")
     ap.add_argument("--rounds", type=int, default=2, help="runs of each configuration; the fastest counts (default 2)")
     ap.add_argument("--keep-profile", metavar="FILE", default=None, help="also write the run's profile here")
+    ap.add_argument("--passes", type=int, default=2,
+                    help="times the whole grid is measured, minutes apart; a configuration's fastest "
+                    "measurement counts, every pass's kept (default 2)")
     ap.add_argument("--quick-calibrate", action="store_true", help="kvasir calibrate --quick")
     ap.add_argument("--repredict", metavar="RUN.json", default=None,
                     help="run no swarm: today's model on a saved run's configurations and measured inputs "
@@ -506,7 +523,7 @@ def main() -> None:
         synth_model(path, arch=args.arch, preset=args.preset, qtype=args.type, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         out = run(path, FULL_GRID if args.grid == "full" else REDUCED_GRID, args.tokens, args.prompt_tokens,
-                  args.quick_calibrate, Path(tmp), args.rounds)
+                  args.quick_calibrate, Path(tmp), args.rounds, args.passes)
     if args.keep_profile:
         Path(args.keep_profile).write_text(json.dumps(out["profile"], indent=1))
     # The whole profile stays with the run (a few kB): --repredict re-runs the model on it later.

@@ -37,7 +37,7 @@ def test_predictions_of_a_reduced_grid_are_near_the_measured_swarms(models, tmp_
     from bench.plan_check import run
 
     path = models("qwen3moe", "q4_k")
-    out = run(Path(path), GRID, tokens=8, prompt=8, quick_calibrate=True, workdir=tmp_path)
+    out = run(Path(path), GRID, tokens=8, prompt=8, quick_calibrate=True, workdir=tmp_path, passes=1)
     assert len(out["configs"]) == 3
     for c in out["configs"]:
         ratio = c["predicted"]["tokens_per_s"] / c["measured"]["tokens_per_s"]
