@@ -165,6 +165,8 @@ def routing_of(profile: dict, shapes: Shapes) -> list | None:
             continue
         if len(c) != shapes.n_expert:
             return None
+        if not all(isinstance(v, (int, float)) and v >= 0 for v in c):
+            raise UsageError("--profile: its routing counts must be rows, numbers >= 0 (remake it with kvasir calibrate)")
         total = float(sum(c)) + shapes.n_expert / 2
         out.append([(v + 0.5) / total for v in c])
     return out

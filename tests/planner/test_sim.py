@@ -262,6 +262,10 @@ def test_measured_routing_draws_each_expert_by_its_share_and_only_for_its_own_mo
     other["model"] = {**other["model"], "fingerprint": "0ther"}
     other["routing"] = profile["routing"]
     assert prof.routing_of(other, TOY) is None  # another model's router says nothing about this one
+    broken = toy_profile()
+    broken["routing"] = {"rows": 0, "counts": [[-1] * 8, [1] * 8]}
+    with pytest.raises(prof.UsageError, match="routing counts"):
+        prof.routing_of(broken, TOY)
     router = _Routing(8, 2, np.random.default_rng(0), shares=shares)
     skewed = sum(router.counts(1, 0) for _ in range(2000))
     even = sum(router.counts(1, 1) for _ in range(2000))
