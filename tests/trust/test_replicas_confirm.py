@@ -56,5 +56,5 @@ def test_a_sleeper_that_always_wins_the_race_changes_no_token(rate, model, promp
     assert sleeper.lies > 0, "the sleeper never lied (too few calls)"
     assert stats["quarantined"] == ["sleeper"]
     assert steady.lies == 0 and "steady" not in stats["quarantined"]
-    assert changed == 0, {k: totals[k] for k in ("disputes", "confirm_waits", "confirm_missed", "audits", "recomputed")}
+    assert changed == 0, totals
     assert np.isfinite(totals["latency_mean_ms"])
