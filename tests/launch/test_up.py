@@ -28,7 +28,9 @@ def test_up_runs_the_swarm_and_checks_it_against_the_monolithic_run(tmp_path):
     assert set(result["workers"]) == {"worker-0", "worker-1", "worker-2"}
     assert sum(w["calls"] for w in result["workers"].values()) == result["dispatch"]["calls"] > 0
     paid = {n["node"]: n["rows"] for n in result["rewards"]["nodes"]}
-    assert paid == {name: w["rows"] for name, w in result["workers"].items()}
+    # Empty totals happened in 2 of many CI runs: the log's tail says whether the market refused
+    # the events, held them, or was not asked in time.
+    assert paid == {name: w["rows"] for name, w in result["workers"].items()}, (result["rewards"], proc.stderr[-3000:])
     assert db.exists()
 
 
