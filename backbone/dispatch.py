@@ -414,6 +414,7 @@ class RemoteExperts:
         self._disputes: deque = deque(maxlen=_DISPUTES_KEPT)
         self._won_bytes = 0
         self._confirm_misses: dict[str, int] = {}  # node that answered bundles -> racing waits it missed in a row
+        self._confirm_tried: OrderedDict[str, None] = OrderedDict()  # never-heard nodes waited for once (audits off)
         self._audit_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))  # rows a node cannot foresee
         self._audit_lock = threading.Lock()  # two micro-batches accept replies at once; the audit windows count
         self._pending: dict[str, tuple[_Call, int]] = {}  # token -> (call, chunk)
@@ -692,15 +693,24 @@ class RemoteExperts:
         sampled or no audits (at ``--audit 1`` every reply is recomputed anyway), and only nodes that
         have answered a bundle before, on time or late (a crowd of strangers that never answer
         costs no waiting; an honest replica that always loses the race, and so is never audited,
-        still checks the winner), and have not missed the wait ``_CONFIRM_MISSES`` steps in a row."""
+        still checks the winner), and have not missed the wait ``_CONFIRM_MISSES`` steps in a row.
+
+        With audits off, a node never heard yet is waited for once too: a fresh backbone's first
+        steps end before the slower honest replica's first reply has come, and nothing else
+        checks a winner then (a sleeper turning in the second layer step of the first prompt got
+        its lies used). Each stranger costs one wait at most, all of a step's together; with
+        audits on, probation and the sampled audits bound those first steps instead."""
         if self.cfg.confirm <= 0 or not step.bundles or self.auditor.cfg.rate >= 1.0 or \
                 (self.replicas is not None and self.replicas.cfg.mode == "balance"):
             return []
         auditor, misses, retry = self.auditor, self._confirm_misses, self._steps_planned % _CONFIRM_RETRY == 0
+        trial = auditor.cfg.rate <= 0.0
         racing = []
         for bundle in step.bundles:
             node = bundle.node
             missed = misses.get(node)
+            if missed is None and trial and node not in self._confirm_tried:
+                missed = 0
             if bundle.answered or missed is None or (missed >= _CONFIRM_MISSES and not retry) \
                     or auditor.is_quarantined(node):
                 continue
@@ -722,7 +732,13 @@ class RemoteExperts:
                 misses[bundle.node] = 0
             else:
                 stats.confirm_missed += 1
-                misses[bundle.node] = misses.get(bundle.node, 0) + 1
+                if bundle.node in misses:
+                    misses[bundle.node] += 1
+                else:  # a stranger's one trial (audits off): not waited for again until heard
+                    tried = self._confirm_tried
+                    tried[bundle.node] = None
+                    if len(tried) > _CONFIRM_KEPT:
+                        tried.popitem(last=False)
 
     def _bundle_heard(self, node: str) -> None:
         """A node answered a bundle (in time or late): a racing replica worth waiting for. The
@@ -736,16 +752,27 @@ class RemoteExperts:
                 except (KeyError, RuntimeError, StopIteration):  # the other thread got there first
                     pass
 
-    def _await_racing(self, step: _Step, stats: LayerStats) -> None:
+    def _await_racing(self, step: _Step, stats: LayerStats, conn=None) -> None:
         """The bus thread's path: a won step waits for its racing replicas' bundle replies (the
-        loop thread sets the event when the last one has been taken, compared with the winners)."""
+        loop thread sets the event when the last one has been taken, compared with the winners).
+        ``conn``: a step the engine thread handed over, whose replies still arrive on the engine's
+        own connection; they are passed on to the bus thread while the step waits (without it the
+        wait would end empty, and a lie that won the race would be used unchecked)."""
         racing = self._racing(step)
         if not racing:
             return
         event = threading.Event()
         step.confirming = (racing, event)
         if not all(bundle.answered for bundle in racing):  # the loop may have taken them meanwhile
-            event.wait(self._confirm_grace(step, time.monotonic() + step.timeout_s))
+            until = time.monotonic() + self._confirm_grace(step, time.monotonic() + step.timeout_s)
+            while conn is not None and not conn.closed and not event.is_set() \
+                    and (left := until - time.monotonic()) > 0:
+                try:
+                    self._forward(conn.receive(time.monotonic() + min(left, _HANDED_POLL_S)))
+                except DirectError as exc:
+                    log.info("engine_connection_lost", error=str(exc))
+                    break
+            event.wait(max(0.0, until - time.monotonic()))
         self._count_racing(racing, stats)
 
     def _confirm_direct(self, conn, step: _Step, stats: LayerStats, ours: dict[str, _Bundle], skip: int,
@@ -856,6 +883,7 @@ class RemoteExperts:
                         log.info("engine_connection_lost", error=str(exc))
                 continue
             if i == _SETTLED:
+                self._await_racing(step, stats, conn)  # checked before use, as run_layer's steps are
                 break
             outs[i] = self._compute_here(layer, calls[i][0], calls[i][1], stats)
         return self._finish_step(layer, calls, step, stats, references, outs)
