@@ -943,6 +943,7 @@ class Market:
         else:
             last = m.metadata.num_delivered > self.cfg.unbacked_retries
             return await self._apply_batch(ms, seq, record, hold=not last)
+        self._stale_status(model)
         return True
 
     async def _apply_batch(self, ms: _Model, seq: int, batch: mc.LedgerBatch,
@@ -984,7 +985,15 @@ class Market:
                 await self._db(self.ledger.drop_assignment, ms.name, event.node)
         self.log.info("ledger_batch", model=ms.name, source=batch.source, batch=batch.batch_id,
                       out_of_range=refused, **got)
+        self._stale_status(ms.name)
         return True
+
+    def _stale_status(self, model: str) -> None:
+        """The ledger changed: a status asked after this moment must show it. A cached one (at
+        most 0.2 s old) would not: `kvasir up` asks once the stream says its events are read, and
+        got a status cached a moment before they were (empty totals, 2 fresh-clone CI runs)."""
+        self._status_cache.pop(model, None)
+        self._status_cache.pop(None, None)
 
     async def _on_status(self, msg: Any) -> None:
         if not msg.reply or not self.limits.allow(self._sender(msg)):

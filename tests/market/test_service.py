@@ -344,6 +344,29 @@ def test_ledger_totals_equal_rows_served_and_survive_a_market_restart(nats_serve
     assert "w-0" in text and f"{sum(rows.values())}" in text
 
 
+def test_a_status_asked_once_the_stream_is_read_shows_what_it_read(nats_server, arun, tmp_path):
+    """The market answers status requests from a cache (at most 0.2 s old: a flood costs one
+    status a tick), but a ledger batch it applies makes the cached one stale: `kvasir up` asks
+    as soon as the stream says its events were read, a moment after another status request
+    (the backbone's quarantine list) had filled the cache, and showed empty totals."""
+    events = tuple(mc.LedgerEvent(f"bb:1:{i}", "w-0", 0, i, 2, 1.7e9 + i) for i in range(4))
+
+    async def go():
+        swarm = await Swarm(nats_server.url, tmp_path / "ledger.db").start()
+        try:
+            def totals(st):
+                return {t.node: t.rows for t in st.totals}
+            subject = Subjects(FP).status()
+            assert totals(await request(nats_server.url, subject, b"", mc.decode_status_reply)) == {}
+            await swarm.backbone.ledger(mc.LedgerBatch(FP, "backbone", "b-1", events))
+            await stream_read(swarm.backbone.nc)
+            assert totals(await request(nats_server.url, subject, b"", mc.decode_status_reply)) == {"w-0": 8}
+        finally:
+            await swarm.stop()
+
+    arun(go(), timeout=20)
+
+
 def test_a_scarce_range_pays_more_per_row(nats_server, arun, tmp_path):
     async def go():
         swarm = await Swarm(nats_server.url, tmp_path / "m.db").start(hot={HOT: 20})
