@@ -10,6 +10,7 @@ recomputes the call."""
 from __future__ import annotations
 
 import asyncio
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -37,8 +38,17 @@ def honest(out, layer, n):
 honest.needs_honest = True
 
 
-@pytest.mark.parametrize("rate", [0.1, 0.0], ids=["default-audit", "no-audit"])
-def test_a_sleeper_that_always_wins_the_race_changes_no_token(rate, model, prompt, monolithic, bus):
+class Race(NamedTuple):
+    changed: int  # tokens that differ from the monolithic run's, in all generations
+    stats: dict  # the dispatch statistics
+    handed: int  # steps the engine thread handed to the bus thread
+    steady: liars.BusLiar
+    sleeper: liars.BusLiar
+
+
+def race(rate, model, prompt, monolithic, bus, generations=GENERATIONS) -> Race:
+    """A sleeper that wins every race beside an honest replica ``SLOWER_S`` slower, at audit
+    ``rate``: ``generations`` greedy generations on a fresh backbone."""
     engine = Engine(model)
     cfg = BackboneConfig(model_path=str(model), nats_url=bus.url, market=False, serve_manifest=False,
                          dispatch=DispatchConfig(audit=AuditConfig(rate=rate)))
@@ -48,18 +58,23 @@ def test_a_sleeper_that_always_wins_the_race_changes_no_token(rate, model, promp
         with BackboneService(engine, cfg) as backbone:
             asyncio.run(until(lambda: {"sleeper", "steady"} <= set(backbone.dispatch.coverage.bundle_holders(0, 0)),
                               "the backbone hears both replicas", 20))
-            for _ in range(GENERATIONS):
+            for _ in range(generations):
                 tokens = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False).tokens
                 changed += sum(a != b for a, b in zip(tokens, monolithic))
-            stats = backbone.stats.to_dict()
-            handed = backbone.dispatch.handed_steps
-    totals = stats["totals"]
-    assert sleeper.lies > 0, "the sleeper never lied (too few calls)"
-    assert stats["quarantined"] == ["sleeper"]
-    assert steady.lies == 0 and "steady" not in stats["quarantined"]
+            return Race(changed, backbone.stats.to_dict(), backbone.dispatch.handed_steps, steady, sleeper)
+
+
+@pytest.mark.parametrize("rate", [0.1, 0.0], ids=["default-audit", "no-audit"])
+def test_a_sleeper_that_always_wins_the_race_changes_no_token(rate, model, prompt, monolithic, bus):
+    got = race(rate, model, prompt, monolithic, bus)
+    totals = got.stats["totals"]
+    assert got.sleeper.lies > 0, "the sleeper never lied (too few calls)"
+    assert got.stats["quarantined"] == ["sleeper"]
+    assert got.steady.lies == 0 and "steady" not in got.stats["quarantined"]
     # the paths the lies could take, whole (a dict in pytest's message is cut short)
-    assert changed == 0, repr({k: v for k, v in totals.items() if k in (
-        "confirm_waits", "confirm_missed", "disputes", "recomputed", "timeouts", "late", "duplicates")} | {"handed": handed})
+    assert got.changed == 0, repr({k: v for k, v in totals.items() if k in (
+        "confirm_waits", "confirm_missed", "disputes", "recomputed", "timeouts", "late", "duplicates")}
+        | {"handed": got.handed})
     assert np.isfinite(totals["latency_mean_ms"])
 
 
@@ -67,25 +82,11 @@ def test_a_step_handed_to_the_bus_thread_still_checks_its_winners(model, prompt,
     """A step the engine thread hands over (a reply it cannot take itself: an error, a
     quarantined sender's, a forgery) waits for its racing replicas as any other step does. The
     engine thread here takes no reply at all, so every step is handed over; without the wait
-    there, the sleeper's racing lies were used unchecked whenever a loaded machine put a step on
-    that path (2 tokens changed in a fresh-clone CI run)."""
+    there, the sleeper's racing lies were used unchecked (this test changed tokens)."""
     from backbone.dispatch import RemoteExperts
 
     monkeypatch.setattr(RemoteExperts, "_take_direct", lambda self, bundle, msg, stats: False)
-    engine = Engine(model)
-    cfg = BackboneConfig(model_path=str(model), nats_url=bus.url, market=False, serve_manifest=False,
-                         dispatch=DispatchConfig(audit=AuditConfig(rate=0.0)))
-    changed = 0
-    with liars.BusLiar(model, bus.url, honest, node="steady", delay_s=SLOWER_S) as steady, \
-            liars.BusLiar(model, bus.url, liars.sleeper(60), node="sleeper") as sleeper:
-        with BackboneService(engine, cfg) as backbone:
-            asyncio.run(until(lambda: {"sleeper", "steady"} <= set(backbone.dispatch.coverage.bundle_holders(0, 0)),
-                              "the backbone hears both replicas", 20))
-            for _ in range(2):
-                tokens = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False).tokens
-                changed += sum(a != b for a, b in zip(tokens, monolithic))
-            stats = backbone.stats.to_dict()
-            handed = backbone.dispatch.handed_steps
-    assert sleeper.lies > 0 and handed > 0, (sleeper.lies, handed)
-    assert stats["quarantined"] == ["sleeper"] and steady.lies == 0
-    assert changed == 0, stats["totals"]
+    got = race(0.0, model, prompt, monolithic, bus, generations=2)
+    assert got.sleeper.lies > 0 and got.handed > 0, (got.sleeper.lies, got.handed)
+    assert got.stats["quarantined"] == ["sleeper"] and got.steady.lies == 0
+    assert got.changed == 0, got.stats["totals"]
