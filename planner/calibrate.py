@@ -379,20 +379,27 @@ def measure_audit(engine, path: str, quick: bool) -> dict:
     browser's: recomputed with numpy) and ``explained`` (any other kernel, such as a fast-mode
     worker audited by a deterministic backbone: numpy with the quant-step flips taken out,
     :func:`kernels.flips.explained_gap`, on the replies of a worker of the other kernel mode).
-    Timed as a backbone runs them: a few after each layer's ggml graph (numpy's OpenBLAS threads
-    and ggml's OpenMP team then wake in turn, which costs more than back-to-back calls show), on
-    pairs drawn at random as sampled audits fall, the median kept. Each fitted ``c0 + c_row * rows`` per call."""
+
+    Both read the expert's weights dequantized to float64 from the numpy backend's cache
+    (kernels/backend.py ``DequantCache``, an LRU of 1 GiB by default), and what a miss costs
+    dominates: dequantizing the expert's three matrices (about 10 ms on this machine's check
+    model, against under 1 ms for the rest at a row or two; kvasir serve --audit 0.1 ran 14
+    tok/s with the cache off, 40 with it warm, 74 with every expert in it). So each audit is
+    timed twice, on weights just evicted (``cold_samples``) and again at once (``samples``): the
+    second fits ``c0 + c_row * rows`` per call, the difference is ``miss_s`` per call (the model
+    keeps the cache's contents itself, planner/sim.py ``_DequantCache``). Timed as a backbone runs
+    them: a few after each layer's ggml graph (numpy's OpenBLAS threads and ggml's OpenMP team then
+    wake in turn, which costs more than back-to-back calls show), on pairs drawn at random."""
+    from kernels.backend import get_backend
+
     cfg = engine.cfg
     local = engine.local_experts
+    cache = get_backend("numpy").cache
     rng = np.random.default_rng(4)
-    sizes = [1, 4] if quick else [1, 2, 3, 4]  # a decode step's calls: a few rows each
+    sizes = [1, 4] if quick else [1, 2, 4, 8, 16]  # a decode step's calls: a few rows each; a prompt's more
     inputs = _expert_inputs(engine, sizes, rng)
-    # Sampled audits fall on any (layer, expert), drawn anew for each timed one here (the same pair
-    # twice only as often as chance makes it), so the numpy kernel's cache of dequantized weights
-    # hits as often as in serving, where its misses dominate (py-spy of kvasir serve --audit 0.1:
-    # 85% of the engine thread dequantizing). Cycling a few pairs timed warm weights: 1 ms, not 5.
     per_layer = 4  # audits after one layer's graph: 0.1 of a node's ~40 calls
-    iterations = 8 if quick else 25
+    iterations = 6 if quick else 12
     draws = {(name, n): [(int(rng.integers(0, cfg.n_layer)), int(rng.integers(0, cfg.n_expert)))
                          for _ in range(iterations * per_layer)]
              for name in ("numpy", "explained") for n in sizes}
@@ -401,30 +408,41 @@ def measure_audit(engine, path: str, quick: bool) -> dict:
     # flips the audit takes out.
     replies = _other_mode(path, items) or [local.compute(layer, expert, rows) for layer, expert, rows in items]
     out = {}
+    k_reply = 0
     for name in ("numpy", "explained"):
-        samples = []
-        k_reply = 0
+        samples, cold_samples, misses = [], [], []
         for n in sizes:
             rows = inputs[n]
             seq = draws[(name, n)]
-            times = []
+            cold, warm = [], []
             for it in range(iterations):
-                layer = int(rng.integers(0, cfg.n_layer))
-                local.run_layer(layer, [(int(e), rows) for e in rng.choice(cfg.n_expert, 8, replace=False)])
-                t0 = time.perf_counter()
-                for layer_a, expert_a in seq[it * per_layer:(it + 1) * per_layer]:
-                    if name == "numpy":
-                        local.compute(layer_a, expert_a, rows, backend="numpy")
-                    else:
-                        local.explained_gap(layer_a, expert_a, rows, replies[k_reply])
-                        k_reply += 1
-                times.append((time.perf_counter() - t0) / per_layer)
-            samples.append((n, float(np.median(times))))  # every layer's first audit wakes the threads
+                batch = seq[it * per_layer:(it + 1) * per_layer]
+                answers = replies[k_reply:k_reply + per_layer] if name == "explained" else [None] * per_layer
+                k_reply += per_layer if name == "explained" else 0
+                for times in (cold, warm):
+                    if times is cold:
+                        cache.clear()
+                    layer = int(rng.integers(0, cfg.n_layer))
+                    local.run_layer(layer, [(int(e), rows) for e in rng.choice(cfg.n_expert, 8, replace=False)])
+                    t0 = time.perf_counter()
+                    for (layer_a, expert_a), reply in zip(batch, answers):
+                        if name == "numpy":
+                            local.compute(layer_a, expert_a, rows, backend="numpy")
+                        else:
+                            local.explained_gap(layer_a, expert_a, rows, reply)
+                    times.append((time.perf_counter() - t0) / per_layer)
+            samples.append((n, float(np.median(warm))))  # every layer's first audit wakes the threads
+            cold_samples.append((n, float(np.median(cold))))
+            misses.append(float(np.median(np.subtract(cold, warm))))
         c0, c_row = fit([[1, n] for n, _ in samples], [t for _, t in samples])
-        out[name] = {"c0_s": c0, "c_row_s": c_row, "samples": samples}
+        out[name] = {"c0_s": c0, "c_row_s": c_row, "miss_s": max(0.0, float(np.median(misses))),
+                     "samples": samples, "cold_samples": cold_samples, "cache_mb": cache.max_bytes / (1 << 20)}
+    cache.clear()
     _say(f"an audit's recomputation per call: numpy {1e6 * out['numpy']['c0_s']:.0f} us + "
          f"{1e6 * out['numpy']['c_row_s']:.1f} us per row; a foreign kernel's (flips taken out) "
-         f"{1e6 * out['explained']['c0_s']:.0f} us + {1e6 * out['explained']['c_row_s']:.1f} us per row")
+         f"{1e6 * out['explained']['c0_s']:.0f} us + {1e6 * out['explained']['c_row_s']:.1f} us per row; "
+         f"either + {1e3 * out['explained']['miss_s']:.1f} ms where the expert's weights are not in the cache "
+         f"of dequantized weights")
     return out
 
 

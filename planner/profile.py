@@ -104,6 +104,10 @@ class Costs:
     # with the flips taken out, for other kernels (backbone/audit.py rerun_backend).
     audit_recompute: Line = Line()
     audit_path: str = "exact"
+    # On the numpy paths, per audited call whose expert's weights the backbone's cache of
+    # dequantized weights does not hold: dequantizing them (sim._DequantCache). 0: not measured
+    # (profiles before it was: their audit line is the mean over the calibration's own misses).
+    audit_miss: float = 0.0
     notes: tuple[str, ...] = field(default=())
 
 
@@ -269,12 +273,14 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
     else:
         path, chunk = audit_path(profile, label)
     aud = b.get("audit", {})
+    audit_miss = 0.0
     if path == "exact":
         # A fast backbone rerunning a deterministic worker's reply in chunks of `chunk` rows: one
         # call per chunk (its per-row cost is the reference's again); otherwise nothing beyond it.
         audit_recompute = Line(local_call.c0, local_call.c1) if chunk else Line()
     elif path in aud:
         audit_recompute = Line(aud[path]["c0_s"], aud[path]["c_row_s"]).scaled(k_exp * core_k)
+        audit_miss = float(aud[path].get("miss_s", 0.0)) * k_exp * core_k
     else:
         audit_recompute = Line(local_call.c0 * 10, local_call.c1 * 10)
         notes.append(f"audits by {path} costed at 10x a local call (not measured in this profile)")
@@ -298,4 +304,4 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
         hedge_per_call=float(disp.get("hedge_per_call_s", 0.0)),
         core_efficiency=float(disp.get("core_efficiency", 1.0)),
         audit_recompute=audit_recompute,
-        audit_path=path, notes=tuple(notes))
+        audit_path=path, audit_miss=audit_miss, notes=tuple(notes))

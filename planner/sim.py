@@ -21,11 +21,14 @@ What it follows, and where in the code that behaviour lives:
   range of expert indices on every layer; past ``n_expert`` workers the ranges repeat (replicas).
 * **audits** (``backbone/audit.py``, ``RemoteExperts._audit_ahead`` and ``_finish_step``): every
   reply of a node is audited until it has passed ``probation`` audits (a step's verdicts are taken
-  together, so the step that starts on probation is audited whole), then one in each window of
-  ``ceil(1 / rate)`` of its replies on a layer. An audited call in one node's bundle has its
+  together, so the step that starts on probation is audited whole), then one at a random place
+  in each window of ``ceil(1 / rate)`` of its replies on a layer. An audited call in one node's bundle has its
   reference computed ahead on the engine thread while the reply travels; a raced call's is
   computed once it is won. Where the worker's kernel is not one the backbone runs, the audit then
-  recomputes with numpy (and takes the quant-step flips out): ``Costs.audit_recompute``, measured.
+  recomputes with numpy (and takes the quant-step flips out): ``Costs.audit_recompute``, measured,
+  plus ``Costs.audit_miss`` where the backbone's cache of dequantized weights (an LRU,
+  ``_DequantCache``) does not hold the expert: what most of such an audit costs (py-spy of kvasir
+  serve --audit 0.1 on the check's model: 56% of its audits' time dequantizing).
 * **local computes** (fallbacks, silent experts, hot experts, audits' references) run one call at
   a time (``LocalExperts.compute``), each its own graph: ``Costs.local_call`` per call.
 * **the engine thread's own connection** (``_run_direct``): an all-bundle step is sent and read on
@@ -66,6 +69,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -86,6 +90,10 @@ SILENCE_HOLD_S, MAX_HOLD_S = 2.0, 60.0
 CONFIRM_FLOOR_S, CONFIRM_MISSES, CONFIRM_RETRY = 0.010, 3, 64
 # backbone.replicas.ReplicaConfig's hedge_quantile (95): the share of calls past it, re-sent.
 HEDGED_SHARE = 0.05
+# backbone.dispatch.EXPLAINED_ROWS: the rows of a reply a foreign kernel's audit looks at, at most;
+# kernels.backend.DEFAULT_CACHE_MB: the backbone's cache of dequantized (float64) weights.
+AUDIT_ROWS = 16
+DEQUANT_CACHE_MB = 1024
 
 RTT_DISTS = {  # (median ms, lognormal sigma): a LAN, a WAN path, through a CDN edge (a relay)
     "lan": (1.0, 0.3), "wan": (40.0, 0.35), "cdn": (90.0, 0.35)}
@@ -112,6 +120,10 @@ class Config:
     colocated_cores: int = 0  # 0: every role on machines of its own
     worker_cores: int = 1
     uplink_bps: float = 0.0  # 0: unbounded
+    # The backbone's cache of dequantized weights that audits on the numpy paths read
+    # (KVASIR_DEQUANT_CACHE_MB); warm: as a backbone that has served this load a while has it.
+    dequant_cache_mb: float = DEQUANT_CACHE_MB
+    warm_cache: bool = True
     max_active: int = 1024
     step_tokens: int = 1024
     replicated: bool = False  # every worker holds every expert (replicas of the whole model)
@@ -262,6 +274,68 @@ class _Routing:
         return samples[int(self.rng.integers(self.pool))]
 
 
+class _DequantCache:
+    """The backbone's cache of dequantized weights (kernels/backend.py ``DequantCache``: an LRU
+    of float64 copies, ``KVASIR_DEQUANT_CACHE_MB``) as the audits on the numpy paths use it (an
+    ``explained`` audit and a ``numpy`` recomputation read the expert's three matrices there):
+    per (layer, expert), its three matrices at 8 bytes a weight. A miss costs the audit the
+    dequantization (``Costs.audit_miss``, measured by kvasir calibrate): on this machine's check
+    model 341 of its 512 experts fit, and the audits' random picks reach most of them."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.entries = capacity, OrderedDict()
+        self.misses = self.hits = 0
+
+    def miss(self, key) -> bool:
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            self.hits += 1
+            return False
+        self.misses += 1
+        if self.capacity > 0:
+            self.entries[key] = None
+            if len(self.entries) > self.capacity:
+                self.entries.popitem(last=False)
+        return True
+
+    @classmethod
+    def for_run(cls, shapes: Shapes, costs: Costs, cfg: Config, router: "_Routing", rng) -> "_DequantCache | None":
+        """None where audits read no dequantized weights (a kernel this backbone reruns) or the
+        profile did not measure a miss. ``cfg.warm_cache``: filled first as serving this load
+        leaves it (the check's fastest round, a backbone serving for a while): audited calls
+        drawn as the run draws them (a step's distinct experts by the measured routing, one of
+        them at random per layer step) until the cache has turned over three times."""
+        if costs.audit_path not in ("numpy", "explained") or costs.audit_miss <= 0:
+            return None
+        per_expert = 8 * 3 * shapes.n_embd * shapes.n_ff_exp
+        cache = cls(int(cfg.dequant_cache_mb * (1 << 20) // per_expert) if per_expert else 0)
+        L, E, K = shapes.n_layer, shapes.n_expert, shapes.n_expert_used
+        moe = [il for il in range(L - shapes.n_moe_layers, L)]
+        if not cfg.warm_cache or cache.capacity <= 0 or not moe:
+            return cache
+        rows = max(1, min(cfg.streams, cfg.max_active, 64))
+        steps = math.ceil(3 * min(cache.capacity, len(moe) * E) / len(moe))
+        per_draw = max(1, (1 << 18) // (rows * E))
+        picks = {}
+        for il in moe:
+            log_p = None if router.log_shares is None else router.log_shares[il]
+            out = []
+            while len(out) < steps:
+                n = min(per_draw, steps - len(out))
+                keys = rng.gumbel(size=(n, rows, E)) + (0.0 if log_p is None else log_p)
+                chosen = np.zeros((n, E), bool)
+                top = np.argpartition(-keys, K - 1, axis=2)[:, :, :K] if K < E else np.broadcast_to(np.arange(E), (n, rows, E))
+                np.put_along_axis(chosen, top.reshape(n, -1), True, axis=1)
+                for step in chosen:
+                    out.append(int(rng.choice(np.flatnonzero(step))))
+            picks[il] = out
+        for i in range(steps):
+            for il in moe:
+                cache.miss((il, picks[il][i]))
+        cache.misses = cache.hits = 0
+        return cache
+
+
 @dataclass
 class Result:
     tokens_per_s: float
@@ -366,7 +440,9 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
 
     audit_window = math.ceil(1.0 / cfg.audit) if cfg.audit > 0 else 0
     passed = [0] * max(1, cfg.workers)  # per node: audits passed (probation ends at cfg.probation)
-    seen: dict[tuple[int, int], int] = {}  # (node, layer): verdicts taken (each window of them has one audit)
+    windows: dict[tuple[int, int], tuple[int, int]] = {}  # (node, layer) -> (place in its window, the pick)
+    audit_rng = np.random.default_rng([cfg.seed, 1])  # its own: the routing's draws stay those of a run without audits
+    dequant = _DequantCache.for_run(shapes, costs, cfg, router, audit_rng) if audit_window else None
     held: dict[int, tuple[float, float]] = {}  # node -> (no bundles until, hold): its bundle timed out
     heard: set[int] = set()  # nodes that answered a bundle: racing replicas worth waiting for
     misses: dict[int, int] = {}  # node -> racing waits it missed in a row
@@ -385,18 +461,33 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         rows_per_call = list(rows_per_call)
         return len(rows_per_call) * costs.local_call.c0 + costs.local_call.c1 * sum(rows_per_call)
 
-    def audits_of(w: int, il: int, n: int) -> int:
-        """How many of node ``w``'s ``n`` replies of this layer step are audited (backbone/audit.py):
-        every one while it is on probation when the step's verdicts are taken, else one in each
-        window of ceil(1 / rate) of its replies on that layer."""
-        if not audit_window or not n:
-            return 0
+    def audited(w: int, il: int, es: list[int]) -> list[int]:
+        """Which of node ``w``'s replies ``es`` of this layer step are audited, in the order their
+        verdicts are taken (backbone/audit.py ``should_audit``): every one while the node is on
+        probation, else the one at a random place in each window of ceil(1 / rate) of its replies
+        on that layer (``_Window.pick``, drawn afresh for each window)."""
+        if not audit_window or not es:
+            return []
         key = (w, il)
-        before = seen.get(key, 0)
-        seen[key] = before + n
-        if cfg.audit >= 1.0 or passed[w] < cfg.probation:
-            return n
-        return (before + n) // audit_window - before // audit_window
+        at, pick = windows.get(key) or (0, int(audit_rng.integers(audit_window)))
+        out = []
+        for e in es:
+            if cfg.audit >= 1.0 or passed[w] < cfg.probation or at == pick:
+                out.append(e)
+            at += 1
+            if at == audit_window:
+                at, pick = 0, int(audit_rng.integers(audit_window))
+        windows[key] = (at, pick)
+        return out
+
+    def recompute_cost(il: int, e: int, rows: int) -> float:
+        """An audited call's recomputation beyond its reference (``costs.audit_recompute``); on the
+        numpy paths, plus the dequantization of the expert's weights where the backbone's numpy
+        cache does not hold them (``dequant``)."""
+        cost = costs.audit_recompute(min(rows, AUDIT_ROWS) if costs.audit_path == "explained" else rows)
+        if dequant is not None and dequant.miss((il, e)):
+            cost += costs.audit_miss
+        return cost
 
     def layer_step(t: float, il: int, rows: int, ctx_rows: float, seqs: int) -> float:
         """One layer of one lane's step starting at ``t``: its end time (backbone/dispatch.py's
@@ -483,9 +574,9 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 if len(asked) == 1 and asked[0] in by_node and not stopped(asked[0], t_sent):
                     single.setdefault(asked[0], []).append(e)
             for w, es in sorted(single.items()):
-                n = audits_of(w, il, len(es))
-                ahead += es[:n]
-                passed[w] += n
+                picked = audited(w, il, es)
+                ahead += picked
+                passed[w] += len(picked)
         engine_work = costs.shared(rows) + local_cost(int(counts[e]) for e in local_calls) \
             + local_cost(int(counts[e]) for e in ahead)
         t_engine = dense_pool.run(t_sent, engine_work) if engine_work > 0 else t_sent
@@ -571,9 +662,9 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 if len(nodes_of.get(e, ())) > 1:
                     by_winner.setdefault(w, []).append(e)
             for w, es in sorted(by_winner.items()):
-                n = audits_of(w, il, len(es))
-                after += es[:n]
-                passed[w] += n
+                picked = audited(w, il, es)
+                after += picked
+                passed[w] += len(picked)
         if missing:  # a frozen holder: the timeout, then computed here; silent from now on
             timeouts += 1
             totals["timed_out_calls"] = totals.get("timed_out_calls", 0) + len(missing)
@@ -590,7 +681,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         # where the worker's kernel is not one this backbone runs (costs.audit_path); a raced
         # call's reference only now (_accept).
         audit_work = local_cost(int(counts[e]) for e in after) + sum(
-            costs.audit_recompute(int(counts[e])) for e in (*ahead, *after))
+            recompute_cost(il, e, int(counts[e])) for e in (*ahead, *after))
         if audit_work > 0:
             end = dense_pool.run(end, audit_work)
         if costs.bus_per_win and winner:  # the market link's share of the wins, on the bus thread
@@ -693,7 +784,8 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
         messages_per_token=round(totals["messages"] / max(1, tokens), 2),
         local_fraction=round(totals["local"] / max(1, totals["calls"]), 4),
         bottleneck="", bounds=bounds, seconds=round(span, 4), timeouts=timeouts,
-        extra={"audits": totals.get("audits", 0), "timed_out_calls": totals.get("timed_out_calls", 0),
+        extra={"audits": totals.get("audits", 0),
+               "dequant_misses": dequant.misses if dequant is not None else None, "timed_out_calls": totals.get("timed_out_calls", 0),
                # each thread of work's busy share (colocated: of one core), where a miss comes from
                "busy": {"engine_python": round(disp_pool.busy / span, 3), "nats_server": round(nats_pool.busy / span, 3),
                         "workers": [round(p.busy / span, 3) for p in worker_pools] if not fast else None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -157,6 +158,9 @@ def test_the_models_constants_are_the_dispatchers():
     assert (sim.CONFIRM_FLOOR_S, sim.CONFIRM_MISSES, sim.CONFIRM_RETRY) == \
         (dispatch._CONFIRM_FLOOR_S, dispatch._CONFIRM_MISSES, dispatch._CONFIRM_RETRY)
     assert sim.Config(1, 1, 1).race_confirm == dispatch.DispatchConfig().confirm
+    from kernels.backend import DEFAULT_CACHE_MB
+
+    assert (sim.AUDIT_ROWS, sim.DEQUANT_CACHE_MB) == (dispatch.EXPLAINED_ROWS, DEFAULT_CACHE_MB)
 
 
 def _audits(cfg: Config) -> int:
@@ -169,10 +173,57 @@ def test_audits_follow_probation_then_one_in_each_window_per_node_and_layer():
     base = dict(workers=1, streams=1, tokens=8, prompt_tokens=1)
     assert _audits(Config(**base, audit=0.25, probation=0)) == TOY.n_layer * (2 * 8 // 4)
     # Probation 4: the first step's two layers (2 replies each, all audited, all passed) end it;
-    # the windows count those replies too: per layer 16 // 4 - 2 // 4 = 4 more.
-    assert _audits(Config(**base, audit=0.25, probation=4)) == 2 + 2 + 4 + 4
+    # the windows count those replies too: the first window's pick fell on one of them (no more
+    # audit there) or on one of its last two (one more), the other three windows one each.
+    for seed in range(6):
+        assert 2 + 2 + 3 + 3 <= _audits(Config(**base, audit=0.25, probation=4, seed=seed)) <= 2 + 2 + 4 + 4
     assert _audits(Config(**base, audit=1.0)) == TOY.n_layer * 2 * 8
     assert _audits(Config(**base, audit=0.0)) == 0
+
+
+def test_an_audit_falls_at_a_random_place_in_its_window_as_the_auditor_draws_it(monkeypatch):
+    # backbone/audit.py: one reply at a random place in each window, so every expert a node
+    # answers gets audited in time (the model once took each window's first: a few experts only).
+    cfg = Config(workers=1, streams=4, tokens=24, prompt_tokens=1, audit=0.1, probation=0)
+    costs = prof.costs_for(toy_profile(), TOY)
+    from planner import sim
+
+    picked = []
+
+    class Spy(sim._DequantCache):
+        def miss(self, key):
+            picked.append(key)
+            return super().miss(key)
+
+    monkeypatch.setattr(sim._DequantCache, "for_run", staticmethod(lambda *a, **k: Spy(10 ** 6)))
+    simulate(TOY, replace(costs, audit_path="explained", audit_miss=1e-3), cfg)
+    assert len({e for _, e in picked}) == TOY.n_expert  # every expert of the 8, not the first few
+
+
+def test_audits_on_the_numpy_paths_pay_a_dequantization_where_the_cache_misses():
+    # A foreign kernel's audit reads the expert's weights dequantized (kernels/backend.py's LRU):
+    # a cache too small for one expert misses every time, a big one only on first use, and a
+    # warm one (a backbone that has served this load) hardly ever.
+    profile = toy_profile()
+    profile["machine"]["kernel_mode"], profile["machine"]["machine"] = "deterministic", "x86_64"
+    profile["backbone"]["audit"] = {"explained": {"c0_s": 1e-4, "c_row_s": 0.0, "miss_s": 5e-3}}
+    costs = prof.costs_for(profile, TOY, worker_kernel="ggml-x86_64")
+    assert (costs.audit_path, costs.audit_miss) == ("explained", 5e-3)
+    base = dict(workers=1, streams=1, tokens=8, prompt_tokens=1, audit=1.0)
+    none = simulate(TOY, costs, Config(**base, dequant_cache_mb=0.0))
+    cold = simulate(TOY, costs, Config(**base, warm_cache=False))
+    warm = simulate(TOY, costs, Config(**base))
+    calls = TOY.n_layer * 2 * 8
+    assert none.extra["dequant_misses"] == calls
+    assert cold.extra["dequant_misses"] <= TOY.n_layer * TOY.n_expert < calls
+    assert warm.extra["dequant_misses"] < cold.extra["dequant_misses"]
+    assert none.seconds - cold.seconds == pytest.approx((calls - cold.extra["dequant_misses"]) * 5e-3, rel=1e-6)
+    # a kernel the backbone reruns reads no dequantized weights: no cache, no misses
+    from kernels.backend import kernel_label
+
+    same = prof.costs_for(profile, TOY, worker_kernel=kernel_label("ggml", "x86_64", "deterministic"))
+    assert same.audit_path == "exact" and same.audit_miss == 0.0
+    assert simulate(TOY, same, Config(**base)).extra["dequant_misses"] is None
 
 
 def test_an_audit_costs_what_the_workers_kernel_makes_the_backbone_recompute():
