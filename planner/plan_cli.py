@@ -82,6 +82,10 @@ def add_parser(subparsers) -> None:
                    help="the kernel label the workers announce (ggml-x86_64, ggml-x86_64-det, numpy-aarch64, "
                    "js-wasm32...): with --audit, whether an audit compares bits with the backbone's own result "
                    "or recomputes with numpy (default: the worker profile's, as calibrated)")
+    p.add_argument("--dequant-cache-mb", type=float, default=None, metavar="MB",
+                   help="with --audit and a worker kernel the backbone cannot rerun (audits by numpy): the "
+                   "backbone's cache of float64 expert weights, KVASIR_DEQUANT_CACHE_MB (default 1024); an audit "
+                   "whose expert is not in it pays the weights' dequantization (kvasir calibrate measures it)")
     p.add_argument("--replicas", choices=("race", "balance"), default="race",
                    help="replicas of an expert (past one worker per expert index): race (all compute) or balance (one, hedged)")
     p.add_argument("--race-confirm", type=float, default=None, metavar="X",
@@ -177,6 +181,8 @@ def check(args) -> None:
         raise UsageError(f"--timeout-ms must be positive, got {args.timeout_ms}")
     if args.race_confirm is not None and not 0 <= args.race_confirm <= 100:
         raise UsageError(f"--race-confirm must be between 0 and 100, got {args.race_confirm}")
+    if args.dequant_cache_mb is not None and args.dequant_cache_mb < 0:
+        raise UsageError(f"--dequant-cache-mb must be >= 0, got {args.dequant_cache_mb}")
     if args.audit_probation is not None and args.audit_probation < 0:
         raise UsageError(f"--audit-probation must be >= 0, got {args.audit_probation}")
     if args.stop_at is not None and args.stop_at < 0:
@@ -221,6 +227,7 @@ def points(args, shapes=None) -> list[dict]:
                 cfg = Config(workers=workers, streams=streams, tokens=args.tokens[0], prompt_tokens=args.prompt_tokens,
                              rtt_s=rtt, audit=args.audit, replicas=args.replicas,
                              **({} if args.audit_probation is None else {"probation": args.audit_probation}),
+                             **({} if args.dequant_cache_mb is None else {"dequant_cache_mb": args.dequant_cache_mb}),
                              race_confirm=race_confirm(args), bundles=args.bundles == "on",
                              micro_batches=args.micro_batches, hot_fraction=args.hot, churn_mtbf_s=args.churn,
                              churn_down_s=args.churn_down, stop_at_s=args.stop_at,

@@ -103,6 +103,7 @@ def profile_file(tmp_path):
     (["--shape", "nope"], "unknown"),
     (["--shape", "gpt-oss-120b", "--workers", "-3"], "integers >= 1"),
     (["--shape", "gpt-oss-120b", "--audit", "2"], "between 0 and 1"),
+    (["--shape", "gpt-oss-120b", "--audit", "0.1", "--dequant-cache-mb", "-1"], "--dequant-cache-mb must be >= 0"),
     (["--shape", "deepseek-v3"], "calibrated for gpt-oss-120b"),
 ])
 def test_bad_input_is_one_line_and_exit_2(profile_file, capsys, argv, says):
