@@ -138,6 +138,8 @@ def threads_over_share() -> bool:
 #: background (a shell, a log shipper) costs a team of every core nothing measurable; more, and a
 #: descheduled member stalls the team at every barrier.
 OTHERS_SLACK = 0.3
+#: How often :class:`CoreShare` looks at the other processes' load (seconds).
+LOAD_PERIOD_S = 0.25
 
 
 def free_threads(cores: int, others_busy: float | None) -> int:
@@ -193,22 +195,30 @@ class CoreShare:
     (:func:`free_threads`). An OpenMP team wider than the free cores waits for a time slice at
     every barrier of every graph: on 2 cores shared with a busy test run, ``kvasir serve``
     decoded 16 streams at 22-34 tok/s with two threads and 170-350 with one. A daemon thread
-    re-counts every ``period_s``; the thread count never changes a result."""
+    re-counts the kvasir processes every ``period_s`` (it reads every process's command line)
+    and looks at the others' load every ``load_period_s`` (two small reads): a burst of other
+    work costs a thread for about that long, not for a whole ``period_s`` after it ended
+    (``bench/throughput.py`` runs llama.cpp between our runs: with a 2 s look, most of a run
+    that followed one ran on one thread of two). The thread count never changes a result."""
 
-    def __init__(self, period_s: float = 2.0):
+    def __init__(self, period_s: float = 2.0, load_period_s: float = LOAD_PERIOD_S):
         import threading
 
         self.period_s, self.threads, self.processes, self.others_busy = period_s, 1, 1, None
+        self.load_period_s = min(load_period_s, period_s)
         self._use = CpuUse()
         self._stop = threading.Event()
         self.update()
         self._thread = threading.Thread(target=self._run, name="kvasir-core-share", daemon=True)
         self._thread.start()
 
-    def update(self) -> int:
+    def update(self, recount: bool = True) -> int:
+        """Re-read the others' load (and with ``recount`` the kvasir processes) and set this
+        process's threads; returns them."""
         before = self.threads if hasattr(self, "_thread") else None
         processes_before = self.processes
-        self.processes = compute_processes()
+        if recount:
+            self.processes = compute_processes()
         self.others_busy = self._use.others()
         cores = usable_cores()
         self.threads = min(shared_threads(self.processes, cores), free_threads(cores, self.others_busy))
@@ -229,17 +239,23 @@ class CoreShare:
         return self.threads
 
     def _run(self) -> None:
+        import time
+
         first = min(self.period_s, 0.25)  # the first look at the other processes, soon after start
         if not self._stop.wait(first):
             try:
                 self.update()
             except Exception:
                 pass
-        while not self._stop.wait(self.period_s):
+        counted = time.monotonic()
+        while not self._stop.wait(self.load_period_s):
+            recount = time.monotonic() - counted >= self.period_s
             try:
-                self.update()
+                self.update(recount)
             except Exception:  # a /proc hiccup: keep the last share
                 pass
+            if recount:
+                counted = time.monotonic()
 
     def stop(self) -> None:
         self._stop.set()
