@@ -238,7 +238,8 @@ def measure_routing(engine, streams: int = 8, prompt: int = 16, tokens: int = 32
             "rows": rows, "counts": per_layer}
 
 
-def measure_kernel(engine, threads: int, quick: bool) -> dict:
+def measure_kernel(engine, threads: int, quick: bool, grid: list[tuple[int, int]] | None = None,
+                   say: bool = True) -> dict:
     """The expert kernel a worker runs for one layer step (``moe_ffn`` of ``calls`` experts on
     ``rows`` rows in all), with ``threads`` ggml threads: fitted ``c0 + c_call * calls + c_row * rows``."""
     from kernels.ggml import ENV_THREADS
@@ -246,9 +247,10 @@ def measure_kernel(engine, threads: int, quick: bool) -> dict:
     cfg = engine.cfg
     local = engine.local_experts
     rng = np.random.default_rng(1)
-    grid = [(1, 1), (1, 8), (1, 32), (4, 4), (8, 8), (8, 32), (16, 16), (32, 32), (8, 128)]
-    if quick:
-        grid = [(1, 1), (1, 16), (8, 8), (8, 32), (16, 16)]
+    if grid is None:
+        grid = [(1, 1), (1, 8), (1, 32), (4, 4), (8, 8), (8, 32), (16, 16), (32, 32), (8, 128)]
+        if quick:
+            grid = [(1, 1), (1, 16), (8, 8), (8, 32), (16, 16)]
     grid = [(min(c, cfg.n_expert), r) for c, r in grid]
     old = os.environ.get(ENV_THREADS)
     os.environ[ENV_THREADS] = str(threads)
@@ -273,9 +275,68 @@ def measure_kernel(engine, threads: int, quick: bool) -> dict:
         else:
             os.environ[ENV_THREADS] = old
     c0, c_call, c_row = fit([[1, c, r] for c, r, _ in samples], [t for *_, t in samples])
-    _say(f"expert kernel ({threads} thread(s)): {1e6 * c0:.0f} us + {1e6 * c_call:.0f} us per expert "
-         f"+ {1e6 * c_row:.1f} us per row")
+    if say:
+        _say(f"expert kernel ({threads} thread(s)): {1e6 * c0:.0f} us + {1e6 * c_call:.0f} us per expert "
+             f"+ {1e6 * c_row:.1f} us per row")
     return {"threads": threads, "c0_s": c0, "c_call_s": c_call, "c_row_s": c_row, "samples": samples}
+
+
+#: ggml's fast mode runs a routed expert's K-quant product with its one-row kernel below this many
+#: rows and with its tiled (repacked) kernels from it (backbone/audit.py DET_CHUNK_ROWS + 1); the
+#: deterministic mode takes the one-row kernel at every row count.
+TILED_FROM_ROWS = 8
+
+
+def _tiled_main() -> None:
+    """A child's part of :func:`measure_tiled`: (path, threads, quick, grid) pickled on stdin, the
+    kernel's timing and this process's kernel label pickled on stdout."""
+    import pickle
+
+    import kvasir_bus  # noqa: F401  (thread settings before ggml loads)
+    from backbone.model import Engine
+    from kernels.backend import kernel_label
+
+    path, threads, quick, grid = pickle.load(sys.stdin.buffer)
+    engine = Engine(path, n_ctx=64)
+    pickle.dump((measure_kernel(engine, threads, quick, grid, say=False), kernel_label()), sys.stdout.buffer)
+
+
+def measure_tiled(path: str, threads: int, quick: bool, kernel: dict) -> dict | None:
+    """The expert kernel of a fast-mode worker (a ``kvasir worker`` started without
+    --deterministic: what the check's workers and most volunteers run) on calls of
+    :data:`TILED_FROM_ROWS` rows or more, where ggml's tiled kernels take over: in a child of the
+    fast mode, calls of 8 to 32 rows each. Fitted per call and per row beyond ``kernel``'s own
+    fixed part (``c0``), as ``c_call_s`` and ``c_row_s`` of such a call: a prompt's calls (16-32
+    rows each in the check) ran 2x faster there than the one-row kernel the deterministic mode
+    keeps (0.20 against 0.45 ms for 32 rows). Below 8 rows both modes run the same kernel. None
+    where the child fails (said on stderr)."""
+    import pickle
+    import subprocess
+
+    from kvasir_bus import threads as thr
+
+    grid = [(1, 8), (1, 16), (1, 32), (2, 32), (4, 64), (4, 128), (8, 128), (16, 128)]
+    if quick:
+        grid = [(1, 8), (1, 32), (4, 64), (8, 128)]
+    env = {**os.environ, thr.ENV_MODE: "fast", "GGML_CPU_TILED_MM": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                       os.environ.get("PYTHONPATH")]))}
+    try:
+        res = subprocess.run([sys.executable, "-c", "from planner.calibrate import _tiled_main; _tiled_main()"],
+                             input=pickle.dumps((path, threads, quick, grid)), capture_output=True, env=env, timeout=300)
+        if res.returncode != 0:
+            why = res.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+            _say(f"fast-mode kernel: not measured ({why[0]})")
+            return None
+        timed, label = pickle.loads(res.stdout)
+    except (OSError, subprocess.SubprocessError, pickle.UnpicklingError) as exc:
+        _say(f"fast-mode kernel: not measured ({type(exc).__name__}: {exc})")
+        return None
+    samples = timed["samples"]
+    c_call, c_row = fit([[c, r] for c, r, _ in samples], [max(0.0, t - kernel["c0_s"]) for c, r, t in samples])
+    _say(f"fast-mode expert kernel ({label}) on calls of {TILED_FROM_ROWS} rows or more: "
+         f"{1e6 * c_call:.0f} us per expert + {1e6 * c_row:.1f} us per row")
+    return {"label": label, "from_rows": TILED_FROM_ROWS, "c_call_s": c_call, "c_row_s": c_row, "samples": samples}
 
 
 def measure_local_call(engine, quick: bool) -> dict:
@@ -746,6 +807,52 @@ def fit_sharing(profile: dict, fanout_runs: list[dict]) -> tuple[float, float]:
     return best[1], best[2]
 
 
+def fit_dispatch_model(profile: dict, rounds: int = 3) -> dict:
+    """The backbone's dispatch terms (``hop_s`` per layer step, ``backbone_per_call_s``,
+    ``backbone_per_row_s``) fitted again through the model itself, so that its step with one
+    worker is the step :func:`measure_dispatch` measured (bundled, on the engine thread's own
+    connection, each row count): :func:`fit_dispatch` takes them from the serial chain's wall
+    time less the other parts, a line clipped at zero, which the model with its overlaps (the
+    shared expert and the worker on the other core, ``core_efficiency``) did not reproduce (the
+    2026-12-05 run's profile: its own one-worker steps predicted 21% and 32% fast at 1 and 4 rows,
+    18% slow at 32). Gauss-Newton on the three terms (the step is near linear in each, on the
+    engine thread's serial chain), non-negative; the dispatch section with them."""
+    from dataclasses import replace as with_
+
+    from planner import profile as prof
+    from planner.shapes import Shapes
+    from planner.sim import Config, simulate
+
+    disp = profile["backbone"]["dispatch"]
+    runs = [r for r in disp.get("runs", ()) if r.get("bundles") and not r.get("via_bus") and r.get("steps")]
+    if len(runs) < 3:
+        return disp
+    shapes = Shapes.from_dict(profile["model"])
+    costs = prof.costs_for(profile, shapes)
+    cores = int(profile["machine"].get("cpus") or 2)
+    targets = np.array([r["wall_s"] / r["steps"] for r in runs])
+
+    def steps(x) -> np.ndarray:
+        c = with_(costs, hop=x[0], backbone_per_call=x[1], backbone_per_row=x[2],
+                  reply_per_call=min(costs.reply_per_call, x[1]))
+        return np.array([simulate(shapes, c, Config(workers=1, streams=r["rows"], tokens=14, prompt_tokens=16,
+                                                    colocated_cores=cores, race_confirm=0.0, max_active=r["rows"],
+                                                    step_tokens=256)).itl_ms["p50"] / 1e3 for r in runs])
+
+    x = np.array([costs.hop, costs.backbone_per_call, costs.backbone_per_row])
+    scale = np.array([1e-4, 1e-5, 1e-6])  # a step of each, for the differences
+    for _ in range(rounds):
+        base = steps(x)
+        J = np.stack([(steps(x + scale * np.eye(3)[i]) - base) / scale[i] for i in range(3)], axis=1)
+        # relative errors: every row count weighs alike
+        dx = np.asarray(fit((J / targets[:, None]).tolist(), ((targets - base) / targets + (J @ x) / targets).tolist()))
+        x = np.maximum(0.0, dx)
+    out = dict(disp)
+    out["hop_s"], out["backbone_per_call_s"], out["backbone_per_row_s"] = (float(v) for v in x)
+    out["through_model"] = {"targets_s": targets.tolist(), "predicted_s": steps(x).tolist()}
+    return out
+
+
 def dense_step_s(dense: dict, n_layer: int, rows: int, ctx: int) -> float:
     """One decode step's dense path (every layer of the fitted kind, the head; ``rows`` sequences
     of one row) from :func:`measure_dense`."""
@@ -903,6 +1010,9 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
     # The label a worker started from here announces (its kernel mode is this process's): which
     # way a backbone audits its replies (kvasir plan --worker-kernel says otherwise).
     profile["worker"] = {"kernel": measure_kernel(engine, worker_threads, quick), "kernel_label": kernel_label()}
+    tiled = measure_tiled(path, worker_threads, quick, profile["worker"]["kernel"])
+    if tiled is not None:
+        profile["worker"]["tiled"] = tiled
     if role in ("backbone", "both"):
         rows = [1, 4, 16] if quick else [1, 4, 16, 32]
         contexts = [16, 96] if quick else [16, 256]
@@ -935,6 +1045,10 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
                                 rounds=3 if quick else 7)
         disp["fanout_runs"] = fanout["runs"]
         profile["wire"] = {"row_bytes": 4 * shapes.n_embd, "call_bytes": 96, "message_bytes": 1024}
+        # The dispatch terms again through the model (its one-worker steps as measured), then
+        # what a second worker on these cores costs, relative to those steps.
+        disp["fanout_s"], disp["core_efficiency"] = 0.0, 1.0
+        disp = profile["backbone"]["dispatch"] = fit_dispatch_model(profile)
         disp["fanout_s"], disp["core_efficiency"] = fit_sharing(profile, fanout["runs"])
         _say(f"a second worker on these cores: {1e6 * disp['fanout_s']:.0f} us more CPU per worker woken "
              f"past the first in a layer step; a core's speed while both run our work "

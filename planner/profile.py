@@ -108,6 +108,13 @@ class Costs:
     # dequantized weights does not hold: dequantizing them (sim._DequantCache). 0: not measured
     # (profiles before it was: their audit line is the mean over the calibration's own misses).
     audit_miss: float = 0.0
+    # The workers' kernel on a call of ``tiled_from`` rows or more, where a fast-mode worker's ggml
+    # takes its tiled kernels (planner/calibrate.py measure_tiled): what such a call costs less
+    # than ``worker_kernel`` says, per call and per row (deltas, usually negative). 0: the workers
+    # run the kernel the profile timed (deterministic workers, or a profile without it).
+    tiled_from: int = 0
+    tiled_call: float = 0.0
+    tiled_row: float = 0.0
     notes: tuple[str, ...] = field(default=())
 
 
@@ -267,6 +274,13 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
         local_call = Line(lk["c0_s"] + lk["c_call_s"], lk["c_row_s"]).scaled(k_exp * core_k)
         notes.append("one expert alone on the backbone costed as the layer kernel's one call (not in the profile)")
     label = worker_kernel or (worker or profile)["worker"].get("kernel_label")
+    tiled = wsrc.get("tiled") or {}
+    tiled_from, tiled_call, tiled_row = 0, 0.0, 0.0
+    if tiled and label == tiled.get("label") and label != wsrc.get("kernel_label"):
+        # workers of the other kernel mode than the one timed: a call of 8 rows or more runs tiled
+        tiled_from = int(tiled.get("from_rows", 8))
+        tiled_call = (float(tiled["c_call_s"]) - float(wsrc["kernel"]["c_call_s"])) * w_exp
+        tiled_row = (float(tiled["c_row_s"]) - float(wsrc["kernel"]["c_row_s"])) * w_exp
     if label is None:
         path, chunk = "exact", 0
         notes.append("audits costed as the same kernel's (the profile does not say which kernel its worker ran)")
@@ -304,4 +318,5 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
         hedge_per_call=float(disp.get("hedge_per_call_s", 0.0)),
         core_efficiency=float(disp.get("core_efficiency", 1.0)),
         audit_recompute=audit_recompute,
-        audit_path=path, audit_miss=audit_miss, notes=tuple(notes))
+        audit_path=path, audit_miss=audit_miss, tiled_from=tiled_from, tiled_call=tiled_call, tiled_row=tiled_row,
+        notes=tuple(notes))

@@ -611,7 +611,7 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 if stopped(w, arrive):
                     continue  # a frozen worker: never answers
                 wc = kinds_of_worker[w % len(kinds_of_worker)]
-                work = wc.worker_per_message + wc.worker_kernel(len(es), rows_m) / cfg.worker_speedup
+                work = wc.worker_per_message + (wc.worker_kernel(len(es), rows_m) + _tiled(wc, es, counts)) / cfg.worker_speedup
                 if cfg.colocated_cores and woken and w not in woken:  # another process woken on the shared cores
                     work += costs.fanout
                 woken.add(w)
@@ -794,6 +794,15 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
     return result
 
 
+def _tiled(costs: Costs, es, counts) -> float:
+    """What a worker's calls of ``tiled_from`` rows or more cost less than its kernel line says
+    (a fast-mode worker's ggml runs them with its tiled kernels: ``Costs.tiled_call``/``tiled_row``)."""
+    if not costs.tiled_from:
+        return 0.0
+    big = [int(counts[e]) for e in es if counts[e] >= costs.tiled_from]
+    return len(big) * costs.tiled_call + sum(big) * costs.tiled_row if big else 0.0
+
+
 def _fifo(ready: np.ndarray, cost: np.ndarray, free: float) -> np.ndarray:
     """End times of jobs on one FIFO server, in the order given: e_i = max(e_{i-1}, r_i) + c_i,
     e_{-1} = ``free``, as a closed form (max-plus: e_i = C_i + max(free, max_{j<=i} r_j - C_{j-1}))."""
@@ -823,7 +832,9 @@ def _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_fr
     nats_pool.busy += M * nc
     arrive = at_nats + rtt_arr[ws] / 2
     k = costs.worker_kernel
-    work = costs.worker_per_message + (k.c0 + k.c1 * n_calls + k.c2 * rows_m) / cfg.worker_speedup
+    tiled = np.fromiter((_tiled(costs, es, counts) for _, es in messages), dtype=float, count=len(messages)) \
+        if costs.tiled_from else 0.0
+    work = costs.worker_per_message + (k.c0 + k.c1 * n_calls + k.c2 * rows_m + tiled) / cfg.worker_speedup
     done = np.maximum(worker_free[ws], arrive) + work
     live = np.ones(M, bool) if stop_at is None else ~((ws == 0) & (arrive >= stop_at))  # worker 0 frozen from then
     worker_free[ws[live]] = done[live]

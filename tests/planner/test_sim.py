@@ -299,6 +299,49 @@ def test_the_fanout_fit_recovers_the_cost_a_second_worker_was_measured_at():
     assert fit_fanout(profile, runs) < 0.1 * 3e-4
 
 
+def test_the_dispatch_fit_through_the_model_recovers_the_one_worker_steps_measured():
+    # calibrate's one-worker dispatch runs made by the model itself with known backbone terms: the
+    # fit through the model finds terms whose steps are those, starting from other ones.
+    from planner.calibrate import fit_dispatch_model
+
+    profile = toy_profile()
+    profile["machine"]["cpus"] = 2
+    truth = dict(hop_s=4e-5, backbone_per_call_s=2e-5, backbone_per_row_s=3e-6)
+    made = json.loads(json.dumps(profile))
+    made["backbone"]["dispatch"].update(truth)
+    costs = prof.costs_for(made, TOY)
+    runs = []
+    for rows in (1, 4, 16):
+        cfg = Config(workers=1, streams=rows, tokens=14, prompt_tokens=16, colocated_cores=2, race_confirm=0.0,
+                     max_active=rows, step_tokens=256)
+        runs.append({"rows": rows, "bundles": True, "via_bus": False, "steps": 12,
+                     "wall_s": 12 * simulate(TOY, costs, cfg).itl_ms["p50"] / 1e3})
+    profile["backbone"]["dispatch"].update(hop_s=0.0, backbone_per_call_s=1e-4, backbone_per_row_s=0.0, runs=runs)
+    fitted = fit_dispatch_model(profile)
+    pred, target = fitted["through_model"]["predicted_s"], fitted["through_model"]["targets_s"]
+    assert pred == pytest.approx(target, rel=0.01)
+    assert fitted["backbone_per_call_s"] == pytest.approx(truth["backbone_per_call_s"], rel=0.2)
+
+
+def test_a_fast_mode_worker_runs_calls_of_8_rows_or_more_on_its_tiled_kernel():
+    # calibrate times a fast-mode worker's kernel on big calls (measure_tiled); the workers the
+    # plan is for announce that label: each call of 8 rows or more costs the difference less.
+    profile = toy_profile()
+    profile["worker"]["kernel_label"] = "ggml-x86_64-det-repack"
+    profile["worker"]["tiled"] = {"label": "ggml-x86_64-repack", "from_rows": 8,
+                                  "c_call_s": K_CALL + 1e-5, "c_row_s": K_ROW - 1.5e-5}
+    det = prof.costs_for(profile, TOY)
+    fast = prof.costs_for(profile, TOY, worker_kernel="ggml-x86_64-repack")
+    assert det.tiled_from == 0 and fast.tiled_from == 8
+    assert (fast.tiled_call, fast.tiled_row) == pytest.approx((1e-5, -1.5e-5))
+    # one prompt step of 64 rows, top-2 of 8 experts: calls of about 16 rows, run tiled
+    cfg = Config(workers=1, streams=1, tokens=1, prompt_tokens=64, step_tokens=256)
+    saved = simulate(TOY, det, cfg).seconds - simulate(TOY, fast, cfg).seconds
+    assert 0 < saved <= TOY.n_layer * 64 * TOY.n_expert_used * 1.5e-5
+    one_row = Config(workers=1, streams=1, tokens=4, prompt_tokens=1)  # decode: 1-row calls, the same kernel
+    assert simulate(TOY, det, one_row).seconds == simulate(TOY, fast, one_row).seconds
+
+
 def test_measured_routing_draws_each_expert_by_its_share_and_only_for_its_own_model():
     from planner.sim import _Routing
 
