@@ -398,16 +398,20 @@ def _group_of(c: dict) -> dict:
 
 def refit(profile: dict) -> dict:
     """``profile`` with the terms kvasir calibrate fits through the model itself fitted again by
-    today's model from the runs it kept (what workers sharing the backbone's cores cost,
-    ``fanout_s`` and ``core_efficiency``: :func:`planner.calibrate.fit_sharing`): a change
+    today's model from the runs it kept (the backbone's dispatch terms, so that the model's
+    one-worker steps are the measured ones: :func:`planner.calibrate.fit_dispatch_model`; then
+    what workers sharing the backbone's cores cost, ``fanout_s`` and ``core_efficiency``:
+    :func:`planner.calibrate.fit_sharing`): a change
     elsewhere in the model changes what those terms must stand for. A copy; nothing else changes."""
     disp = (profile.get("backbone") or {}).get("dispatch") or {}
     if not disp.get("fanout_runs"):
         return profile
-    from planner.calibrate import fit_sharing
+    from planner.calibrate import fit_dispatch_model, fit_sharing
 
     out = json.loads(json.dumps(profile))
     out["backbone"]["dispatch"].pop("core_efficiency", None)  # fitted again with fanout_s, from 1
+    out["backbone"]["dispatch"]["fanout_s"] = 0.0
+    out["backbone"]["dispatch"] = fit_dispatch_model(out)  # the one-worker steps, as calibrate fits them now
     out["backbone"]["dispatch"]["fanout_s"], out["backbone"]["dispatch"]["core_efficiency"] = \
         fit_sharing(out, disp["fanout_runs"])
     return out
@@ -459,7 +463,7 @@ def repredict(saved: dict, profile: dict | None = None, profile_path: str | None
     out["worker_kernel"] = result.get("worker_kernel") or workers_kernel()
     out["repredicted"] = {"run": saved.get("date"), "commit": (saved.get("commit") or {}).get("sha"),
                           "profile": whose, "refitted": {k: (profile.get("backbone") or {}).get("dispatch", {}).get(k)
-                                                         for k in ("fanout_s", "core_efficiency")}}
+                                                         for k in ("fanout_s", "core_efficiency", "hop_s", "backbone_per_call_s", "backbone_per_row_s")}}
     return out
 
 
