@@ -109,6 +109,30 @@ def predict(model: Path, profile: Path, group: dict, streams: int, tokens: int, 
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def speed_probe(reps: int = 5) -> dict:
+    """How fast one core of this machine is right now: the fastest of ``reps`` timings (seconds)
+    of a fixed pure-Python loop (the dispatch path's kind of work) and of a fixed numpy sort
+    (compiled code on arrays), each 10-20 ms, run in this process while the swarm is idle. Recorded
+    beside the calibration and each measured round, never given to the model: on a shared VM the
+    same configuration ran up to 1.9x apart minutes apart, and these say whether the machine's
+    speed moved with it (a ratio to the calibration's probe)."""
+    import numpy as np
+
+    # np.sort, not a matmul: single-threaded whatever BLAS does (a BLAS spread over both cores
+    # timed the other programs' load, 1 to 100 ms for the same product).
+    a = np.random.default_rng(0).random(200_000, dtype=np.float32)
+    out = {}
+    for name, work in (("python_s", lambda: sum(i * i for i in range(300_000))),
+                       ("numpy_s", lambda: np.sort(a))):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - t0)
+        out[name] = round(min(times), 6)
+    return out
+
+
 def _cpu_ticks(pids) -> tuple[int, int]:
     """(the machine's busy CPU ticks, /proc/stat's user to steal, summed over cores; those of the
     processes ``pids``, every thread, utime + stime)."""
@@ -284,9 +308,10 @@ def measure(model: Path, group: dict, tokens: int, prompt: int, rounds: int = 2)
             for s in group["streams"]:
                 stop_pid = swarm.workers[0].proc.pid if group.get("stop_at_s") is not None else None
                 load0 = os.getloadavg()[0]
-                best = None
+                best, tried = None, []
                 for _ in range(1 if stop_pid else rounds):  # the quietest round counts
                     calls0 = dispatch_counts(swarm.nats.url)
+                    probe = speed_probe()  # the swarm idle: this machine's speed just before the round
                     with Background(pids) as background, Pinger(swarm) as pinger:
                         res = asyncio.run(_clients_with_stop(url, prompts(s, prompt), tokens, stop_pid,
                                                              group.get("stop_at_s")))
@@ -295,11 +320,13 @@ def measure(model: Path, group: dict, tokens: int, prompt: int, rounds: int = 2)
                     res["dispatch"] = {k: v - calls0[k] for k, v in dispatch_counts(swarm.nats.url).items()}
                     res["background_runnable"] = background.mean
                     res["background_cores"] = background.cores
+                    res["probe"] = probe
+                    tried.append({"tok_s": res["tok_s"], "probe": probe})
                     during = pinger.median_ms()
                     res["link_rtt_ms"] = round(max(link, during - direct), 2) if during is not None else link
                     if best is None or res["tok_s"] > best["tok_s"]:
                         best = res
-                res = best
+                res = {**best, "rounds": tried}  # every round's tokens/s and probe, the fastest counting
                 if stop_pid is not None:
                     os.kill(stop_pid, signal.SIGCONT)
                 res["load_avg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
@@ -323,15 +350,19 @@ def run(model: Path, grid: list[dict], tokens: int, prompt: int, quick_calibrate
     be trusted."""
     profile = workdir / "profile.json"
     t0 = time.time()
+    probes = [speed_probe()]
     calibrate(model, profile, quick_calibrate)
+    probes.append(speed_probe())
     print(f"# calibrated in {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     best: dict[tuple[int, int], dict] = {}
     seen: dict[tuple[int, int], list[float]] = {}
+    seen_probe: dict[tuple[int, int], list[dict]] = {}
     for _ in range(passes):
         for i, group in enumerate(grid):
             for m in measure(model, group, tokens, prompt, rounds):
                 key = (i, m["streams"])
                 seen.setdefault(key, []).append(m["tok_s"])
+                seen_probe.setdefault(key, []).append(m.get("rounds"))
                 if key not in best or m["tok_s"] > best[key]["tok_s"]:
                     best[key] = m
     configs = []
@@ -341,9 +372,10 @@ def run(model: Path, grid: list[dict], tokens: int, prompt: int, quick_calibrate
         # sampled during the run: inputs of the configuration, not fitted to its result.
         p = predict(model, profile, group, m["streams"], tokens, prompt, max(group["streams"]),
                     m["link_rtt_ms"], m["background_cores"])
-        configs.append(compare(group, {**m, "passes_tok_s": seen[key]}, p))
+        configs.append(compare(group, {**m, "passes_tok_s": seen[key], "passes_rounds": seen_probe[key]}, p))
     out = summarise(model.name, tokens, prompt, json.loads(profile.read_text()), configs)
     out["worker_kernel"] = workers_kernel()
+    out["probe_calibrate"] = probes  # before and after kvasir calibrate (speed_probe)
     return out
 
 
@@ -359,6 +391,7 @@ def compare(group: dict, m: dict, p: dict) -> dict:
         "stop_at_s": group.get("stop_at_s"), "group": group,
         "measured": {"tokens_per_s": m["tok_s"], "itl_ms": m["itl_ms"], "ttft_ms": m["ttft_ms"],
                      **({"passes_tokens_per_s": m["passes_tok_s"]} if "passes_tok_s" in m else {}),
+                     **({"probe": m["probe"], "passes_rounds": m.get("passes_rounds")} if m.get("probe") else {}),
                      "load_avg_1m": m["load_avg_1m"], "background_runnable": m["background_runnable"],
                      **({"background_cores": m["background_cores"]} if "background_cores" in m else {}),
                      "link_rtt_ms": m["link_rtt_ms"], **({"dispatch": m["dispatch"]} if m.get("dispatch") else {})},

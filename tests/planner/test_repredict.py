@@ -59,3 +59,19 @@ def test_a_run_without_its_profile_needs_one_and_says_so_in_one_line(tmp_path):
                           "--profile", str(profile)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert len(json.loads(res.stdout)["configs"]) == 2
+
+
+def test_a_measured_round_keeps_the_machine_speed_probe_beside_its_figures():
+    pytest.importorskip("aiohttp")
+    from bench.plan_check import compare, speed_probe
+
+    probe = speed_probe(reps=1)
+    assert set(probe) == {"python_s", "numpy_s"} and all(v > 0 for v in probe.values())
+    rounds = [[{"tok_s": 9.0, "probe": probe}, {"tok_s": 10.0, "probe": probe}]]
+    m = {"streams": 1, "tok_s": 10.0, "itl_ms": {"p50": 100.0}, "ttft_ms": {"p50": 1.0}, "load_avg_1m": [0, 0],
+         "background_runnable": 0.0, "link_rtt_ms": 0.0, "probe": probe, "passes_tok_s": [10.0],
+         "passes_rounds": rounds}
+    p = {"tokens_per_s": 11.0, "itl_ms": {"p50": 90.0}, "ttft_ms": {"p50": 1.0}, "bottleneck": "x"}
+    c = compare({"workers": 1, "rtt_ms": 0, "streams": [1]}, m, p)
+    assert c["measured"]["probe"] == probe and c["measured"]["passes_rounds"] == rounds
+    assert c["tokens_per_s_error"] == pytest.approx(0.1)
