@@ -54,7 +54,8 @@ target change.
 A model becomes known from any message about it; the market then asks the backbone for its
 manifest on ``kvasir.<model>.manifest``, retrying with exponential backoff until it gets one.
 Until then volunteers get ``no_manifest`` (after waiting ``volunteer_wait_s`` for it) and the
-ledger stream waits (``stream_manifest_wait_s`` at most per model, then such events are refused).
+ledger stream waits (``stream_manifest_wait_s`` at most per model, then such events are refused);
+a quarantine verdict is applied at once (banning a node and voiding its rows needs no layout).
 Manifests are kept in the ledger file, so a restarted market checks events with no backbone up.
 
 The stream redelivers what a dead market took and never acked ``ack_wait`` later, behind what
@@ -917,8 +918,11 @@ class Market:
                                   error=f"payload names model {record.model}")
             return True
         ms = self._model(model)
-        if ms.layout is None:
+        if ms.layout is None and not isinstance(record, mc.Quarantine):
             # The stream is applied in order (the bound before the claim): wait here, a while.
+            # A verdict needs no layout: it bans a node and voids its stored rows. Made to wait,
+            # it was lost where the backbones that could send the manifest had gone (refused
+            # after the wait), and it held back every message behind it.
             try:
                 await asyncio.wait_for(ms.known.wait(), self.cfg.stream_manifest_wait_s)
             except asyncio.TimeoutError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kvasir_bus import ledger_stream, market_codec as mc
 from kvasir_bus.connect import connect
+from kvasir_bus.subjects import Subjects
 from market.service import Market
 from tests.market.fakes import FP, FakeBackbone, make_manifest, stream_read
 from tests.trust.test_market_attacks import config
@@ -45,6 +46,28 @@ def test_a_quarantine_voids_only_the_events_since_the_last_passed_audit(nats_ser
             assert "w" in st.quarantined
         finally:
             await bb.stop()
+            await market.stop()
+            await nc.close()
+
+    arun(go(), timeout=30)
+
+
+def test_a_verdict_is_applied_with_no_backbone_left_to_send_the_manifest(nats_server, arun, tmp_path):
+    """The backbone that caught a liar may be gone before the market has its manifest: the
+    verdict needs none (it bans and voids), so it is applied, not held 30 s and then refused."""
+    async def go():
+        nc = await connect(nats_server.url, name="market")
+        market = await Market(nc, config(tmp_path / "m.db")).start()
+        try:
+            js = nc.jetstream()
+            await ledger_stream.ensure_stream(js)
+            q = mc.Quarantine(FP, "liar", 0, 3, "ggml", True, 1.0, at=11.0, since=0.0)
+            await js.publish(Subjects(FP).quarantine(), q.encode(), headers={ledger_stream.MSG_ID: "q"})
+            await stream_read(nc, timeout=10.0)
+            assert market.models[FP].manifest is None  # nobody answered for it
+            assert "liar" in market.models[FP].coverage.banned
+            assert "liar" in (await market.status(FP)).quarantined
+        finally:
             await market.stop()
             await nc.close()
 
