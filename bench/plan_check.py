@@ -432,17 +432,21 @@ def _group_of(c: dict) -> dict:
 def refit(profile: dict) -> dict:
     """``profile`` with the terms kvasir calibrate fits through the model itself fitted again by
     today's model from the runs it kept (the backbone's dispatch terms, so that the model's
-    one-worker steps are the measured ones, and what workers sharing the backbone's cores cost,
-    ``fanout_s`` and ``core_efficiency``, in turns: :func:`planner.calibrate.fit_through_model`):
-    a change elsewhere in the model changes what those terms must stand for. A copy; nothing else
-    changes."""
+    one-worker steps are the measured ones: :func:`planner.calibrate.fit_dispatch_model`; then
+    what workers sharing the backbone's cores cost, ``fanout_s`` and ``core_efficiency``:
+    :func:`planner.calibrate.fit_sharing`): a change
+    elsewhere in the model changes what those terms must stand for. A copy; nothing else changes."""
     disp = (profile.get("backbone") or {}).get("dispatch") or {}
     if not disp.get("fanout_runs"):
         return profile
-    from planner.calibrate import fit_through_model
+    from planner.calibrate import fit_dispatch_model, fit_sharing
 
     out = json.loads(json.dumps(profile))
-    fit_through_model(out, disp["fanout_runs"])  # as calibrate fits them now
+    out["backbone"]["dispatch"].pop("core_efficiency", None)  # fitted again with fanout_s, from 1
+    out["backbone"]["dispatch"]["fanout_s"] = 0.0
+    out["backbone"]["dispatch"] = fit_dispatch_model(out)  # the one-worker steps, as calibrate fits them now
+    out["backbone"]["dispatch"]["fanout_s"], out["backbone"]["dispatch"]["core_efficiency"] = \
+        fit_sharing(out, disp["fanout_runs"])
     return out
 
 

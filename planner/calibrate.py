@@ -853,31 +853,6 @@ def fit_dispatch_model(profile: dict, rounds: int = 3) -> dict:
     return out
 
 
-def fit_through_model(profile: dict, fanout_runs: list[dict], passes: int = 3) -> dict:
-    """The terms fitted through the model itself, together: the dispatch terms
-    (:func:`fit_dispatch_model`: the one-worker steps as measured) and what workers sharing the
-    backbone's cores cost (:func:`fit_sharing`: the two-worker / one-worker ratios as measured),
-    in turns, the dispatch terms last. Each fit holds the other's terms, and ``core_efficiency``
-    slows the one-worker steps too (the shared expert and dense path on one core while the worker
-    computes on the other): the dispatch terms fitted once at efficiency 1, then the sharing on
-    top of them, left the final model's one-worker steps slower than calibrate measured them
-    (5-22% at 1 row, 16-41% at 16-32 rows, where the fit said 0.5-0.55: four of the saved
-    plan_check runs' profiles) and every colocated prediction slow with them. The dispatch
-    section with all five terms."""
-    disp = profile["backbone"]["dispatch"]
-    disp["fanout_s"], disp["core_efficiency"] = 0.0, 1.0
-    seen = set()
-    for _ in range(passes):
-        disp = profile["backbone"]["dispatch"] = fit_dispatch_model(profile)
-        sharing = fit_sharing(profile, fanout_runs)
-        disp["fanout_s"], disp["core_efficiency"] = sharing
-        if sharing in seen:  # the grid's pair again: the turns have settled
-            break
-        seen.add(sharing)
-    disp = profile["backbone"]["dispatch"] = fit_dispatch_model(profile)  # under the final sharing
-    return disp
-
-
 def dense_step_s(dense: dict, n_layer: int, rows: int, ctx: int) -> float:
     """One decode step's dense path (every layer of the fitted kind, the head; ``rows`` sequences
     of one row) from :func:`measure_dense`."""
@@ -1070,9 +1045,11 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
                                 rounds=3 if quick else 7)
         disp["fanout_runs"] = fanout["runs"]
         profile["wire"] = {"row_bytes": 4 * shapes.n_embd, "call_bytes": 96, "message_bytes": 1024}
-        # The dispatch terms again through the model (its one-worker steps as measured) and what
-        # a second worker on these cores costs (relative to those steps), in turns.
-        disp = fit_through_model(profile, fanout["runs"])
+        # The dispatch terms again through the model (its one-worker steps as measured), then
+        # what a second worker on these cores costs, relative to those steps.
+        disp["fanout_s"], disp["core_efficiency"] = 0.0, 1.0
+        disp = profile["backbone"]["dispatch"] = fit_dispatch_model(profile)
+        disp["fanout_s"], disp["core_efficiency"] = fit_sharing(profile, fanout["runs"])
         _say(f"a second worker on these cores: {1e6 * disp['fanout_s']:.0f} us more CPU per worker woken "
              f"past the first in a layer step; a core's speed while both run our work "
              f"{disp['core_efficiency']:.2f} of one alone")

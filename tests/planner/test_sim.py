@@ -323,41 +323,6 @@ def test_the_dispatch_fit_through_the_model_recovers_the_one_worker_steps_measur
     assert fitted["backbone_per_call_s"] == pytest.approx(truth["backbone_per_call_s"], rel=0.2)
 
 
-def test_the_dispatch_and_sharing_fits_together_keep_the_one_worker_steps_measured():
-    # calibrate's one-worker steps and its one / two worker rounds, made by the model itself with
-    # known terms, a core's efficiency below 1 among them (it slows the one-worker steps too):
-    # fitted in turns, the model's one-worker steps are the measured ones and so are the two-worker
-    # ones; the dispatch terms fitted once at efficiency 1 and the sharing on top missed the first.
-    from planner.calibrate import fit_through_model
-
-    profile = toy_profile()
-    profile["machine"]["cpus"] = 2
-    # a shared expert: engine work while the worker computes, which the efficiency slows
-    profile["backbone"]["dense"]["shared"] = {"c0_s": 5e-4, "c_row_s": 2e-5}
-    truth = dict(hop_s=4e-5, backbone_per_call_s=2e-5, backbone_per_row_s=3e-6, fanout_s=1e-4, core_efficiency=0.7)
-    made = json.loads(json.dumps(profile))
-    made["backbone"]["dispatch"].update(truth)
-
-    def step(costs, workers: int, rows: int) -> float:
-        cfg = Config(workers=workers, streams=rows, tokens=14, prompt_tokens=16, colocated_cores=2, race_confirm=0.0,
-                     max_active=rows, step_tokens=256)
-        return simulate(TOY, costs, cfg).itl_ms["p50"] / 1e3
-
-    true = prof.costs_for(made, TOY)
-    runs = [{"rows": r, "bundles": True, "via_bus": False, "steps": 12, "wall_s": 12 * step(true, 1, r)} for r in (1, 4, 16)]
-    fanout_runs = [{"rows": r, "steps": 12, "one_worker_s": [12 * step(true, 1, r)] * 3, "two_workers_s": [12 * step(true, 2, r)] * 3}
-                   for r in (1, 4, 16)]
-    profile["backbone"]["dispatch"].update(hop_s=0.0, backbone_per_call_s=1e-4, backbone_per_row_s=0.0, runs=runs)
-    fitted = fit_through_model(profile, fanout_runs)
-    assert profile["backbone"]["dispatch"] is fitted
-    assert fitted["through_model"]["predicted_s"] == pytest.approx(fitted["through_model"]["targets_s"], rel=0.02)
-    # and the two-worker steps too (the terms need not be the truth's: a pair near it does as well)
-    got = prof.costs_for(profile, TOY)
-    assert [step(got, 2, r) / step(got, 1, r) for r in (1, 4, 16)] == pytest.approx(
-        [run["two_workers_s"][0] / run["one_worker_s"][0] for run in fanout_runs], rel=0.03)
-    assert fitted["core_efficiency"] < 1.0
-
-
 def test_a_fast_mode_worker_runs_calls_of_8_rows_or_more_on_its_tiled_kernel():
     # calibrate times a fast-mode worker's kernel on big calls (measure_tiled); the workers the
     # plan is for announce that label: each call of 8 rows or more costs the difference less.
