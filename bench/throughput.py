@@ -7,7 +7,10 @@ For each concurrency C: C streaming clients (aiohttp, OpenAI's SSE format) each 
 number of tokens (``ignore_eos``) after a prompt of their own; aggregate tokens/s is all generated
 tokens over the wall time from the first request to the last [DONE]; time to first token and
 inter-token latency are per client, p50/p95. The server runs in its own process
-(``kvasir serve``), so the clients do not share its interpreter.
+(``kvasir serve``), so the clients do not share its interpreter. (a)'s sides (ours,
+``llama-server -np 16`` and the batched decode below) are started once and take turns in
+``--rounds`` rounds per concurrency; each side's figure is its best round (every round is kept
+under ``rounds``).
 
 llama.cpp: one context with C sequences (llama-cpp-python's low-level API, unified KV cache,
 flash attention off as in our engine): each sequence's prompt is evaluated, then every step
@@ -24,7 +27,7 @@ the bound is what S streams can reach if every token costs its L serial round tr
 else: S / (L x r) tokens/s.
 
     python bench/throughput.py [--arch qwen3moe] [--type q4_k] [--concurrency 1 4 16 32] [--tokens 16]
-        [--sharded 2 4] [--rtt-ms 20 50] [--skip-local]
+        [--sharded 2 4] [--rtt-ms 20 50] [--skip-local] [--rounds 3]
         [--micro-batches] [--replicas] [--mix-rtt-ms 20 50] [--mix-concurrency 4 16]
 
 Serving mix (``--micro-batches``, ``--replicas``; each measured side by side on one swarm):
@@ -515,11 +518,10 @@ def start_llama_server(binary: Path, path: Path, slots: int, n_ctx: int, threads
     raise ReferenceUnavailable("llama-server was not ready after 300 s")
 
 
-def run_llama_server(path: Path, args, n_ctx: int, threads: int, out: dict) -> None:
-    """Every concurrency against llama-server -np <slots>: its figures go beside ours in
-    ``out["results"]`` (``llama_server``, ``ratio_vs_llama_server``). Without it, one line
-    on stderr and ``out["llama_server"]["unavailable"]``: the reference is then
-    ``llama_cpp_batched`` (llama.cpp's own batched decode)."""
+def start_reference(path: Path, args, n_ctx: int, threads: int, out: dict) -> tuple[subprocess.Popen, str] | None:
+    """llama-server -np <slots> on the model, ready; its binary and flags go to ``out["llama_server"]``.
+    Where it cannot be had: one line on stderr, ``out["llama_server"]["unavailable"]`` and None
+    (the reference is then ``llama_cpp_batched``, llama.cpp's own batched decode)."""
     try:
         binary = Path(args.llama_server) if args.llama_server else llama_server_binary(args.llama_src)
         proc, url = start_llama_server(binary, path, args.llama_slots, n_ctx, threads)
@@ -527,24 +529,10 @@ def run_llama_server(path: Path, args, n_ctx: int, threads: int, out: dict) -> N
         print(f"# llama-server unavailable: {exc}; the reference is llama.cpp's batched decode "
               "(llama_cpp_batched)", file=sys.stderr, flush=True)
         out["llama_server"] = {"unavailable": str(exc)}
-        return
+        return None
     out["llama_server"] = {"binary": str(binary), "llama_cpp_python": llama_cpp_version(),
                            "flags": f"-np {args.llama_slots} -c {n_ctx} -t {threads} -tb {threads}"}
-    by_c = {r["concurrency"]: r for r in out["results"]}
-    try:
-        asyncio.run(run_clients(url, prompts(1, args.prompt_tokens, salt=0), 2))  # warm up, as ours
-        for c in args.concurrency:
-            theirs = asyncio.run(run_clients(url, prompts(c, args.prompt_tokens), args.tokens))
-            row = by_c.setdefault(c, {"concurrency": c})
-            row["llama_server"] = theirs
-            if "kvasir_serve" in row:
-                row["ratio_vs_llama_server"] = round(row["kvasir_serve"]["tok_s"] / theirs["tok_s"], 3)
-            print(f"# llama-server -np {args.llama_slots}, {c} streams: {theirs['tok_s']} tok/s",
-                  file=sys.stderr, flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    out["results"] = sorted(by_c.values(), key=lambda r: r["concurrency"])
+    return proc, url
 
 
 def main() -> None:
@@ -561,6 +549,8 @@ def main() -> None:
                     help="(c): injected round trips between the workers and the bus (default 20 50)")
     ap.add_argument("--rtt-workers", type=int, default=2, help="workers for (c) (default 2)")
     ap.add_argument("--skip-local", action="store_true", help="skip (a)")
+    ap.add_argument("--rounds", type=int, default=3, metavar="N",
+                    help="(a): rounds per concurrency, the sides taking turns; each keeps its best (default 3)")
     ap.add_argument("--micro-batches", action="store_true",
                     help="with each --mix-rtt-ms: 1 vs 2 micro-batches in flight, and 2 with --hot auto")
     ap.add_argument("--mix-rtt-ms", type=float, nargs="+", default=[20, 50], metavar="MS",
@@ -588,6 +578,8 @@ def main() -> None:
     ap.add_argument("--llama-slots", type=int, default=16, help="llama-server -np (default 16)")
     record.add_save_flag(ap)
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     from kvasir_bus.logs import configure
 
     configure("warning")  # the swarm's logs on stderr: stdout is the JSON alone
@@ -605,8 +597,6 @@ def main() -> None:
            "threads": threads, "cpus": os.cpu_count(), "results": [], "sharded": []}
     if not args.skip_local:
         run_local(path, args, top, n_ctx, threads, out)
-        if not args.no_llama_server:
-            run_llama_server(path, args, n_ctx, threads, out)
     for n in args.sharded:
         out["sharded"].append(run_sharded(path, n, 0.0, args, args.threads))
     for rtt in args.rtt_ms:
@@ -621,25 +611,54 @@ def main() -> None:
     record.save(args, "throughput", out)
 
 
+#: Idle seconds before each side's round: ``kvasir serve`` looks at the other processes' load every
+#: 0.25 s (kvasir_bus/threads.py, CoreShare) and gives up a thread while the previous side's
+#: burst is still in its window; every side starts on a machine left idle this long.
+SETTLE_S = 0.6
+
+
 def run_local(path: Path, args, top: int, n_ctx: int, threads: int, out: dict) -> None:
-    """(a): all experts local, against llama.cpp's batched decode on the same model."""
-    proc, url = start_server(path, max_active=top, threads=args.threads)
-    ref = LlamaBatched(path, n_seq=top, n_ctx=n_ctx, threads=threads)
+    """(a): all experts local. ``kvasir serve``, ``llama-server -np <slots>`` and llama.cpp's
+    batched decode (in this process) are each started once; then for each concurrency,
+    ``--rounds`` rounds in which the sides take turns (their order reversed every other round),
+    each round on prompts of its own (llama-server keeps a finished prompt's cache). A shared
+    machine's load comes in bursts: each side's figure is its best round, the ratios are of the
+    bests, and every round is kept (``rounds``)."""
+    ours, ref, theirs = None, None, None
     try:
-        asyncio.run(run_clients(url, prompts(1, args.prompt_tokens, salt=0), 2))  # warm up both
-        ref.run(prompts(1, args.prompt_tokens, salt=0), 2)
+        ours = start_server(path, max_active=top, threads=args.threads)
+        ref = LlamaBatched(path, n_seq=top, n_ctx=n_ctx, threads=threads)
+        theirs = None if args.no_llama_server else start_reference(path, args, n_ctx, threads, out)
+        sides = {"kvasir_serve": lambda batch: asyncio.run(run_clients(ours[1], batch, args.tokens)),
+                 "llama_cpp_batched": lambda batch: ref.run(batch, args.tokens)}
+        if theirs is not None:
+            sides["llama_server"] = lambda batch: asyncio.run(run_clients(theirs[1], batch, args.tokens))
+        for run in sides.values():  # warm up each (salt 0: prompts no measured round asks)
+            run(prompts(1, args.prompt_tokens, salt=0))
+        out["rounds"] = args.rounds
         for c in args.concurrency:
-            batch = prompts(c, args.prompt_tokens)
-            ours = asyncio.run(run_clients(url, batch, args.tokens))
-            theirs = ref.run(batch, args.tokens)
-            out["results"].append({"concurrency": c, "kvasir_serve": ours, "llama_cpp_batched": theirs,
-                                   "ratio": round(ours["tok_s"] / theirs["tok_s"], 3)})
-            print(f"# local, {c} streams: {ours['tok_s']} tok/s (llama.cpp {theirs['tok_s']})",
-                  file=sys.stderr, flush=True)
+            rounds: dict[str, list[dict]] = {name: [] for name in sides}
+            for r in range(args.rounds):
+                batch = prompts(c, args.prompt_tokens, salt=1 + r)
+                for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+                    time.sleep(SETTLE_S)
+                    rounds[name].append(sides[name](batch))
+            row = {"concurrency": c, **{name: max(rs, key=lambda x: x["tok_s"]) for name, rs in rounds.items()}}
+            row["ratio"] = round(row["kvasir_serve"]["tok_s"] / row["llama_cpp_batched"]["tok_s"], 3)
+            if "llama_server" in row:
+                row["ratio_vs_llama_server"] = round(row["kvasir_serve"]["tok_s"] / row["llama_server"]["tok_s"], 3)
+            row["rounds"] = rounds
+            out["results"].append(row)
+            print(f"# local, {c} streams, best of {args.rounds}: kvasir serve {row['kvasir_serve']['tok_s']} tok/s"
+                  + (f", llama-server {row['llama_server']['tok_s']}" if "llama_server" in row else "")
+                  + f", llama.cpp batched {row['llama_cpp_batched']['tok_s']}", file=sys.stderr, flush=True)
     finally:
-        ref.close()
-        proc.terminate()
-        proc.wait(timeout=30)
+        for side in (ours, theirs):
+            if side is not None:
+                side[0].terminate()
+                side[0].wait(timeout=30)
+        if ref is not None:
+            ref.close()
 
 
 # -- serving mix: micro-batches, hot experts, replica modes ----------------------------------------
