@@ -756,12 +756,15 @@ def layers_per_graph(step: StepShape, layer, shape: AttentionShape, budget: int)
 @dataclass
 class _StepPlan:
     """What every call of one step graph on the same layers shares (``step_graph``'s ``memo``):
-    the graph's cache key and thread count, the repacked weights, and the data of the inputs
-    that do not change from step to step (weights, norms), per block before and after its
-    cache. Working these out walks every weight of every layer: a tenth of a decode step."""
+    the graph's cache key (less the thread count), its work, the repacked weights, and the data
+    of the inputs that do not change from step to step (weights, norms), per block before and
+    after its cache. Working these out walks every weight of every layer: a tenth of a decode
+    step. The thread count is not part of the plan: it is read at every call (``threads_for``),
+    since a server's share of the cores changes while it runs (``kvasir_bus.threads.CoreShare``)
+    and a plan made on a busy second lasts as long as its shape."""
 
     key: tuple
-    threads: int
+    work: int  # multiply-adds of one call: threads_for's measure
     rps: dict  # id(weight) -> Repacked | None
     rp_head: object  # Repacked | None
     pre: list  # per block: the inputs bound before its cache (_attention_arrays)
@@ -791,8 +794,7 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
         work += step.rows * sum(w.ne[0] * w.ne[1] for w in _mixer_weights(lay))
     if head is not None:
         work += len(head[2]) * head[1].ne[0] * head[1].ne[1]
-    threads = threads_for(work, n_new)
-    key = ("step", step, threads, *key_tail,
+    key = ("step", step, *key_tail,
            tuple((_layer_key(b.layer), b.shape,
                   tuple(rps[id(w)] is not None for w in _packable(b.layer)))
                  for b in blocks),
@@ -806,7 +808,7 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
     exps = [[weight_data(w, rps[id(w)]) for w in _expert_slabs(b.layer)] for b in blocks]
     tail = [address(head[0]), weight_data(head[1], rp_head)] if head is not None else []
     owners = tuple(b.layer for b in blocks) + tuple(b.shape for b in blocks) + (head[:2] if head is not None else ())
-    return _StepPlan(key, threads, rps, rp_head, pre, post, exps, tail, owners)
+    return _StepPlan(key, work, rps, rp_head, pre, post, exps, tail, owners)
 
 
 def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = None,
@@ -871,7 +873,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
             while len(memo) >= MEMO_ENTRIES:
                 del memo[next(iter(memo))]
             memo[mkey] = plan
-    rps, rp_head, threads = plan.rps, plan.rp_head, plan.threads
+    rps, rp_head, threads = plan.rps, plan.rp_head, threads_for(plan.work, n_new)
     # ggml reads exactly these sizes from the pointers it is given: check them here
     want = {"x": (x, (R, D), np.float32), "positions": (positions, (R,), np.int32),
             "mask": (mask, (R, step.n_kv), np.float32)} if blocks else {}
@@ -1004,7 +1006,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     elif not remote:
         result.x = np.empty((R, D), np.float32)
         arrays.append(result.x)
-    run_cached(plan.key, build, arrays)
+    run_cached((plan.key, threads), build, arrays)
     return result
 
 
@@ -1028,15 +1030,15 @@ def shared_expert(layer, h: np.ndarray, rows: int, gate_kind: str, *, tokens: in
     if plan is None:
         weights = (layer.ffn_gate_shexp, layer.ffn_up_shexp, layer.ffn_down_shexp)
         rps = {id(w): repacked(w) for w in weights}
-        threads = threads_for(3 * rows * D * layer.ffn_gate_shexp.ne[1], tokens)
-        key = ("shexp", rows, n, threads, gate_kind, tuple(_key(w) for w in weights),
+        key = ("shexp", rows, n, gate_kind, tuple(_key(w) for w in weights),
                tuple(rps[id(w)] is not None for w in weights), layer.ffn_gate_inp_shexp is not None)
-        plan = (key, threads, rps, _shared_arrays(layer, rps), layer)  # layer: alive as long as the plan
+        plan = (key, rps, _shared_arrays(layer, rps), layer)  # layer: alive as long as the plan
         if memo is not None:
             while len(memo) >= MEMO_ENTRIES:
                 del memo[next(iter(memo))]
             memo[mkey] = plan
-    key, threads, rps, weight_arrays, _ = plan
+    key, rps, weight_arrays, _ = plan
+    threads = threads_for(3 * rows * D * layer.ffn_gate_shexp.ne[1], tokens)  # per call, as step_graph's
     lib = ggml.load()
 
     def build() -> Graph:
@@ -1054,7 +1056,7 @@ def shared_expert(layer, h: np.ndarray, rows: int, gate_kind: str, *, tokens: in
             raise
 
     out = np.empty((n, D), np.float32)
-    run_cached(key, build, [h, *weight_arrays, out])
+    run_cached((key, threads), build, [h, *weight_arrays, out])
     return out
 
 

@@ -136,3 +136,23 @@ def test_a_remembered_step_plan_gives_the_bits_of_a_fresh_one_and_is_reused(mode
     fresh = _run(engine)  # no memo: every call works its plan out
     assert all(np.array_equal(a, b) for a, b in zip(remembered[0], fresh[0]))
     assert remembered[1:] == fresh[1:]
+
+
+def test_a_remembered_step_plan_runs_on_the_threads_of_the_moment(models, monkeypatch):
+    """A server's share of the cores changes while it runs (kvasir_bus.threads.CoreShare sets
+    KVASIR_THREADS): a step plan made on one thread must not keep its shape on one thread once
+    two are free, nor give other bits."""
+    from kernels import ggml
+
+    engine = Engine(models("qwen3moe", "q4_k"))
+    planned = []
+    real = ggml.Graph.finish
+    monkeypatch.setattr(ggml.Graph, "finish", lambda g, threads: planned.append(threads) or real(g, threads))
+    outs = {}
+    for threads in ("1", "2", "1"):
+        monkeypatch.setenv("KVASIR_THREADS", threads)
+        seq = engine.new_sequence()
+        outs.setdefault(threads, []).append(engine.forward([(seq, np.arange(9) % engine.cfg.n_vocab)],
+                                                           all_logits=False)[0])
+    assert 2 in planned  # the step planned on one thread ran on two when they were there
+    assert all(np.array_equal(outs["1"][0], o) for o in outs["1"] + outs["2"])
