@@ -174,3 +174,36 @@ def test_a_stream_the_engine_outruns_still_lets_the_loop_serve_others():
     taken, seen = asyncio.run(main())
     assert taken == list(range(100))
     assert seen[0] < 100
+
+
+def test_a_steps_events_wake_the_loop_once_and_keep_each_streams_order():
+    """The engine thread hands a step's tokens (of many streams) to the loop with one wake-up,
+    after the last of them: a wake-up per token let the loop take the GIL from the engine
+    thread while it was still sampling the step's other streams."""
+    import asyncio
+
+    from backbone.scheduler import LoopEvents, _one_wakeup
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        streams = [LoopEvents() for _ in range(4)]
+        wakeups = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: wakeups.append(1) or real(*a)
+
+        def engine_thread():
+            for step in range(3):
+                with _one_wakeup():
+                    for events in streams:
+                        events.push(("token", step))
+                    assert not wakeups[step:]  # none while the step is still delivering
+            for events in streams:  # outside a step (an error, a shutdown): each wakes as before
+                events.push(("done", "length"))
+
+        await asyncio.to_thread(engine_thread)
+        got = [[await events.next() for _ in range(4)] for events in streams]
+        return got, len(wakeups)
+
+    got, n_wakeups = asyncio.run(main())
+    assert all(g == [("token", 0), ("token", 1), ("token", 2), ("done", "length")] for g in got)
+    assert 1 <= n_wakeups <= 3 + 4  # at most one per step (fewer when the loop had not drained yet), one per lone push
