@@ -347,6 +347,37 @@ def render_kernel_gap(rec: dict) -> list[str]:
                                 "headroom", "liar (explained)", "other CPU"], rows), "", provenance(rec)]
 
 
+def signed_pct(v) -> str:
+    return "-" if v is None else f"{v * 100:+.1f}%"
+
+
+def render_plan_check(rec: dict) -> list[str]:
+    res = rec["result"]
+    goal, summary = res.get("goal", {}), res.get("summary", {})
+    rows = []
+    for c in res.get("configs", []):
+        m, p = c.get("measured", {}), c.get("predicted", {})
+        rows.append([num(c.get("workers")), num(c.get("rtt_ms")), num(c.get("streams")), num(c.get("audit")),
+                     c.get("replicas", "-"), "-" if c.get("stop_at_s") is None else f"at {num(c['stop_at_s'])} s",
+                     num(m.get("tokens_per_s")), num(p.get("tokens_per_s")), signed_pct(c.get("tokens_per_s_error")),
+                     num(m.get("itl_ms", {}).get("p50")), num(p.get("itl_ms", {}).get("p50")),
+                     signed_pct(c.get("itl_p50_error")), p.get("bottleneck", "-"),
+                     "yes" if c.get("within_goal") else "**no**"])
+    return [f"`kvasir plan`'s prediction beside the same configuration run for real (`kvasir serve --nats`, "
+            f"`kvasir worker` processes, streaming clients; `{res.get('model')}`, {num(res.get('tokens'))} tokens "
+            f"per stream after a {num(res.get('prompt_tokens'))}-token prompt), from a profile `kvasir calibrate` "
+            f"measured in the same run. Goal: tokens/s within {pct(goal.get('tokens_per_s'))}, p50 inter-token "
+            f"latency within {pct(goal.get('itl_p50'))}. In this run {num(summary.get('within_goal'))} of "
+            f"{num(summary.get('configurations'))} configurations within the goal (largest tokens/s error "
+            f"{pct(summary.get('max_tokens_per_s_error'))}, mean {pct(summary.get('mean_abs_tokens_per_s_error'))}); "
+            "every saved run is listed below, and [scale.md](scale.md) shows today's model on each of them.", "",
+            *table(["workers", "r ms", "streams", "audit", "replicas", "worker stopped", "measured tok/s",
+                    "predicted tok/s", "error", "measured ITL p50 ms", "predicted ITL p50 ms", "ITL error",
+                    "predicted bottleneck", "within goal"], rows,
+                   align="|--:|--:|--:|--:|---|---|--:|--:|--:|--:|--:|--:|---|---|"),
+            "", provenance(rec)]
+
+
 def render_generic(rec: dict) -> list[str]:
     keys = ", ".join(f"`{k}`" for k in list(rec["result"])[:12])
     return [f"Saved fields: {keys}.", "", provenance(rec)]
@@ -372,7 +403,7 @@ SECTIONS = [
     ("The market's ledger at size (`bench/ledger.py`)", "ledger", None, render_ledger),
     ("The trust issue's attacks (`bench/attacks.py`)", "attacks", None, render_attacks),
     ("An honest numpy worker against ggml: the audit's bounds (`bench/kernel_gap.py`)", "kernel_gap", None,
-     render_kernel_gap),
+     render_kernel_gap),    ("The swarm model against real runs (`bench/plan_check.py`)", "plan_check", None, render_plan_check),
 ]
 KNOWN = {bench for _, bench, _, _ in SECTIONS}
 
@@ -439,6 +470,17 @@ def headline_rows(records: list[dict]) -> list[list[str]]:
             if got:
                 rows.append([f"expert function, 122B shape, {qtype.upper()}", "raw ggml graph, same run",
                              ", ".join(got), short_cmd(rec), when(rec)])
+    rec = latest(records, "plan_check")
+    if rec and rec["result"].get("summary"):
+        sm = rec["result"]["summary"]
+        before = [r["result"]["summary"] for r in records
+                  if r.get("bench") == "plan_check" and r is not rec and r["result"].get("summary")][-3:]
+        earlier = ", ".join(f"{num(b.get('within_goal'))}" for b in reversed(before))
+        rows.append([f"`kvasir plan`'s tokens/s and ITL, {num(sm.get('configurations'))} configurations run for real",
+                     "the measured runs, same run", f"{num(sm.get('within_goal'))} of {num(sm.get('configurations'))} "
+                     f"within the goal, mean tokens/s error {pct(sm.get('mean_abs_tokens_per_s_error'))}"
+                     + (f" (the {len(before)} runs before it, as they ran: {earlier})" if before else ""),
+                     short_cmd(rec), when(rec)])
     rec = latest(records, "browser_kernel")
     if rec:
         s = rec["result"].get("speed_122b_q4_k", {}).get("rows_1", {})
