@@ -110,10 +110,13 @@ def render_serve(rec: dict) -> list[str]:
                      f"{num(ours.get('itl_ms', {}).get('p50'))} / {num(ours.get('itl_ms', {}).get('p95'))}",
                      num(batched.get("tok_s")), num(r.get("ratio")),
                      num(server.get("tok_s")), num(r.get("ratio_vs_llama_server"))])
+    rounds = (f" Each side's best of {num(res['rounds'])} alternating rounds (the servers started once)."
+              if res.get("rounds") else " One run per side.")
     return [f"`{res.get('model')}` ({num(res.get('file_mb'))} MB, {num(res.get('moe_layers'))} MoE layers), "
             f"{num(res.get('tokens_per_client'))} tokens per client after a {num(res.get('prompt_tokens'))}-token "
             f"prompt, every expert local; the peer is llama.cpp's batched decode (one context, one "
-            f"`llama_decode` of all streams per step) in the same run, and `llama-server` where it was built.",
+            f"`llama_decode` of all streams per step) in the same run, and `llama-server` where it was built."
+            + rounds,
             "", *table(["streams", "kvasir serve tok/s", "TTFT p50 / p95 ms", "ITL p50 / p95 ms",
                         "llama.cpp batched tok/s", "ours / batched", "llama-server tok/s", "ours / llama-server"],
                        rows),
