@@ -405,3 +405,53 @@ def test_a_prompt_row_costs_what_the_profile_measured_for_prompts_not_a_decode_r
     assert prompt_cheaper.itl_ms["p50"] == pytest.approx(per_row.itl_ms["p50"], abs=0.01)
     saved = TOY.n_layer * (16 * 6e-4 - (16e-4 + 5e-4))
     assert per_row.ttft_ms["p50"] - prompt_cheaper.ttft_ms["p50"] == pytest.approx(1000 * saved, rel=0.02)
+
+
+def test_nats_servers_cost_per_byte_is_paid_for_the_request_and_the_reply():
+    # A profile with nats-server's bundled fit: each message relayed costs its per-message figure
+    # and its bytes (one row of 4 x 64 bytes out, each call's output row back, 96 bytes a call,
+    # 1024 a message) at the per-byte figure; the rest of the step as in the arithmetic above.
+    per_byte = 1e-8
+    profile = toy_profile()
+    profile["nats"]["bundled"] = {"per_message_s": NATS, "per_byte_s": per_byte}
+    costs = prof.costs_for(profile, TOY)
+    assert costs.nats_per_byte == per_byte and prof.costs_for(toy_profile(), TOY).nats_per_byte == 0.0
+    r = simulate(TOY, costs, Config(workers=1, streams=1, tokens=8, prompt_tokens=1))
+    out_b, in_b = 256 + 2 * 96 + 1024, 2 * 256 + 2 * 96 + 1024
+    layer = DENSE + PER_MSG + 2 * PER_CALL + 2 * NATS + (out_b + in_b) * per_byte + W_MSG + K0 + 2 * K_CALL \
+        + 2 * K_ROW + HOP
+    assert r.itl_ms["p50"] == pytest.approx(1000 * (TOY.n_layer * layer + HEAD), abs=0.01)
+
+
+def test_the_workers_and_nats_servers_bundles_are_fitted_on_the_bundled_runs_alone():
+    # calibrate's dispatch runs, bundles on (one message a layer step) and off (one a call, a row
+    # costing three times as much to the worker, messages relayed cheaper in bursts): the bundled
+    # fits find the bundled runs' own costs; the profile's worker and nats-server are costed by
+    # them, and a profile made before them as it was.
+    from planner.calibrate import fit_nats_bundled, fit_worker_bundled
+
+    call, row, msg, per_byte = 30e-6, 12e-6, 90e-6, 1e-9
+    runs = []
+    for rows, calls in ((1, 8), (4, 27), (16, 56), (32, 63)):
+        ls = 96
+        for bundles in (True, False):
+            messages = ls if bundles else ls * calls
+            sent = rows * 8 * ls
+            nbytes = ls * (rows * 2048 + calls * 96 + 1024) + sent * 2048
+            runs.append({"rows": rows, "bundles": bundles, "via_bus": False, "messages": messages,
+                         "calls": ls * calls, "rows_sent": sent, "bytes_out": nbytes // 2, "bytes_in": nbytes - nbytes // 2,
+                         "worker_cpu_s": ls * calls * call + sent * (row if bundles else 3 * row),
+                         "nats_cpu_s": 2 * messages * (msg if bundles else msg / 4) + nbytes * per_byte})
+    w, n = fit_worker_bundled(runs), fit_nats_bundled(runs)
+    assert (w["c0_s"], w["c_call_s"], w["c_row_s"]) == pytest.approx((0.0, call, row), abs=1e-9)
+    assert (n["per_message_s"], n["per_byte_s"]) == pytest.approx((msg, per_byte), rel=1e-6)
+    assert fit_worker_bundled([r for r in runs if r["rows"] < 16]) is None  # two row counts: no fit
+
+    profile = toy_profile()
+    profile["worker"]["in_place"] = {"c0_s": 1e-4, "c_call_s": 0.0, "c_row_s": 2e-5}
+    old = prof.costs_for(profile, TOY)
+    assert (old.worker_kernel.c1, old.worker_kernel.c2, old.nats_per_message, old.nats_per_byte) == (0.0, 2e-5, NATS, 0.0)
+    profile["worker"]["in_place_bundled"], profile["nats"]["bundled"] = w, n
+    new = prof.costs_for(profile, TOY)
+    assert (new.worker_kernel.c1, new.worker_kernel.c2) == pytest.approx((call, row))
+    assert (new.nats_per_message, new.nats_per_byte) == pytest.approx((msg, per_byte))
