@@ -432,23 +432,16 @@ def _group_of(c: dict) -> dict:
 def refit(profile: dict) -> dict:
     """``profile`` with the terms kvasir calibrate fits through the model itself fitted again by
     today's model from the runs it kept (the backbone's dispatch terms, so that the model's
-    one-worker steps are the measured ones: :func:`planner.calibrate.fit_dispatch_model`, after
-    the worker's CPU per bundle, :func:`planner.calibrate.fit_worker_bundled`; then
+    one-worker steps are the measured ones: :func:`planner.calibrate.fit_dispatch_model`; then
     what workers sharing the backbone's cores cost, ``fanout_s`` and ``core_efficiency``:
     :func:`planner.calibrate.fit_sharing`): a change
     elsewhere in the model changes what those terms must stand for. A copy; nothing else changes."""
     disp = (profile.get("backbone") or {}).get("dispatch") or {}
     if not disp.get("fanout_runs"):
         return profile
-    from planner.calibrate import fit_dispatch_model, fit_nats_bundled, fit_sharing, fit_worker_bundled
+    from planner.calibrate import fit_dispatch_model, fit_sharing
 
     out = json.loads(json.dumps(profile))
-    bundled = fit_worker_bundled(disp.get("runs", []))  # the workers' bundles (profiles before 2026-12-07 lack it)
-    if bundled:
-        out["worker"]["in_place_bundled"] = out["backbone"]["dispatch"]["worker_in_place_bundled"] = bundled
-    relay = fit_nats_bundled(disp.get("runs", []))  # nats-server's, per message and byte
-    if relay:
-        out["nats"]["bundled"] = out["backbone"]["dispatch"]["nats_bundled"] = relay
     out["backbone"]["dispatch"].pop("core_efficiency", None)  # fitted again with fanout_s, from 1
     out["backbone"]["dispatch"]["fanout_s"] = 0.0
     out["backbone"]["dispatch"] = fit_dispatch_model(out)  # the one-worker steps, as calibrate fits them now

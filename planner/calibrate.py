@@ -853,45 +853,6 @@ def fit_dispatch_model(profile: dict, rounds: int = 3) -> dict:
     return out
 
 
-def fit_worker_bundled(runs: list[dict]) -> dict | None:
-    """The worker process's CPU in place per message, per call and per row, from
-    :func:`measure_dispatch`'s bundled runs on the engine thread's connection alone (None with
-    fewer than three row counts): what a bundle costs it. The fit over every run (``in_place``)
-    mixes in the runs with bundles off, one message per call, where the message and the call are
-    one term and a row costs 2-4x a bundled row's: on bundled steps it came out with no per-call
-    cost (or 3-21 us) and about twice the kernel's per-row cost, 28-44% under the worker's measured
-    CPU at 4 rows (27 calls a layer step) and 6-18% over it at 32 (63 calls) in every kept profile
-    of 2026-12-03..07: a one-worker step's shape against rows that the backbone's terms, fitted
-    through the model, could not absorb. Fitted on the bundled runs alone, its per-row cost is
-    about the kernel's timed alone (11-13 us in eight of the ten profiles), and each call costs
-    18-44 us more (a cold expert's weights, its slice of the bundle). Relative errors, so that
-    every row count weighs alike (as :func:`fit_dispatch_model`)."""
-    runs = [r for r in runs if r.get("bundles") and not r.get("via_bus") and r.get("worker_cpu_s", 0) > 0]
-    if len({r["rows"] for r in runs}) < 3:
-        return None
-    c = fit([[r["messages"] / r["worker_cpu_s"], r["calls"] / r["worker_cpu_s"], r["rows_sent"] / r["worker_cpu_s"]]
-             for r in runs], [1.0] * len(runs))
-    return {"c0_s": c[0], "c_call_s": c[1], "c_row_s": c[2],
-            "note": "per message, call and row, the worker process's CPU in place, bundled steps"}
-
-
-def fit_nats_bundled(runs: list[dict]) -> dict | None:
-    """nats-server's CPU per message relayed and per byte it carries, from :func:`measure_dispatch`'s
-    bundled runs on the engine thread's connection alone (None with fewer than three row counts).
-    The profile's ``nats.per_message_s`` is its CPU over every run divided by the messages, most of
-    them the runs with bundles off (one message per call, relayed in bursts): 15-56 us, constant in
-    rows, where a bundled layer step's two messages cost it 72-253 us at 1 row and 492-1245 us at 32
-    (each call's output rows come back, 2 KB a row; 4-9% of the measured step's wall time left out)
-    in the kept profiles of 2026-12-03..07."""
-    runs = [r for r in runs if r.get("bundles") and not r.get("via_bus") and r.get("nats_cpu_s", 0) > 0
-            and "bytes_out" in r]
-    if len({r["rows"] for r in runs}) < 3:
-        return None
-    c = fit([[2 * r["messages"], r["bytes_out"] + r["bytes_in"]] for r in runs], [r["nats_cpu_s"] for r in runs])
-    return {"per_message_s": c[0], "per_byte_s": c[1],
-            "note": "nats-server's CPU per message relayed and per byte, bundled steps"}
-
-
 def dense_step_s(dense: dict, n_layer: int, rows: int, ctx: int) -> float:
     """One decode step's dense path (every layer of the fitted kind, the head; ``rows`` sequences
     of one row) from :func:`measure_dense`."""
@@ -919,9 +880,7 @@ def fit_dispatch(runs: list[dict], kernel: dict, dense: dict | None = None, n_la
 
     # The worker as it runs in place (its process's CPU: the kernel on cold weights, decoding,
     # encoding, its event loop), fitted per message, per call and per row: the kernel timed in
-    # this process alone (``kernel``) misses a third to a half of it. Over every run (bundles on
-    # and off: the profile's ``in_place``), and over the bundled runs alone (``in_place_bundled``,
-    # what the model's bundles cost: :func:`fit_worker_bundled`).
+    # this process alone (``kernel``) misses a third to a half of it.
     wfit = fit([[r["messages"], r["calls"], r["rows_sent"]] for r in runs], [r["worker_cpu_s"] for r in runs])
     messages = sum(r["messages"] for r in runs)
     worker_msg = max(0.0, sum(r["worker_cpu_s"] - kern(r) for r in runs)) / max(1, messages)
@@ -954,8 +913,6 @@ def fit_dispatch(runs: list[dict], kernel: dict, dense: dict | None = None, n_la
             "worker_per_message_s": worker_msg, "nats_per_message_s": nats_msg,
             "worker_in_place": {"c0_s": wfit[0], "c_call_s": wfit[1], "c_row_s": wfit[2],
                                 "note": "per message, call and row, the worker process's CPU in place"},
-            "worker_in_place_bundled": fit_worker_bundled(runs),
-            "nats_bundled": fit_nats_bundled(runs),
             "hop_s": float(np.median(hops)), "bus_path_s": bus_path, "backbone_cpu_per_message_s": cpu_fit[0],
             "backbone_cpu_per_call_s": cpu_fit[1], "backbone_cpu_note": "the engine and bus threads' CPU, for "
             "comparison (a bundle's reply is taken elsewhere)", "bytes_out_per_message_mean": float(np.mean(out_b)), "runs": runs + via_bus}
@@ -1080,11 +1037,7 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
                                "kernel_label": kernel_label()}
         profile["worker"]["per_message_s"] = disp["worker_per_message_s"]
         profile["worker"]["in_place"] = disp["worker_in_place"]
-        if disp.get("worker_in_place_bundled"):
-            profile["worker"]["in_place_bundled"] = disp["worker_in_place_bundled"]
         profile["nats"] = {"per_message_s": disp["nats_per_message_s"]}
-        if disp.get("nats_bundled"):
-            profile["nats"]["bundled"] = disp["nats_bundled"]
         disp["hedge_per_call_s"] = measure_hedge(shapes.n_layer, shapes.n_expert)["per_call_s"]
         # Seven paired rounds (three quick): one worker against two differ by 5-15%, about what
         # one round's noise is on a shared VM, so the fit below takes the median of many.

@@ -115,9 +115,6 @@ class Costs:
     tiled_from: int = 0
     tiled_call: float = 0.0
     tiled_row: float = 0.0
-    # nats-server's CPU per byte of a message it relays (beside ``nats_per_message``): 0 in a
-    # profile made before 2026-12-07, whose per-message figure is the mean over every message.
-    nats_per_byte: float = 0.0
     notes: tuple[str, ...] = field(default=())
 
 
@@ -248,9 +245,7 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
     # A worker's costs as measured in place (kvasir calibrate's dispatch runs) where there are; a
     # device's own kernel timing (--role worker) with its per-message figure otherwise.
     wsrc = (worker or profile)["worker"]
-    # Bundled steps' fit first (the model's messages are bundles wherever bundles are on); a
-    # profile made before 2026-12-07 has only the fit over bundled and unbundled runs together.
-    wk = wsrc.get("in_place_bundled") or wsrc.get("in_place") or wsrc["kernel"]
+    wk = wsrc.get("in_place") or wsrc["kernel"]
     w_msg = 0.0 if "in_place" in wsrc else float(wsrc.get("per_message_s", profile["worker"].get("per_message_s", 0.0)))
     w_exp = k_exp
     if worker is not None and not same_model(worker, shapes):
@@ -314,8 +309,7 @@ def costs_for(profile: dict, shapes: Shapes, *, rescale: bool = False, worker: d
         backbone_per_message=disp["backbone_per_message_s"], backbone_per_call=disp["backbone_per_call_s"],
         backbone_per_row=disp["backbone_per_row_s"] * k_row,
         worker_per_message=w_msg,
-        nats_per_message=float((profile["nats"].get("bundled") or profile["nats"])["per_message_s"]),
-        nats_per_byte=float((profile["nats"].get("bundled") or {}).get("per_byte_s", 0.0)), hop=disp["hop_s"],
+        nats_per_message=profile["nats"]["per_message_s"], hop=disp["hop_s"],
         row_bytes=4 * shapes.n_embd, call_bytes=int(profile["wire"]["call_bytes"]),
         message_bytes=int(profile["wire"]["message_bytes"]), backbone_threads=threads,
         request=float(b.get("serving", {}).get("request_s", 0.0)), token=float(b.get("serving", {}).get("token_s", 0.0)),

@@ -603,11 +603,11 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 totals["bytes_in"] += in_b
                 totals["messages"] += 1
                 depart = uplink.run(t_sent, out_b * 8 / cfg.uplink_bps) if cfg.uplink_bps else t_sent
-                at_nats = nats_pool.run(depart, costs.nats_per_message + out_b * costs.nats_per_byte)
-                flights.append((at_nats + rtt[w] / 2, w, es, rows_m, wait, in_b))
+                at_nats = nats_pool.run(depart, costs.nats_per_message)
+                flights.append((at_nats + rtt[w] / 2, w, es, rows_m, wait))
             done_at = []
             woken: set[int] = set()  # workers this layer step woke so far
-            for arrive, w, es, rows_m, wait, in_b in sorted(flights, key=lambda f: f[0]):
+            for arrive, w, es, rows_m, wait in sorted(flights, key=lambda f: f[0]):
                 if stopped(w, arrive):
                     continue  # a frozen worker: never answers
                 wc = kinds_of_worker[w % len(kinds_of_worker)]
@@ -615,9 +615,9 @@ def simulate(shapes: Shapes, costs: Costs, cfg: Config, worker_costs: list[Costs
                 if cfg.colocated_cores and woken and w not in woken:  # another process woken on the shared cores
                     work += costs.fanout
                 woken.add(w)
-                done_at.append((worker_pools[w].run(arrive, work) + rtt[w] / 2, w, es, rows_m, wait, in_b))
-            for back, w, es, rows_m, wait, in_b in sorted(done_at, key=lambda f: f[0]):
-                relayed = nats_pool.run(back, costs.nats_per_message + in_b * costs.nats_per_byte)
+                done_at.append((worker_pools[w].run(arrive, work) + rtt[w] / 2, w, es, rows_m, wait))
+            for back, w, es, rows_m, wait in sorted(done_at, key=lambda f: f[0]):
+                relayed = nats_pool.run(back, costs.nats_per_message)
                 # On the engine thread's own connection the replies are read by the engine thread,
                 # once its work of the step is done; the bus thread takes them as they come.
                 got = disp_pool.run(max(relayed, t_engine) if direct else relayed,
@@ -820,19 +820,16 @@ def _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_fr
     rows_m = np.fromiter((sum(int(counts[e]) for e in es) for _, es in messages), dtype=float, count=len(messages))
     union = np.minimum(rows, rows_m) if cfg.bundles else rows_m
     row_b = costs.row_bytes
-    out_b = union * row_b + n_calls * costs.call_bytes + costs.message_bytes
-    in_b = rows_m * row_b + n_calls * costs.call_bytes + costs.message_bytes
-    totals["bytes_out"] += float(np.sum(out_b))
-    totals["bytes_in"] += float(np.sum(in_b))
+    totals["bytes_out"] += float(np.sum(union * row_b + n_calls * costs.call_bytes + costs.message_bytes))
+    totals["bytes_in"] += float(np.sum(rows_m * row_b + n_calls * costs.call_bytes + costs.message_bytes))
     totals["messages"] += len(messages)
     M = len(messages)
-    nc = costs.nats_per_message + out_b * costs.nats_per_byte  # per request relayed
-    at_nats = _fifo(np.full(M, t_sent), nc, nats_pool.run(t_sent, 0.0))
+    nc = costs.nats_per_message
+    at_nats = _fifo(np.full(M, t_sent), np.full(M, nc), nats_pool.run(t_sent, 0.0))
     if M:
         lane = nats_pool.lanes[0]
-        lane.take(float(at_nats[0] - nc[0]), float(at_nats[-1]), lane.earliest(float(at_nats[0] - nc[0]), 0.0)[1])
-    nats_pool.busy += float(np.sum(nc))
-    nr = costs.nats_per_message + in_b * costs.nats_per_byte  # per reply relayed
+        lane.take(float(at_nats[0]) - nc, float(at_nats[-1]), lane.earliest(float(at_nats[0]) - nc, 0.0)[1])
+    nats_pool.busy += M * nc
     arrive = at_nats + rtt_arr[ws] / 2
     k = costs.worker_kernel
     tiled = np.fromiter((_tiled(costs, es, counts) for _, es in messages), dtype=float, count=len(messages)) \
@@ -849,7 +846,7 @@ def _fast_flights(messages, counts, rows, t_sent, costs, cfg, rtt_arr, worker_fr
         return srtt, rttvar
     order = np.argsort(back, kind="stable")
     back, idx = back[order], idx[order]
-    relayed = np.array([nats_pool.run(b, r) for b, r in zip(back.tolist(), nr[idx].tolist())])
+    relayed = np.array([nats_pool.run(b, nc) for b in back.tolist()])
     handle = costs.backbone_per_message / 2 + rows_m[idx] * costs.backbone_per_row / 2 + n_calls[idx] * costs.reply_per_call
     got = np.array([disp_pool.run(max(r, read_from), h) for r, h in zip(relayed.tolist(), handle.tolist())])
     for g, i in zip(got.tolist(), idx.tolist()):
