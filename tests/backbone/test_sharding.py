@@ -212,6 +212,9 @@ def test_a_new_replica_is_used_as_soon_as_it_heartbeats(nats_server, swarm, mode
         alone = remote.stats.totals()
         assert alone.remote == 0 and alone.no_responders > 0 and alone.local_choice > 0
         swarm([("late", model_args(model, "0-7"))])
+        # the test's own connection heard the heartbeat; under load the backbone's can hear it a
+        # few steps later (CI: 7 local choices in the second generation): wait for that instead
+        remote.bus.run(until(lambda: remote.coverage.uncovered == 0, "the backbone hears the late worker"))
         second = generate(engine, prompt, N_DECODE, Sampler(SamplerConfig()), stop_on_eos=False, keep_logits=True)
         both = remote.stats.totals()
     assert both.local_choice == alone.local_choice and both.no_responders == alone.no_responders
