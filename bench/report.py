@@ -406,7 +406,8 @@ SECTIONS = [
     ("The market's ledger at size (`bench/ledger.py`)", "ledger", None, render_ledger),
     ("The trust issue's attacks (`bench/attacks.py`)", "attacks", None, render_attacks),
     ("An honest numpy worker against ggml: the audit's bounds (`bench/kernel_gap.py`)", "kernel_gap", None,
-     render_kernel_gap),    ("The swarm model against real runs (`bench/plan_check.py`)", "plan_check", None, render_plan_check),
+     render_kernel_gap),
+    ("The swarm model against real runs (`bench/plan_check.py`)", "plan_check", None, render_plan_check),
 ]
 KNOWN = {bench for _, bench, _, _ in SECTIONS}
 
