@@ -323,6 +323,37 @@ def test_the_dispatch_fit_through_the_model_recovers_the_one_worker_steps_measur
     assert fitted["backbone_per_call_s"] == pytest.approx(truth["backbone_per_call_s"], rel=0.2)
 
 
+def test_the_dispatch_fit_takes_the_quieter_of_the_two_timings_of_the_one_worker_step():
+    # calibrate times the one-worker step at 1 and 4 rows twice: in the dispatch runs (their first
+    # rounds, on a fresh worker) and as the fanout runs' one worker. A dispatch run 15% slow at 1
+    # row must not pull the fit off the step the fanout runs timed right.
+    from planner.calibrate import fit_dispatch_model
+
+    profile = toy_profile()
+    profile["machine"]["cpus"] = 2
+    made = json.loads(json.dumps(profile))
+    made["backbone"]["dispatch"].update(hop_s=4e-5, backbone_per_call_s=2e-5, backbone_per_row_s=3e-6)
+    costs = prof.costs_for(made, TOY)
+
+    def step(rows):
+        cfg = Config(workers=1, streams=rows, tokens=14, prompt_tokens=16, colocated_cores=2, race_confirm=0.0,
+                     max_active=rows, step_tokens=256)
+        return simulate(TOY, costs, cfg).itl_ms["p50"] / 1e3
+
+    true = {rows: step(rows) for rows in (1, 4, 16)}
+    slow = {1: 1.15, 4: 1.0, 16: 1.0}
+    runs = [{"rows": rows, "bundles": True, "via_bus": False, "steps": 12, "wall_s": 12 * t * slow[rows]}
+            for rows, t in true.items()]
+    fanout = [{"rows": rows, "steps": 12, "one_worker_s": [12 * true[rows] * 1.1, 12 * true[rows]],
+               "two_workers_s": [12 * true[rows] * 1.2] * 2} for rows in (1, 4)]
+    profile["backbone"]["dispatch"].update(hop_s=0.0, backbone_per_call_s=1e-4, backbone_per_row_s=0.0, runs=runs,
+                                           fanout_runs=fanout)
+    fitted = fit_dispatch_model(profile)["through_model"]
+    assert fitted["rows"] == [1, 4, 16]
+    assert fitted["targets_s"] == pytest.approx([true[1], true[4], true[16]])
+    assert fitted["predicted_s"] == pytest.approx(fitted["targets_s"], rel=0.01)
+
+
 def test_a_fast_mode_worker_runs_calls_of_8_rows_or_more_on_its_tiled_kernel():
     # calibrate times a fast-mode worker's kernel on big calls (measure_tiled); the workers the
     # plan is for announce that label: each call of 8 rows or more costs the difference less.
