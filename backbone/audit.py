@@ -20,12 +20,12 @@ construction. How it is compared depends on the kernel the worker announced (hea
 carry a label such as ``ggml-x86_64`` or ``numpy-aarch64``, see :func:`kernel_label`):
 
 * a kernel the backbone runs on the same CPU architecture (ggml or numpy): the backbone recomputes
-  the reply *with that kernel* and demands identical bits (in the fast mode ``-repack`` or not:
-  routed experts run the plain layout in both; a ``-det`` worker, whose experts are plain, is
-  recomputed by a fast-mode backbone 7 rows at a time, which gives the deterministic mode's
-  bits; a ``-det-repack`` worker's experts are repacked, which only a ``-det-repack`` backbone
-  computes; a deterministic backbone cannot recompute the fast mode's tiled kernel, so a fast
-  worker is a foreign kernel to it);
+  the reply *with that kernel* and demands identical bits (a fast-mode backbone that repacks
+  its experts, ``-repack``, recomputes a node without repacking, ``-det`` included, in the plain
+  layout; a deterministic-mode worker is recomputed by a fast-mode backbone 7 rows at a time,
+  which gives the deterministic mode's bits, a ``-det-repack`` one where the backbone repacks;
+  a deterministic backbone cannot recompute the fast mode's tiled kernel, so a fast worker is a
+  foreign kernel to it);
 * the numpy kernel on another CPU (``numpy-aarch64`` against an x86 backbone) and the browser's
   (``js-wasm32``, ``js-scalar``): they compute the numpy kernel's function, whose only float
   rounding left to the CPU is that of float64 sums rounded to float32 once (the activations are
@@ -205,50 +205,68 @@ def bound(announced: str, weight_type: int) -> float:
     return NUMPY_TOLERANCE if numpy_family(announced) else tolerance(weight_type)
 
 
-#: Rows per recomputation when a fast-mode backbone audits a ``-det`` worker: ggml's deterministic
-#: mode runs a routed expert with its one-row kernel (vec_dot) at every row count, the fast mode
-#: takes the same kernel below 8 rows (the tiled one from 8), so chunks of 7 rows give the
-#: deterministic worker's bits (tests/trust/test_kernel_labels.py checks it on every type).
+#: Rows per recomputation when a fast-mode backbone audits a deterministic-mode worker: ggml's
+#: deterministic mode runs a routed expert in one layout at every row count (``-det``: plain, the
+#: one-row kernel vec_dot; ``-det-repack``: repacked, a gemv per row), the fast mode takes the
+#: same kernels below 8 rows (kernels.ggml.expert_layout: repacked where it repacks, plain where
+#: told), so chunks of 7 rows give the deterministic worker's bits (tests/trust/test_kernel_labels.py
+#: checks it on every type).
 DET_CHUNK_ROWS = 7
 
 
-def _expert_kernel(label: str) -> str:
-    # in the fast mode routed experts run ggml's plain layout with or without repacking
-    # (kernels.ggml.expert_layout): a -repack worker's expert bits are the plain ones; a
-    # deterministic-mode worker's -repack means its experts are repacked (other bits)
-    if label.endswith("-repack") and not label.endswith("-det-repack"):
-        return label[:-len("-repack")]
-    return label
-
-
 def rerun_backend(announced: str, own_backend: str, *, machine: str | None = None,
-                  mode: str | None = None) -> tuple[str, bool]:
+                  mode: str | None = None, repack: bool | None = None) -> tuple[str, bool]:
     """How to audit a reply of a worker that announced ``announced``: the backend to recompute it
     with, and whether identical bits are demanded (True when that backend on this CPU
-    architecture computes the announced kernel's expert bits: the same label up to ``-repack``,
-    or ``-det`` recomputed by a fast-mode backbone in chunks, :func:`rerun_rows`). The numpy
-    kernel of another CPU and the browser's are recomputed with numpy (within
+    architecture computes the announced kernel's expert bits: the same label, a plain-expert
+    label recomputed in the plain layout by a backbone that repacks (:func:`rerun_plain`), or a
+    deterministic one recomputed by a fast-mode backbone in chunks, :func:`rerun_rows`). The
+    numpy kernel of another CPU and the browser's are recomputed with numpy (within
     :data:`NUMPY_TOLERANCE`), any other with our own kernel (within :func:`tolerance`).
-    ``machine``, ``mode``: this backbone's (None: this process's)."""
+    ``machine``, ``mode``, ``repack``: this backbone's (None: this process's, as
+    :func:`kernel_label` takes them)."""
     for backend in dict.fromkeys((own_backend, "numpy")):
-        if _expert_kernel(announced) == _expert_kernel(kernel_label(backend, machine, mode)):
+        if announced == kernel_label(backend, machine, mode, repack if backend == "ggml" else None):
             return backend, True
-    if rerun_rows(announced, own_backend, machine=machine, mode=mode):
+    if rerun_rows(announced, own_backend, machine=machine, mode=mode, repack=repack) \
+            or rerun_plain(announced, own_backend, machine=machine, mode=mode, repack=repack):
         return own_backend, True
     if numpy_family(announced):
         return "numpy", False
     return own_backend, False
 
 
-def rerun_rows(announced: str, own_backend: str, *, machine: str | None = None, mode: str | None = None) -> int:
+def rerun_rows(announced: str, own_backend: str, *, machine: str | None = None, mode: str | None = None,
+               repack: bool | None = None) -> int:
     """Rows per recomputation of a reply of ``announced`` (0: all rows at once). A fast-mode ggml
-    backbone recomputes a deterministic-mode worker's reply :data:`DET_CHUNK_ROWS` rows at a time."""
+    backbone recomputes a deterministic-mode worker's reply :data:`DET_CHUNK_ROWS` rows at a
+    time: a ``-det`` one's (in the plain layout, :func:`rerun_plain`) always, a ``-det-repack``
+    one's where it repacks its own experts."""
     if own_backend != "ggml":
         return 0
+    own = kernel_label("ggml", machine, mode, repack)
     det = kernel_label("ggml", machine, "deterministic", repack=False)  # plain experts: vec_dot at every row count
-    if announced == det and kernel_label("ggml", machine, mode) not in (det, det + "-repack"):
+    if own in (det, det + "-repack"):  # a deterministic backbone: the fast mode's tiled kernel is foreign
+        return 0
+    # repacked at every row count (-det-repack, a fast node's -xall): the fast rule's repacked kernel below 8 rows
+    if announced == det or (own.endswith("-repack") and announced in (det + "-repack", own + "-xall")):
         return DET_CHUNK_ROWS
     return 0
+
+
+def rerun_plain(announced: str, own_backend: str, *, machine: str | None = None, mode: str | None = None,
+                repack: bool | None = None) -> bool:
+    """Whether a reply of ``announced`` is recomputed in the plain layout at every row count
+    (``LocalExperts.compute(plain=True)``): by a fast-mode backbone that repacks its experts
+    (``-repack``: repacked below 8 rows, kernels.ggml.expert_layout), for a node whose experts
+    are plain (the fast mode without repacking, KVASIR_REPACK=0, or with its experts kept plain,
+    ``-xplain``; or ``-det``)."""
+    if own_backend != "ggml":
+        return False
+    own = kernel_label("ggml", machine, mode, repack)
+    if not own.endswith("-repack") or own.endswith("-det-repack"):
+        return False
+    return announced in (own[:-len("-repack")], own + "-xplain", kernel_label("ggml", machine, "deterministic", repack=False))
 
 
 class Auditor:

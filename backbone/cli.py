@@ -50,6 +50,12 @@ def register(sub) -> None:
     p.add_argument("--decode", type=int, default=16, metavar="N", help="greedy steps after the prompt (default 16)")
     p.add_argument("--json", action="store_true", help="print JSON with positions, max_abs_diff, min_cosine, "
                    "argmax_agreement")
+    p.add_argument("--expert-layout", choices=("repacked", "plain", "rows"), default=None,
+                   help="the fast mode's routed-expert layout for this run (KVASIR_EXPERT_LAYOUT; default: "
+                   "that variable, else repacked). Serving takes each expert call's layout by its rows "
+                   "(repacked below 8 rows, plain from 8), which no llama.cpp setting does: 'repacked' "
+                   "compares with llama.cpp's default (every expert repacked), 'plain' with llama.cpp's "
+                   "experts kept plain; each is one of the two kernels serving uses, bit for bit")
     add_kernel_flags(p)
     p.set_defaults(func=cmd_verify)
 
@@ -407,6 +413,7 @@ def cmd_verify(args) -> int:
     from kernels.backend import apply_kernel_flags
 
     apply_kernel_flags(args)
+    _verify_layout(args.expert_layout)
     engine = Engine(args.model)  # validates the file first
     tok = Tokenizer(args.model)
     prompt = tok.encode(args.prompt)
@@ -432,6 +439,8 @@ def cmd_verify(args) -> int:
     report = compare(gen.logits_array(), logits)
     report["settings"] = {"ours": ours, "llama_cpp": {"tiled_mm": ours["tiled_mm"], "repack": ours["repack"],
                                                       "repack_experts": ours.get("repack_experts", ours["repack"]),
+                                                      "expert_layout": "plain" if not ours.get("repack_experts") else
+                                                      "repacked",
                                                       "flash_attn": False, "threads": os.cpu_count(),
                                                       "eval": "one batch" if batched else "prompt, then one token at a time"}}
     if args.json:
@@ -468,6 +477,26 @@ class _VerifySteps:
     def __call__(self, _token: int) -> None:
         self.done += 1
         self.progress(self.done, self.steps)
+
+
+def _verify_layout(asked: str | None) -> None:
+    """Set the routed experts' layout for ``kvasir verify`` before ggml loads (``--expert-layout``,
+    else KVASIR_EXPERT_LAYOUT, else ``repacked``: llama.cpp's default, which the layout rule of
+    serving matches only where no expert gets 8 rows); a clear error where ggml has already
+    loaded with another."""
+    from kernels import ggml
+    from kvasir_bus.errors import UsageError
+
+    layout = asked or os.environ.get(ggml.ENV_EXPERT_LAYOUT) or "repacked"
+    if ggml.loaded_mode() is None:
+        os.environ[ggml.ENV_EXPERT_LAYOUT] = layout
+    try:
+        loaded = ggml.load().expert_layout if ggml.available() else layout
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if loaded != layout:
+        raise UsageError(f"--expert-layout {layout} asked for after ggml loaded with {loaded}; "
+                         f"set {ggml.ENV_EXPERT_LAYOUT}={layout} before the process starts")
 
 
 def _verify_progress(steps: int, prompt_tokens: int) -> _VerifySteps | None:

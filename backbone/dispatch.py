@@ -77,7 +77,7 @@ import numpy as np
 import structlog
 
 from backbone.audit import (AuditConfig, Auditor, numpy_family, relative_error, replies_agree, rerun_backend,
-                            rerun_rows)
+                            rerun_plain, rerun_rows)
 from backbone.coverage_view import CoverageView
 from backbone.dispatch_stats import DispatchStats, LayerStats
 from kvasir_bus import codec, lane, market_codec
@@ -154,7 +154,8 @@ class Local(Protocol):
 
     backend: str  # the kernel it computes with ("ggml" or "numpy")
 
-    def compute(self, layer: int, expert: int, rows: np.ndarray, *, backend: str | None = None) -> np.ndarray: ...
+    def compute(self, layer: int, expert: int, rows: np.ndarray, *, backend: str | None = None,
+                plain: bool = False) -> np.ndarray: ...
 
     def weight_type(self, layer: int) -> int: ...
 
@@ -1057,6 +1058,8 @@ class RemoteExperts:
         backend, exact = how
         whole = part.rows == slice(0, len(rows))
         chunk = rerun_rows(part.kernel, self.local.backend)  # > 0: a -det worker, rerun in its kernel's chunks
+        # a node with plain experts, rerun by a backbone that repacks: the plain layout, told
+        plain = {"plain": True} if rerun_plain(part.kernel, self.local.backend) else {}
         explain = getattr(self.local, "explained_gap", None)
         gap = None
         if not exact and not numpy_family(part.kernel) and explain is not None:
@@ -1069,12 +1072,12 @@ class RemoteExperts:
             ref = None
         elif chunk:
             mine = rows[part.rows]
-            ref = np.concatenate([self.local.compute(layer, expert, mine[i:i + chunk], backend=backend)
+            ref = np.concatenate([self.local.compute(layer, expert, mine[i:i + chunk], backend=backend, **plain)
                                   for i in range(0, len(mine), chunk)])
-        elif whole and backend == self.local.backend:
+        elif whole and backend == self.local.backend and not plain:
             ref = reference[part.rows]
         else:
-            ref = self.local.compute(layer, expert, rows[part.rows], backend=backend)
+            ref = self.local.compute(layer, expert, rows[part.rows], backend=backend, **plain)
         passed = self.auditor.judge(part.node, part.out, ref, exact=exact, weight_type=self.local.weight_type(layer),
                                     kernel=part.kernel, gap=gap)
         if self.recorder is not None:  # the market counts every node's audits, passes too

@@ -32,12 +32,13 @@ class LocalExperts:
         self.calls: Counter[int] = Counter()  # per layer
         self.rows: Counter[int] = Counter()
 
-    def compute(self, layer: int, expert: int, rows: np.ndarray, *, backend: str | None = None) -> np.ndarray:
-        """One expert on ``rows``; ``backend`` another kernel than this process's (to audit a
-        worker that announced it)."""
+    def compute(self, layer: int, expert: int, rows: np.ndarray, *, backend: str | None = None,
+                plain: bool = False) -> np.ndarray:
+        """One expert on ``rows``; ``backend`` another kernel than this process's, ``plain`` the
+        plain layout at any rows (to audit a worker that announced them: ``backbone.audit``)."""
         self.calls[layer] += 1
         self.rows[layer] += len(rows)
-        return expert_ffn(*self.weights.expert(layer, expert), rows, routed=True, backend=backend)
+        return expert_ffn(*self.weights.expert(layer, expert), rows, routed=True, backend=backend, plain=plain)
 
     def explained_gap(self, layer: int, expert: int, rows: np.ndarray, reply: np.ndarray) -> float:
         """A foreign kernel's reply against the numpy kernel, its quant-step flips taken out

@@ -629,6 +629,10 @@ class Engine:
         graph with every expert local, or one per layer with remote experts. Returns the logits."""
         if self.experts is not self.local_experts:  # one graph per layer, the experts remote
             return self._step_graphs_remote(step, blocks, tokens, at, keep, head)
+        if not all(fused.experts_in_graph(step.n_new, b.layer) for b in blocks):
+            # each expert's layout by its rows (kernels.ggml.expert_layout): one graph per
+            # layer up to its router, then its experts split by their rows in kernels.ggml.moe_ffn
+            return self._step_graphs_remote(step, blocks, tokens, at, keep, head)
         n_layer, x = len(blocks), None
         for first in range(0, n_layer, per_graph):
             part = blocks[first:first + per_graph]
@@ -647,7 +651,9 @@ class Engine:
         """``_step_graphs`` with the routed experts computed by ``self.experts``: one graph per
         layer, from the previous layer's combine (its experts' outputs an input) to this
         layer's router; then the last combine and the head. The same ops as the one graph of
-        an all-local step, so the same bits whoever computed the experts."""
+        an all-local step, so the same bits whoever computed the experts. With every expert
+        local (a step of more rows than one graph can hold the experts' layouts for,
+        ``fused.experts_in_graph``) each layer's experts are one :meth:`LocalExperts.run_ids`."""
         n_layer, n_kept = len(blocks), 0 if keep is None else len(keep)
         prev = None
         for il, blk in enumerate(blocks):
@@ -660,6 +666,11 @@ class Engine:
                 step = replace(step, rows=len(self._dense_rows(keep)), n_new=len(keep))
             shared = functools.partial(self._shared_remote, step, blk.layer, r) \
                 if blk.layer.ffn_gate_shexp is not None else None
+            if self.experts is self.local_experts:  # the layer's experts here, in one call
+                if shared is not None:
+                    shared()
+                prev = (r, self.local_experts.run_ids(il, r.h, r.ids))
+                continue
             prev = (r, self._expert_outputs(il, r.h, r.ids, while_waiting=shared))
         return fused.step_graph(step, [], prev=prev, head=head, memo=self._step_plans).logits
 

@@ -147,9 +147,10 @@ class NumpyBackend:
         return (xa @ dense.T).astype(np.float32)
 
     def expert_ffn(self, gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,
-                   routed: bool) -> np.ndarray:
+                   routed: bool, plain: bool = False) -> np.ndarray:
         """down(silu(gate x) * up x): x (n, n_embd) f32 -> (n, n_embd) f32, three matmuls with
-        ggml's activation rounding and ggml's swiglu rounding between them."""
+        ggml's activation rounding and ggml's swiglu rounding between them (one layout only:
+        ``plain`` changes nothing)."""
         x = check_ffn(gate, up, down, x)
         _, _, h = self.hidden(gate, up, x)
         y = self.matmul(down, h, routed=routed)  # (n, n_embd)
@@ -200,9 +201,10 @@ class GgmlBackend:
         return self._ggml.matmul(w, x, routed=routed)
 
     def expert_ffn(self, gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,
-                   routed: bool) -> np.ndarray:
-        """The whole FFN as one ggml graph, the ops llama.cpp builds (``kernels.ggml.expert_ffn``)."""
-        return self._ggml.expert_ffn(gate, up, down, x, routed=routed)
+                   routed: bool, plain: bool = False) -> np.ndarray:
+        """The whole FFN as one ggml graph, the ops llama.cpp builds (``kernels.ggml.expert_ffn``;
+        ``plain``: a routed call in the plain layout whatever its rows)."""
+        return self._ggml.expert_ffn(gate, up, down, x, routed=routed, plain=plain)
 
 
 class Backend(Protocol):
@@ -266,7 +268,8 @@ def kernel_label(backend: str | None = None, machine: str | None = None, mode: s
                  repack: bool | None = None) -> str:
     """What a node announces as its kernel: the backend, the CPU architecture and, for ggml,
     ``-det`` in deterministic mode, ``-repack`` after it where the mode repacks (the fast mode
-    its dense weights, the deterministic mode its routed experts: ``kernels.ggml.expert_layout``)
+    its dense weights and its routed experts' calls of fewer than 8 rows, the deterministic
+    mode its routed experts: ``kernels.ggml.expert_layout``)
     (``ggml-x86_64-repack``, ``ggml-x86_64``, ``ggml-x86_64-det-repack``, ``ggml-x86_64-det``,
     ``numpy-aarch64``). ggml's dot products have one implementation per architecture and round
     differently, its two modes take different kernels from 8 rows on, and its repacked kernels
@@ -288,7 +291,11 @@ def kernel_label(backend: str | None = None, machine: str | None = None, mode: s
         return label + "-det-repack" if repack else label + "-det"
     if repack is None:
         repack = mode == own_mode and _repack_setting()
-    return label + "-repack" if repack else label
+    if not repack:
+        return label
+    # the routed experts' layout where it is not the default rule (kernels.ggml.expert_layout)
+    layout = _expert_layout_setting() if mode == own_mode else "rows"
+    return label + "-repack" + {"rows": "", "repacked": "-xall", "plain": "-xplain"}[layout]
 
 
 def kernel_mode() -> str:
@@ -318,6 +325,7 @@ def kernel_settings() -> dict:
     return {"backend": backend_name(), "mode": mode, "label": kernel_label(),
             "tiled_mm": mode == "fast", "one_row_as_two": mode == "deterministic",
             "repack": _repack_setting(), "repack_experts": _repack_experts_setting(),  # kernels.ggml.expert_layout
+            "expert_layout": _expert_layout_setting(),
             "threads": _threads_setting(), "decode_threads": _decode_threads()}
 
 
@@ -325,6 +333,16 @@ def _decode_threads() -> int:
     from kernels.ggml import decode_threads
 
     return decode_threads()
+
+
+def _expert_layout_setting() -> str:
+    """How the routed experts' calls take their layout (``kernels.ggml.expert_layout``): ``rows``
+    by their rows (the default), ``repacked`` or ``plain`` every call (KVASIR_EXPERT_LAYOUT)."""
+    if backend_name() != "ggml":
+        return "plain"
+    from kernels import ggml
+
+    return ggml.load().expert_layout
 
 
 def _repack_experts_setting() -> bool:
@@ -367,6 +385,9 @@ def apply_kernel_flags(args, *, local_processes: int = 1, share: bool = False) -
             set_mode("deterministic")
         else:
             kernel_mode()  # a bad KVASIR_KERNEL_MODE fails here, as a usage error
+        from kernels.ggml import expert_layout_setting
+
+        expert_layout_setting()  # and a bad KVASIR_EXPERT_LAYOUT
         n = getattr(args, "threads", None)
         if n is not None:
             if n < 1:

@@ -41,17 +41,20 @@ EXPERT_GLU: dict[str, str] = {"gpt-oss": "swiglu_oai"}
 
 
 def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,
-               routed: bool, backend: str | None = None) -> np.ndarray:
+               routed: bool, backend: str | None = None, plain: bool = False) -> np.ndarray:
     """One expert's SwiGLU FFN: down(silu(gate(x)) * up(x)). x (n, n_embd) f32 -> (n, n_embd) f32.
     With biases and ``gate.glu == "swiglu_oai"``: gpt-oss' expert (see the module docstring).
 
     gate/up have ne (n_embd, n_ff), down has ne (n_ff, n_embd). Pure function; the exact code
     a worker runs. ``routed``: compute as llama.cpp computes a routed expert (True) or a dense
     FFN / shared expert (False). ``backend``: "ggml" or "numpy", None for this process's
-    default (``kernels.backend.backend_name()``).
+    default (``kernels.backend.backend_name()``). ``plain``: ggml's plain layout for a routed
+    call of any rows (``kernels.ggml.expert_layout`` takes it by the rows otherwise).
     Raises ValueError on mismatched shapes or unsupported types.
     """
     # each backend checks the weights and rows (kernels.checks.check_ffn) before computing
+    if plain:
+        return backends.get_backend(backend).expert_ffn(gate, up, down, x, routed=routed, plain=True)
     return backends.get_backend(backend).expert_ffn(gate, up, down, x, routed=routed)
 
 
@@ -78,9 +81,9 @@ def moe_step(gate: QTensor, up: QTensor, down: QTensor, k: int, *,
 def prepare(weights) -> int:
     """Lay ``weights`` (QTensors: 3-D expert slabs, dense matrices) out for this process's
     kernels now rather than on their first call (a copy in memory, about 0.6 GB/s on 2 cores):
-    in the fast mode ggml's repacking of the dense matrices, in the deterministic mode that of
-    the routed experts' slabs (``kernels.ggml.expert_layout``; each slab then lets go of its
-    mapped pages, so a worker's resident memory stays its slice's size), nothing otherwise. The
+    in the fast mode ggml's repacking of the dense matrices, in both modes that of the routed
+    experts' slabs (``kernels.ggml.expert_layout``; each slab then lets go of its mapped pages,
+    which in the fast mode its calls of 8 rows or more read back), nothing otherwise. The
     backbone and the workers do it before they serve, so that no request waits a second for a
     weight. Returns the bytes laid out anew."""
     if backends.backend_name() != "ggml":

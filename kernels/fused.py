@@ -734,6 +734,16 @@ class StepOut:
     routed: Routed | None = None
 
 
+def experts_in_graph(rows: int, layer) -> bool:
+    """Whether a step graph can compute ``layer``'s routed experts on ``rows`` rows: each expert
+    takes its layout by the rows it gets (``kernels.ggml.expert_layout``), which the router in
+    the graph decides, so one graph holds them while every expert is sure to get fewer rows
+    than the repacked layout's threshold (the router gives a row to an expert once), or where
+    the experts have one layout only (no repacked copy: another type, KVASIR_REPACK=0). Else the
+    step stops at them (``remote``) and :func:`kernels.ggml.moe_ffn` splits them by their rows."""
+    return ggml.repacked_rows(rows) or all(expert_repacked(w) is None for w in _expert_slabs(layer))
+
+
 def layers_per_graph(step: StepShape, layer, shape: AttentionShape, budget: int) -> int:
     """How many layers one step graph may hold with its intermediates (float32 scratch) under
     ``budget`` bytes: all of a decode step's layers on any model this engine serves, one or a
@@ -780,11 +790,16 @@ MEMO_ENTRIES = 64  # step plans a memo keeps (one per layer group, cache size an
 def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[int], n_new: int, head,
           key_tail: tuple) -> _StepPlan:
     rps = {}
-    for b in blocks:
+    for i, b in enumerate(blocks):
         for w in _dense_weights(b.layer):
             rps[id(w)] = repacked(w)
+        if i < local and not experts_in_graph(expert_rows[i], b.layer):
+            raise ValueError(f"step_graph: {expert_rows[i]} rows to the routed experts take each expert's layout "
+                             f"by its own rows (kernels.ggml.expert_layout): stop at them (remote) and run "
+                             f"kernels.ggml.moe_ffn")
+        few = ggml.repacked_rows(expert_rows[i])
         for w in _expert_slabs(b.layer):  # the routed experts' own layout rule (expert_layout)
-            rps[id(w)] = expert_repacked(w)
+            rps[id(w)] = expert_repacked(w) if few else None
     rp_head = repacked(head[1]) if head is not None else None
     work = 0
     for i, b in enumerate(blocks):

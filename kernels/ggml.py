@@ -286,7 +286,14 @@ def load() -> Lib:
                 # read once, like the mode: repacked() is asked for every dense weight of every call
                 allowed = _lib.repack_buft is not None and os.environ.get(ENV_REPACK, "1") != "0"
                 _lib.repack = mode == "fast" and allowed
-                _lib.repack_experts = mode == "deterministic" and allowed  # expert_layout
+                # the routed experts: a repacked copy in both modes where allowed, used by the
+                # calls of fewer rows than repack_below (expert_layout: every call in the
+                # deterministic mode, those under FAST_REPACK_BELOW rows in the fast mode)
+                layout = expert_layout_setting()  # raises ValueError on a bad KVASIR_EXPERT_LAYOUT
+                _lib.expert_layout = layout
+                _lib.repack_experts = allowed and layout != "plain"
+                _lib.repack_below = 0 if not _lib.repack_experts else \
+                    EVERY_CALL if mode == "deterministic" or layout == "repacked" else FAST_REPACK_BELOW
             except GgmlUnavailable as exc:
                 _lib_error = exc
     if _lib is None:
@@ -737,18 +744,50 @@ def run_cached(key: tuple, build, arrays) -> None:
 # with the row count (a gemm per 4 rows, a gemv for the rest: other bits), so only the fast mode
 # repacks dense weights (attention, shared expert, output head), as llama.cpp does.
 #
-# The routed experts (:func:`expert_layout`) go the other way. ggml's repacked ``mul_mat_id``
-# takes every row through a gemv of its own, so a repacked expert gives each row the same bits
-# at any row count (batch-invariant, checked in tests/kernels/test_expert_layout.py) but never
-# reaches a gemm. Measured at the 122B expert shape (3072x1024 Q4_K, 2 threads,
-# ``bench/kernel.py``): against the plain layout's tiled kernel (the fast mode's from 8 rows)
-# repacked is 1.1x at 1 row and 0.3x from 64 rows; against the plain one-row kernel at every row
-# count (the deterministic mode's) it is 1.1-1.2x at every row count. So the fast mode keeps the
-# experts plain (ggml's plain ``mul_mat_id`` chooses vec_dot or the tiled kernel by the rows
-# each expert gets, the same choice inside the backbone's one-graph layer and in a worker's call)
-# and the deterministic mode repacks them (one kernel at every row count on both sides). Either
-# way a process holds one copy of each expert: a repacked slab lets go of its mapped pages
-# (:func:`release_mapped_pages`), so a worker's resident memory stays its slice's size.
+# The routed experts (:func:`expert_layout`) take their layout by the rows of each call, a rule
+# both sides of a call apply to what they both see. ggml's repacked ``mul_mat_id`` takes every
+# row through a gemv of its own: each row gets the same bits at any row count (batch-invariant,
+# checked in tests/kernels/test_expert_layout.py) but never reaches a gemm. Measured at the 122B
+# expert shape (3072x1024 Q4_K, 2 threads, ``bench/kernel.py``) against the plain layout's
+# kernels of the fast mode: repacked is 1.13x at 1 row and 1.2x at 2-6 rows (1.17-1.33x at the
+# small model's 512x256), then 0.87x at 8 rows and 0.3x from 64, where the plain layout's tiled
+# kernel takes over (ggml's switch at 8 rows). So the fast mode multiplies an expert call of
+# fewer than 8 rows repacked and a larger one plain (:data:`FAST_REPACK_BELOW`), as the best raw
+# kernel at each size; the deterministic mode repacks every call (one kernel at every row
+# count, 1.1-1.2x the plain one-row kernel it would otherwise run).
+#
+# A call is one expert on the rows it gets: a worker's request, or one expert's rows inside a
+# layer's ``mul_mat_id`` (:func:`moe_ffn` splits a layer by each expert's row count; the
+# backbone's one-graph layer holds every expert in one layout only while a step has fewer
+# rows than the threshold, ``kernels.fused``). Either way the same rows meet the same kernel.
+#
+# The cost is memory: the repacked copy lives beside the mapped bytes. In the deterministic
+# mode the plain bytes are never read again and their pages are let go
+# (:func:`release_mapped_pages`), so a worker's resident memory stays its slice's size. In the
+# fast mode they are let go too, and a call of 8 or more rows reads them back from the file
+# (the page cache): a node that only decodes holds about one copy, one that also prefills up
+# to two (the mapped half is clean page cache, which the kernel reclaims under pressure; a
+# slice held in anonymous memory holds two). KVASIR_REPACK=0 keeps one plain copy.
+
+FAST_REPACK_BELOW = 8  # fast mode: expert calls of fewer rows run repacked (ggml's tiled kernel starts at 8)
+EVERY_CALL = 1 << 62  # deterministic mode: every expert call runs repacked
+
+# KVASIR_EXPERT_LAYOUT: "rows" (the default, the rule above), "repacked" (every call repacked
+# where ggml has the kernel: what llama.cpp's CPU backend does by default, so that ``kvasir
+# verify`` can compare bit for bit) or "plain" (every call plain: llama.cpp with its experts
+# kept out of the repack buffer). Read once, as ggml loads; a fast-mode node says which in its
+# kernel label (``kernels.backend.kernel_label``). The deterministic mode repacks every call
+# unless "plain".
+ENV_EXPERT_LAYOUT = "KVASIR_EXPERT_LAYOUT"
+EXPERT_LAYOUTS = ("rows", "repacked", "plain")
+
+
+def expert_layout_setting() -> str:
+    """KVASIR_EXPERT_LAYOUT, checked (default ``rows``); raises ValueError on another value."""
+    value = os.environ.get(ENV_EXPERT_LAYOUT, "").strip().lower() or "rows"
+    if value not in EXPERT_LAYOUTS:
+        raise ValueError(f"{ENV_EXPERT_LAYOUT}={value!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
+    return value
 
 ENV_REPACK = "KVASIR_REPACK"  # "0" turns repacking off in fast mode (default on, as llama.cpp: see repack_enabled)
 
@@ -811,9 +850,17 @@ def repack_enabled() -> bool:
 
 
 def repack_experts_enabled() -> bool:
-    """Whether routed experts are repacked in this process (:func:`expert_layout`): the
-    deterministic mode where ggml has its repack buffer, unless KVASIR_REPACK=0."""
+    """Whether routed experts have a repacked copy in this process (:func:`expert_layout`:
+    used by every call in the deterministic mode, by calls under :data:`FAST_REPACK_BELOW` rows
+    in the fast mode) where ggml has its repack buffer, unless KVASIR_REPACK=0."""
     return load().repack_experts
+
+
+def repacked_rows(rows: int) -> bool:
+    """Whether an expert call of ``rows`` rows runs in the repacked layout in this process,
+    where the expert's type has a repacked kernel (:func:`expert_layout`; :func:`expert_repacked`
+    says whether it has)."""
+    return rows < load().repack_below
 
 
 @functools.lru_cache(maxsize=None)
@@ -833,29 +880,31 @@ def has_repacked_kernel(ggml_type: int) -> bool:
 
 def expert_layout(ggml_type: int, rows: int, mode: str | None = None) -> str:
     """The layout a routed expert's weights are multiplied in for a call of ``rows`` rows:
-    ``"repacked"`` in the deterministic mode where ggml has a repacked kernel for the type
-    (Q4_K, Q4_0, IQ4_NL on x86; not KVASIR_REPACK=0), else ``"plain"`` (the GGUF's bytes).
-    The repacked ``mul_mat_id`` runs one gemv per row, so it gives every row count the same
-    bits and is the quicker kernel at every row count when the alternative is the one-row
-    vec_dot (the deterministic mode's); in the fast mode the plain layout's tiled kernel wins
-    from 8 rows by 3x, and choosing the repacked one below 8 rows only would split a layer's
-    graph by each expert's row count, which the in-graph router does not know when the graph
-    is built (see the repacking notes above). The rule takes only what both sides of a call see
-    (the type, the rows, the mode: the mode is in each node's kernel label); ``mode`` None:
-    this process's. Tested in tests/kernels/test_expert_layout.py."""
+    ``"repacked"`` where ggml has a repacked kernel for the type (Q4_K, Q4_0, IQ4_NL on x86;
+    not with KVASIR_REPACK=0) and the call has fewer rows than the mode's threshold (every call
+    in the deterministic mode, fewer than :data:`FAST_REPACK_BELOW` in the fast mode), else
+    ``"plain"`` (the GGUF's bytes; see the repacking notes above). The rule takes only what
+    both sides of a call see (the type, the rows, the mode: the mode and the repacking are in
+    each node's kernel label); ``mode`` None: this process's. Tested in
+    tests/kernels/test_expert_layout.py."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
-    own = load().mode
-    mode = mode or own
-    enabled = repack_experts_enabled() if mode == own else (
-        mode == "deterministic" and os.environ.get(ENV_REPACK, "1") != "0")
-    return "repacked" if mode == "deterministic" and enabled and has_repacked_kernel(ggml_type) else "plain"
+    lib = load()
+    mode = mode or lib.mode
+    if mode == lib.mode:
+        below = lib.repack_below
+    else:  # a process of the other mode on this machine, with this environment
+        layout = expert_layout_setting()
+        below = 0 if os.environ.get(ENV_REPACK, "1") == "0" or layout == "plain" else \
+            EVERY_CALL if mode == "deterministic" or layout == "repacked" else FAST_REPACK_BELOW
+    return "repacked" if rows < below and has_repacked_kernel(ggml_type) else "plain"
 
 
 def expert_repacked(w: QTensor) -> Repacked | RepackedSlab | None:
     """A routed expert's weight (a 3-D slab, an expert's 2-D view of one, or a lone expert
-    matrix) in the repack buffer where :func:`expert_layout` says so (made once per tensor; a
-    view finds its bytes in its slab's repacked copy), else None: the plain bytes."""
+    matrix) in the repack buffer where this process repacks experts and ggml has a kernel for
+    it (made once per tensor; a view finds its bytes in its slab's repacked copy), else None.
+    Which calls use it: :func:`expert_layout` (:func:`repacked_rows`)."""
     if not load().repack_experts:
         return None
     try:
@@ -1043,7 +1092,7 @@ def matmul(w: QTensor, x: np.ndarray, *, routed: bool = False) -> np.ndarray:
     n = x.shape[0]
     lib = load()
     threads = expert_threads(n * w.ne[0] * w.ne[1]) if routed else threads_for(n * w.ne[0] * w.ne[1], n)
-    rp = expert_repacked(w) if routed else repacked(w)  # a routed expert's layout: expert_layout
+    rp = (expert_repacked(w) if repacked_rows(n) else None) if routed else repacked(w)  # expert_layout
 
     def build() -> Graph:
         g = Graph(lib, n_tensors=5)
@@ -1073,8 +1122,7 @@ class _FfnPlan:
     graph shape (types, sizes, biases, activation: never the weights' bytes, which are bound
     per call), so experts of one shape share their cached graphs."""
 
-    __slots__ = ("up", "down", "n_embd", "n_ff", "work", "shape_id", "weights", "rps", "routed_weights",
-                 "routed_rps", "routed_shape_id")
+    __slots__ = ("up", "down", "n_embd", "n_ff", "work", "shape_id", "weights", "rps", "routed")
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor):
         self.up, self.down = up, down
@@ -1084,14 +1132,17 @@ class _FfnPlan:
         biases = tuple(w.bias_ptr for w in triple if w.bias is not None)
         # a dense call (a shared expert) and a routed call each bind their own layout
         self.rps = tuple(repacked(w) for w in triple)  # None each where not repacked
-        self.routed_rps = tuple(expert_repacked(w) for w in triple)  # expert_layout
         shape = (int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), gate.ne,
                  tuple(w.bias is not None for w in triple), gate.glu)
         self.shape_id = shape_id((*shape, tuple(rp is not None for rp in self.rps)))
-        self.routed_shape_id = shape_id((*shape, "routed", tuple(rp is not None for rp in self.routed_rps)))
         # the addresses a call binds after x, in graph input order: weights, then bias rows
         self.weights = (*(weight_data(w, rp) for w, rp in zip(triple, self.rps)), *biases)
-        self.routed_weights = (*(weight_data(w, rp) for w, rp in zip(triple, self.routed_rps)), *biases)
+        # a routed call: (shape id, repacking, addresses) per layout, [few rows, many rows]
+        # (expert_layout: repacked below repacked_rows' threshold where the weights have a copy)
+        self.routed = []
+        for rps in (tuple(expert_repacked(w) for w in triple), (None, None, None)):
+            self.routed.append((shape_id((*shape, "routed", tuple(rp is not None for rp in rps))), rps,
+                                (*(weight_data(w, rp) for w, rp in zip(triple, rps)), *biases)))
 
 
 _ffn_plans: "weakref.WeakKeyDictionary[QTensor, _FfnPlan]" = weakref.WeakKeyDictionary()
@@ -1135,7 +1186,8 @@ def _ffn_plan(gate: QTensor, up: QTensor, down: QTensor, x) -> tuple[_FfnPlan, n
     return plan, x
 
 
-def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, routed: bool) -> np.ndarray:
+def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, routed: bool,
+               plain: bool = False) -> np.ndarray:
     """``down(silu(gate(x)) * up(x))`` as one ggml graph, as llama.cpp builds it.
 
     x (n, n_embd) float32 -> (n, n_embd) float32, a new array. ``routed=True`` uses
@@ -1147,17 +1199,19 @@ def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *, rout
 
     A worker calls this once per request, often on one row of a small expert, so the call
     itself is kept to a plan lookup, a graph-cache hit and the binding of x and the result.
+    ``plain``: a routed call in the plain layout whatever its rows (what a node that does not
+    repack its experts computes: the audit of such a node, ``backbone.audit.rerun_plain``).
     """
     plan, x = _ffn_plan(gate, up, down, x)
     n = x.shape[0]
     if n == 1 and not routed and deterministic():  # batch invariance: see _one_row
         return _one_row(expert_ffn, gate, up, down, x, routed=False)
-    if routed:  # the layout of expert_layout at every row count, the team for any large call
+    if routed:  # the layout of expert_layout for n rows, the team for any large call
+        sid, rps, weights = plan.routed[1 if plain or not repacked_rows(n) else 0]
         threads = expert_threads(plan.work * n)
-        key = ("ffn", plan.routed_shape_id, True, n, threads)
+        key = ("ffn", sid, True, n, threads)
         out = np.empty((n, plan.n_embd), dtype=np.float32)
-        run_cached(key, lambda: _build_ffn(gate, up, down, True, n, threads, plan.routed_rps),
-                   (x, *plan.routed_weights, out))
+        run_cached(key, lambda: _build_ffn(gate, up, down, True, n, threads, rps), (x, *weights, out))
         return out
     threads = threads_for(plan.work * n, n)
     key = ("ffn", plan.shape_id, False, n, threads)
@@ -1320,10 +1374,46 @@ def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.nd
     if not _ids_in_range(ids, E):  # ggml aborts on an id outside 0..E-1
         raise ValueError(f"expert ids out of range 0..{E - 1}")
     n, k = ids.shape
+    if not plan.two_layouts or n * k < load().repack_below:  # one layout for every expert's rows
+        return _moe_graph(plan, gate, up, down, x, ids, 0 if plan.two_layouts else 1)
+    # each expert's layout by the rows it gets here (expert_layout). The layout most (row, slot)
+    # pairs take runs the whole layer (the call's own rows, no gather), the other's pairs run
+    # again, gathered row by row, and replace theirs: either way every expert meets exactly
+    # its rows, in the order the one graph gives them, in its layout. Past SPLIT_GATHER_SHARE
+    # of the pairs in the minority, both halves are gathered instead (less compute thrown away).
+    below = load().repack_below
+    few = np.bincount(ids.ravel(), minlength=E)[ids] < below  # (n, k)
+    n_few = int(np.count_nonzero(few))
+    if n_few in (0, few.size):
+        return _moe_graph(plan, gate, up, down, x, ids, 0 if n_few else 1)
+    flat = ids.ravel()
+    majority = 0 if 2 * n_few >= few.size else 1
+    minority = few if majority else ~few
+    if minority.sum() <= SPLIT_GATHER_SHARE * few.size:
+        out = _moe_graph(plan, gate, up, down, x, ids, majority).reshape(n * k, n_embd)
+        parts = ((1 - majority, np.flatnonzero(minority)),)
+    else:
+        out = np.empty((n * k, n_embd), dtype=np.float32)
+        parts = ((0, np.flatnonzero(few)), (1, np.flatnonzero(~few)))
+    for layout, pairs in parts:  # (row, slot) pairs row by row, each row's slots in order
+        part = _moe_graph(plan, gate, up, down, np.take(x, pairs // k, axis=0), flat[pairs][:, None], layout)
+        out[pairs] = part.reshape(len(pairs), n_embd)
+    return out.reshape(n, k, n_embd)
+
+
+SPLIT_GATHER_SHARE = 1 / 3  # moe_ffn: the minority layout's share of pairs past which both halves are gathered
+
+
+def _moe_graph(plan: "_MoePlan", gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.ndarray,
+               layout: int) -> np.ndarray:
+    """:func:`moe_ffn`'s one graph on checked x (n, D), ids (n, k), every expert in ``layout``
+    (0: repacked where the slabs have a copy, 1: plain) -> (n, k, D)."""
+    n, k = ids.shape
+    sid, rps, weights = plan.layouts[layout]
     threads = expert_threads(plan.work * n * k)
-    out = np.empty((n, k, n_embd), dtype=np.float32)
-    run_cached(("moe", plan.shape_id, n, k, threads), lambda: _build_moe(plan, gate, up, down, n, k, threads),
-               (x, ids, *plan.weights, out))
+    out = np.empty((n, k, gate.ne[0]), dtype=np.float32)
+    run_cached(("moe", sid, n, k, threads), lambda: _build_moe(plan, rps, gate, up, down, n, k, threads),
+               (x, ids, *weights, out))
     return out
 
 
@@ -1340,7 +1430,7 @@ def _ids_in_range(ids: np.ndarray, limit: int) -> bool:
 class _MoePlan:
     """:func:`moe_ffn`'s checked expert slabs, bias rows and activation (as :class:`_FfnPlan`)."""
 
-    __slots__ = ("up", "down", "biases", "glu", "work", "shape_id", "weights", "rps")
+    __slots__ = ("up", "down", "biases", "glu", "work", "layouts", "two_layouts")
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor, biases: tuple, glu: str):
         for w in (gate, up, down):
@@ -1358,11 +1448,14 @@ class _MoePlan:
                                  f"{getattr(b, 'dtype', type(b).__name__)} {getattr(b, 'shape', '')}")
         self.up, self.down, self.biases, self.glu = up, down, biases, glu
         self.work = 3 * n_embd * n_ff  # multiply-adds per (row, slot)
-        self.rps = tuple(expert_repacked(w) for w in (gate, up, down))  # expert_layout: None each where plain
-        self.shape_id = shape_id(("moe", gate.shape_key, up.shape_key, down.shape_key,
-                                   tuple(b is not None for b in biases), glu, tuple(rp is not None for rp in self.rps)))
-        self.weights = (*(weight_data(w, rp) for w, rp in zip((gate, up, down), self.rps)),
-                        *(address(b) for b in biases if b is not None))
+        # (shape id, repacking, addresses) per layout: [repacked where the slabs have a copy, plain]
+        self.layouts = []
+        for rps in (tuple(expert_repacked(w) for w in (gate, up, down)), (None, None, None)):
+            sid = shape_id(("moe", gate.shape_key, up.shape_key, down.shape_key,
+                            tuple(b is not None for b in biases), glu, tuple(rp is not None for rp in rps)))
+            self.layouts.append((sid, rps, (*(weight_data(w, rp) for w, rp in zip((gate, up, down), rps)),
+                                            *(address(b) for b in biases if b is not None))))
+        self.two_layouts = any(rp is not None for rp in self.layouts[0][1])  # expert_layout
 
     def fits(self, up: QTensor, down: QTensor, biases: tuple, glu: str) -> bool:
         """Whether a call with these arguments is the one this plan checked (same objects)."""
@@ -1374,16 +1467,17 @@ class _MoePlan:
 _moe_plans: "weakref.WeakKeyDictionary[QTensor, _MoePlan]" = weakref.WeakKeyDictionary()
 
 
-def _build_moe(plan: _MoePlan, gate: QTensor, up: QTensor, down: QTensor, n: int, k: int, threads: int) -> Graph:
-    """:func:`moe_ffn`'s graph for ``n`` rows of ``k`` slots. Inputs: x, ids, the three slabs,
-    the bias rows present, the result."""
+def _build_moe(plan: _MoePlan, rps: tuple, gate: QTensor, up: QTensor, down: QTensor, n: int, k: int,
+               threads: int) -> Graph:
+    """:func:`moe_ffn`'s graph for ``n`` rows of ``k`` slots, the slabs repacked as ``rps`` says
+    (None each: plain). Inputs: x, ids, the three slabs, the bias rows present, the result."""
     n_embd, n_ff, E = gate.ne
     lib = load()
     g = Graph(lib, n_tensors=16)
     try:
         xt = g.input(T.F32, (n_embd, 1, n))  # one row per token, broadcast over its K slots
         it = g.input(T.I32, (k, n))
-        gw, uw, dw = (weight_input(g, w, rp) for w, rp in zip((gate, up, down), plan.rps))
+        gw, uw, dw = (weight_input(g, w, rp) for w, rp in zip((gate, up, down), rps))
         bt = [g.input(T.F32, (rows, E)) if b is not None else None
               for b, rows in zip(plan.biases, (n_ff, n_ff, n_embd))]
 
@@ -1421,7 +1515,7 @@ class MoeStep:
     Not for concurrent use (one row buffer): a worker keeps one per holding and ``k``, on its loop.
     """
 
-    __slots__ = ("k", "n_expert", "x", "ids", "out", "_graph", "_work", "_keep", "_compute", "_args")
+    __slots__ = ("k", "n_expert", "x", "ids", "out", "_graph", "_work", "_keep", "_compute", "_args", "_many")
 
     def __init__(self, gate: QTensor, up: QTensor, down: QTensor, k: int, *,
                  biases: tuple = (None, None, None), glu: str = "swiglu"):
@@ -1433,13 +1527,17 @@ class MoeStep:
         self.x = np.zeros((1, n_embd), np.float32)
         self.ids = np.zeros((1, k), np.int32)
         self.out = np.zeros((1, k, n_embd), np.float32)
-        graph = _build_moe(plan, gate, up, down, 1, k, expert_threads(plan.work * k))
+        # one row: each expert gets it once, a call under the fast mode's threshold whenever k is
+        # (expert_layout); from k = FAST_REPACK_BELOW slots only a repeated slot could reach it
+        _, rps, weights = plan.layouts[0]
+        self._many = plan.two_layouts and k >= load().repack_below  # then a call checks its slots
+        graph = _build_moe(plan, rps, gate, up, down, 1, k, expert_threads(plan.work * k))
         try:
             graph.place()  # scratch memory of its own: it runs outside the cache, on its owner's thread
-            for c, p in zip(graph.inputs, (address(self.x), address(self.ids), *plan.weights, address(self.out))):
+            for c, p in zip(graph.inputs, (address(self.x), address(self.ids), *weights, address(self.out))):
                 c.data = p
             for c, i, offs in graph.views:
-                c.data = address((self.x, self.ids, *plan.weights, self.out)[i]) + offs
+                c.data = address((self.x, self.ids, *weights, self.out)[i]) + offs
             if graph.work_size:  # 64-byte aligned, as work_buffer's
                 self._work = aligned_empty(graph.work_size)
                 graph.plan.work_data = self._work.ctypes.data
@@ -1460,6 +1558,11 @@ class MoeStep:
         ids[0] = slots
         if not _ids_in_range(ids, self.n_expert):  # ggml aborts on an id outside 0..E-1
             raise ValueError(f"expert ids out of range 0..{self.n_expert - 1}")
+        if self._many and int(np.bincount(ids[0]).max()) >= load().repack_below:  # a slot repeated that often
+            plan, gate, up, down = self._keep
+            self.out[0] = moe_ffn(gate, up, down, np.asarray(row, np.float32)[None], ids,
+                                  biases=plan.biases, glu=plan.glu)[0]
+            return self.out[0]
         self.x[0] = row
         status = self._compute(*self._args)
         if status != 0:

@@ -234,10 +234,11 @@ class Worker:
     async def _prepare_kernels(self) -> None:
         """Lay every held slab out for this process's kernels (:func:`kernels.expert.prepare`)
         before any subject is subscribed: a layout made on a first call would hold its request
-        for about a second, past the backbone's timeout. Routed experts are repacked in the
-        deterministic mode where ggml has a repacked kernel for their type and stay in their
-        plain layout otherwise (``kernels.ggml.expert_layout``); a repacked slab lets go of its
-        mapped pages, so the worker's resident memory stays its slice's size. On a thread: the
+        for about a second, past the backbone's timeout. Routed experts get a repacked copy
+        where ggml has a repacked kernel for their type (``kernels.ggml.expert_layout``: every
+        call in the deterministic mode, calls under 8 rows in the fast mode); a repacked slab
+        lets go of its mapped pages, so the worker's resident memory stays its slice's size
+        until a fast-mode call of 8 rows or more reads them back (up to twice it). On a thread: the
         connection's loop keeps answering the server's PINGs meanwhile."""
         slabs = [w for (triple, _, _), _ in self._holding_plan.values() for w in triple]
         t0 = time.perf_counter()

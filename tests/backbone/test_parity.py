@@ -104,28 +104,36 @@ for path in sys.argv[1:]:
 """
 
 
-def test_fast_mode_is_bit_identical_to_llama_cpp_with_the_same_kernels_on_every_architecture(models):
+@pytest.mark.parametrize("layout", ["repacked", "plain"])
+def test_fast_mode_is_bit_identical_to_llama_cpp_with_the_same_kernels_on_every_architecture(models, layout):
     """One child process in the fast mode (ggml fixes its mode when it loads) runs ``kvasir
-    verify`` on every model of the matrix: max |diff| 0 and the settings both sides ran."""
+    verify`` on every model of the matrix: max |diff| 0 and the settings both sides ran. Each
+    of the two routed-expert layouts serving chooses between by the rows of a call
+    (``kernels.ggml.expert_layout``) against llama.cpp with its experts in that layout: its
+    default (repacked where ggml has the kernel) and its experts kept plain."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    paths = [str(models(arch, qtype)) for arch, qtype in FAST_MATRIX]
+    matrix = FAST_MATRIX if layout == "repacked" else [(a, q) for a, q in FAST_MATRIX if q in ("q4_0", "q4_k")]
+    paths = [str(models(arch, qtype)) for arch, qtype in matrix]
     root = Path(__file__).resolve().parents[2]
-    env = {k: v for k, v in os.environ.items() if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_REPACK")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_REPACK", "KVASIR_EXPERT_LAYOUT")}
     env["PYTHONPATH"] = str(root)
+    env["KVASIR_EXPERT_LAYOUT"] = layout
     done = subprocess.run([sys.executable, "-c", _FAST_VERIFY, *paths], env=env, capture_output=True, text=True,
                           timeout=900, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
     results = [json.loads(line) for line in done.stdout.splitlines()]
     assert [r["path"] for r in results] == paths
-    for (arch, qtype), r in zip(FAST_MATRIX, results):
+    for (arch, qtype), r in zip(matrix, results):
         assert r["code"] == 0, (arch, qtype, done.stderr[-2000:])
         report = r["report"]
         ours, theirs = report["settings"]["ours"], report["settings"]["llama_cpp"]
-        assert ours["mode"] == "fast" and not ours["one_row_as_two"]
+        assert ours["mode"] == "fast" and not ours["one_row_as_two"] and ours["expert_layout"] == layout
         assert theirs["eval"] == "prompt, then one token at a time" and theirs["repack"] == ours["repack"]
+        assert not ours["repack"] or theirs["expert_layout"] == layout
         assert (arch, qtype, report["max_abs_diff"], report["argmax_agreement"]) == (arch, qtype, 0.0, 1.0)

@@ -1,8 +1,10 @@
 """The routed experts' kernel by the rows of each call (``kernels.ggml.expert_layout``), on both
 sides: the worker's expert function, the backbone's local fallback and audit path, and the
-backbone's one-graph layer give the same bits for the same call at 1, 8, 64 and 512 rows, in
-the fast and the deterministic mode; the experts cost no second copy in memory (the fast mode
-keeps them plain, the deterministic mode repacks them and lets go of their mapped pages).
+backbone's layer graph (the expert among another expert's 3 rows: at 8 rows and more the fast
+mode splits the layer by each expert's rows, repacked below 8, plain from 8) give the same bits
+for the same call at 1, 8, 64 and 512 rows, in the fast and the deterministic mode. Memory: the
+deterministic mode repacks the experts and lets go of their mapped pages (one copy); the fast
+mode does the same and reads the mapped pages back for its calls of 8 rows or more (up to two).
 
 ggml fixes its mode as it loads, so each mode runs in a child process (a tiny qwen2moe Q4_K:
 the type ggml repacks on this CPU, where the layouts would differ)."""
@@ -62,12 +64,6 @@ for n in [int(v) for v in sys.argv[3].split(",")]:
 report["layouts"] = [ggml.expert_layout(int(blk.ffn_gate_exps.ggml_type), n, report["mode"]) for n in (1, 8, 64, 512)]
 report["slab_repacked"] = [ggml.expert_repacked(w) is not None for w in slabs]
 report["expert_view_repacked"] = [ggml.expert_repacked(w) is not None for w in piece.expert_weights(0, e)]
-fresh = load_slice(sys.argv[2])  # a worker's own map of the slice, as Worker.start prepares it
-held = [t for h in fresh.holdings for t in fresh.holding_slabs(h)[0]]
-for t in held:
-    t.data.sum()  # every mapped page read in, as a worker that served from the plain bytes would
-report["slice_bytes"] = sum(t.nbytes for t in held)
-report["prepared_slab_bytes"] = prepare(held)
 
 
 def mapped_rss(path):
@@ -82,7 +78,18 @@ def mapped_rss(path):
     return total
 
 
-report["slice_mapped_rss_after_prepare"] = mapped_rss(sys.argv[2])
+baseline = mapped_rss(sys.argv[2])  # what the calls above left of the other map of the file
+fresh = load_slice(sys.argv[2])  # a worker's own map of the slice, as Worker.start prepares it
+held = [t for h in fresh.holdings for t in fresh.holding_slabs(h)[0]]
+for t in held:
+    t.data.sum()  # every mapped page read in, as a worker that served from the plain bytes would
+report["slice_bytes"] = sum(t.nbytes for t in held)
+report["prepared_slab_bytes"] = prepare(held)
+report["slice_mapped_rss_after_prepare"] = mapped_rss(sys.argv[2]) - baseline
+big = rng.standard_normal((64, D)).astype(np.float32)
+for layer, e in fresh.experts():  # a prefill's calls: 64 rows to every held expert
+    expert_ffn(*fresh.expert_weights(layer, e), big, routed=True)
+report["slice_mapped_rss_after_64_row_calls"] = mapped_rss(sys.argv[2]) - baseline
 report["dense_repacked"] = ggml.repacked(blk.attn_q) is not None
 report["repack_enabled"] = ggml.repack_enabled()
 print(json.dumps(report))
@@ -126,21 +133,18 @@ def test_worker_fallback_and_layer_graph_give_the_same_bits_at_every_row_count(n
 @pytest.mark.parametrize("mode", ["fast", "deterministic"])
 def test_routed_experts_cost_one_copy_in_either_layout(need_ggml, models, tmp_path, mode):
     got = _probe(models("qwen2moe", "q4_k"), tmp_path / "piece.gguf", mode)
-    if mode == "fast":  # plain experts: nothing laid out anew, the slice's mapped bytes are the copy
-        assert got["layouts"] == ["plain"] * 4
-        assert got["slab_repacked"] == [False] * 3 and got["expert_view_repacked"] == [False] * 3
-        assert got["prepared_slab_bytes"] == 0
-        if got["repack_enabled"]:
-            assert got["dense_repacked"]  # dense weights keep llama.cpp's repacked layout
-        return
-    assert not got["dense_repacked"]  # the deterministic mode's dense products stay vec_dot/tinyBLAS
+    assert got["dense_repacked"] == (mode == "fast" and got["repack_enabled"])  # deterministic: vec_dot/tinyBLAS
     if not ggml.has_repacked_kernel(ggml.T.Q4_K):
         pytest.skip("this ggml has no repacked Q4_K kernel on this CPU")
-    assert got["layouts"] == ["repacked"] * 4
+    assert got["layouts"] == (["repacked"] * 4 if mode == "deterministic" else ["repacked", "plain", "plain", "plain"])
     assert got["slab_repacked"] == [True] * 3 and got["expert_view_repacked"] == [True] * 3
     # the repacked copy replaces the mapped bytes: resident memory stays about the slice's size
     assert got["prepared_slab_bytes"] == got["slice_bytes"] > 0
     assert got["slice_mapped_rss_after_prepare"] < 0.1 * got["slice_bytes"]
+    if mode == "deterministic":  # no call reads the plain bytes again
+        assert got["slice_mapped_rss_after_64_row_calls"] < 0.1 * got["slice_bytes"]
+    else:  # a call of 64 rows runs the plain layout: its pages come back (the second copy)
+        assert got["slice_mapped_rss_after_64_row_calls"] > 0.5 * got["slice_bytes"]
 
 
 def test_the_layout_rule_takes_only_what_both_sides_see(need_ggml):
@@ -150,8 +154,8 @@ def test_the_layout_rule_takes_only_what_both_sides_see(need_ggml):
         # what a deterministic process on this machine would do (this one's mode or not)
         allowed = os.environ.get(ggml.ENV_REPACK, "1") != "0"
         det = "repacked" if ggml.has_repacked_kernel(int(qtype)) and allowed else "plain"
-        for rows in (1, 7, 8, 64, 512, 4096):  # the rows never change the layout: both are batch-invariant
-            assert ggml.expert_layout(int(qtype), rows, "fast") == "plain"
+        for rows in (1, 7, 8, 64, 512, 4096):  # the deterministic mode: one layout at every row count
+            assert ggml.expert_layout(int(qtype), rows, "fast") == (det if rows < ggml.FAST_REPACK_BELOW else "plain")
             assert ggml.expert_layout(int(qtype), rows, "deterministic") == det
     assert not ggml.has_repacked_kernel(int(T.F16))
     with pytest.raises(ValueError):

@@ -1,9 +1,11 @@
-"""The routed experts' slabs in the fast mode: never repacked (``kernels.ggml.expert_layout``:
-ggml's repacked ``mul_mat_id`` runs a gemv per row and loses 3x from 64 rows), so an expert's
-bytes are the mapped slice's and every way the project computes an expert (the layer's one
-graph, one expert alone, a worker's slice) gives the same bits; dense weights stay repacked.
-The suite runs in the deterministic mode (tests/conftest.py), which never repacks: each check
-runs in a child process in the fast mode."""
+"""The routed experts' slabs in the fast mode: a repacked copy beside the plain bytes, made when
+the engine and a worker load, each call taking its layout by its rows (``kernels.ggml.
+expert_layout``: repacked below 8 rows, where ggml's repacked gemv beats the plain one-row
+kernel; plain from 8, where the tiled kernel wins 3x), so that every way the project computes
+an expert (the layer's one graph, split by each expert's rows, one expert alone, a worker's
+slice) gives the same bits; dense weights stay repacked. KVASIR_REPACK=0 repacks nothing.
+The suite runs in the deterministic mode (tests/conftest.py): each check runs in a child
+process in the fast mode."""
 
 from __future__ import annotations
 
@@ -32,10 +34,10 @@ blk, weights = engine.weights.layers[0], engine.weights
 slabs = (blk.ffn_gate_exps, blk.ffn_up_exps, blk.ffn_down_exps)
 report = {"repack": ggml.repack_enabled(), "label": __import__("kernels.backend", fromlist=["x"]).kernel_label(),
           "prepared_at_load": all(ggml._repacked.get(w) is not None for w in slabs)}  # before any call
-rps = [ggml.repacked(w) for w in slabs]
-report["slabs_repacked"] = [rp is not None for rp in rps]
+report["slabs_repacked"] = [ggml.expert_repacked(w) is not None for w in slabs]
+report["dense_api_leaves_slabs"] = all(ggml.repacked(w) is None for w in slabs)  # experts: expert_repacked's
 report["dense_repacked"] = ggml.repacked(blk.attn_q) is not None
-report["expert_views_repacked"] = [ggml.repacked(w) is not None for w in weights.expert(0, 0)]
+report["expert_views_repacked"] = [ggml.expert_repacked(w) is not None for w in weights.expert(0, 0)]
 if True:
     E = blk.ffn_gate_exps.n_expert
     rng = np.random.default_rng(3)
@@ -49,7 +51,15 @@ if True:
     three = engine.local_experts.compute(0, int(ids[0, 0]), rows)
     in_batch = all(np.array_equal(three[i], expert_ffn(*weights.expert(0, int(ids[0, 0])), rows[i:i + 1],
                                                        routed=True)[0]) for i in range(3))
+    # a layer where expert 0 gets 12 rows (plain) and the others 1 each (repacked): split
+    x12 = rng.standard_normal((12, engine.cfg.n_embd)).astype(np.float32)
+    ids12 = np.array([[0, 1 + t % (E - 1)] for t in range(12)], np.int32)
+    mixed = moe_ffn(*slabs, x12, ids12)
+    split = np.array_equal(mixed[:, 0], expert_ffn(*weights.expert(0, 0), x12, routed=True)) and all(
+        np.array_equal(mixed[t, 1], expert_ffn(*weights.expert(0, int(ids12[t, 1])), x12[t:t + 1], routed=True)[0])
+        for t in range(12) if (ids12[:, 1] == ids12[t, 1]).sum() == 1)
     report["one_graph_equals_each_expert_alone"] = bool(alone and in_batch)
+    report["split_layer_equals_each_expert_alone"] = bool(split)
     out = sys.argv[2]
     write_slice(plan_slice(sys.argv[1], [((0, 0), (1, E - 1))]), out)  # experts 1..E-1 of layer 0, as a worker holds them
     piece = load_slice(out)
@@ -62,8 +72,8 @@ if True:
     w = Worker(fresh, WorkerConfig(node="probe"))
     w._index_holdings()
     asyncio.run(w._prepare_kernels())  # what Worker.start does before it subscribes
-    report["worker_repacked_nothing"] = all(ggml._repacked.get(t) is None
-                                            for h in fresh.holdings for t in fresh.holding_slabs(h)[0])
+    report["worker_prepared_its_slabs"] = all(ggml._repacked.get(t) is not None
+                                              for h in fresh.holdings for t in fresh.holding_slabs(h)[0])
 print(json.dumps(report))
 """
 
@@ -77,22 +87,25 @@ def _probe(model: str, out: Path, repack: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])  # the report, after any log line
 
 
-def test_experts_stay_plain_and_give_the_same_bits_every_way_they_are_computed(models, tmp_path):
+def test_experts_take_both_layouts_and_give_the_same_bits_every_way_they_are_computed(models, tmp_path):
     got = _probe(str(models("qwen2moe", "q4_k")), tmp_path / "piece.gguf", "1")
     if not got["repack"]:
         pytest.skip("this ggml has no CPU repack buffer type")
     assert got["label"].endswith("-repack")
-    assert got["slabs_repacked"] == [False] * 3 and got["expert_views_repacked"] == [False] * 3
-    assert not got["prepared_at_load"]  # no second copy of the experts
+    assert got["slabs_repacked"] == [True] * 3 and got["expert_views_repacked"] == [True] * 3
+    assert got["dense_api_leaves_slabs"]
+    assert got["prepared_at_load"]  # the copy made as the engine loads, not on a request
     assert got["dense_repacked"]  # dense weights: llama.cpp's repacked layout
     assert got["one_graph_equals_each_expert_alone"]
+    assert got["split_layer_equals_each_expert_alone"]
     assert got["slice_equals_backbone"]
-    assert got["worker_repacked_nothing"]  # a worker's resident memory stays its slice's bytes
+    assert got["worker_prepared_its_slabs"]
 
 
 def test_without_repacking_nothing_is_repacked(models, tmp_path):
     got = _probe(str(models("qwen2moe", "q4_k")), tmp_path / "piece.gguf", "0")
     assert got["repack"] is False and got["slabs_repacked"] == [False, False, False]
+    assert not got["prepared_at_load"] and got["expert_views_repacked"] == [False] * 3
     assert not got["label"].endswith("-repack")
 
 
