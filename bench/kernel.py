@@ -210,8 +210,11 @@ def rss_mb() -> float:
 
 def expert_memory() -> dict:
     """What ``kernels.expert.prepare`` lays out anew for a worker's slabs of 8 experts of this
-    shape (Q4_K: the type ggml repacks here), and the resident memory around it: a worker's
-    expert slabs stay its slice's bytes (the routed experts are never repacked)."""
+    shape (Q4_K: the type ggml repacks here), and the resident memory around it: the repacked
+    copy the routed experts' calls use (every call in the deterministic mode, calls under 8
+    rows in the fast mode: ``kernels.ggml.expert_layout``). These slabs live in memory, not in a
+    mapped file, so the plain bytes stay beside the copy: a slice mapped from its file lets
+    its pages go (tests/kernels/test_expert_layout.py measures that)."""
     from kernels.expert import prepare
 
     slabs = []
