@@ -781,10 +781,13 @@ def fit_sharing(profile: dict, fanout_runs: list[dict]) -> tuple[float, float]:
     per worker woken past the first in a layer step (``Costs.fanout``: a cost per layer step,
     which weighs most at one row), and a core's speed while both (all) cores run our work
     (``Costs.core_efficiency``: a share of all work, which a bigger step shows as much). The pair
-    at which the model's two-worker / one-worker step ratios come nearest (least squares) to the
-    measured ones (each run's median of its paired rounds), on a grid (efficiency 1 down to 0.5
-    by 0.05, fanout 0 to 1 ms by 50 us; ties to the higher efficiency, then the lower fanout). With
-    one row count: efficiency 1 and :func:`fit_fanout`."""
+    at which the model's one-worker and two-worker steps come nearest (least squares of relative
+    errors) to the measured ones (each its quietest round, as the dispatch fit's), on a grid
+    (efficiency 1 down to 0.5 by 0.05, fanout 0 to 1 ms by 50 us; ties to the higher efficiency,
+    then the lower fanout). The one-worker steps count too: an efficiency below 1 slows them (the
+    worker and nats-server beside the backbone for a moment of each layer step, the whole job
+    slowed): fitted on the two / one ratios alone it put them 9-19% above the steps measured at 1
+    row in 8 of the 13 kept profiles (docs/scale.md). With one row count: efficiency 1 and :func:`fit_fanout`."""
     from dataclasses import replace as with_
 
     from planner import profile as prof
@@ -802,14 +805,14 @@ def fit_sharing(profile: dict, fanout_runs: list[dict]) -> tuple[float, float]:
                      colocated_cores=cores, race_confirm=0.0, max_active=run["rows"], step_tokens=256)
         return simulate(shapes, with_(costs, fanout=fanout, core_efficiency=efficiency), cfg).itl_ms["p50"]
 
-    targets = [float(np.median([two / one for one, two in zip(run["one_worker_s"], run["two_workers_s"])]))
-               for run in fanout_runs]
+    one_s = [1e3 * min(run["one_worker_s"]) / run["steps"] for run in fanout_runs]  # ms, as step() gives
+    two_s = [1e3 * min(run["two_workers_s"]) / run["steps"] for run in fanout_runs]
     best = None
     for efficiency in np.round(np.arange(1.0, 0.499, -0.05), 2):
-        ones = [step(1, run, 0.0, efficiency) for run in fanout_runs]
+        ones = [step(1, run, 0.0, efficiency) / one - 1 for run, one in zip(fanout_runs, one_s)]
         for fanout in np.arange(0.0, 1.0001e-3, 50e-6):
-            loss = sum((step(2, run, fanout, efficiency) / one - target) ** 2
-                       for run, one, target in zip(fanout_runs, ones, targets))
+            loss = sum(e1 ** 2 + (step(2, run, fanout, efficiency) / two - 1) ** 2
+                       for run, e1, two in zip(fanout_runs, ones, two_s))
             if best is None or loss < best[0] - 1e-12:
                 best = (loss, float(fanout), float(efficiency))
     return best[1], best[2]

@@ -299,6 +299,43 @@ def test_the_fanout_fit_recovers_the_cost_a_second_worker_was_measured_at():
     assert fit_fanout(profile, runs) < 0.1 * 3e-4
 
 
+def test_the_sharing_fit_keeps_the_one_worker_steps_that_were_measured():
+    # calibrate's one- and two-worker runs made by the model at a known efficiency and fanout, at
+    # three row counts: the fit finds them, and where the one-worker steps were measured as the
+    # model has them at efficiency 1 (two workers a bit slower), it does not slow them by a lower
+    # efficiency to make the two-worker steps' ratio.
+    from dataclasses import replace
+
+    from planner.calibrate import fit_sharing
+
+    profile = toy_profile()
+    profile["machine"]["cpus"] = 2
+    # a shared expert, run while the worker computes: what a lower efficiency slows in one worker's step
+    profile["backbone"]["dense"]["shared"] = {"c0_s": 2e-4, "c_row_s": 0.0}
+    costs = prof.costs_for(profile, TOY)
+
+    def step(workers: int, rows: int, fanout: float, efficiency: float) -> float:
+        cfg = Config(workers=workers, streams=rows, tokens=14, prompt_tokens=16, colocated_cores=2, race_confirm=0.0,
+                     max_active=rows, step_tokens=256)
+        return simulate(TOY, replace(costs, fanout=fanout, core_efficiency=efficiency), cfg).itl_ms["p50"] / 1e3
+
+    def runs(fanout: float, efficiency: float) -> list[dict]:
+        return [{"rows": rows, "steps": 12, "one_worker_s": [12 * step(1, rows, fanout, efficiency)] * 2,
+                 "two_workers_s": [12 * step(2, rows, fanout, efficiency)] * 2} for rows in (1, 2, 4)]
+
+    assert step(1, 1, 0.0, 0.7) > step(1, 1, 0.0, 1.0)  # the one-worker step slows too
+    assert fit_sharing(profile, runs(2e-4, 0.7)) == pytest.approx((2e-4, 0.7))
+    # One worker as at efficiency 1, two as at 0.5: fitted on the two / one ratios alone this took
+    # 0.55, which put the one-worker steps 12-20% above the measured ones.
+    measured = runs(0.0, 1.0)
+    for run, slow in zip(measured, runs(0.0, 0.5)):
+        run["two_workers_s"] = slow["two_workers_s"]
+    fanout, efficiency = fit_sharing(profile, measured)
+    for run in measured:
+        assert 12 * step(1, run["rows"], fanout, efficiency) == pytest.approx(run["one_worker_s"][0], rel=0.02)
+        assert 12 * step(2, run["rows"], fanout, efficiency) == pytest.approx(run["two_workers_s"][0], rel=0.05)
+
+
 def test_the_dispatch_fit_through_the_model_recovers_the_one_worker_steps_measured():
     # calibrate's one-worker dispatch runs made by the model itself with known backbone terms: the
     # fit through the model finds terms whose steps are those, starting from other ones.
