@@ -490,6 +490,8 @@ def _verify_layout(asked: str | None) -> None:
     layout = asked or os.environ.get(ggml.ENV_EXPERT_LAYOUT) or "repacked"
     if ggml.loaded_mode() is None:
         os.environ[ggml.ENV_EXPERT_LAYOUT] = layout
+    elif asked is None:  # loaded already (verify called in a process that computed): as it is
+        return
     try:
         loaded = ggml.load().expert_layout if ggml.available() else layout
     except ValueError as exc:

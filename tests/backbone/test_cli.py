@@ -158,8 +158,10 @@ def test_verify_json_has_exactly_the_four_keys(capsys, tiny):
 
 def test_verify_in_the_default_fast_mode_repacks_both_sides_and_is_exact(tmp_path):
     """``kvasir verify`` as a user runs it (the fast mode, the suite's mode aside): llama.cpp
-    with our kernel switches (repacking included), its tokens evaluated as our generation
-    evaluated them (the prompt at once, then each token alone), gives our logits to the bit."""
+    with our kernel switches (repacking included; verify runs the routed experts repacked at
+    every row count, llama.cpp's layout, unless ``--expert-layout`` says otherwise), its tokens
+    evaluated as our generation evaluated them (the prompt at once, then each token alone),
+    gives our logits to the bit."""
     import os
     import subprocess
     import sys
@@ -183,6 +185,7 @@ def test_verify_in_the_default_fast_mode_repacks_both_sides_and_is_exact(tmp_pat
     ours, theirs = report["settings"]["ours"], report["settings"]["llama_cpp"]
     assert ours["mode"] == "fast" and theirs["eval"] == "prompt, then one token at a time"
     assert theirs["repack"] == ours["repack"] and theirs["tiled_mm"] == ours["tiled_mm"]
-    if ours["repack"]:
-        assert ours["label"].endswith("-repack")
+    if ours["repack"]:  # the routed experts repacked at every row count, as llama.cpp's default
+        assert ours["label"].endswith("-repack-xall") and ours["expert_layout"] == "repacked"
+        assert theirs["expert_layout"] == "repacked"
     assert report["max_abs_diff"] == 0.0 and report["argmax_agreement"] == 1.0
