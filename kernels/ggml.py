@@ -213,6 +213,7 @@ class Lib:
         fn(base, "ggml_repeat_4d", _PT, c_ctx, _PT, i64, i64, i64, i64)
         fn(base, "ggml_nbytes", sz, _PT)
         fn(base, "ggml_get_rows", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_concat", _PT, c_ctx, _PT, _PT, i32)
         fn(base, "ggml_cpy", _PT, c_ctx, _PT, _PT)
         fn(base, "ggml_view_2d", _PT, c_ctx, _PT, i64, i64, sz, sz)
         fn(base, "ggml_view_3d", _PT, c_ctx, _PT, i64, i64, i64, sz, sz, sz)
@@ -1386,19 +1387,81 @@ def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.nd
     n_few = int(np.count_nonzero(few))
     if n_few in (0, few.size):
         return _moe_graph(plan, gate, up, down, x, ids, 0 if n_few else 1)
-    flat = ids.ravel()
     majority = 0 if 2 * n_few >= few.size else 1
     minority = few if majority else ~few
     if minority.sum() <= SPLIT_GATHER_SHARE * few.size:
         out = _moe_graph(plan, gate, up, down, x, ids, majority).reshape(n * k, n_embd)
-        parts = ((1 - majority, np.flatnonzero(minority)),)
-    else:
-        out = np.empty((n * k, n_embd), dtype=np.float32)
-        parts = ((0, np.flatnonzero(few)), (1, np.flatnonzero(~few)))
-    for layout, pairs in parts:  # (row, slot) pairs row by row, each row's slots in order
-        part = _moe_graph(plan, gate, up, down, np.take(x, pairs // k, axis=0), flat[pairs][:, None], layout)
+        pairs = np.flatnonzero(minority)  # (row, slot) pairs row by row, each row's slots in order
+        part = _moe_graph(plan, gate, up, down, np.take(x, pairs // k, axis=0), ids.ravel()[pairs][:, None],
+                          1 - majority)
         out[pairs] = part.reshape(len(pairs), n_embd)
-    return out.reshape(n, k, n_embd)
+        return out.reshape(n, k, n_embd)
+    return _moe_split_graph(plan, gate, up, down, x, ids, few)
+
+
+def _moe_split_graph(plan: "_MoePlan", gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.ndarray,
+                     few: np.ndarray) -> np.ndarray:
+    """:func:`moe_ffn` with each (row, slot) pair in its expert's layout (``few``: repacked),
+    as one graph: each half's rows gathered in the graph (``ggml_get_rows``, row by row, each
+    row's slots in order), its experts in its layout, the halves put back in pair order. The
+    same bits as a graph per half: the gathers and the concatenation copy float32 rows."""
+    n, k = ids.shape
+    flat = ids.ravel()
+    pairs = [np.flatnonzero(few), np.flatnonzero(~few)]
+    order = np.concatenate(pairs)
+    back = np.empty(n * k, np.int32)
+    back[order] = np.arange(n * k, dtype=np.int32)  # pair p's place in the two halves, one after the other
+    pa, pb = len(pairs[0]), len(pairs[1])
+    threads = expert_threads(plan.work * n * k)
+    key = ("moe-split", plan.layouts[0][0], plan.layouts[1][0], n, k, pa, threads)
+    arrays = [x]
+    for half in pairs:
+        arrays += [(half // k).astype(np.int32), np.ascontiguousarray(flat[half])]
+    arrays.append(back)
+    biases = plan.layouts[0][2][3:]
+    arrays += [*plan.layouts[0][2][:3], *plan.layouts[1][2][:3], *biases]
+    out = np.empty((n, k, gate.ne[0]), dtype=np.float32)
+    arrays.append(out)
+    run_cached(key, lambda: _build_moe_split(plan, gate, up, down, n, k, pa, pb, threads), arrays)
+    return out
+
+
+def _build_moe_split(plan: "_MoePlan", gate: QTensor, up: QTensor, down: QTensor, n: int, k: int, pa: int,
+                     pb: int, threads: int) -> Graph:
+    """:func:`_moe_split_graph`'s graph. Inputs: x (D, n), per half its pairs' rows and experts,
+    the pairs' places, the repacked half's three slabs, the plain half's, the bias rows present,
+    the result (D, k, n)."""
+    n_embd, n_ff, E = gate.ne
+    lib = load()
+    g = Graph(lib, n_tensors=48)
+    try:
+        ctx = g.ctx
+        xt = g.input(T.F32, (n_embd, n))
+        halves = [(g.input(T.I32, (p,)), g.input(T.I32, (1, p)), p) for p in (pa, pb)]
+        back = g.input(T.I32, (n * k,))
+        slabs = [[weight_input(g, w, rp) for w, rp in zip((gate, up, down), plan.layouts[i][1])] for i in (0, 1)]
+        bt = [g.input(T.F32, (rows, E)) if b is not None else None
+              for b, rows in zip(plan.biases, (n_ff, n_ff, n_embd))]
+        ys = []
+        for (rows, it, p), (gw, uw, dw) in zip(halves, slabs):
+            def biased(t, b, it=it):
+                return t if b is None else g.scratch(lib.ggml_add_id(ctx, t, b, it))
+
+            xh = g.view(lib.ggml_reshape_3d(ctx, g.scratch(lib.ggml_get_rows(ctx, xt, rows)), n_embd, 1, p))
+            ut = biased(g.scratch(lib.ggml_mul_mat_id(ctx, uw, xh, it)), bt[1])  # build_moe_ffn's order
+            gt = biased(g.scratch(lib.ggml_mul_mat_id(ctx, gw, xh, it)), bt[0])
+            if plan.glu == "swiglu_oai":
+                h = g.scratch(lib.ggml_swiglu_oai(ctx, gt, ut, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT))
+            else:
+                h = g.scratch(lib.ggml_swiglu_split(ctx, gt, ut))
+            y = biased(g.scratch(lib.ggml_mul_mat_id(ctx, dw, h, it)), bt[2])  # (D, 1, p)
+            ys.append(g.view(lib.ggml_reshape_2d(ctx, y, n_embd, p)))
+        both = g.scratch(lib.ggml_concat(ctx, ys[0], ys[1], 1))  # (D, pa + pb)
+        g.output(lib.ggml_get_rows(ctx, both, back))  # (D, n * k): pair order, the bytes of (n, k, D)
+        return g.finish(threads)
+    except BaseException:
+        g.free()
+        raise
 
 
 SPLIT_GATHER_SHARE = 0.1  # moe_ffn: the minority layout's share of pairs past which both halves are gathered (measured: at 64 rows with a quarter of the pairs repacked, gathering both halves costs 85% of computing the quarter twice)

@@ -191,3 +191,47 @@ def test_a_repacked_weight_asks_for_huge_pages():
     assert "hg" in _vm_flags(start) and "hg" in _vm_flags(start + huge - 1)
     assert "hg" not in _vm_flags(id(w))  # a Python object's heap was not advised
     assert ggml.advise_huge_pages(rp.ptr, 4096) == 0  # less than a whole huge page: nothing to ask
+
+
+SPLIT_PROBE = r"""
+import json, sys
+import numpy as np
+from backbone.model import Engine
+from kernels import ggml
+from kernels.expert import expert_ffn
+
+engine = Engine(sys.argv[1])
+w = engine.weights
+blk = w.layers[0]
+slabs = (blk.ffn_gate_exps, blk.ffn_up_exps, blk.ffn_down_exps)
+biases = (blk.ffn_gate_exps_bias, blk.ffn_up_exps_bias, blk.ffn_down_exps_bias)
+E, K = blk.ffn_gate_exps.ne[2], engine.cfg.n_expert_used
+rng = np.random.default_rng(1)
+out = {"repacked": ggml.expert_repacked(slabs[0]) is not None, "cases": []}
+for n in (10, 24, 40):  # each expert's rows below and above 8: the layer split by them
+    x = rng.standard_normal((n, engine.cfg.n_embd)).astype(np.float32)
+    ids = np.argsort(-(rng.standard_normal((n, E)) + np.linspace(0, 3, E)), axis=1)[:, :K].astype(np.int32)
+    counts = np.bincount(ids.ravel(), minlength=E)
+    got = ggml.moe_ffn(*slabs, x, ids, biases=biases, glu=w.expert_glu)
+    same = all(np.array_equal(got[np.nonzero(ids == e)], expert_ffn(*w.expert(0, int(e)), x[np.nonzero(ids == e)[0]],
+                                                                      routed=True)) for e in np.unique(ids))
+    out["cases"].append({"few": float((counts[ids] < 8).mean()), "same": bool(same)})
+print(json.dumps(out))
+"""
+
+
+def test_a_layer_split_by_its_experts_rows_gives_each_expert_its_bits_with_biases_too(models):
+    """gpt-oss' experts (bias rows added per expert, swiglu_oai) in the fast mode: a layer whose
+    experts get fewer and more than 8 rows, computed in one call (kernels.ggml.moe_ffn: the
+    two layouts' halves gathered in one graph, or the minority computed again), equals each
+    expert computed alone on its rows."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GGML_CPU_TILED_MM", "KVASIR_REPACK")}
+    env.update(KVASIR_KERNEL_MODE="fast", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", SPLIT_PROBE, str(models("gpt-oss", "q4_k"))], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    if not got["repacked"]:
+        pytest.skip("no repacked Q4_K kernel on this CPU: one layout only")
+    assert all(c["same"] for c in got["cases"]), got
+    assert any(0 < c["few"] < 1 for c in got["cases"])  # some case really split
