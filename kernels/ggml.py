@@ -1381,7 +1381,8 @@ def moe_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.nd
     # pairs take runs the whole layer (the call's own rows, no gather), the other's pairs run
     # again, gathered row by row, and replace theirs: either way every expert meets exactly
     # its rows, in the order the one graph gives them, in its layout. Past SPLIT_GATHER_SHARE
-    # of the pairs in the minority, both halves are gathered instead (less compute thrown away).
+    # of the pairs in the minority, both halves are gathered instead, in one graph
+    # (:func:`_moe_split_graph`: no compute thrown away).
     below = load().repack_below
     few = np.bincount(ids.ravel(), minlength=E)[ids] < below  # (n, k)
     n_few = int(np.count_nonzero(few))
@@ -1464,7 +1465,7 @@ def _build_moe_split(plan: "_MoePlan", gate: QTensor, up: QTensor, down: QTensor
         raise
 
 
-SPLIT_GATHER_SHARE = 0.1  # moe_ffn: the minority layout's share of pairs past which both halves are gathered (measured: at 64 rows with a quarter of the pairs repacked, gathering both halves costs 85% of computing the quarter twice)
+SPLIT_GATHER_SHARE = 0.1  # moe_ffn: the minority's share of pairs past which both halves are gathered (measured with the halves as two graphs: at 64 rows with a quarter repacked, gathering both cost 85% of computing the quarter twice)
 
 
 def _moe_graph(plan: "_MoePlan", gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, ids: np.ndarray,
