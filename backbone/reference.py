@@ -71,7 +71,7 @@ class Reference:
             repack_experts = kernel_settings()["repack_experts"]
         fields = {"use_extra_bufts": repack or bool(repack_experts)}
         overrides = None
-        if repack and repack_experts is False:  # as our fast mode: routed experts plain (kernels.ggml.expert_layout)
+        if repack and repack_experts is False:  # our fast mode with KVASIR_EXPERT_LAYOUT=plain (kernels.ggml.expert_layout)
             overrides = _plain_override(b"_exps")
         elif not repack and repack_experts:  # as our deterministic mode: only the routed experts repacked
             overrides = _plain_override(_NOT_EXPERTS)

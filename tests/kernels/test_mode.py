@@ -64,8 +64,8 @@ def test_default_mode_is_fast_with_repacked_dense_weights_and_tiled_kernels(need
     if not got["settings"]["repack"]:
         pytest.skip("this ggml has no CPU repack buffer type")
     assert got["label"].endswith("-repack")
-    # the routed experts stay plain (kernels.ggml.expert_layout): 16 rows to one K-quant expert
-    # take the tiled kernel, not what each row gets alone (the same on a worker and the backbone)
+    # 16 rows to one K-quant expert take the plain layout's tiled kernel (kernels.ggml.expert_layout:
+    # repacked below 8 rows only), not what each row gets alone (the same on a worker and the backbone)
     assert got["routed_batch_invariant"] is False
 
 
