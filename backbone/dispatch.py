@@ -423,7 +423,8 @@ class RemoteExperts:
         self._probes: OrderedDict[str, tuple[int, int]] = OrderedDict()  # token -> (layer, expert)
         self._bundles: OrderedDict[str, _Bundle] = OrderedDict()  # bundle token -> bundle, recent ones
         self._node_subjects: dict[str, str] = {}
-        self._reruns: dict[tuple[str, str], tuple[str, bool]] = {}  # (announced kernel, ours) -> rerun_backend's answer
+        # (announced kernel, ours) -> rerun_backend's answer, and whether the rerun is told the plain layout
+        self._reruns: dict[tuple[str, str], tuple[str, bool, bool]] = {}
         # Steps waited for, with their deadlines (loop time), and one timer for the earliest: a
         # step that settles in time (nearly all) costs a dict entry, not a timer armed and cancelled.
         self._waiting: dict[_Step, float] = {}
@@ -1054,12 +1055,11 @@ class RemoteExperts:
         if how is None:  # a label per node and kernel, from strangers: a bounded cache
             if len(self._reruns) >= 64:
                 self._reruns.clear()
-            how = self._reruns[key] = rerun_backend(*key)
-        backend, exact = how
+            how = self._reruns[key] = (*rerun_backend(*key), rerun_plain(*key))
+        backend, exact, plain = how
         whole = part.rows == slice(0, len(rows))
         chunk = rerun_rows(part.kernel, self.local.backend)  # > 0: a -det worker, rerun in its kernel's chunks
-        # a node with plain experts, rerun by a backbone that repacks: the plain layout, told
-        plain = {"plain": True} if rerun_plain(part.kernel, self.local.backend) else {}
+        plain = {"plain": True} if plain else {}  # a node with plain experts, rerun by a backbone that repacks
         explain = getattr(self.local, "explained_gap", None)
         gap = None
         if not exact and not numpy_family(part.kernel) and explain is not None:

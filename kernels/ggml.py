@@ -293,8 +293,7 @@ def load() -> Lib:
                 layout = expert_layout_setting()  # raises ValueError on a bad KVASIR_EXPERT_LAYOUT
                 _lib.expert_layout = layout
                 _lib.repack_experts = allowed and layout != "plain"
-                _lib.repack_below = 0 if not _lib.repack_experts else \
-                    EVERY_CALL if mode == "deterministic" or layout == "repacked" else FAST_REPACK_BELOW
+                _lib.repack_below = _repack_below(mode, allowed, layout)
             except GgmlUnavailable as exc:
                 _lib_error = exc
     if _lib is None:
@@ -783,6 +782,14 @@ ENV_EXPERT_LAYOUT = "KVASIR_EXPERT_LAYOUT"
 EXPERT_LAYOUTS = ("rows", "repacked", "plain")
 
 
+def _repack_below(mode: str, allowed: bool, layout: str) -> int:
+    """Rows below which an expert call runs repacked, for a process of ``mode`` that may repack
+    (``allowed``) with KVASIR_EXPERT_LAYOUT ``layout``: 0 for never."""
+    if not allowed or layout == "plain":
+        return 0
+    return EVERY_CALL if mode == "deterministic" or layout == "repacked" else FAST_REPACK_BELOW
+
+
 def expert_layout_setting() -> str:
     """KVASIR_EXPERT_LAYOUT, checked (default ``rows``); raises ValueError on another value."""
     value = os.environ.get(ENV_EXPERT_LAYOUT, "").strip().lower() or "rows"
@@ -895,9 +902,7 @@ def expert_layout(ggml_type: int, rows: int, mode: str | None = None) -> str:
     if mode == lib.mode:
         below = lib.repack_below
     else:  # a process of the other mode on this machine, with this environment
-        layout = expert_layout_setting()
-        below = 0 if os.environ.get(ENV_REPACK, "1") == "0" or layout == "plain" else \
-            EVERY_CALL if mode == "deterministic" or layout == "repacked" else FAST_REPACK_BELOW
+        below = _repack_below(mode, os.environ.get(ENV_REPACK, "1") != "0", expert_layout_setting())
     return "repacked" if rows < below and has_repacked_kernel(ggml_type) else "plain"
 
 
