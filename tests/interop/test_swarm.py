@@ -80,8 +80,14 @@ def check_micro_stats_worker(text: str, fp: str) -> None:
 
 
 def test_micro_ping_counts_every_role(ops, swarm):
-    r = ops.run("micro", "ping")
-    assert r.returncode == 0, r.text
+    # `nats micro ping` collects the answers that come within its window; on a loaded 2-core
+    # machine one service's answer can miss it (a fresh-clone run: the market's), so it pings
+    # again, a few times at most, until a ping hears every role
+    for _ in range(3):
+        r = ops.run("micro", "ping")
+        assert r.returncode == 0, r.text
+        if sum(ln.startswith("kvasir-") for ln in r.stdout.splitlines()) >= 4:
+            break
     check_micro_ping(r.stdout, swarm.fingerprint)
     record("micro-ping", r.transcript())
 
