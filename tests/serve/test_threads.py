@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 from kvasir_bus import threads
 
@@ -98,8 +99,14 @@ def test_cpu_use_counts_other_processes_busy_time_not_this_ones(tmp_path, monkey
 
     clock = iter([100.0, 101.0, 101.01, 102.01])
     own = iter([10.0, 10.5, 10.5, 10.5])  # this process: half a core in the first second
-    monkeypatch.setattr("time.monotonic", lambda: next(clock))
-    monkeypatch.setattr(os, "times", lambda: os.times_result((next(own), 0.0, 0.0, 0.0, 0.0)))
+    # the fake clock and CPU times for this thread only: a thread an earlier test left running
+    # (a bus client, a core-share loop) reads the real ones instead of taking this test's values
+    import threading
+
+    me, real_monotonic, real_times = threading.get_ident(), time.monotonic, os.times
+    monkeypatch.setattr("time.monotonic", lambda: next(clock) if threading.get_ident() == me else real_monotonic())
+    monkeypatch.setattr(os, "times", lambda: os.times_result((next(own), 0.0, 0.0, 0.0, 0.0))
+                        if threading.get_ident() == me else real_times())
     write(1000.0, 5000.0)
     use = threads.CpuUse(str(stat))
     write(1001.7, 5000.3)  # 1.7 s busy in 1 s of wall time, 0.5 s of it ours
