@@ -674,13 +674,20 @@ def measure_hedge(n_layer: int, n_expert: int, calls: int = 4000) -> dict:
     return {"per_call_s": per_call, "rounds": rounds}
 
 
-def measure_fanout(engine, path: str, rows: list[int], steps: int, rounds: int = 3) -> dict:
-    """Decode steps of ``rows`` rows against one worker holding every expert and, on a second
-    embedded nats-server, two workers that split them (two bundles a layer step), bundles on, in
-    turns round by round (so that other programs' load, which drifts, falls on both alike): the
-    wall time per step of each. What the second worker costs beyond the model's arithmetic (its
-    wake-ups and nats-server's, on cores it shares with the backbone) is fitted from the
-    differences by :func:`fit_fanout`."""
+#: The swarms :func:`measure_fanout` times, by their workers, and the key of each one's walls.
+FANOUT_KEYS = {1: "one_worker_s", 2: "two_workers_s", 4: "four_workers_s"}
+
+
+def measure_fanout(engine, path: str, rows: list[int], steps: int, rounds: int = 3,
+                   workers: tuple[int, ...] = (1, 2, 4)) -> dict:
+    """Decode steps of ``rows`` rows against one worker holding every expert and, each on an
+    embedded nats-server of its own, two and four workers that split them (two and four bundles a
+    layer step), bundles on, in turns round by round (so that other programs' load, which drifts,
+    falls on all alike): the wall time per step of each. What the workers past the first cost
+    beyond the model's arithmetic (their wake-ups and nats-server's, on cores they share with the
+    backbone) is fitted from them by :func:`fit_sharing`. Four workers are timed too since the
+    fit on one and two alone extrapolated to four: the check's 4-worker configurations with no
+    round trip came out 16-20% fast in some runs, within the goal in others."""
     from contextlib import ExitStack
 
     from backbone.audit import AuditConfig
@@ -694,7 +701,7 @@ def measure_fanout(engine, path: str, rows: list[int], steps: int, rounds: int =
     fp = model_fingerprint(engine.reader)
     rng = np.random.default_rng(5)
     out = []
-    shares = {1: [(0, cfg.n_expert - 1)], 2: split_experts(cfg.n_expert, 2)}
+    shares = {n: split_experts(cfg.n_expert, n) for n in workers if n <= cfg.n_expert}
     workers = []
     with ExitStack() as stack:
         try:
@@ -727,9 +734,9 @@ def measure_fanout(engine, path: str, rows: list[int], steps: int, rounds: int =
                         if k:
                             walls[n].append(time.perf_counter() - w0)
                 engine.use_experts(None)
-                out.append({"rows": b, "steps": steps, "one_worker_s": walls[1], "two_workers_s": walls[2]})
-                _say(f"dispatch to 1 and 2 workers in turns: {b} rows: {1e3 * min(walls[1]) / steps:.1f} and "
-                     f"{1e3 * min(walls[2]) / steps:.1f} ms per step")
+                out.append({"rows": b, "steps": steps, **{FANOUT_KEYS[n]: w for n, w in walls.items()}})
+                _say(f"dispatch to {', '.join(map(str, walls))} workers in turns: {b} rows: "
+                     f"{', '.join(f'{1e3 * min(w) / steps:.1f}' for w in walls.values())} ms per step")
         finally:
             engine.use_experts(None)
             for w in workers:
@@ -777,12 +784,13 @@ def fit_fanout(profile: dict, fanout_runs: list[dict]) -> float:
 
 def fit_sharing(profile: dict, fanout_runs: list[dict]) -> tuple[float, float]:
     """``(fanout_s, core_efficiency)``: what the workers sharing the backbone's cores cost, fitted
-    together on the one- and two-worker runs (:func:`measure_fanout`) at two row counts or more:
-    per worker woken past the first in a layer step (``Costs.fanout``: a cost per layer step,
-    which weighs most at one row), and a core's speed while both (all) cores run our work
-    (``Costs.core_efficiency``: a share of all work, which a bigger step shows as much). The pair
-    at which the model's one-worker and two-worker steps come nearest (least squares of relative
-    errors) to the measured ones (each its quietest round, as the dispatch fit's), on a grid
+    together on the one-, two- and four-worker runs (:func:`measure_fanout`; profiles calibrated
+    before four were timed have one and two) at two row counts or more: per worker woken past the
+    first in a layer step (``Costs.fanout``: a cost per layer step, which weighs most at one row),
+    and a core's speed while both (all) cores run our work (``Costs.core_efficiency``: a share of
+    all work, which a bigger step shows as much). The pair at which the model's steps come nearest
+    (least squares of relative errors, one term per measured step) to the measured ones (each its
+    quietest round, as the dispatch fit's), on a grid
     (efficiency 1 down to 0.5 by 0.05, fanout 0 to 1 ms by 50 us; ties to the higher efficiency,
     then the lower fanout). The one-worker steps count too: an efficiency below 1 slows them (the
     worker and nats-server beside the backbone for a moment of each layer step, the whole job
@@ -805,14 +813,15 @@ def fit_sharing(profile: dict, fanout_runs: list[dict]) -> tuple[float, float]:
                      colocated_cores=cores, race_confirm=0.0, max_active=run["rows"], step_tokens=256)
         return simulate(shapes, with_(costs, fanout=fanout, core_efficiency=efficiency), cfg).itl_ms["p50"]
 
-    one_s = [1e3 * min(run["one_worker_s"]) / run["steps"] for run in fanout_runs]  # ms, as step() gives
-    two_s = [1e3 * min(run["two_workers_s"]) / run["steps"] for run in fanout_runs]
+    # (workers, run, measured ms per step as step() gives it), each its quietest round
+    measured = [(n, run, 1e3 * min(run[key]) / run["steps"])
+                for run in fanout_runs for n, key in FANOUT_KEYS.items() if run.get(key)]
     best = None
     for efficiency in np.round(np.arange(1.0, 0.499, -0.05), 2):
-        ones = [step(1, run, 0.0, efficiency) / one - 1 for run, one in zip(fanout_runs, one_s)]
+        # one worker: no fanout, so its terms are worked out once per efficiency
+        ones = sum((step(1, run, 0.0, efficiency) / ms - 1) ** 2 for n, run, ms in measured if n == 1)
         for fanout in np.arange(0.0, 1.0001e-3, 50e-6):
-            loss = sum(e1 ** 2 + (step(2, run, fanout, efficiency) / two - 1) ** 2
-                       for run, e1, two in zip(fanout_runs, ones, two_s))
+            loss = ones + sum((step(n, run, fanout, efficiency) / ms - 1) ** 2 for n, run, ms in measured if n > 1)
             if best is None or loss < best[0] - 1e-12:
                 best = (loss, float(fanout), float(efficiency))
     return best[1], best[2]
@@ -1059,10 +1068,11 @@ def calibrate(path: str, threads: int | None, role: str, quick: bool, worker_thr
         profile["worker"]["in_place"] = disp["worker_in_place"]
         profile["nats"] = {"per_message_s": disp["nats_per_message_s"]}
         disp["hedge_per_call_s"] = measure_hedge(shapes.n_layer, shapes.n_expert)["per_call_s"]
-        # Seven paired rounds (three quick): one worker against two differ by 5-15%, about what
-        # one round's noise is on a shared VM, so the fit below takes the median of many.
+        # Seven rounds in turns (three quick): one worker against two differ by 5-15%, about what
+        # one round's noise is on a shared VM, so the fit below takes the quietest of many. Four
+        # workers too (not quick: one row count fits the fanout alone, on one and two).
         fanout = measure_fanout(engine, path, [1] if quick else [1, 2, 4], steps=6 if quick else 12,
-                                rounds=3 if quick else 7)
+                                rounds=3 if quick else 7, workers=(1, 2) if quick else (1, 2, 4))
         disp["fanout_runs"] = fanout["runs"]
         profile["wire"] = {"row_bytes": 4 * shapes.n_embd, "call_bytes": 96, "message_bytes": 1024}
         # The dispatch terms again through the model (its one-worker steps as measured), then

@@ -473,3 +473,40 @@ def test_a_prompt_row_costs_what_the_profile_measured_for_prompts_not_a_decode_r
     assert prompt_cheaper.itl_ms["p50"] == pytest.approx(per_row.itl_ms["p50"], abs=0.01)
     saved = TOY.n_layer * (16 * 6e-4 - (16e-4 + 5e-4))
     assert per_row.ttft_ms["p50"] - prompt_cheaper.ttft_ms["p50"] == pytest.approx(1000 * saved, rel=0.02)
+
+
+def test_the_sharing_fit_counts_the_four_worker_steps_where_they_were_timed():
+    # Made by the model at a known efficiency and fanout with one, two and four workers, the fit
+    # finds them; where four workers were timed slower than one and two extrapolate to (calibrate
+    # timed only those once, and the check's 4-worker configurations came out fast), the fit with
+    # them puts the model's four-worker steps nearer the measured ones than the fit without.
+    from dataclasses import replace
+
+    from planner.calibrate import fit_sharing
+
+    profile = toy_profile()
+    profile["machine"]["cpus"] = 2
+    profile["backbone"]["dense"]["shared"] = {"c0_s": 2e-4, "c_row_s": 0.0}
+    costs = prof.costs_for(profile, TOY)
+
+    def step(workers: int, rows: int, fanout: float, efficiency: float) -> float:
+        cfg = Config(workers=workers, streams=rows, tokens=14, prompt_tokens=16, colocated_cores=2, race_confirm=0.0,
+                     max_active=rows, step_tokens=256)
+        return simulate(TOY, replace(costs, fanout=fanout, core_efficiency=efficiency), cfg).itl_ms["p50"] / 1e3
+
+    def runs(fanout: float, efficiency: float, four_efficiency: float | None = None) -> list[dict]:
+        return [{"rows": rows, "steps": 12, "one_worker_s": [12 * step(1, rows, fanout, efficiency)] * 2,
+                 "two_workers_s": [12 * step(2, rows, fanout, efficiency)] * 2,
+                 "four_workers_s": [12 * step(4, rows, fanout, four_efficiency or efficiency)] * 2}
+                for rows in (1, 4)]
+
+    assert step(4, 1, 2e-4, 0.8) > step(4, 1, 0.0, 0.8)  # three workers past the first, each woken
+    assert fit_sharing(profile, runs(2e-4, 0.8)) == pytest.approx((2e-4, 0.8))
+    measured = runs(0.0, 0.9, four_efficiency=0.6)
+    without = fit_sharing(profile, [{k: v for k, v in run.items() if k != "four_workers_s"} for run in measured])
+    with_four = fit_sharing(profile, measured)
+
+    def four_error(fitted) -> float:
+        return sum(abs(12 * step(4, run["rows"], *fitted) / run["four_workers_s"][0] - 1) for run in measured)
+
+    assert four_error(with_four) < four_error(without)
