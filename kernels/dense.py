@@ -20,9 +20,14 @@ attention): per layer K is (kv_size, Hkv*Dh) f16 (one row of n_embd_k_gqa per ce
 transposed, (Hkv*Dh, kv_size) f16, both zero where no token was stored (masked cells must add
 exactly 0 * V). ``n_kv``, the number of cells the graph sees, decides the vector tails of the
 accumulations; llama.cpp uses ``min(kv_size, max(256, GGML_PAD(used_cells, 256)))``
-(``llama_kv_cache::get_n_kv``) and :func:`n_kv_for` reproduces it. Past a multiple of 64 the
-extra masked cells add exact zeros in the same SIMD lanes, so n_kv only has to be such a multiple
-for results to be independent of it; 256 keeps the shapes llama.cpp uses.
+(``llama_kv_cache::get_n_kv``). Past a multiple of 64 the extra masked cells add exact zeros
+in the same SIMD lanes (the longest vector loop of ggml's f16 dot product, AVX-512's, takes 64
+at a time), so n_kv only has to be such a multiple for results to be independent of it
+(tests/kernels/test_dense.py checks it against 256 at every length): :func:`n_kv_for` pads to 64
+(:data:`N_KV_SEEN`). Every masked cell is work, about all of a short sequence's attention:
+padding to 256 where 64 does, a decode step of 16 streams of 80 tokens spent a third of its
+time attending to empty cells. The caches themselves still grow in chunks of 256 cells
+(:func:`cache_cells_for`), as llama.cpp pads its context.
 
 Batch shape matters too: on x86 ``ggml_mul_mat`` uses llamafile's tinyBLAS when there are at
 least 2 query rows and ``vec_dot`` for one, and the two sum in different orders. In the
@@ -51,7 +56,8 @@ import numpy as np
 from kernels import ggml
 from kernels.ggml import Graph, run_cached, threads_for
 
-N_KV_PAD = 256  # llama_kv_cache::get_n_kv pads the cells the graph sees to a multiple of this
+N_KV_PAD = 256  # llama.cpp pads its context (and the cells its graph sees) to a multiple of this
+N_KV_SEEN = 64  # the cells our graphs see: a multiple of this gives the same bits (see above)
 GGML_PREC_F32 = 10
 ROPE_MODES = {"norm": 0, "neox": 2}  # GGML_ROPE_TYPE_NORMAL / GGML_ROPE_TYPE_NEOX
 MAX_KQ_BYTES = 64 << 20  # bound on the KQ scores (and their softmax) of one attention graph
@@ -65,10 +71,11 @@ def available() -> bool:
 
 
 def n_kv_for(used: int, kv_size: int) -> int:
-    """The number of KV cells llama.cpp's graph sees with ``used`` cells occupied in a cache of
-    ``kv_size`` cells: ``min(kv_size, max(256, GGML_PAD(used, 256)))``."""
-    padded = -(-int(used) // N_KV_PAD) * N_KV_PAD
-    return min(int(kv_size), max(N_KV_PAD, padded))
+    """The number of KV cells the attention sees with ``used`` cells occupied in a cache of
+    ``kv_size`` cells: ``min(kv_size, max(64, GGML_PAD(used, 64)))``. llama.cpp's graph sees
+    ``GGML_PAD(used, 256)`` cells; the masked cells between add exact zeros (module docstring)."""
+    padded = -(-int(used) // N_KV_SEEN) * N_KV_SEEN
+    return min(int(kv_size), max(N_KV_SEEN, padded))
 
 
 def cache_cells_for(used: int, n_ctx: int | None = None) -> int:

@@ -108,9 +108,10 @@ def test_a_decode_step_of_a_batch_is_one_graph_launch_with_the_bits_of_the_per_l
 
 
 def test_a_decode_step_reuses_its_graph_until_a_sequence_crosses_256_cells(models, monkeypatch):
-    """The graph is cached by each sequence's rows and cache shape (n_kv padded to 256
-    cells); positions, masks and the cells written are bound per call. Two sequences decoding
-    ten steps, one of them crossing 256 cells: two graphs built, the second at the crossing."""
+    """The graph is cached by each sequence's rows and cache shape (n_kv padded to 64 cells,
+    the cache to 256); positions, masks and the cells written are bound per call. Two
+    sequences decoding ten steps, one of them crossing 256 cells (its cache grows, and its
+    cells seen pass 256): two graphs built, the second at the crossing."""
     engine = Engine(models("qwen3moe", "q4_k", ctx=512))
     V = engine.cfg.n_vocab
     rng = np.random.default_rng(3)

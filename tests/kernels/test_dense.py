@@ -99,11 +99,32 @@ def test_long_chunks_in_pieces_give_the_same_rows(monkeypatch):
         np.testing.assert_array_equal(dense.attention(q, kc, vc, 259), whole)
 
 
-def test_n_kv_like_llama_cpp():
-    assert dense.n_kv_for(1, 256) == 256
+def test_cells_seen_padded_to_64_give_the_bits_of_llama_cpps_256():
+    """llama.cpp's graph sees its used cells padded to 256; ours to 64 (every masked cell is
+    work): at every length the extra cells between add exact zeros, in both query-row paths
+    (one row: vec_dot; several: tinyBLAS)."""
+    rng = np.random.default_rng(16)
+    kc, vc, _, _ = make_cache(rng, 256, 2, 64, cells=512, garbage=True)
+    for used in (1, 2, 31, 63, 64, 65, 100, 127, 128, 129, 200, 255, 256, 257, 300, 511):
+        for L in (1, 2, 5):
+            if L > used:
+                continue
+            q = rng.standard_normal((L, 8, 64)).astype(np.float32)
+            llama = -(-used // 256) * 256
+            seen = dense.n_kv_for(used, 512)
+            assert seen == max(64, -(-used // 64) * 64) and seen <= llama
+            np.testing.assert_array_equal(dense.attention(q, kc, vc, used - L, n_kv=seen),
+                                          dense.attention(q, kc, vc, used - L, n_kv=llama))
+
+
+def test_n_kv_and_cache_cells():
+    assert dense.n_kv_for(1, 256) == 64
+    assert dense.n_kv_for(64, 256) == 64
+    assert dense.n_kv_for(65, 256) == 128
     assert dense.n_kv_for(256, 256) == 256
-    assert dense.n_kv_for(257, 1024) == 512
+    assert dense.n_kv_for(257, 1024) == 320
     assert dense.n_kv_for(300, 300) == 300  # capped by the cache
+    assert dense.n_kv_for(20, 30) == 30
     assert dense.cache_cells_for(1) == 256
     assert dense.cache_cells_for(600) == 768
     assert dense.cache_cells_for(600, n_ctx=300) == 512
