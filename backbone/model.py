@@ -54,6 +54,7 @@ import functools
 import inspect
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -63,6 +64,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from kernels import deltanet, dense, fused, ops
 from backbone.config import ModelConfig, read_config
 from backbone.experts import ExpertBackend, LocalExperts
+from backbone.kvslots import KvSlots, Lease
 from kvasir_bus.errors import ModelFileError, UsageError
 from kernels.expert import expert_ffn, prepare
 from kernels.backend import backend_name, matmul
@@ -279,18 +281,64 @@ class Sequence:
     # state (Hv, S, S), float32 as in llama.cpp's recurrent memory; both start at zero.
     conv: list[np.ndarray | None] = field(default_factory=list)
     ssm: list[np.ndarray | None] = field(default_factory=list)
+    # Where the caches live: a slot of a block shared with other sequences of the same capacity
+    # (backbone.kvslots: a decode step attends for all of them at once), its row per layer
+    # (-1: a delta-net layer); or, without ``slots`` or for a capacity too big to share a
+    # block, arrays of its own.
+    slots: KvSlots | None = None
+    rows: tuple[int, ...] = ()
+    lease: Lease | None = None
+    _finalizer: object = None
 
     def reserve(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Make the layer's cache hold cells 0..end-1; returns (K, V)."""
         cache_k, cache_v = self.k[layer], self.v[layer]
         if end > cache_k.shape[0]:  # grow geometrically, in chunks of 256 cells
             cap = dense.cache_cells_for(max(end, 2 * cache_k.shape[0]), self.n_ctx)
-            grown_k = np.zeros((cap, cache_k.shape[1]), dtype=np.float16)
-            grown_v = np.zeros((cache_v.shape[0], cap), dtype=np.float16)
-            grown_k[:cache_k.shape[0]] = cache_k
-            grown_v[:, :cache_v.shape[1]] = cache_v
-            self.k[layer], self.v[layer] = cache_k, cache_v = grown_k, grown_v
+            if not self._move_to_slot(cap):
+                grown_k = np.zeros((cap, cache_k.shape[1]), dtype=np.float16)
+                grown_v = np.zeros((cache_v.shape[0], cap), dtype=np.float16)
+                grown_k[:cache_k.shape[0]] = cache_k
+                grown_v[:, :cache_v.shape[1]] = cache_v
+                self.k[layer], self.v[layer] = grown_k, grown_v
+            cache_k, cache_v = self.k[layer], self.v[layer]
+        if self.lease is not None and end > self.lease.high:
+            self.lease.high = end  # cells to zero when the slot comes back
         return cache_k, cache_v
+
+    def _move_to_slot(self, cells: int) -> bool:
+        """Move every attention layer's cache into a slot of ``cells`` cells (copying what it
+        holds), letting go of the slot it had. False where no slot is had: the caller grows
+        the layer's own arrays (first letting go of a slot it held, if any: a cache then has
+        arrays of its own for every layer)."""
+        lease = self.slots.lease(cells) if self.slots is not None else None
+        if lease is None:
+            if self.lease is not None:  # out of the blocks: every layer gets arrays of its own
+                for il, row in enumerate(self.rows):
+                    if row >= 0:
+                        self.k[il], self.v[il] = self.k[il].copy(), self.v[il].copy()
+                self.close()
+            return False
+        lease.high = self.n_past
+        for il, row in enumerate(self.rows):
+            if row < 0:
+                continue
+            k, v, old_k, old_v = lease.k(row), lease.v(row), self.k[il], self.v[il]
+            k[:old_k.shape[0]] = old_k
+            v[:, :old_v.shape[1]] = old_v
+            self.k[il], self.v[il] = k, v
+        self.close()
+        self.lease = lease
+        self._finalizer = weakref.finalize(self, self.slots.release, lease)
+        return True
+
+    def close(self) -> None:
+        """Give back the cache's slot, if it has one (the engine's blocks keep no sequence
+        alive: a sequence dropped gives it back too). The sequence must not run again."""
+        if self.lease is not None:
+            self._finalizer.detach()
+            self.slots.release(self.lease)
+            self.lease, self._finalizer = None, None
 
     def append(self, layer: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store this chunk's keys and values (L, Hkv, Dh) at positions n_past.."""
@@ -373,6 +421,11 @@ class Engine:
         # The same for a batch of several sequences (``_batch_graphs``); off: the per-layer path
         # (three graphs per layer and one attention graph per sequence), which gives the same bits.
         self.batch_graphs = self.step_graphs
+        # Decode streams' caches side by side (backbone.kvslots), attended for all at once in
+        # a batch step's graph (fused.KvGroup); env KVASIR_KV_GROUPS=0: each its own, the same bits.
+        self.kv_groups = self.batch_graphs and os.environ.get("KVASIR_KV_GROUPS", "1") != "0"
+        n_attn = sum(not cfg.is_recurrent(il) for il in range(cfg.n_layer))
+        self.kv_slots = KvSlots(n_attn, cfg.n_head_kv * cfg.head_dim) if self.kv_groups else None
         # Repacked now (fast mode), not in the middle of the first request; what it took is
         # reported by whoever logs (the backbone service), not here: a library prints nothing.
         t0 = time.perf_counter()
@@ -414,10 +467,12 @@ class Engine:
         rec = [c.is_recurrent(il) for il in range(c.n_layer)]
         conv = (c.ssm_conv_channels, c.ssm_conv_kernel - 1)
         ssm = (c.ssm_v_heads, c.ssm_head_dim, c.ssm_head_dim)
+        rows = tuple(np.cumsum([not r for r in rec]) - 1)
         return Sequence(self.n_ctx, k=[np.zeros((0, gqa), dtype=np.float16) for _ in range(c.n_layer)],
                         v=[np.zeros((gqa, 0), dtype=np.float16) for _ in range(c.n_layer)],
                         conv=[np.zeros(conv, dtype=np.float32) if r else None for r in rec],
-                        ssm=[np.zeros(ssm, dtype=np.float32) if r else None for r in rec])
+                        ssm=[np.zeros(ssm, dtype=np.float32) if r else None for r in rec],
+                        slots=self.kv_slots, rows=tuple(-1 if r else int(i) for r, i in zip(rec, rows)))
 
     # -- the forward pass -------------------------------------------------------------------
 
@@ -601,16 +656,19 @@ class Engine:
             caches.append(mine)
             masks.append(dense.causal_mask(seq.n_past, L, n_kv, rows))
             start += L
+        groups, group_at, spans = self._kv_groups(batch, streams, min_rows)
         step = fused.StepShape(T, T, 0, 0, _kq_scale(c.head_dim), c.n_expert_used, w.expert_glu,
-                               c.traits.shexp_gate, c.traits.norm_topk, streams=tuple(streams))
-        blocks = [fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches))
+                               c.traits.shexp_gate, c.traits.norm_topk, streams=tuple(streams), groups=groups)
+        blocks = [fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches),
+                              spans=tuple((blk.k[row, lo:lo + n], blk.v[row, lo:lo + n]) for blk, lo, n in spans)
+                              if (row := batch[0][0].rows[il]) >= 0 else ())
                   for il in range(c.n_layer)]
         per_graph = 1 if T > len(batch) else min(  # chunks: one layer per graph (see MAX_STREAM_LAYERS)
             _layers_per_graph(step, [blocks[i] for i in self._shape_kinds], BATCH_GRAPH_BYTES),
             max(1, MAX_STREAM_LAYERS // len(batch)))
         n_pasts = tuple(seq.n_past for seq, _ in batch)
         positions = np.concatenate([np.arange(p, p + L, dtype=np.int32) for p, L in zip(n_pasts, lengths)])
-        at = dict(n_pasts=n_pasts, positions=positions, masks=tuple(masks))
+        at = dict(n_pasts=n_pasts, positions=positions, masks=tuple(masks), groups=group_at)
         tokens = (w.token_embd, np.concatenate([np.asarray(t, dtype=np.int32) for _, t in batch]))
         n_out = T if keep is None else len(keep)  # the rows whose logits are wanted (two at least)
         head = (w.output_norm, w.output, np.arange(n_out, dtype=np.int32), c.rms_eps)
@@ -621,6 +679,48 @@ class Engine:
             return [logits[i:i + 1] for i in range(len(batch))]
         starts = np.cumsum([0] + lengths)
         return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+    def _kv_groups(self, batch, streams: list, rows: int) -> tuple[tuple, tuple, list]:
+        """The decode streams of a batch step whose caches share a block (``backbone.kvslots``),
+        two or more to a block: their :class:`fused.KvGroup` (each marked in ``streams``), its
+        per-call inputs, and per group (its block, first slot, span). Nothing without
+        ``kv_groups``."""
+        if not self.kv_groups:
+            return (), (), []
+        by_block: dict[int, list[int]] = {}
+        for i, ((seq, _), s) in enumerate(zip(batch, streams)):
+            if s.n_new == 1 and seq.lease is not None:
+                by_block.setdefault(id(seq.lease.block), []).append(i)
+        groups, inputs, spans = [], [], []
+        gqa = self.cfg.n_head_kv * self.cfg.head_dim
+        for members in by_block.values():
+            if len(members) < 2:
+                continue
+            block = batch[members[0]][0].lease.block
+            slots = [batch[i][0].lease.slot for i in members]
+            lo = min(slots)
+            span = max(slots) - lo + 1
+            n_kv = max(streams[i].n_kv for i in members)
+            cells = block.cells
+            qidx = np.full((span, rows), streams[members[0]].start, dtype=np.int32)
+            mask = np.full((span, rows, n_kv), -np.inf, dtype=np.float32)
+            mask[:, :, 0] = 0  # a slot of no member: one cell seen, its output dropped
+            g = len(groups)
+            for i, slot in zip(members, slots):
+                seq, o = batch[i][0], slot - lo
+                qidx[o] = streams[i].start
+                mask[o] = dense.causal_mask(seq.n_past, 1, n_kv, rows)
+                streams[i] = replace(streams[i], group=g)
+            starts = np.array([streams[i].start for i in members], dtype=np.int64)
+            offs = np.array(slots, dtype=np.int64) - lo
+            n_pasts = np.array([batch[i][0].n_past for i in members], dtype=np.int64)
+            vidx = (offs * gqa * cells + n_pasts)[:, None] + np.arange(gqa, dtype=np.int64)[None, :] * cells
+            inputs.append(fused.GroupInputs(qidx=qidx.ravel(), sel=starts.astype(np.int32),
+                                            kidx=offs * cells + n_pasts, vidx=vidx.ravel(), mask=mask,
+                                            pick=(offs * rows).astype(np.int32), dst=starts))
+            groups.append(fused.KvGroup(cells, span, n_kv, rows, len(members)))
+            spans.append((block, lo, span))
+        return tuple(groups), tuple(inputs), spans
 
     def _run_step_graphs(self, step: fused.StepShape, blocks: list, per_graph: int, tokens: tuple, at: dict,
                          keep: np.ndarray | None, head: tuple, n_out: int) -> np.ndarray:

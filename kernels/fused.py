@@ -338,6 +338,9 @@ class StepShape:
     # attention; then kv_size and n_kv above are unused (0) and rows == n_new (never one row
     # as two: a batch has two rows at least). Empty: one sequence, as above.
     streams: tuple["Stream", ...] = ()
+    # Decode streams whose caches sit side by side in one block (``backbone.kvslots``): each
+    # group's attention runs once for all of them (``_attend_group``); ``Stream.group`` says which.
+    groups: tuple["KvGroup", ...] = ()
 
 
 @dataclass(frozen=True)
@@ -353,6 +356,47 @@ class Stream:
     rows: int
     kv_size: int
     n_kv: int
+    group: int = -1  # its KvGroup in StepShape.groups, or -1: attention of its own
+
+
+@dataclass(frozen=True)
+class KvGroup:
+    """Decode streams (one token each) whose caches are slots of one block of ``cells``-cell
+    caches (``backbone.kvslots``): ``members`` of them in the ``span`` slots from the first one's
+    to the last's (the slots between belong to other sequences: their queries are computed and
+    dropped). Their attention is one set of ops over the block's 4-D view: each member's
+    queries (``rows``: 1, or its token's row twice in deterministic mode) against ``n_kv`` of
+    its own cells, its mask hiding the rest, so each gets the bits it gets alone (``n_kv``
+    padded past a multiple of 64 adds exact zeros in the same SIMD lanes: ``kernels.dense``)."""
+
+    cells: int
+    span: int
+    n_kv: int
+    rows: int
+    members: int
+
+
+@dataclass
+class GroupInputs:
+    """What a :class:`KvGroup`'s ops read besides the caches, bound per call (every layer reads
+    the same): ``qidx`` (span*rows,) int32, the step's query row of each slot's rows (a slot
+    without a member: any row, its output dropped); ``sel`` (members,) int32, each member's row
+    of the step; ``kidx`` (members,) int64, each member's new K cell among the span's
+    cells*span; ``vidx`` (members*gqa,) int64, each member's new V elements among the span's
+    gqa*cells*span; ``mask`` (span, rows, n_kv) float32; ``pick`` (members,) int32, each
+    member's first row in the group's output; ``dst`` (members,) int64, its row of the step's
+    attention output."""
+
+    qidx: np.ndarray
+    sel: np.ndarray
+    kidx: np.ndarray
+    vidx: np.ndarray
+    mask: np.ndarray
+    pick: np.ndarray
+    dst: np.ndarray
+
+    def arrays(self) -> list:
+        return [self.qidx, self.sel, self.kidx, self.vidx, self.mask, self.pick, self.dst]
 
 
 def _ffn_input(g: Graph, lib, x, y, keep, eps: float, fn, wr, br, sw, sg, step: StepShape) -> tuple:
@@ -373,12 +417,13 @@ def _ffn_input(g: Graph, lib, x, y, keep, eps: float, fn, wr, br, sw, sg, step: 
 
 
 def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionShape, step: StepShape, rps: dict,
-                    with_shared: bool = True, pos4=None):
+                    with_shared: bool = True, pos4=None, group_in=()):
     """Inputs of one layer's attention part, in binding order, and its ops; returns
     (x after attention, h, router probabilities, gated shared expert or None), of the rows
     ``keep`` (an I32 input, or None for all rows) after the output projection.
     ``with_shared`` false: without the shared expert (a remote layer's: :func:`shared_expert`).
-    ``pos4``: the (4R,) I32 positions of IMROPE (``AttentionShape.sections``)."""
+    ``pos4``: the (4R,) I32 positions of IMROPE (``AttentionShape.sections``). ``group_in``:
+    per ``step.groups`` its :class:`GroupInputs`' tensors (made once per graph)."""
     ctx, eps, R, L = g.ctx, float(shape.eps), step.rows, step.n_new
     H, Hkv, Dh = shape.n_head, shape.n_head_kv, shape.head_dim
     gqa = Hkv * Dh
@@ -389,8 +434,10 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
                        (layer.attn_v, layer.attn_v_bias))]
     qn = g.input(T.F32, (Dh,)) if layer.attn_q_norm is not None else None
     kn = g.input(T.F32, (Dh,)) if layer.attn_k_norm is not None else None
-    if step.streams:  # each sequence's cache inputs, in its order
-        caches = [_cache_inputs(g, gqa, s.kv_size, s.n_new) for s in step.streams]
+    if step.streams:  # each sequence's cache inputs, in its order; then each group's span
+        caches = [_cache_inputs(g, gqa, s.kv_size, s.n_new) if s.group < 0 else None for s in step.streams]
+        spans = [(g.input(T.F16, (gqa, gr.cells, gr.span)), g.input(T.F16, (gr.cells, gqa, gr.span)))
+                 for gr in step.groups]
     else:
         kc, vc, kd, vd = _cache_inputs(g, gqa, step.kv_size, L)
     wo = weight_input(g, layer.attn_output, rps.get(id(layer.attn_output)))
@@ -412,6 +459,8 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
         k = g.scratch(lib.ggml_rope_ext(ctx, k, pos, None, *shape.rope))
     if step.streams:
         attn = _attend_streams(g, lib, q, k, v, caches, mask, shape, step)
+        for gr, (ks, vs), gin in zip(step.groups, spans, group_in):
+            _attend_group(g, lib, q, k, v, attn, gr, gin, ks, vs, shape, step.scale)
     else:
         # store this step's L keys and values (f32 -> f16, rounded as numpy's astype rounds)
         _store(g, lib, k, v, kd, vd, gqa, 0, L)
@@ -569,7 +618,10 @@ def _attend_streams(g: Graph, lib, q, k, v, caches, masks, shape: AttentionShape
     gqa = shape.n_head_kv * Dh
     attn = g.buffer(T.F32, (H * Dh, step.rows))
     qn, an = q.contents.nb, attn.contents.nb[1]
-    for s, (kc, vc, kd, vd), mask in zip(step.streams, caches, masks):
+    for s, cache, mask in zip(step.streams, caches, masks):
+        if cache is None:  # in a group (_attend_group)
+            continue
+        kc, vc, kd, vd = cache
         _store(g, lib, k, v, kd, vd, gqa, s.start, s.n_new)
         qs = g.view(lib.ggml_view_3d(ctx, q, Dh, H, s.n_new, qn[1], qn[2], qn[2] * s.start))
         if s.rows > s.n_new:  # one token's row twice (only a one-token chunk is padded)
@@ -581,6 +633,48 @@ def _attend_streams(g: Graph, lib, q, k, v, caches, masks, shape: AttentionShape
         dst = g.view(lib.ggml_view_2d(ctx, attn, H * Dh, s.n_new, an, an * s.start))
         g.expand(g.view(lib.ggml_cpy(ctx, cur, dst)))  # a copy, as cont_2d's
     return attn
+
+
+def _group_inputs(g: Graph, gr: KvGroup, gqa: int) -> tuple:
+    """A group's :class:`GroupInputs` as graph inputs, in their binding order."""
+    return (g.input(T.I32, (gr.span * gr.rows,)), g.input(T.I32, (gr.members,)), g.input(T.I64, (gr.members,)),
+            g.input(T.I64, (gr.members * gqa,)), g.input(T.F32, (gr.n_kv, gr.rows, gr.span)),
+            g.input(T.I32, (gr.members,)), g.input(T.I64, (gr.members,)))
+
+
+def _attend_group(g: Graph, lib, q, k, v, attn, gr: KvGroup, gin: tuple, ks, vs, shape: AttentionShape,
+                  scale: float) -> None:
+    """A :class:`KvGroup`'s attention, into its members' rows of ``attn`` (H*Dh, R): their new
+    keys and values stored in their cells (``ggml_set_rows``, f32 -> f16 as ``ggml_cpy``
+    rounds), then :func:`_attend`'s ops once over the span, the slots a fourth dimension:
+    queries (Dh, rows, H, span) against K (Dh, n_kv, Hkv, span) and V (n_kv, Dh, Hkv, span),
+    each (head, slot) the product :func:`_attend` computes for that sequence alone."""
+    ctx, H, Hkv, Dh = g.ctx, shape.n_head, shape.n_head_kv, shape.head_dim
+    gqa, cells, span, n_kv, rows, n = Hkv * Dh, gr.cells, gr.span, gr.n_kv, gr.rows, gr.members
+    qidx, sel, kidx, vidx, mask, pick, dst = gin
+    R = attn.contents.ne[1]
+    f16 = lambda m: 2 * m  # noqa: E731  bytes of m f16 values
+    # the members' new keys (gqa, n) and values, into cell n_past of their slots
+    km = g.scratch(lib.ggml_get_rows(ctx, g.view(lib.ggml_reshape_2d(ctx, k, gqa, R)), sel))
+    g.expand(g.view(lib.ggml_set_rows(ctx, g.view(lib.ggml_reshape_2d(ctx, ks, gqa, cells * span)), km, kidx)))
+    vm = g.scratch(lib.ggml_get_rows(ctx, v, sel))  # (gqa, n): V is stored transposed, one element a row
+    g.expand(g.view(lib.ggml_set_rows(ctx, g.view(lib.ggml_reshape_2d(ctx, vs, 1, gqa * cells * span)),
+                                      g.view(lib.ggml_reshape_2d(ctx, vm, 1, gqa * n)), vidx)))
+    qg = g.scratch(lib.ggml_get_rows(ctx, g.view(lib.ggml_reshape_2d(ctx, q, Dh * H, R)), qidx))
+    qp = g.view(lib.ggml_permute(ctx, g.view(lib.ggml_reshape_4d(ctx, qg, Dh, H, rows, span)), 0, 2, 1, 3))
+    kv = g.view(lib.ggml_view_4d(ctx, ks, Dh, Hkv, n_kv, span, f16(Dh), f16(gqa), f16(gqa * cells), 0))
+    vv = g.view(lib.ggml_view_4d(ctx, vs, n_kv, Hkv, Dh, span, f16(cells * Dh), f16(cells), f16(cells * gqa), 0))
+    kv = g.view(lib.ggml_permute(ctx, kv, 0, 2, 1, 3))  # (Dh, n_kv, Hkv, span)
+    vv = g.view(lib.ggml_permute(ctx, vv, 0, 2, 1, 3))  # (n_kv, Dh, Hkv, span)
+    kq = g.scratch(lib.ggml_mul_mat(ctx, kv, qp))  # (n_kv, rows, H, span)
+    lib.ggml_prec_set_acc(kq, 10)  # GGML_PREC_F32
+    m4 = g.view(lib.ggml_reshape_4d(ctx, mask, n_kv, rows, 1, span))
+    kq = g.scratch(lib.ggml_soft_max_ext(ctx, kq, m4, float(scale), 0.0))
+    kqv = g.scratch(lib.ggml_mul_mat(ctx, vv, kq))  # (Dh, rows, H, span)
+    cur = g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, rows, span)
+    out = g.scratch(lib.ggml_cont_2d(ctx, cur, Dh * H, rows * span))
+    mine = g.scratch(lib.ggml_get_rows(ctx, out, pick))  # (H*Dh, n): each member's first row
+    g.expand(g.view(lib.ggml_set_rows(ctx, attn, mine, dst)))
 
 
 def _shared_inputs(g: Graph, layer, rps: dict):
@@ -701,6 +795,9 @@ class Block:
     shape: AttentionShape | DeltaNetShape
     cache: tuple[np.ndarray, np.ndarray] | None
     caches: tuple = ()  # a multi-sequence step (StepShape.streams): each sequence's (K, V), cache None
+    # per KvGroup of the step: the span's slots of this layer's block, K (span, cells, gqa) and
+    # V (span, gqa, cells), C-contiguous views (backbone.kvslots)
+    spans: tuple = ()
 
     @property
     def recurrent(self) -> bool:
@@ -831,7 +928,8 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                positions: np.ndarray | None = None, mask: np.ndarray | None = None,
                keep: np.ndarray | None = None, n_kept: int = 0, head: tuple | None = None,
                remote: bool = False, memo: dict | None = None, n_pasts: tuple[int, ...] = (),
-               masks: tuple[np.ndarray, ...] = (), tokens: tuple[QTensor, np.ndarray] | None = None) -> StepOut:
+               masks: tuple[np.ndarray, ...] = (), tokens: tuple[QTensor, np.ndarray] | None = None,
+               groups: tuple[GroupInputs, ...] = ()) -> StepOut:
     """Layers ``blocks`` of a one-sequence step as one graph (see above), from rows ``x``
     (R, D) float32, from ``tokens`` (the token embedding QTensor, ids (R,) int32: its rows,
     ``ggml_get_rows`` in the graph as :func:`kernels.ggml.get_rows` computes them), or from
@@ -851,7 +949,9 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     Several sequences (``step.streams``, each block's ``caches``): ``n_pasts`` and ``masks``
     ((rows_i, n_kv_i) float32, ``kernels.dense.causal_mask``) per sequence instead of
     ``n_past`` and ``mask``; every dense op runs on all rows at once, each sequence's
-    attention against its own cache (``_attend_streams``), so each gets its bits alone."""
+    attention against its own cache (``_attend_streams``), so each gets its bits alone; or, for
+    the decode streams of a :class:`KvGroup` (``step.groups``, each block's ``spans``), once for
+    the group (``_attend_group``, its ``groups`` inputs), with the same bits."""
     lib = ggml.load()
     R, K, n_new = step.rows, step.n_expert_used, step.n_new
     keep = None if keep is None else np.ascontiguousarray(keep, dtype=np.int32)
@@ -907,6 +1007,26 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
         want.pop("mask")
         for i, (s, m) in enumerate(zip(streams, masks)):
             want[f"masks[{i}]"] = (m, (s.rows, s.n_kv), np.float32)
+        if len(groups) != len(step.groups) or any(s.group >= len(groups) for s in streams) \
+                or [sum(s.group == i for s in streams) for i in range(len(groups))] != [gr.members for gr in step.groups]:
+            raise ValueError(f"step_graph: {len(step.groups)} KV groups need as many inputs ({len(groups)}) "
+                             f"and their members among the streams")
+        gqa = next((b.shape.n_head_kv * b.shape.head_dim for b in blocks if not b.recurrent), 0)
+        for i, (gr, gi) in enumerate(zip(step.groups if gqa else (), groups)):  # (none read by delta-net layers)
+            want.update({f"groups[{i}].qidx": (gi.qidx, (gr.span * gr.rows,), np.int32),
+                         f"groups[{i}].sel": (gi.sel, (gr.members,), np.int32),
+                         f"groups[{i}].kidx": (gi.kidx, (gr.members,), np.int64),
+                         f"groups[{i}].vidx": (gi.vidx, (gr.members * gqa,), np.int64),
+                         f"groups[{i}].mask": (gi.mask, (gr.span, gr.rows, gr.n_kv), np.float32),
+                         f"groups[{i}].pick": (gi.pick, (gr.members,), np.int32),
+                         f"groups[{i}].dst": (gi.dst, (gr.members,), np.int64)})
+            # ggml reads and writes where these say: a wrong index is memory outside the span
+            if gi.qidx.size and (gi.qidx.min() < 0 or gi.qidx.max() >= R) or gi.sel.size and (
+                    gi.sel.min() < 0 or gi.sel.max() >= R) or gi.dst.size and (gi.dst.min() < 0 or gi.dst.max() >= R) \
+                    or gi.kidx.size and (gi.kidx.min() < 0 or gi.kidx.max() >= gr.cells * gr.span) \
+                    or gi.vidx.size and (gi.vidx.min() < 0 or gi.vidx.max() >= gqa * gr.cells * gr.span) \
+                    or gi.pick.size and (gi.pick.min() < 0 or gi.pick.max() >= gr.span * gr.rows) or gr.n_kv > gr.cells:
+                raise ValueError(f"step_graph: KV group {i}'s indices out of range")
     for name, (a, shape, dtype) in want.items():
         if a is not None and (a.shape != shape or a.dtype != dtype):
             raise ValueError(f"step_graph: {name} is {a.dtype}{a.shape}, expected {np.dtype(dtype)}{shape}")
@@ -923,12 +1043,24 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                                          f"C-contiguous float32{shape}")
             elif kc.shape[0] != s.kv_size or vc.shape[1] != s.kv_size:
                 raise ValueError(f"step_graph: a cache of {kc.shape[0]} cells, the step's has {s.kv_size}")
+        if streams and not b.recurrent:
+            if len(b.spans) != len(step.groups):
+                raise ValueError(f"step_graph: a block with {len(b.spans)} KV spans for {len(step.groups)} groups")
+            gqa = b.shape.n_head_kv * b.shape.head_dim
+            for (ks, vs), gr in zip(b.spans, step.groups):
+                if ks.shape != (gr.span, gr.cells, gqa) or vs.shape != (gr.span, gqa, gr.cells) \
+                        or ks.dtype != np.float16 or vs.dtype != np.float16 \
+                        or not ks.flags.c_contiguous or not vs.flags.c_contiguous:
+                    raise ValueError(f"step_graph: a KV span is {ks.dtype}{ks.shape} / {vs.shape}, expected "
+                                     f"C-contiguous float16 ({gr.span}, {gr.cells}, {gqa})")
     norm = step.norm_topk
     imrope = any(not b.recurrent and b.shape.sections for b in blocks)  # (4R,) positions for rope_multi
 
     def build() -> Graph:
         S = len(streams)  # a sequence's attention or delta-net chunk: up to ~48 tensors, ~40 nodes per layer
-        g = Graph(lib, n_tensors=(200 + 48 * S) * len(blocks) + 64 + S, nodes=(160 + 40 * S) * len(blocks) + 64)
+        G = len(step.groups)  # a group's attention: ~30 tensors and ~20 nodes per layer, 7 inputs
+        g = Graph(lib, n_tensors=(200 + 48 * S + 32 * G) * len(blocks) + 64 + S + 8 * G,
+                  nodes=(160 + 40 * S + 24 * G) * len(blocks) + 64)
         try:
             ctx = g.ctx
             if tokens is not None:  # the token embedding's rows
@@ -948,6 +1080,8 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                 mt = [g.input(T.F32, (s.n_kv, s.rows)) for s in streams] if streams \
                     else g.input(T.F32, (step.n_kv, R))
                 kt = g.input(T.I32, (len(keep),)) if keep is not None else None
+                gqa = next((b.shape.n_head_kv * b.shape.head_dim for b in blocks if not b.recurrent), 0)
+                gin = [_group_inputs(g, gr, gqa) for gr in step.groups] if gqa else []
             for i, b in enumerate(blocks):
                 last = i == len(blocks) - 1
                 rows, n = dense_rows[i], expert_rows[i]
@@ -956,7 +1090,8 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                                                            rps, with_shared=i < local)
                 else:
                     x2, h, probs, shared = _attention_part(g, lib, xt, pt, mt, kt if last else None, b.layer,
-                                                           b.shape, step, rps, with_shared=i < local, pos4=p4)
+                                                           b.shape, step, rps, with_shared=i < local, pos4=p4,
+                                                           group_in=gin)
                 ids, weights = _route(g, lib, probs, K, norm)
                 if n < rows:  # a one-row step run as two: the experts see its first row only
                     x2, h = _first(g, lib, x2, n), _first(g, lib, h, n)
@@ -993,6 +1128,8 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
         arrays += [pos, np.concatenate([pos, pos, pos, np.zeros_like(pos)])] if imrope else [pos]
         arrays += masks if streams else (mask,)
         arrays += [keep] if keep is not None else []
+        for gi in groups if any(not b.recurrent for b in blocks) else ():
+            arrays += gi.arrays()
     result = StepOut(ids=[np.empty((n, K), np.int32) for n in expert_rows[:local]])
     for i, b in enumerate(blocks):
         arrays += plan.pre[i]
@@ -1000,8 +1137,11 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
             for conv, ssm in (b.caches if streams else (b.cache,)):
                 arrays += [conv, ssm]
         elif streams:
-            for (kc, vc), p in zip(b.caches, n_pasts):
-                arrays += _cache_arrays(kc, vc, p)
+            for (kc, vc), p, s in zip(b.caches, n_pasts, streams):
+                if s.group < 0:
+                    arrays += _cache_arrays(kc, vc, p)
+            for ks, vs in b.spans:
+                arrays += [ks, vs]
         else:
             arrays += _cache_arrays(b.cache[0], b.cache[1], n_past)
         arrays += plan.post[i]

@@ -213,6 +213,7 @@ class Lib:
         fn(base, "ggml_repeat_4d", _PT, c_ctx, _PT, i64, i64, i64, i64)
         fn(base, "ggml_nbytes", sz, _PT)
         fn(base, "ggml_get_rows", _PT, c_ctx, _PT, _PT)
+        fn(base, "ggml_set_rows", _PT, c_ctx, _PT, _PT, _PT)  # grouped attention: new K/V cells
         fn(base, "ggml_concat", _PT, c_ctx, _PT, _PT, i32)
         fn(base, "ggml_cpy", _PT, c_ctx, _PT, _PT)
         fn(base, "ggml_view_2d", _PT, c_ctx, _PT, i64, i64, sz, sz)
