@@ -68,7 +68,7 @@ from backbone.kvslots import KvSlots, Lease
 from kvasir_bus.errors import ModelFileError, UsageError
 from kernels.expert import expert_ffn, prepare
 from kernels.backend import backend_name, matmul
-from kernels.ggml import deterministic as ggml_deterministic, get_rows as ggml_get_rows
+from kernels.ggml import deterministic as ggml_deterministic, get_rows as ggml_get_rows, repack_below as ggml_repack_below
 from kernels.tensors import QTensor, open_gguf, tensors_from_reader
 
 WIRE_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -356,6 +356,51 @@ class Sequence:
         return k, v
 
 
+class Speculation:
+    """When a step of ``repack_below`` rows or more is worth running in one graph with every
+    expert repacked (``Engine._run_step_graphs``): kept where no expert got that many rows, run
+    again the rule's way where one did. A kept step saves a graph launch and a Python round per
+    layer (8% of a 16-stream decode step of the small model); a step run twice costs about one
+    more. Decode streams are separate texts and rarely pile onto one expert; a prompt's tokens
+    often do (the small synthetic model's prompts of 9-24 tokens: every one). So per kind of
+    step (its rows, and how many sequences) the outcomes of its recent tries decide: tried
+    while at most :data:`MAX_MISS` of them missed, and once in :data:`PROBE_EVERY` steps
+    anyway (routing changes with the text)."""
+
+    MAX_ROWS = 64  # more rows than this: some expert gets the threshold's rows nearly always
+    MAX_MISS = 0.1
+    PROBE_EVERY = 32
+    WINDOW = 32  # outcomes remembered per kind of step
+    MIN_TRIES = 2  # tries before a kind's outcomes decide
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._seen: dict[tuple, list[bool]] = {}
+        self._skipped: dict[tuple, int] = {}
+        self.tries = self.misses = 0
+
+    def worth(self, kind: tuple[int, int]) -> bool:
+        """``kind``: (rows, sequences) of a step."""
+        if not self.enabled or kind[0] > self.MAX_ROWS:
+            return False
+        seen = self._seen.get(kind, [])
+        if len(seen) < self.MIN_TRIES or seen.count(False) <= self.MAX_MISS * len(seen):
+            return True
+        skipped = self._skipped.get(kind, 0) + 1
+        self._skipped[kind] = 0 if skipped >= self.PROBE_EVERY else skipped
+        return skipped >= self.PROBE_EVERY
+
+    def record(self, kind: tuple[int, int], kept: bool) -> None:
+        if len(self._seen) > 4 * self.MAX_ROWS and kind not in self._seen:  # bounded: kinds are few
+            self._seen.clear()
+            self._skipped.clear()
+        seen = self._seen.setdefault(kind, [])
+        seen.append(kept)
+        del seen[:-self.WINDOW]
+        self.tries += 1
+        self.misses += not kept
+
+
 class Engine:
     """A whole MoE model on one node. ``experts`` decides who computes each routed expert."""
 
@@ -426,6 +471,7 @@ class Engine:
         self.kv_groups = self.batch_graphs and os.environ.get("KVASIR_KV_GROUPS", "1") != "0"
         n_attn = sum(not cfg.is_recurrent(il) for il in range(cfg.n_layer))
         self.kv_slots = KvSlots(n_attn, cfg.n_head_kv * cfg.head_dim) if self.kv_groups else None
+        self.speculation = Speculation(enabled=os.environ.get("KVASIR_SPECULATE", "1") != "0")
         # Repacked now (fast mode), not in the middle of the first request; what it took is
         # reported by whoever logs (the backbone service), not here: a library prints nothing.
         t0 = time.perf_counter()
@@ -730,21 +776,45 @@ class Engine:
         if self.experts is not self.local_experts:  # one graph per layer, the experts remote
             return self._step_graphs_remote(step, blocks, tokens, at, keep, head)
         if not all(fused.experts_in_graph(step.n_new, b.layer) for b in blocks):
-            # each expert's layout by its rows (kernels.ggml.expert_layout): one graph per
-            # layer up to its router, then its experts split by their rows in kernels.ggml.moe_ffn
+            # each expert's layout by its rows (kernels.ggml.expert_layout), which only the
+            # router knows: the whole step's graphs with every expert repacked, kept where no
+            # expert got the repacked layout's threshold of rows (the rule's own layout then);
+            # else one graph per layer up to its router, its experts split by their rows in
+            # kernels.ggml.moe_ffn
+            kind = (step.n_new, len(step.streams))  # a prompt's chunk, decode streams, a mix
+            if self.speculation.worth(kind) and not any(b.recurrent for b in blocks):
+                logits, chosen = self._local_graphs(step, blocks, per_graph, tokens, at, keep, head, n_out, True)
+                below = ggml_repack_below()
+                kept = all(np.bincount(c.ravel()).max(initial=0) < below for c in chosen)
+                self.speculation.record(kind, kept)
+                if kept:
+                    self._count_local(chosen)
+                    return logits
             return self._step_graphs_remote(step, blocks, tokens, at, keep, head)
-        n_layer, x = len(blocks), None
+        logits, chosen = self._local_graphs(step, blocks, per_graph, tokens, at, keep, head, n_out)
+        self._count_local(chosen)
+        return logits
+
+    def _local_graphs(self, step: fused.StepShape, blocks: list, per_graph: int, tokens: tuple, at: dict,
+                      keep: np.ndarray | None, head: tuple, n_out: int, speculate: bool = False):
+        """The step's graphs with every expert local, ``per_graph`` layers each: the logits and
+        per layer the experts chosen (n, K)."""
+        n_layer, x, chosen = len(blocks), None, []
         for first in range(0, n_layer, per_graph):
             part = blocks[first:first + per_graph]
             last = first + len(part) == n_layer
             out = fused.step_graph(step, part, x=x, tokens=tokens if x is None else None, **at,
-                                   head=head if last else None, memo=self._step_plans,
+                                   head=head if last else None, memo=self._step_plans, speculate=speculate,
                                    keep=self._dense_rows(keep) if last else None, n_kept=n_out)
-            for il, chosen in enumerate(out.ids, first):  # the local experts' statistics
-                self.local_experts.calls[il] += len(set(chosen.ravel().tolist()))  # (np.unique: 10x slower)
-                self.local_experts.rows[il] += chosen.size
+            chosen += out.ids
             x = out.x
-        return out.logits
+        return out.logits, chosen
+
+    def _count_local(self, chosen: list[np.ndarray]) -> None:
+        """The local experts' statistics (the market's demand) of a step's layers."""
+        for il, c in enumerate(chosen):
+            self.local_experts.calls[il] += len(set(c.ravel().tolist()))  # (np.unique: 10x slower)
+            self.local_experts.rows[il] += c.size
 
     def _step_graphs_remote(self, step: fused.StepShape, blocks: list, tokens: tuple, at: dict,
                             keep: np.ndarray | None, head: tuple) -> np.ndarray:

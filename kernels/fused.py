@@ -885,16 +885,16 @@ MEMO_ENTRIES = 64  # step plans a memo keeps (one per layer group, cache size an
 
 
 def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[int], n_new: int, head,
-          key_tail: tuple) -> _StepPlan:
+          key_tail: tuple, speculate: bool = False) -> _StepPlan:
     rps = {}
     for i, b in enumerate(blocks):
         for w in _dense_weights(b.layer):
             rps[id(w)] = repacked(w)
-        if i < local and not experts_in_graph(expert_rows[i], b.layer):
+        if i < local and not speculate and not experts_in_graph(expert_rows[i], b.layer):
             raise ValueError(f"step_graph: {expert_rows[i]} rows to the routed experts take each expert's layout "
                              f"by its own rows (kernels.ggml.expert_layout): stop at them (remote) and run "
                              f"kernels.ggml.moe_ffn")
-        few = ggml.repacked_rows(expert_rows[i])
+        few = speculate or ggml.repacked_rows(expert_rows[i])
         for w in _expert_slabs(b.layer):  # the routed experts' own layout rule (expert_layout)
             rps[id(w)] = expert_repacked(w) if few else None
     rp_head = repacked(head[1]) if head is not None else None
@@ -929,7 +929,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                keep: np.ndarray | None = None, n_kept: int = 0, head: tuple | None = None,
                remote: bool = False, memo: dict | None = None, n_pasts: tuple[int, ...] = (),
                masks: tuple[np.ndarray, ...] = (), tokens: tuple[QTensor, np.ndarray] | None = None,
-               groups: tuple[GroupInputs, ...] = ()) -> StepOut:
+               groups: tuple[GroupInputs, ...] = (), speculate: bool = False) -> StepOut:
     """Layers ``blocks`` of a one-sequence step as one graph (see above), from rows ``x``
     (R, D) float32, from ``tokens`` (the token embedding QTensor, ids (R,) int32: its rows,
     ``ggml_get_rows`` in the graph as :func:`kernels.ggml.get_rows` computes them), or from
@@ -951,7 +951,13 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     ``n_past`` and ``mask``; every dense op runs on all rows at once, each sequence's
     attention against its own cache (``_attend_streams``), so each gets its bits alone; or, for
     the decode streams of a :class:`KvGroup` (``step.groups``, each block's ``spans``), once for
-    the group (``_attend_group``, its ``groups`` inputs), with the same bits."""
+    the group (``_attend_group``, its ``groups`` inputs), with the same bits.
+
+    ``speculate``: every routed expert in the graph in its repacked layout, whatever the step's
+    rows. That is the layout rule's (``kernels.ggml.expert_layout``) exactly where no expert
+    got ``repack_below`` rows or more, which only the router in the graph knows: the caller
+    checks ``StepOut.ids`` and, where one did, runs the step again the rule's way (the cache
+    cells this one wrote are written again; no delta-net state may be in it)."""
     lib = ggml.load()
     R, K, n_new = step.rows, step.n_expert_used, step.n_new
     keep = None if keep is None else np.ascontiguousarray(keep, dtype=np.int32)
@@ -975,7 +981,9 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     D = blocks[0].layer.ffn_gate_exps.ne[0] if blocks else prev[0].x.shape[1]
     n_prev = 0 if prev is None else len(prev[0].ids)
     has_shared = prev is not None and prev[0].shared is not None
-    key_tail = (None if keep is None else (len(keep), n_kept), remote,
+    if speculate and any(b.recurrent for b in blocks):
+        raise ValueError("step_graph: a speculative graph cannot hold a delta-net layer (its state is updated in place)")
+    key_tail = (speculate, None if keep is None else (len(keep), n_kept), remote,
                 None if prev is None else (n_prev, has_shared), None if tokens is None else _key(tokens[0]))
     plan = None
     if memo is not None:
@@ -983,7 +991,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                 None if head is None else (id(head[0]), id(head[1]), len(head[2]), head[3]))
         plan = memo.get(mkey)
     if plan is None:
-        plan = _plan(step, blocks, local, expert_rows, n_new, head, key_tail)
+        plan = _plan(step, blocks, local, expert_rows, n_new, head, key_tail, speculate)
         if memo is not None:
             while len(memo) >= MEMO_ENTRIES:
                 del memo[next(iter(memo))]

@@ -865,6 +865,12 @@ def repack_experts_enabled() -> bool:
     return load().repack_experts
 
 
+def repack_below() -> int:
+    """Rows from which an expert call runs in the plain layout in this process (a huge number
+    where every call is repacked, 0 where none is): :func:`repacked_rows`' threshold."""
+    return load().repack_below
+
+
 def repacked_rows(rows: int) -> bool:
     """Whether an expert call of ``rows`` rows runs in the repacked layout in this process,
     where the expert's type has a repacked kernel (:func:`expert_layout`; :func:`expert_repacked`
