@@ -361,11 +361,12 @@ class Speculation:
     expert repacked (``Engine._run_step_graphs``): kept where no expert got that many rows, run
     again the rule's way where one did. A kept step saves a graph launch and a Python round per
     layer (8% of a 16-stream decode step of the small model); a step run twice costs about one
-    more. Decode streams are separate texts and rarely pile onto one expert; a prompt's tokens
-    often do (the small synthetic model's prompts of 9-24 tokens: every one). So per kind of
-    step (its rows, and how many sequences) the outcomes of its recent tries decide: tried
-    while at most :data:`MAX_MISS` of them missed, and once in :data:`PROBE_EVERY` steps
-    anyway (routing changes with the text)."""
+    more. Only decode steps are tried: their streams are separate texts and rarely pile onto
+    one expert, where a prompt's tokens often do (the small synthetic model's prompts of 9-24
+    tokens: every one missed, and a missed prompt is a first token twice as late). Per kind of
+    step (its rows and sequences) the outcomes of its recent tries decide: tried while at most
+    :data:`MAX_MISS` of them missed, and once in :data:`PROBE_EVERY` steps anyway (routing
+    changes with the text)."""
 
     MAX_ROWS = 64  # more rows than this: some expert gets the threshold's rows nearly always
     MAX_MISS = 0.1
@@ -781,8 +782,9 @@ class Engine:
             # expert got the repacked layout's threshold of rows (the rule's own layout then);
             # else one graph per layer up to its router, its experts split by their rows in
             # kernels.ggml.moe_ffn
-            kind = (step.n_new, len(step.streams))  # a prompt's chunk, decode streams, a mix
-            if self.speculation.worth(kind) and not any(b.recurrent for b in blocks):
+            kind = (step.n_new, len(step.streams))
+            decode = step.n_new == len(step.streams)  # one token from each of several sequences
+            if decode and self.speculation.worth(kind) and not any(b.recurrent for b in blocks):
                 logits, chosen = self._local_graphs(step, blocks, per_graph, tokens, at, keep, head, n_out, True)
                 below = ggml_repack_below()
                 kept = all(np.bincount(c.ravel()).max(initial=0) < below for c in chosen)

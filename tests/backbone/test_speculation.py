@@ -1,6 +1,6 @@
 """A step of 8 rows or more in the fast mode (``Engine._run_step_graphs``, ``backbone.model.
 Speculation``): each routed expert takes its layout by the rows it gets, which only the router
-knows. The step runs in one graph with every expert repacked, kept where no expert got 8 rows
+knows. A decode step of several sequences runs in one graph with every expert repacked, kept where no expert got 8 rows
 (the layout rule's own choice then), and runs again the rule's way (a graph per layer, the
 experts split by their rows) where one did. Either way the logits, the KV cache and the local
 experts' statistics are those of the step that never speculated, bit for bit.
@@ -31,11 +31,17 @@ def run(spec):
     V = engine.cfg.n_vocab
     seqs = [engine.new_sequence() for _ in range(12)]
     out = []
-    for j, s in enumerate(seqs):  # prompts of 9..20 tokens: some expert gets 8 of their rows
+    for j, s in enumerate(seqs):  # prompts of 9..20 tokens: never tried
         out += engine.forward([(s, rng.integers(0, V, 9 + j))], all_logits=j % 2 == 0)
+    tried_prompts = engine.speculation.tries
     for i in range(8):  # decode steps of 8 and 12 streams: rarely 8 rows on one expert
         out += engine.forward([(s, rng.integers(0, V, 1)) for s in seqs[:8 if i < 4 else 12]], all_logits=False)
+    # and steps whose streams all took one token, the same (8 rows on one expert: the same token)
+    same = rng.integers(0, V, 1)
+    for i in range(2):
+        out += engine.forward([(s, same) for s in seqs], all_logits=False)
     caches = [np.concatenate([k[:s.n_past].ravel() for k in s.k]) for s in seqs]
+    engine.tried_prompts = tried_prompts
     return out, caches, engine
 
 a, ca, ea = run(False)
@@ -46,6 +52,7 @@ print(json.dumps({
     "same_stats": (dict(ea.local_experts.calls), dict(ea.local_experts.rows))
                   == (dict(eb.local_experts.calls), dict(eb.local_experts.rows)),
     "tries": eb.speculation.tries, "misses": eb.speculation.misses, "untried": ea.speculation.tries,
+    "tried_prompts": eb.tried_prompts,
 }))
 """
 
@@ -59,7 +66,7 @@ def test_a_step_speculated_in_one_graph_keeps_every_bit_whether_kept_or_run_agai
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["same_logits"] and got["same_caches"] and got["same_stats"], got
-    assert got["untried"] == 0
+    assert got["untried"] == 0 and got["tried_prompts"] == 0
     assert 0 < got["misses"] < got["tries"], got  # some kept, some run again: both ways covered
 
 
