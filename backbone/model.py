@@ -81,7 +81,8 @@ BATCH_GRAPH_BYTES = 64 << 20
 # A batch's decode graph holds at most this many (sequence, layer) attention sub-graphs. A new
 # batch shape costs a build (Python, ~20 ggml calls per sequence and layer, and cold scratch:
 # measured ~0.2 ms per sequence and layer, about what computing it takes), and a decode batch's
-# shape changes whenever a sequence crosses 256 cells (every 256 / S steps) or one joins or
+# shape changes whenever a sequence crosses a multiple of 64 cells (every 64 / S steps; a group
+# of streams in one KV block, only its longest one) or one joins or
 # leaves; one graph serves every group of layers of the same shapes, so smaller groups build
 # less: the amortised cost stays under ~6% of a step at any S. A step with prompt chunks (a
 # shape that seldom recurs) runs one layer per graph: a build of one layer.
@@ -682,8 +683,9 @@ class Engine:
         sequence's attention against its own KV cache in its own sub-graph, the ops
         ``kernels.dense.attention`` runs on it alone (its token's row twice in deterministic
         mode): each sequence gets the bits it gets alone, or in the per-layer path. The graph
-        is cached by the sequences' row counts and cache shapes (n_kv padded to 256 cells), so
-        a decode step reuses it until a sequence crosses 256 cells or the batch changes;
+        is cached by the sequences' row counts and cache shapes (n_kv padded to 64 cells; a
+        group of decode streams in one KV block, ``_kv_groups``: the longest one's), so a decode
+        step reuses it until a sequence crosses such a multiple or the batch changes;
         positions, masks and the cache cells written are bound per call. A decode step of many
         sequences runs a few layers per graph, and a step with prompt chunks one layer per
         graph (``MAX_STREAM_LAYERS``): a new shape's graph stays cheap to build. ``keep``: each
@@ -704,6 +706,9 @@ class Engine:
             masks.append(dense.causal_mask(seq.n_past, L, n_kv, rows))
             start += L
         groups, group_at, spans = self._kv_groups(batch, streams, min_rows)
+        for i, s in enumerate(streams):  # a group's member has its group's cells (its own mask unread)
+            if s.group >= 0:
+                masks[i] = dense.causal_mask(batch[i][0].n_past, 1, s.n_kv, s.rows)
         step = fused.StepShape(T, T, 0, 0, _kq_scale(c.head_dim), c.n_expert_used, w.expert_glu,
                                c.traits.shexp_gate, c.traits.norm_topk, streams=tuple(streams), groups=groups)
         blocks = [fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches),
@@ -757,7 +762,9 @@ class Engine:
                 seq, o = batch[i][0], slot - lo
                 qidx[o] = streams[i].start
                 mask[o] = dense.causal_mask(seq.n_past, 1, n_kv, rows)
-                streams[i] = replace(streams[i], group=g)
+                # the step's shape names the group's cells, not each member's: a member crossing
+                # 64 cells changes it only where it was the group's longest
+                streams[i] = replace(streams[i], group=g, n_kv=n_kv)
             starts = np.array([streams[i].start for i in members], dtype=np.int64)
             offs = np.array(slots, dtype=np.int64) - lo
             n_pasts = np.array([batch[i][0].n_past for i in members], dtype=np.int64)

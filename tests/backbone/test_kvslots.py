@@ -121,3 +121,26 @@ def test_kv_groups_give_each_ones_own_bits_in_the_fast_mode_too():
                           "-k", "attends_at_once"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "2 passed" in out.stdout
+
+
+def test_a_groups_graph_is_rebuilt_only_when_its_longest_stream_crosses_64_cells(models, monkeypatch):
+    """The step's shape names a group's cells (its longest member's, padded to 64), not each
+    member's: a shorter member crossing 64 cells builds no graph (with caches of their own, it
+    would)."""
+    engine = Engine(models("qwen3moe", "q4_k", ctx=1024))
+    rng = np.random.default_rng(5)
+    V = engine.cfg.n_vocab
+    built = []
+    real_put = ggml.GraphCache.put
+    monkeypatch.setattr(ggml.GraphCache, "put", lambda self, key, g: built.append(key) or real_put(self, key, g))
+    for groups in (True, False):
+        engine.kv_groups = groups
+        seqs = [engine.new_sequence() for _ in range(3)]
+        for s, n in zip(seqs, (10, 40, 150)):
+            if not groups:
+                s.slots = None
+            engine.forward([(s, rng.integers(0, V, n))])
+        built.clear()
+        for _ in range(30):  # the second crosses 64 cells; the longest stays within 192
+            engine.forward([(s, rng.integers(0, V, 1)) for s in seqs], all_logits=False)
+        assert len(built) == (1 if groups else 2), (groups, len(built))
