@@ -25,8 +25,10 @@ How it runs on ggml (the same ops, so the same bits, whichever way):
   ``kernels.fused.step_graph``);
 - several sequences, decode tokens and prompt chunks mixed: the same, one graph per step, every
   dense op on all rows at once and each sequence's attention against its own KV cache in a
-  sub-graph of its own (``_batch_graphs``; ``StepShape.streams``; a wide batch: a few layers
-  per graph);
+  sub-graph of its own, or, for the decode streams whose caches share a block
+  (``backbone.kvslots``), once for all of them (``_batch_graphs``; ``StepShape.streams`` and
+  ``groups``; a wide batch: a few layers per graph); in the fast mode a decode step of 8
+  streams or more is tried with every expert in the graph (``Speculation``);
 - either, remote experts: the same ops split at the experts, one graph per layer from
   the previous layer's combine (the remote outputs an input) to this layer's router; the
   shared expert, which needs no routed expert, runs while their replies travel
