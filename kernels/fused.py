@@ -394,6 +394,7 @@ class GroupInputs:
     mask: np.ndarray
     pick: np.ndarray
     dst: np.ndarray
+    checked: tuple | None = None  # the (rows, gqa, group) step_graph checked the indices for
 
     def arrays(self) -> list:
         return [self.qidx, self.sel, self.kidx, self.vidx, self.mask, self.pick, self.dst]
@@ -1028,13 +1029,17 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                          f"groups[{i}].mask": (gi.mask, (gr.span, gr.rows, gr.n_kv), np.float32),
                          f"groups[{i}].pick": (gi.pick, (gr.members,), np.int32),
                          f"groups[{i}].dst": (gi.dst, (gr.members,), np.int64)})
-            # ggml reads and writes where these say: a wrong index is memory outside the span
+            # ggml reads and writes where these say: a wrong index is memory outside the span.
+            # Checked once per step: the step's layer graphs all get the same inputs.
+            if gi.checked == (R, gqa, gr):
+                continue
             if gi.qidx.size and (gi.qidx.min() < 0 or gi.qidx.max() >= R) or gi.sel.size and (
                     gi.sel.min() < 0 or gi.sel.max() >= R) or gi.dst.size and (gi.dst.min() < 0 or gi.dst.max() >= R) \
                     or gi.kidx.size and (gi.kidx.min() < 0 or gi.kidx.max() >= gr.cells * gr.span) \
                     or gi.vidx.size and (gi.vidx.min() < 0 or gi.vidx.max() >= gqa * gr.cells * gr.span) \
                     or gi.pick.size and (gi.pick.min() < 0 or gi.pick.max() >= gr.span * gr.rows) or gr.n_kv > gr.cells:
                 raise ValueError(f"step_graph: KV group {i}'s indices out of range")
+            gi.checked = (R, gqa, gr)
     for name, (a, shape, dtype) in want.items():
         if a is not None and (a.shape != shape or a.dtype != dtype):
             raise ValueError(f"step_graph: {name} is {a.dtype}{a.shape}, expected {np.dtype(dtype)}{shape}")

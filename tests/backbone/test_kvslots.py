@@ -144,3 +144,20 @@ def test_a_groups_graph_is_rebuilt_only_when_its_longest_stream_crosses_64_cells
         for _ in range(30):  # the second crosses 64 cells; the longest stays within 192
             engine.forward([(s, rng.integers(0, V, 1)) for s in seqs], all_logits=False)
         assert len(built) == (1 if groups else 2), (groups, len(built))
+
+
+def test_a_group_index_outside_its_span_is_refused_before_ggml_reads_it(models, monkeypatch):
+    engine = Engine(models("qwen3moe", "q4_k"))
+    seqs = [engine.new_sequence() for _ in range(3)]
+    for s in seqs:
+        engine.forward([(s, np.array([1, 2, 3]))])
+    real = engine._kv_groups
+
+    def corrupt(*a):
+        groups, inputs, spans = real(*a)
+        inputs[0].kidx[0] = groups[0].cells * groups[0].span  # one cell past the span
+        return groups, inputs, spans
+
+    monkeypatch.setattr(engine, "_kv_groups", corrupt)
+    with pytest.raises(ValueError, match="out of range"):
+        engine.forward([(s, np.array([4])) for s in seqs], all_logits=False)
