@@ -59,6 +59,7 @@ import structlog
 
 from backbone.sampling import Sampler, SamplerConfig
 from kvasir_bus.errors import KvasirError, UsageError
+from kvasir_bus.threads import waking as core_share_waking
 
 log = structlog.get_logger("kvasir.scheduler")
 
@@ -502,13 +503,17 @@ class Scheduler:
 
     def _main(self, lane: int) -> None:
         while True:
+            idle = False
             with self._cond:
                 while not self._stopping and not self._has_work(lane):
                     self._cond.wait()
+                    idle = True
                 if self._stopping:
                     return
                 self._admit(lane)
                 batch = self._plan(lane)
+            if idle:  # work after a quiet spell: the core share looks again (kvasir_bus.threads)
+                core_share_waking()
             if batch:
                 self._step(batch)
 

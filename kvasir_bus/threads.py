@@ -178,12 +178,39 @@ class CpuUse:
         own = os.times()
         return busy, own.user + own.system, time.monotonic()
 
+    def restart(self) -> None:
+        """Start the next window now."""
+        self._last = self._read()
+
     def others(self) -> float | None:
         now = self._read()
         last, self._last = self._last, now
         if now is None or last is None or now[2] - last[2] < self.MIN_WINDOW_S:
             return None  # (a window of a few clock ticks says nothing)
         return max(0.0, ((now[0] - last[0]) - (now[1] - last[1])) / (now[2] - last[2]))
+
+
+def runnable_others(stat: str = "/proc/stat", tasks: str = "/proc/self/task") -> int | None:
+    """Threads of other processes runnable on this machine right now: the kernel's count of
+    runnable threads (``procs_running`` in ``/proc/stat``) less this process's own (state R in
+    ``/proc/self/task/*/stat``). None where there is no /proc. One look, not an average: it
+    says whether someone else is busy at this instant, which :class:`CpuUse`'s windows cannot
+    (they say what the last quarter second was)."""
+    try:
+        with open(stat) as f:
+            running = next((int(line.split()[1]) for line in f if line.startswith("procs_running ")), None)
+        if running is None:
+            return None
+        own = 0
+        for tid in os.listdir(tasks):
+            try:
+                with open(os.path.join(tasks, tid, "stat")) as f:
+                    own += f.read().rpartition(")")[2].split(None, 1)[0] == "R"
+            except OSError:  # that thread has ended
+                continue
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, running - own)
 
 
 class CoreShare:
@@ -207,6 +234,7 @@ class CoreShare:
         self.period_s, self.threads, self.processes, self.others_busy = period_s, 1, 1, None
         self.load_period_s = min(load_period_s, period_s)
         self._use = CpuUse()
+        self._lock = threading.Lock()  # update (its thread) and waking (a server's) set the threads
         self._stop = threading.Event()
         self.update()
         self._thread = threading.Thread(target=self._run, name="kvasir-core-share", daemon=True)
@@ -215,6 +243,10 @@ class CoreShare:
     def update(self, recount: bool = True) -> int:
         """Re-read the others' load (and with ``recount`` the kvasir processes) and set this
         process's threads; returns them."""
+        with self._lock:
+            return self._update(recount)
+
+    def _update(self, recount: bool) -> int:
         before = self.threads if hasattr(self, "_thread") else None
         processes_before = self.processes
         if recount:
@@ -237,6 +269,24 @@ class CoreShare:
                 "threads_shared", threads=self.threads, kvasir_processes=self.processes, cores=cores,
                 others_busy_cores=busy)
         return self.threads
+
+    def waking(self) -> int:
+        """This process goes from idle to work (a server's first step after a quiet spell):
+        where it runs fewer threads than its share because others were busy in the last look
+        (:class:`CpuUse` saw the quarter second before), and no other process is runnable now
+        (:func:`runnable_others`), it takes its share back at once and starts a new window, so
+        that the next look judges only what happens from here. Without it, a server that
+        starts work the moment a busy neighbour stops (a benchmark's other side, a finished
+        build) ran its first quarter second on one thread of two: all of a short request.
+        A neighbour that is still busy keeps the share where it is. Returns the threads."""
+        with self._lock:
+            share = shared_threads(self.processes, usable_cores())
+            if self.threads >= share or runnable_others() != 0:
+                return self.threads
+            self.threads, self.others_busy = share, None
+            os.environ[ENV_THREADS] = str(share)
+            self._use.restart()
+            return share
 
     def _run(self) -> None:
         import time
@@ -273,6 +323,13 @@ def share_cores(period_s: float = 2.0) -> CoreShare | None:
     if _share is None:
         _share = CoreShare(period_s)
     return _share
+
+
+def waking() -> None:
+    """Tell this process's :class:`CoreShare`, if it keeps one, that work starts after a quiet
+    spell (:meth:`CoreShare.waking`)."""
+    if _share is not None:
+        _share.waking()
 
 
 def add_kernel_flags(p, *, deterministic: bool = True) -> None:

@@ -116,3 +116,48 @@ def test_cpu_use_counts_other_processes_busy_time_not_this_ones(tmp_path, monkey
     write(1002.7, 5001.3)  # 1 s busy in the next second, none of it ours
     assert abs(use.others() - 1.0) < 0.02
     assert threads.CpuUse(str(tmp_path / "absent")).others() is None
+
+
+def fake_runnable(tmp_path, running: int, own_states: list[str]) -> tuple[str, str]:
+    """A /proc/stat saying ``running`` threads are runnable, and a /proc/self/task with one
+    thread per state in ``own_states`` (its name has a space and a parenthesis, as names may)."""
+    stat = tmp_path / "stat"
+    stat.write_text(f"cpu  1 0 0 1 0 0 0 0 0 0\nctxt 5\nprocs_running {running}\nprocs_blocked 0\n")
+    tasks = tmp_path / "task"
+    for i, state in enumerate(own_states):
+        (tasks / str(100 + i)).mkdir(parents=True)
+        (tasks / str(100 + i) / "stat").write_text(f"{100 + i} (kvasir (sched) 0) {state} 1 2 3\n")
+    return str(stat), str(tasks)
+
+
+def test_runnable_others_are_the_machines_runnable_threads_less_this_processes(tmp_path):
+    stat, tasks = fake_runnable(tmp_path, running=3, own_states=["R", "S", "R", "S"])
+    assert threads.runnable_others(stat, tasks) == 1  # two of the three are ours
+    (tmp_path / "stat").write_text("cpu  1 0 0 1 0 0 0 0 0 0\nprocs_running 1\n")
+    assert threads.runnable_others(stat, tasks) == 0  # never below zero (the counts are two looks)
+    assert threads.runnable_others(str(tmp_path / "absent"), tasks) is None
+
+
+def test_work_after_a_quiet_spell_takes_the_share_back_only_if_nobody_else_runs(monkeypatch):
+    """A neighbour busy until the moment a server's request arrives left the last look at one
+    thread; waking() gives the share back when no other thread is runnable now, and keeps it
+    down while one is."""
+    monkeypatch.delenv(threads.ENV_THREADS, raising=False)
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "compute_processes", lambda proc="/proc": 1)
+    share = threads.CoreShare(period_s=3600, load_period_s=3600)  # no looks of its own during the test
+    monkeypatch.setattr(threads, "_share", share)
+    try:
+        share.threads, share.others_busy = 1, 1.2  # what the last look saw: a busy neighbour
+        monkeypatch.setattr(threads, "runnable_others", lambda: 1)
+        threads.waking()
+        assert share.threads == 1  # still busy: the share stays down
+        monkeypatch.setattr(threads, "runnable_others", lambda: 0)
+        threads.waking()
+        assert share.threads == 2 and os.environ[threads.ENV_THREADS] == "2" and share.others_busy is None
+        monkeypatch.setattr(threads, "runnable_others", lambda: None)
+        share.threads = 1
+        threads.waking()
+        assert share.threads == 1  # no /proc to ask: the last look stands
+    finally:
+        share.stop()
