@@ -30,6 +30,7 @@ least 2 rows, the "tiled" kernel for K-quants and most IQ types at 8 rows or mor
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib.util
@@ -351,8 +352,33 @@ def _n_threads(value: str | None) -> int:
 
 
 def n_threads() -> int:
-    """Threads per ggml call: env KVASIR_THREADS, else os.cpu_count()."""
+    """Threads per ggml call: env KVASIR_THREADS, else os.cpu_count(); one inside
+    :func:`one_thread`."""
+    if getattr(_tls, "one_thread", False):
+        return 1
     return _n_threads(os.environ.get(ENV_THREADS))
+
+
+@contextlib.contextmanager
+def one_thread():
+    """On this thread, every ggml call inside runs on it alone (no OpenMP team).
+
+    libgomp keeps each thread's team for the thread's life and counts every team's threads;
+    once they outnumber the CPUs, every barrier of every team spins a hundred times and then
+    sleeps (its "throttled" spin). A process whose graphs run on two threads of its own with a
+    team each (a worker's event loop computing a small bundle inline, its pool the big calls)
+    is past that on any machine, for the rest of its life. Measured on 2 cores: a 16-stream
+    decode step of the small model (about 340 barriers) led by a second thread took 14-16 ms
+    alone and 20-28 ms once the main thread had run one 2-thread graph (four runs each); an
+    expert call's graph has a few barriers, and there the difference was lost in the noise.
+    A caller whose calls are small enough to run inline computes them here instead, so only
+    one thread of the process ever leads a team."""
+    before = getattr(_tls, "one_thread", False)
+    _tls.one_thread = True
+    try:
+        yield
+    finally:
+        _tls.one_thread = before
 
 
 def decode_threads() -> int:
@@ -361,6 +387,8 @@ def decode_threads() -> int:
     A decode graph is short: an OpenMP team on every core then spends its time at barriers,
     and on a machine shared with workers or other processes one descheduled thread stalls the
     team (measured on 2 loaded cores: 2-thread decode at 1.5 tok/s, 1-thread at ~35)."""
+    if getattr(_tls, "one_thread", False):
+        return 1
     value = os.environ.get(ENV_THREADS)
     return _n_threads(value) if value else max(1, _cpu_count() // 2)
 

@@ -51,7 +51,7 @@ from kvasir_bus.subjects import Subjects, parse_dispatch
 from kvasir_bus.throttle import ThrottledLog
 from kvasir_bus import lane
 from kvasir_bus.lane import InlineDelivery
-from kernels.expert import expert_ffn, moe_ffn, moe_step, prepare
+from kernels.expert import expert_ffn, moe_ffn, moe_step, one_thread, prepare
 from kernels.backend import backend_name, kernel_label
 from modelfile.slice_file import SliceInfo
 
@@ -372,7 +372,8 @@ class Worker:
         """Compute a valid request (inline, or on ``pool``) and publish the reply."""
         try:
             if pool is None:
-                out, seconds = _timed(weights, rows)
+                with one_thread():  # the pool's thread alone leads an OpenMP team (kernels.ggml.one_thread)
+                    out, seconds = _timed(weights, rows)
             else:
                 out, seconds = await asyncio.get_running_loop().run_in_executor(pool, _timed, weights, rows)
             payload = self._replies.encode(req.request_id, out)
@@ -573,7 +574,8 @@ class Worker:
         publish the one reply."""
         try:
             if pool is None:
-                done = _bundle_timed(bundle, rows, held)
+                with one_thread():  # as above: a bundle inline is small, and never leads a team
+                    done = _bundle_timed(bundle, rows, held)
             else:
                 done = await asyncio.get_running_loop().run_in_executor(pool, _bundle_timed, bundle, rows, held)
         except Exception as exc:  # the pool is gone (stopping): say so, keep serving

@@ -180,3 +180,27 @@ def test_get_rows_refuses_out_of_range_rows(ggml, n):
         wrong[-1] = bad
         with pytest.raises(ValueError, match=r"0\.\.15"):
             ggml.get_rows(w, wrong)
+
+
+def test_one_thread_keeps_this_threads_calls_off_an_openmp_team_and_no_other_threads():
+    """kernels.ggml.one_thread: inside, every thread policy answers one (on this thread only),
+    so a caller computing small products inline never leads a team of its own (libgomp
+    throttles every team's barriers once its teams' threads outnumber the CPUs)."""
+    import threading
+
+    from kernels import ggml
+
+    big = 1 << 30
+    outside = (ggml.n_threads(), ggml.decode_threads(), ggml.threads_for(big), ggml.expert_threads(big))
+    other = []
+    with ggml.one_thread():
+        assert (ggml.n_threads(), ggml.decode_threads(), ggml.threads_for(big, 1), ggml.expert_threads(big)) \
+            == (1, 1, 1, 1)
+        t = threading.Thread(target=lambda: other.append(ggml.n_threads()))
+        t.start()
+        t.join()
+        with ggml.one_thread():  # nested: still one, and the outer one still holds after
+            pass
+        assert ggml.n_threads() == 1
+    assert other == [outside[0]]  # another thread keeps its own policy
+    assert (ggml.n_threads(), ggml.decode_threads(), ggml.threads_for(big), ggml.expert_threads(big)) == outside

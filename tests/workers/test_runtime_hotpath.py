@@ -48,11 +48,20 @@ def test_inline_and_pooled_products_are_the_same_bits_and_replies_carry_no_heade
         await nc.drain()
         return good, bad
 
+    from kernels import ggml
+
+    seen = []  # the threads a ggml call would take, where the worker computes
+    timed = runtime._timed
+    monkeypatch.setattr(runtime, "_timed", lambda w, r: (seen.append(ggml.n_threads()), timed(w, r))[1])
     inline = Worker(info, WorkerConfig(node="w-inline", heartbeat_s=60))
     good, bad = arun(ask_all(inline), timeout=30)
+    inline_threads, seen[:] = list(seen), []
     monkeypatch.setattr(runtime, "INLINE_WORK", 0)  # every product goes to the pool
     pooled = Worker(info, WorkerConfig(node="w-pool", heartbeat_s=60))
     good_pooled, _ = arun(ask_all(pooled), timeout=30)
+    # a product computed on the loop never leads an OpenMP team (kernels.ggml.one_thread): the
+    # pool's thread alone does, so libgomp never throttles the worker's teams
+    assert inline_threads == [1] and seen == [ggml.n_threads()]
 
     for msg, node in ((good, "w-inline"), (good_pooled, "w-pool")):
         reply = codec.decode_reply(msg.data)
