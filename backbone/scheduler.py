@@ -502,6 +502,15 @@ class Scheduler:
         return batch
 
     def _main(self, lane: int) -> None:
+        if self.cfg.micro_batches > 1:  # each lane's OpenMP team within its share of the cores
+            from kernels.backend import thread_cap
+            from kvasir_bus.threads import usable_cores
+
+            with thread_cap(max(1, usable_cores() // self.cfg.micro_batches)):
+                return self._lane(lane)
+        return self._lane(lane)
+
+    def _lane(self, lane: int) -> None:
         while True:
             idle = False
             with self._cond:

@@ -19,6 +19,8 @@ Shapes: a weight has ``ne = (ne0, ne1)`` in ggml order (ne0 = input features); `
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 import threading
 from collections import OrderedDict
@@ -399,6 +401,17 @@ def apply_kernel_flags(args, *, local_processes: int = 1, share: bool = False) -
             threads.share_cores()  # a KVASIR_THREADS set by hand wins (share_cores does nothing)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def thread_cap(n: int):
+    """A context in which this thread's kernel calls run on at most ``n`` threads
+    (``kernels.ggml.thread_cap``: one OpenMP team per thread of a process, within the CPUs);
+    nothing to do for the numpy backend."""
+    if backend_name() == "ggml":
+        from kernels.ggml import thread_cap as ggml_thread_cap
+
+        return ggml_thread_cap(n)
+    return contextlib.nullcontext()
 
 
 def backend_name() -> str:

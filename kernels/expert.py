@@ -28,8 +28,6 @@ experts only). A tensor's name is only a label and decides nothing.
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from kernels import backend as backends
@@ -46,11 +44,7 @@ def one_thread():
     """A context in which this thread's expert calls run on it alone, without an OpenMP team:
     for calls small enough to compute inline, so that one thread of the process leads a team
     (``kernels.ggml.one_thread`` says why; nothing to do for the numpy backend)."""
-    if backends.backend_name() == "ggml":
-        from kernels.ggml import one_thread as ggml_one_thread
-
-        return ggml_one_thread()
-    return contextlib.nullcontext()
+    return backends.thread_cap(1)
 
 
 def expert_ffn(gate: QTensor, up: QTensor, down: QTensor, x: np.ndarray, *,

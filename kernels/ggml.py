@@ -354,12 +354,27 @@ def _n_threads(value: str | None) -> int:
 def n_threads() -> int:
     """Threads per ggml call: env KVASIR_THREADS, else os.cpu_count(); one inside
     :func:`one_thread`."""
-    if getattr(_tls, "one_thread", False):
-        return 1
-    return _n_threads(os.environ.get(ENV_THREADS))
+    cap = getattr(_tls, "cap", None)
+    n = _n_threads(os.environ.get(ENV_THREADS))
+    return n if cap is None else min(n, cap)
 
 
 @contextlib.contextmanager
+def thread_cap(n: int):
+    """On this thread, every ggml call inside runs on at most ``n`` threads (nested caps: the
+    least). A process's threads that each lead an OpenMP team keep their teams' threads within
+    the CPUs this way (see :func:`one_thread`): ``L`` lanes of ``cores // L`` each add up to
+    at most the cores, counting the process's first thread."""
+    if n < 1:
+        raise ValueError(f"a thread cap must be >= 1, got {n}")
+    before = getattr(_tls, "cap", None)
+    _tls.cap = n if before is None else min(before, n)
+    try:
+        yield
+    finally:
+        _tls.cap = before
+
+
 def one_thread():
     """On this thread, every ggml call inside runs on it alone (no OpenMP team).
 
@@ -373,12 +388,7 @@ def one_thread():
     expert call's graph has a few barriers, and there the difference was lost in the noise.
     A caller whose calls are small enough to run inline computes them here instead, so only
     one thread of the process ever leads a team."""
-    before = getattr(_tls, "one_thread", False)
-    _tls.one_thread = True
-    try:
-        yield
-    finally:
-        _tls.one_thread = before
+    return thread_cap(1)
 
 
 def decode_threads() -> int:
@@ -387,10 +397,10 @@ def decode_threads() -> int:
     A decode graph is short: an OpenMP team on every core then spends its time at barriers,
     and on a machine shared with workers or other processes one descheduled thread stalls the
     team (measured on 2 loaded cores: 2-thread decode at 1.5 tok/s, 1-thread at ~35)."""
-    if getattr(_tls, "one_thread", False):
-        return 1
     value = os.environ.get(ENV_THREADS)
-    return _n_threads(value) if value else max(1, _cpu_count() // 2)
+    n = _n_threads(value) if value else max(1, _cpu_count() // 2)
+    cap = getattr(_tls, "cap", None)
+    return n if cap is None else min(n, cap)
 
 
 def threads_for(work: int, tokens: int = 0) -> int:

@@ -12,6 +12,7 @@ from backbone.model import Engine
 from backbone.sampling import Sampler, SamplerConfig
 from backbone.scheduler import GenRequest, Scheduler, SchedulerConfig
 from kvasir_bus.errors import UsageError
+from kvasir_bus.threads import usable_cores
 from tests.serve.test_scheduler import run_all
 
 
@@ -23,13 +24,17 @@ class MeetingExperts:
     def __init__(self, local, lanes: int):
         self.local, self.barrier = local, threading.Barrier(lanes, timeout=60)
         self.seen: set[str] = set()
+        self.threads: set[int] = set()  # what a ggml call inside a lane may take
         self.lock = threading.Lock()
 
     def run_layer(self, layer, calls):
+        from kernels import ggml
+
         name = threading.current_thread().name
         with self.lock:
             first = name not in self.seen
             self.seen.add(name)
+            self.threads.add(ggml.n_threads())
         if first:
             self.barrier.wait()
         return self.local.run_layer(layer, calls)
@@ -54,6 +59,9 @@ def test_two_micro_batches_run_at_once_and_each_sequence_gets_its_tokens_alone(e
     finally:
         engine.use_experts(None)
     assert meeting.seen == {"kvasir-scheduler-0", "kvasir-scheduler-1"}
+    # each lane's OpenMP team within its half of the cores (kernels.ggml.thread_cap): two lanes'
+    # teams never outnumber the CPUs, where libgomp would throttle every barrier of both
+    assert max(meeting.threads) <= max(1, usable_cores() // 2), meeting.threads
     assert stats["completed"] == 8 and stats["failed"] == 0 and stats["active"] == 0
     assert stats["kv_reserved_bytes"] == 0
     for r, out in zip(reqs, outs):
