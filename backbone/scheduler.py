@@ -59,7 +59,8 @@ import structlog
 
 from backbone.sampling import Sampler, SamplerConfig
 from kvasir_bus.errors import KvasirError, UsageError
-from kvasir_bus.threads import waking as core_share_waking
+from kernels.backend import thread_cap
+from kvasir_bus.threads import usable_cores, waking as core_share_waking
 
 log = structlog.get_logger("kvasir.scheduler")
 
@@ -503,9 +504,6 @@ class Scheduler:
 
     def _main(self, lane: int) -> None:
         if self.cfg.micro_batches > 1:  # each lane's OpenMP team within its share of the cores
-            from kernels.backend import thread_cap
-            from kvasir_bus.threads import usable_cores
-
             with thread_cap(max(1, usable_cores() // self.cfg.micro_batches)):
                 return self._lane(lane)
         return self._lane(lane)

@@ -20,7 +20,6 @@ Shapes: a weight has ``ne = (ne0, ne1)`` in ggml order (ne0 = input features); `
 from __future__ import annotations
 
 import contextlib
-
 import os
 import threading
 from collections import OrderedDict
