@@ -200,6 +200,12 @@ def pct(v) -> str:
     return "-" if v is None else f"{100 * v:.3g} %"
 
 
+def pct1(v) -> str:
+    """A percentage with one decimal always (9.0 %, never 9 %): the headline's figures are the
+    saved run's, and a test finds them by their decimal point."""
+    return "-" if v is None else f"{100 * v:.1f} %"
+
+
 def browser_audit_sentence(rec: dict) -> str:
     """What the saved run says of default-audit generations with tabs against the monolithic run."""
     res = rec["result"]
@@ -482,7 +488,7 @@ def headline_rows(records: list[dict]) -> list[list[str]]:
         earlier = ", ".join(f"{num(b.get('within_goal'))}" for b in reversed(before))
         rows.append([f"`kvasir plan`'s tokens/s and ITL, {num(sm.get('configurations'))} configurations run for real",
                      "the measured runs, same run", f"{num(sm.get('within_goal'))} of {num(sm.get('configurations'))} "
-                     f"within the goal, mean tokens/s error {pct(sm.get('mean_abs_tokens_per_s_error'))}"
+                     f"within the goal, mean tokens/s error {pct1(sm.get('mean_abs_tokens_per_s_error'))}"
                      + (f" (the {len(before)} runs before it, as they ran: {earlier})" if before else ""),
                      short_cmd(rec), when(rec)])
     rec = latest(records, "browser_kernel")
