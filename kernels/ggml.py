@@ -352,10 +352,14 @@ def _n_threads(value: str | None) -> int:
 
 
 def n_threads() -> int:
-    """Threads per ggml call: env KVASIR_THREADS, else os.cpu_count(); one inside
-    :func:`one_thread`."""
+    """Threads per ggml call: env KVASIR_THREADS, else os.cpu_count(); at most the cap inside
+    :func:`thread_cap` (one inside :func:`one_thread`)."""
+    return _capped(_n_threads(os.environ.get(ENV_THREADS)))
+
+
+def _capped(n: int) -> int:
+    """``n`` threads, or this thread's :func:`thread_cap` where that is fewer."""
     cap = getattr(_tls, "cap", None)
-    n = _n_threads(os.environ.get(ENV_THREADS))
     return n if cap is None else min(n, cap)
 
 
@@ -398,9 +402,7 @@ def decode_threads() -> int:
     and on a machine shared with workers or other processes one descheduled thread stalls the
     team (measured on 2 loaded cores: 2-thread decode at 1.5 tok/s, 1-thread at ~35)."""
     value = os.environ.get(ENV_THREADS)
-    n = _n_threads(value) if value else max(1, _cpu_count() // 2)
-    cap = getattr(_tls, "cap", None)
-    return n if cap is None else min(n, cap)
+    return _capped(_n_threads(value) if value else max(1, _cpu_count() // 2))
 
 
 def threads_for(work: int, tokens: int = 0) -> int:
