@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -292,6 +293,9 @@ class Sequence:
     rows: tuple[int, ...] = ()
     lease: Lease | None = None
     _finalizer: object = None
+    # what Engine._caches last bound: (cells every attention layer's cache holds, the per-layer
+    # list, the first attention layer), reused while a step fits those cells
+    bound: tuple | None = field(default=None, repr=False)
 
     def reserve(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Make the layer's cache hold cells 0..end-1; returns (K, V)."""
@@ -369,7 +373,8 @@ class Speculation:
     tokens: every one missed, and a missed prompt is a first token twice as late). Per kind of
     step (its rows and sequences) the outcomes of its recent tries decide: tried while at most
     :data:`MAX_MISS` of them missed, and once in :data:`PROBE_EVERY` steps anyway (routing
-    changes with the text)."""
+    changes with the text). A kind that has had fewer than :data:`WINDOW` tries is judged as
+    if the rest had been kept."""
 
     MAX_ROWS = 64  # more rows than this: some expert gets the threshold's rows nearly always
     MAX_MISS = 0.1
@@ -388,7 +393,10 @@ class Speculation:
         if not self.enabled or kind[0] > self.MAX_ROWS:
             return False
         seen = self._seen.get(kind, [])
-        if len(seen) < self.MIN_TRIES or seen.count(False) <= self.MAX_MISS * len(seen):
+        # the misses among the last WINDOW tries, those not yet made counted as kept: one early
+        # miss (a 16-stream decode step of the small model misses about one in 60) does not
+        # stop the tries for the WINDOW probes it would take to outweigh it
+        if len(seen) < self.MIN_TRIES or seen.count(False) <= self.MAX_MISS * max(len(seen), self.WINDOW):
             return True
         skipped = self._skipped.get(kind, 0) + 1
         self._skipped[kind] = 0 if skipped >= self.PROBE_EVERY else skipped
@@ -475,6 +483,7 @@ class Engine:
         self.kv_groups = self.batch_graphs and os.environ.get("KVASIR_KV_GROUPS", "1") != "0"
         n_attn = sum(not cfg.is_recurrent(il) for il in range(cfg.n_layer))
         self.kv_slots = KvSlots(n_attn, cfg.n_head_kv * cfg.head_dim) if self.kv_groups else None
+        self._thread = threading.local()  # per lane thread: the last batch step's blocks (_step_blocks)
         self.speculation = Speculation(enabled=os.environ.get("KVASIR_SPECULATE", "1") != "0")
         # Repacked now (fast mode), not in the middle of the first request; what it took is
         # reported by whoever logs (the backbone service), not here: a library prints nothing.
@@ -539,7 +548,7 @@ class Engine:
                 raise UsageError("a batch entry has no tokens")
             if seq.n_past + L > seq.n_ctx:
                 raise UsageError(f"sequence needs {seq.n_past + L} positions; the context is {seq.n_ctx}")
-            if np.any((ids < 0) | (ids >= c.n_vocab)):
+            if not 0 <= ids[0] < c.n_vocab if L == 1 else np.any((ids < 0) | (ids >= c.n_vocab)):
                 raise UsageError(f"token id out of range 0..{c.n_vocab - 1}")
         # Where only each sequence's last logits are wanted, the last layer's FFN and the head run
         # on those rows alone: after the layer's attention (or delta-net) output projection, the
@@ -674,9 +683,21 @@ class Engine:
 
     def _caches(self, seq: Sequence, end: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per layer what the step graphs bind of ``seq``: its KV cache grown to hold cells
-        0..end-1, or for a delta-net layer its conv and recurrent states (updated in place)."""
+        0..end-1, or for a delta-net layer its conv and recurrent states (updated in place).
+        The list is kept on the sequence (read-only) until a step needs more cells than its
+        caches hold: a decode step's sequences then cost a comparison each, not a call per
+        layer (their Python, after a graph has evicted the CPU's caches, is several times
+        slower than a warm benchmark of it shows)."""
+        bound = seq.bound
+        if bound is not None and end <= bound[0] and (bound[2] is None or seq.k[bound[2]] is bound[1][bound[2]][0]):
+            if seq.lease is not None and end > seq.lease.high:
+                seq.lease.high = end  # cells to zero when the slot comes back, as reserve() notes them
+            return bound[1]
         c = self.cfg
-        return [(seq.conv[il], seq.ssm[il]) if c.is_recurrent(il) else seq.reserve(il, end) for il in range(c.n_layer)]
+        out = [(seq.conv[il], seq.ssm[il]) if c.is_recurrent(il) else seq.reserve(il, end) for il in range(c.n_layer)]
+        attn = [il for il in range(c.n_layer) if not c.is_recurrent(il)]
+        seq.bound = (min(out[il][0].shape[0] for il in attn) if attn else end, out, attn[0] if attn else None)
+        return out
 
     def _batch_graphs(self, batch, lengths: list[int], keep: np.ndarray | None) -> list[np.ndarray]:
         """A step of several sequences (decode tokens and prompt chunks mixed) as one ggml graph
@@ -700,7 +721,7 @@ class Engine:
         for (seq, _), L in zip(batch, lengths):
             end = seq.n_past + L
             mine = self._caches(seq, end)
-            kv_size = next(kc.shape[0] for (kc, _), il in zip(mine, range(c.n_layer)) if not c.is_recurrent(il))
+            kv_size = mine[seq.bound[2]][0].shape[0]  # the first attention layer's cells
             n_kv = dense.n_kv_for(end, kv_size)
             rows = max(L, min_rows)
             streams.append(fused.Stream(start, L, rows, kv_size, n_kv))
@@ -713,10 +734,7 @@ class Engine:
                 masks[i] = dense.causal_mask(batch[i][0].n_past, 1, s.n_kv, s.rows)
         step = fused.StepShape(T, T, 0, 0, _kq_scale(c.head_dim), c.n_expert_used, w.expert_glu,
                                c.traits.shexp_gate, c.traits.norm_topk, streams=tuple(streams), groups=groups)
-        blocks = [fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches),
-                              spans=tuple((blk.k[row, lo:lo + n], blk.v[row, lo:lo + n]) for blk, lo, n in spans)
-                              if (row := batch[0][0].rows[il]) >= 0 else ())
-                  for il in range(c.n_layer)]
+        blocks = self._step_blocks(batch[0][0].rows, caches, spans)
         per_graph = 1 if T > len(batch) else min(  # chunks: one layer per graph (see MAX_STREAM_LAYERS)
             _layers_per_graph(step, [blocks[i] for i in self._shape_kinds], BATCH_GRAPH_BYTES),
             max(1, MAX_STREAM_LAYERS // len(batch)))
@@ -733,6 +751,23 @@ class Engine:
             return [logits[i:i + 1] for i in range(len(batch))]
         starts = np.cumsum([0] + lengths)
         return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]
+
+    def _step_blocks(self, rows: tuple[int, ...], caches: list, spans: list) -> list:
+        """A batch step's :class:`fused.Block` per layer: each sequence's caches of the layer
+        (``caches``: :meth:`_caches`' lists), and per KV group its span's views of the layer's
+        block (``rows``: each layer's row in the blocks). The last step's, on this thread,
+        where its caches and spans were these (a decode step of the same streams: the
+        sequences' lists are the same objects while their caches hold)."""
+        w, last = self.weights, getattr(self._thread, "blocks", None)
+        if last is not None and len(last[0]) == len(caches) and all(a is b for a, b in zip(last[0], caches)) \
+                and len(last[1]) == len(spans) and all(a[0] is b[0] and a[1:] == b[1:] for a, b in zip(last[1], spans)):
+            return last[2]
+        blocks = [fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches),
+                              spans=tuple((blk.k[row, lo:lo + n], blk.v[row, lo:lo + n]) for blk, lo, n in spans)
+                              if (row := rows[il]) >= 0 else ())
+                  for il in range(self.cfg.n_layer)]
+        self._thread.blocks = (caches, spans, blocks)  # (holds the last step's cache views until the next)
+        return blocks
 
     def _kv_groups(self, batch, streams: list, rows: int) -> tuple[tuple, tuple, list]:
         """The decode streams of a batch step whose caches share a block (``backbone.kvslots``),
@@ -766,7 +801,8 @@ class Engine:
                 mask[o] = dense.causal_mask(seq.n_past, 1, n_kv, rows)
                 # the step's shape names the group's cells, not each member's: a member crossing
                 # 64 cells changes it only where it was the group's longest
-                streams[i] = replace(streams[i], group=g, n_kv=n_kv)
+                s = streams[i]
+                streams[i] = fused.Stream(s.start, s.n_new, s.rows, s.kv_size, n_kv, g)  # (replace(): 5x the time)
             starts = np.array([streams[i].start for i in members], dtype=np.int64)
             offs = np.array(slots, dtype=np.int64) - lo
             n_pasts = np.array([batch[i][0].n_past for i in members], dtype=np.int64)
@@ -812,7 +848,7 @@ class Engine:
         per layer the experts chosen (n, K)."""
         n_layer, x, chosen = len(blocks), None, []
         for first in range(0, n_layer, per_graph):
-            part = blocks[first:first + per_graph]
+            part = blocks if per_graph >= n_layer else blocks[first:first + per_graph]  # (the list itself: checked once)
             last = first + len(part) == n_layer
             out = fused.step_graph(step, part, x=x, tokens=tokens if x is None else None, **at,
                                    head=head if last else None, memo=self._step_plans, speculate=speculate,

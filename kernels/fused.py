@@ -38,6 +38,7 @@ only rebinds the data pointers, the layer's weights included, so all layers shar
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +47,8 @@ from gguf import GGMLQuantizationType as T
 from kernels import deltanet, ggml
 from kernels.ggml import Graph, address, expert_repacked, repacked, run_cached, threads_for, weight_data, weight_input
 from kernels.tensors import QTensor
+
+_checked = threading.local()  # step_graph: the blocks list whose caches it last checked, and the step
 
 NODES = 64  # graph size: attention_out with a shared expert and its gate has about 25 nodes
 
@@ -1043,7 +1046,9 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     for name, (a, shape, dtype) in want.items():
         if a is not None and (a.shape != shape or a.dtype != dtype):
             raise ValueError(f"step_graph: {name} is {a.dtype}{a.shape}, expected {np.dtype(dtype)}{shape}")
-    for b in blocks:  # the caches are bound by address: their shapes are the graph's
+    checked = getattr(_checked, "blocks", None)  # the last blocks whose caches passed, on this thread
+    for b in () if checked is not None and checked[0] is blocks and checked[1] == step else blocks:
+        # the caches are bound by address: their shapes are the graph's
         pairs = zip(b.caches, streams) if streams else [(b.cache, step)]
         if streams and len(b.caches) != len(streams):
             raise ValueError(f"step_graph: a block with {len(b.caches)} caches for {len(streams)} sequences")
@@ -1066,6 +1071,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                         or not ks.flags.c_contiguous or not vs.flags.c_contiguous:
                     raise ValueError(f"step_graph: a KV span is {ks.dtype}{ks.shape} / {vs.shape}, expected "
                                      f"C-contiguous float16 ({gr.span}, {gr.cells}, {gqa})")
+    _checked.blocks = (blocks, step)  # (a caller's list is not changed after: a step's next call skips these)
     norm = step.norm_topk
     imrope = any(not b.recurrent and b.shape.sections for b in blocks)  # (4R,) positions for rope_multi
 
@@ -1141,7 +1147,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
         arrays += [pos, np.concatenate([pos, pos, pos, np.zeros_like(pos)])] if imrope else [pos]
         arrays += masks if streams else (mask,)
         arrays += [keep] if keep is not None else []
-        for gi in groups if any(not b.recurrent for b in blocks) else ():
+        for gi in groups if groups and gqa else ():  # (read by attention layers only)
             arrays += gi.arrays()
     result = StepOut(ids=[np.empty((n, K), np.int32) for n in expert_rows[:local]])
     for i, b in enumerate(blocks):

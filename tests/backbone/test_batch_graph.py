@@ -130,6 +130,34 @@ def test_a_decode_step_reuses_its_graph_until_a_sequence_crosses_256_cells(model
     assert (a.n_past, b.n_past) == (260, 20)
 
 
+def test_a_decode_steps_bindings_are_reused_while_the_caches_hold_and_renewed_when_one_grows(models):
+    """What a batch step binds of its sequences (each one's per-layer caches, ``Engine._caches``;
+    the step's blocks, ``_step_blocks``) is kept from step to step while no cache has to grow:
+    the same lists, checked once. A sequence crossing 256 cells moves to a bigger slot, and the
+    next step binds its new caches. The logits are the per-layer path's, bit for bit."""
+    def run(batch_graphs: bool):
+        engine = Engine(models("qwen3moe", "q4_k", ctx=512))
+        engine.batch_graphs = batch_graphs
+        rng = np.random.default_rng(5)
+        V = engine.cfg.n_vocab
+        a, b = engine.new_sequence(), engine.new_sequence()
+        engine.forward([(a, rng.integers(0, V, 252))])
+        engine.forward([(b, rng.integers(0, V, 9))])
+        out, bound, blocks = [], [], []
+        for _ in range(8):  # a writes cells 252..259: it crosses 256 at the fifth step
+            out += engine.forward([(a, rng.integers(0, V, 1)), (b, rng.integers(0, V, 1))], all_logits=False)
+            bound.append(a.bound[1] if a.bound else None)
+            blocks.append(getattr(engine._thread, "blocks", (None, None, None))[2])
+        return out, bound, blocks, a
+
+    out, bound, blocks, a = run(True)
+    assert all(x is bound[0] for x in bound[:4]) and all(x is bound[4] for x in bound[4:]) and bound[4] is not bound[0]
+    assert all(x is blocks[0] for x in blocks[:4]) and blocks[4] is not blocks[0]
+    assert a.k[0].shape[0] == 512 and bound[4][0][0] is a.k[0]  # the new slot's caches are the ones bound
+    per_layer, _, _, _ = run(False)
+    assert all(np.array_equal(x, y) for x, y in zip(out, per_layer))
+
+
 def test_a_batch_with_remote_experts_is_one_graph_per_layer_with_the_local_bits(models, monkeypatch):
     from tests.backbone.test_pruning import Remote
 
