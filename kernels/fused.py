@@ -874,7 +874,7 @@ class _StepPlan:
     since a server's share of the cores changes while it runs (``kvasir_bus.threads.CoreShare``)
     and a plan made on a busy second lasts as long as its shape."""
 
-    key: tuple
+    key: ggml.Key
     work: int  # multiply-adds of one call: threads_for's measure
     rps: dict  # id(weight) -> Repacked | None
     rp_head: object  # Repacked | None
@@ -924,7 +924,7 @@ def _plan(step: StepShape, blocks: list[Block], local: int, expert_rows: list[in
     exps = [[weight_data(w, rps[id(w)]) for w in _expert_slabs(b.layer)] for b in blocks]
     tail = [address(head[0]), weight_data(head[1], rp_head)] if head is not None else []
     owners = tuple(b.layer for b in blocks) + tuple(b.shape for b in blocks) + (head[:2] if head is not None else ())
-    return _StepPlan(key, work, rps, rp_head, pre, post, exps, tail, owners)
+    return _StepPlan(ggml.Key(key), work, rps, rp_head, pre, post, exps, tail, owners)
 
 
 def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = None,
