@@ -782,37 +782,54 @@ class Engine:
                 by_block.setdefault(id(seq.lease.block), []).append(i)
         groups, inputs, spans = [], [], []
         gqa = self.cfg.n_head_kv * self.cfg.head_dim
+        known = getattr(self._thread, "groups", None)  # a group's fixed inputs, by its members' places
+        if known is None or len(known) > 64:
+            known = self._thread.groups = {}
         for members in by_block.values():
             if len(members) < 2:
                 continue
             block = batch[members[0]][0].lease.block
-            slots = [batch[i][0].lease.slot for i in members]
-            lo = min(slots)
-            span = max(slots) - lo + 1
+            slots = tuple(batch[i][0].lease.slot for i in members)
+            starts = tuple(streams[i].start for i in members)
             n_kv = max(streams[i].n_kv for i in members)
-            cells = block.cells
-            qidx = np.full((span, rows), streams[members[0]].start, dtype=np.int32)
-            mask = np.full((span, rows, n_kv), -np.inf, dtype=np.float32)
-            mask[:, :, 0] = 0  # a slot of no member: one cell seen, its output dropped
+            fixed = known.get((slots, starts, rows))
+            if fixed is None or fixed[0] is not block:
+                fixed = known[(slots, starts, rows)] = (block, *self._group_fixed(block, slots, starts, rows, gqa))
+            _, lo, span, offs, places, qidx, sel, pick, dst, vbase = fixed
             g = len(groups)
-            for i, slot in zip(members, slots):
-                seq, o = batch[i][0], slot - lo
-                qidx[o] = streams[i].start
-                mask[o] = dense.causal_mask(seq.n_past, 1, n_kv, rows)
+            for i in members:
                 # the step's shape names the group's cells, not each member's: a member crossing
                 # 64 cells changes it only where it was the group's longest
-                s = streams[i]
-                streams[i] = fused.Stream(s.start, s.n_new, s.rows, s.kv_size, n_kv, g)  # (replace(): 5x the time)
-            starts = np.array([streams[i].start for i in members], dtype=np.int64)
-            offs = np.array(slots, dtype=np.int64) - lo
-            n_pasts = np.array([batch[i][0].n_past for i in members], dtype=np.int64)
-            vidx = (offs * gqa * cells + n_pasts)[:, None] + np.arange(gqa, dtype=np.int64)[None, :] * cells
-            inputs.append(fused.GroupInputs(qidx=qidx.ravel(), sel=starts.astype(np.int32),
-                                            kidx=offs * cells + n_pasts, vidx=vidx.ravel(), mask=mask,
-                                            pick=(offs * rows).astype(np.int32), dst=starts))
-            groups.append(fused.KvGroup(cells, span, n_kv, rows, len(members)))
+                st = streams[i]
+                streams[i] = fused.Stream(st.start, st.n_new, st.rows, st.kv_size, n_kv, g)  # (replace(): 5x the time)
+            past = [batch[i][0].n_past for i in members]
+            n_pasts = np.array(past, dtype=np.int64)
+            mask = np.full((span, rows, n_kv), -np.inf, dtype=np.float32)
+            mask[:, :, 0] = 0  # a slot of no member: one cell seen, its output dropped
+            for o, p in zip(places, past):
+                mask[o, :, :p + 1] = 0  # dense.causal_mask's rows: cells 0..n_past seen
+            inputs.append(fused.GroupInputs(qidx=qidx, sel=sel, kidx=offs * block.cells + n_pasts,
+                                            vidx=(vbase + n_pasts[:, None]).ravel(), mask=mask, pick=pick, dst=dst))
+            groups.append(fused.KvGroup(block.cells, span, n_kv, rows, len(members)))
             spans.append((block, lo, span))
         return tuple(groups), tuple(inputs), spans
+
+    @staticmethod
+    def _group_fixed(block, slots: tuple, starts: tuple, rows: int, gqa: int) -> tuple:
+        """What a KV group's inputs keep while its members keep their slots and rows: its first
+        slot and span, each member's slot offset (an array and a list), the query row of each
+        slot's rows (``qidx``), each member's row of the step (``sel``, ``dst``), its first row
+        in the group's output (``pick``), and where its value elements sit less its cell
+        (``vidx`` less ``n_past``)."""
+        lo = min(slots)
+        span = max(slots) - lo + 1
+        offs = np.array(slots, dtype=np.int64) - lo
+        qidx = np.full((span, rows), starts[0], dtype=np.int32)
+        qidx[offs] = np.array(starts, dtype=np.int32)[:, None]
+        dst = np.array(starts, dtype=np.int64)
+        vbase = (offs * gqa * block.cells)[:, None] + np.arange(gqa, dtype=np.int64)[None, :] * block.cells
+        return (lo, span, offs, offs.tolist(), qidx.ravel(), dst.astype(np.int32), (offs * rows).astype(np.int32),
+                dst, vbase)
 
     def _run_step_graphs(self, step: fused.StepShape, blocks: list, per_graph: int, tokens: tuple, at: dict,
                          keep: np.ndarray | None, head: tuple, n_out: int) -> np.ndarray:
@@ -848,7 +865,8 @@ class Engine:
         per layer the experts chosen (n, K)."""
         n_layer, x, chosen = len(blocks), None, []
         for first in range(0, n_layer, per_graph):
-            part = blocks if per_graph >= n_layer else blocks[first:first + per_graph]  # (the list itself: checked once)
+            # (the list itself where it is one part: step_graph checks it once)
+            part = blocks if per_graph >= n_layer else blocks[first:first + per_graph]
             last = first + len(part) == n_layer
             out = fused.step_graph(step, part, x=x, tokens=tokens if x is None else None, **at,
                                    head=head if last else None, memo=self._step_plans, speculate=speculate,
