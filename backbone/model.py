@@ -734,7 +734,7 @@ class Engine:
                 masks[i] = dense.causal_mask(batch[i][0].n_past, 1, s.n_kv, s.rows)
         step = fused.StepShape(T, T, 0, 0, _kq_scale(c.head_dim), c.n_expert_used, w.expert_glu,
                                c.traits.shexp_gate, c.traits.norm_topk, streams=tuple(streams), groups=groups)
-        blocks = self._step_blocks(batch[0][0].rows, caches, spans)
+        blocks = self._step_blocks([seq for seq, _ in batch], caches, spans)
         per_graph = 1 if T > len(batch) else min(  # chunks: one layer per graph (see MAX_STREAM_LAYERS)
             _layers_per_graph(step, [blocks[i] for i in self._shape_kinds], BATCH_GRAPH_BYTES),
             max(1, MAX_STREAM_LAYERS // len(batch)))
@@ -752,21 +752,32 @@ class Engine:
         starts = np.cumsum([0] + lengths)
         return [logits[a:b] for a, b in zip(starts[:-1], starts[1:])]
 
-    def _step_blocks(self, rows: tuple[int, ...], caches: list, spans: list) -> list:
+    def _step_blocks(self, seqs: list, caches: list, spans: list) -> fused.Blocks:
         """A batch step's :class:`fused.Block` per layer: each sequence's caches of the layer
         (``caches``: :meth:`_caches`' lists), and per KV group its span's views of the layer's
-        block (``rows``: each layer's row in the blocks). The last step's, on this thread,
-        where its caches and spans were these (a decode step of the same streams: the
-        sequences' lists are the same objects while their caches hold)."""
-        w, last = self.weights, getattr(self._thread, "blocks", None)
-        if last is not None and len(last[0]) == len(caches) and all(a is b for a, b in zip(last[0], caches)) \
-                and len(last[1]) == len(spans) and all(a[0] is b[0] and a[1:] == b[1:] for a, b in zip(last[1], spans)):
-            return last[2]
-        blocks = [fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches),
-                              spans=tuple((blk.k[row, lo:lo + n], blk.v[row, lo:lo + n]) for blk, lo, n in spans)
-                              if (row := rows[il]) >= 0 else ())
-                  for il in range(self.cfg.n_layer)]
-        self._thread.blocks = (caches, spans, blocks)  # (holds the last step's cache views until the next)
+        block. The last step's, on this thread, where its caches and spans were these (a decode
+        step of the same streams: the sequences' lists are the same objects while their caches
+        hold), so that ``step_graph`` checks them once. Kept only while every one of those
+        sequences lives: one that is dropped lets go of them (its caches are not held past it)."""
+        last = getattr(self._thread, "blocks", None)
+        if last is not None:
+            caches0, spans0, blocks0 = last[0], last[1], last[2]
+            if blocks0 is not None and len(caches0) == len(caches) and all(a is b for a, b in zip(caches0, caches)) \
+                    and len(spans0) == len(spans) and all(a[0] is b[0] and a[1:] == b[1:] for a, b in zip(spans0, spans)):
+                return blocks0
+        w, rows = self.weights, seqs[0].rows
+        blocks = fused.Blocks(
+            fused.Block(w.layers[il], self._attention_shape(il), None, tuple(m[il] for m in caches),
+                        spans=tuple((blk.k[row, lo:lo + n], blk.v[row, lo:lo + n]) for blk, lo, n in spans)
+                        if (row := rows[il]) >= 0 else ())
+            for il in range(self.cfg.n_layer))
+        entry = [caches, spans, blocks, None]
+
+        def let_go(_, entry=entry) -> None:  # a sequence of the step was dropped
+            entry[0] = entry[1] = entry[2] = None
+
+        entry[3] = [weakref.ref(seq, let_go) for seq in seqs]
+        self._thread.blocks = entry
         return blocks
 
     def _kv_groups(self, batch, streams: list, rows: int) -> tuple[tuple, tuple, list]:

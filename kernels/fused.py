@@ -38,7 +38,6 @@ only rebinds the data pointers, the layer's weights included, so all layers shar
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,8 +46,6 @@ from gguf import GGMLQuantizationType as T
 from kernels import deltanet, ggml
 from kernels.ggml import Graph, address, expert_repacked, repacked, run_cached, threads_for, weight_data, weight_input
 from kernels.tensors import QTensor
-
-_checked = threading.local()  # step_graph: the blocks list whose caches it last checked, and the step
 
 NODES = 64  # graph size: attention_out with a shared expert and its gate has about 25 nodes
 
@@ -808,6 +805,14 @@ class Block:
         return isinstance(self.shape, DeltaNetShape)
 
 
+class Blocks(list):
+    """A step's :class:`Block` list that :func:`step_graph` marks with the step whose caches it
+    checked: given the same list with the same step again (a decode step of the same streams),
+    it skips those checks. A caller does not change such a list once it has passed it."""
+
+    __slots__ = ("checked", "__weakref__")
+
+
 @dataclass
 class Routed:
     """A layer stopped at its routed experts, for another node to compute them: the residual
@@ -1046,8 +1051,8 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     for name, (a, shape, dtype) in want.items():
         if a is not None and (a.shape != shape or a.dtype != dtype):
             raise ValueError(f"step_graph: {name} is {a.dtype}{a.shape}, expected {np.dtype(dtype)}{shape}")
-    checked = getattr(_checked, "blocks", None)  # the last blocks whose caches passed, on this thread
-    for b in () if checked is not None and checked[0] is blocks and checked[1] == step else blocks:
+    checked = blocks.__class__ is Blocks and getattr(blocks, "checked", None) == step
+    for b in () if checked else blocks:
         # the caches are bound by address: their shapes are the graph's
         pairs = zip(b.caches, streams) if streams else [(b.cache, step)]
         if streams and len(b.caches) != len(streams):
@@ -1071,7 +1076,8 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                         or not ks.flags.c_contiguous or not vs.flags.c_contiguous:
                     raise ValueError(f"step_graph: a KV span is {ks.dtype}{ks.shape} / {vs.shape}, expected "
                                      f"C-contiguous float16 ({gr.span}, {gr.cells}, {gqa})")
-    _checked.blocks = (blocks, step)  # (a caller's list is not changed after: a step's next call skips these)
+    if blocks.__class__ is Blocks:
+        blocks.checked = step
     norm = step.norm_topk
     imrope = any(not b.recurrent and b.shape.sections for b in blocks)  # (4R,) positions for rope_multi
 

@@ -158,6 +158,25 @@ def test_a_decode_steps_bindings_are_reused_while_the_caches_hold_and_renewed_wh
     assert all(np.array_equal(x, y) for x, y in zip(out, per_layer))
 
 
+def test_the_kept_bindings_let_go_of_a_dropped_sequences_caches(models):
+    """What ``_step_blocks`` keeps for the next step holds no cache past its sequence: a server
+    that has finished its streams keeps none of their memory."""
+    import gc
+    import weakref
+
+    engine = Engine(models("qwen3moe", "q4_k"))
+    seqs = [engine.new_sequence() for _ in range(2)]
+    for s in seqs:
+        s.slots = None  # caches of their own (arrays that only the sequence should hold)
+        engine.forward([(s, np.array([1, 2, 3]))])
+    engine.forward([(s, np.array([4])) for s in seqs], all_logits=False)
+    assert engine._thread.blocks[2] is not None
+    cache = weakref.ref(seqs[0].k[0])
+    del s, seqs
+    gc.collect()
+    assert engine._thread.blocks[2] is None and cache() is None
+
+
 def test_a_batch_with_remote_experts_is_one_graph_per_layer_with_the_local_bits(models, monkeypatch):
     from tests.backbone.test_pruning import Remote
 
