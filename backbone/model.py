@@ -483,7 +483,8 @@ class Engine:
         self.kv_groups = self.batch_graphs and os.environ.get("KVASIR_KV_GROUPS", "1") != "0"
         n_attn = sum(not cfg.is_recurrent(il) for il in range(cfg.n_layer))
         self.kv_slots = KvSlots(n_attn, cfg.n_head_kv * cfg.head_dim) if self.kv_groups else None
-        self._thread = threading.local()  # per lane thread: the last batch step's blocks (_step_blocks)
+        # per lane thread: the last batch step's blocks (_step_blocks), KV groups' fixed inputs (_kv_groups)
+        self._thread = threading.local()
         self.speculation = Speculation(enabled=os.environ.get("KVASIR_SPECULATE", "1") != "0")
         # Repacked now (fast mode), not in the middle of the first request; what it took is
         # reported by whoever logs (the backbone service), not here: a library prints nothing.
@@ -804,8 +805,9 @@ class Engine:
             starts = tuple(streams[i].start for i in members)
             n_kv = max(streams[i].n_kv for i in members)
             fixed = known.get((slots, starts, rows))
-            if fixed is None or fixed[0] is not block:
-                fixed = known[(slots, starts, rows)] = (block, *self._group_fixed(block, slots, starts, rows, gqa))
+            if fixed is None or fixed[0]() is not block:  # (a weak reference: an emptied block is let go)
+                fixed = known[(slots, starts, rows)] = (weakref.ref(block),
+                                                        *self._group_fixed(block, slots, starts, rows, gqa))
             _, lo, span, offs, places, qidx, sel, pick, dst, vbase = fixed
             g = len(groups)
             for i in members:
