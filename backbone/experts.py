@@ -66,8 +66,10 @@ class LocalExperts:
         """Rows ``x`` (T, D) through the experts ``ids`` (T, K) of ``layer`` in one ggml graph:
         (T, K, D) float32, each slot the bits :meth:`compute` gives that expert's rows."""
         blk = self.weights.layers[layer]
-        self.calls[layer] += len(np.unique(ids))
+        out = ggml_moe_ffn(blk.ffn_gate_exps, blk.ffn_up_exps, blk.ffn_down_exps, x, ids,
+                           biases=(blk.ffn_gate_exps_bias, blk.ffn_up_exps_bias, blk.ffn_down_exps_bias),
+                           glu=self.weights.expert_glu)
+        # (counted once the call has checked the ids are the layer's experts; np.unique: 4-5x slower)
+        self.calls[layer] += int(np.count_nonzero(np.bincount(np.ravel(ids))))
         self.rows[layer] += ids.size
-        return ggml_moe_ffn(blk.ffn_gate_exps, blk.ffn_up_exps, blk.ffn_down_exps, x, ids,
-                            biases=(blk.ffn_gate_exps_bias, blk.ffn_up_exps_bias, blk.ffn_down_exps_bias),
-                            glu=self.weights.expert_glu)
+        return out

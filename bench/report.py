@@ -103,13 +103,15 @@ def has_section(key: str):
 def render_serve(rec: dict) -> list[str]:
     res = rec["result"]
     rows = []
+    with_cpu = any("cpu_ms_per_token" in r["kvasir_serve"] for r in serve_rows(res))
     for r in serve_rows(res):
         ours, batched, server = r["kvasir_serve"], r.get("llama_cpp_batched", {}), r.get("llama_server", {})
         rows.append([num(r["concurrency"]), num(ours.get("tok_s")),
                      f"{num(ours.get('ttft_ms', {}).get('p50'))} / {num(ours.get('ttft_ms', {}).get('p95'))}",
                      f"{num(ours.get('itl_ms', {}).get('p50'))} / {num(ours.get('itl_ms', {}).get('p95'))}",
                      num(batched.get("tok_s")), num(r.get("ratio")),
-                     num(server.get("tok_s")), num(r.get("ratio_vs_llama_server"))])
+                     num(server.get("tok_s")), num(r.get("ratio_vs_llama_server"))]
+                    + ([_cpu_cell(ours), _cpu_cell(server)] if with_cpu else []))
     rounds = (f" Each side's best of {num(res['rounds'])} alternating rounds (the servers started once)."
               if res.get("rounds") else " One run per side.")
     return [f"`{res.get('model')}` ({num(res.get('file_mb'))} MB, {num(res.get('moe_layers'))} MoE layers), "
@@ -118,9 +120,19 @@ def render_serve(rec: dict) -> list[str]:
             f"`llama_decode` of all streams per step) in the same run, and `llama-server` where it was built."
             + rounds,
             "", *table(["streams", "kvasir serve tok/s", "TTFT p50 / p95 ms", "ITL p50 / p95 ms",
-                        "llama.cpp batched tok/s", "ours / batched", "llama-server tok/s", "ours / llama-server"],
+                        "llama.cpp batched tok/s", "ours / batched", "llama-server tok/s", "ours / llama-server"]
+                       + (["kvasir serve CPU ms per token: all (its threads)", "llama-server's"] if with_cpu else []),
                        rows),
+            *(["", "CPU per generated token of each best round: the server process, and in brackets "
+                   "its threads from the busiest (`cpu_ms_per_token`)."] if with_cpu else []),
             "", provenance(rec)]
+
+
+def _cpu_cell(side: dict) -> str:
+    cpu = side.get("cpu_ms_per_token")
+    if not cpu:
+        return ""
+    return f"{num(cpu['server'])} ({' / '.join(num(v) for v in cpu['server_threads'][:4])})"
 
 
 def render_sharded(rec: dict) -> list[str]:

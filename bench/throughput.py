@@ -6,7 +6,8 @@ and the bus, with the latency bound S / (L x r) beside it. All measured in this 
 For each concurrency C: C streaming clients (aiohttp, OpenAI's SSE format) each ask for the same
 number of tokens (``ignore_eos``) after a prompt of their own; aggregate tokens/s is all generated
 tokens over the wall time from the first request to the last [DONE]; time to first token and
-inter-token latency are per client, p50/p95. The server runs in its own process
+inter-token latency are per client, p50/p95; for each server, the CPU per generated token of
+its process and of each of its threads, and of the clients (``cpu_ms_per_token``, Linux). The server runs in its own process
 (``kvasir serve``), so the clients do not share its interpreter. (a)'s sides (ours,
 ``llama-server -np 16`` and the batched decode below) are started once and take turns in
 ``--rounds`` rounds per concurrency; each side's figure is its best round (every round is kept
@@ -629,10 +630,12 @@ def run_local(path: Path, args, top: int, n_ctx: int, threads: int, out: dict) -
         ours = start_server(path, max_active=top, threads=args.threads)
         ref = LlamaBatched(path, n_seq=top, n_ctx=n_ctx, threads=threads)
         theirs = None if args.no_llama_server else start_reference(path, args, n_ctx, threads, out)
-        sides = {"kvasir_serve": lambda batch: asyncio.run(run_clients(ours[1], batch, args.tokens)),
+        sides = {"kvasir_serve": lambda batch: with_cpu(ours[0].pid, lambda: asyncio.run(
+                     run_clients(ours[1], batch, args.tokens))),
                  "llama_cpp_batched": lambda batch: ref.run(batch, args.tokens)}
         if theirs is not None:
-            sides["llama_server"] = lambda batch: asyncio.run(run_clients(theirs[1], batch, args.tokens))
+            sides["llama_server"] = lambda batch: with_cpu(theirs[0].pid, lambda: asyncio.run(
+                run_clients(theirs[1], batch, args.tokens)))
         for run in sides.values():  # warm up each (salt 0: prompts no measured round asks)
             run(prompts(1, args.prompt_tokens, salt=0))
         out["rounds"] = args.rounds
@@ -667,6 +670,45 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds a process has spent so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float] | None:
+    """Each live thread's CPU seconds so far (Linux /proc), or None: the time on a CPU that
+    ``schedstat`` gives in nanoseconds (``stat``'s clock ticks, 10 ms, would be most of a
+    one-stream round's CPU per token), else ``stat``'s."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            try:
+                out[int(tid)] = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+            except (FileNotFoundError, IndexError, ValueError):
+                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        except OSError:  # the thread ended meanwhile
+            continue
+    return out
+
+
+def with_cpu(pid: int, run) -> dict:
+    """``run()`` (a round of streaming clients, in this process) with the CPU it cost per
+    generated token, in ms: the server's (``server``: every thread of process ``pid``), its
+    threads' from the busiest (``server_threads``: whoever computes, and what serving costs
+    beside it: an event loop, an HTTP thread) and the clients' (``clients``: this process).
+    Where a server keeps every core busy, its pace is set by this CPU, not by its compute alone."""
+    before, t0 = thread_cpu_seconds(pid), time.process_time()
+    out = run()
+    after, t1 = thread_cpu_seconds(pid), time.process_time()
+    tokens = out.get("tokens") or 0
+    if before is None or after is None or not tokens:
+        return out
+    per = sorted(((after[t] - before.get(t, 0.0)) * 1e3 / tokens for t in after), reverse=True)
+    out["cpu_ms_per_token"] = {"server": round(sum(per), 3), "server_threads": [round(v, 3) for v in per if v >= 0.005],
+                               "clients": round((t1 - t0) * 1e3 / tokens, 3)}
+    return out
 
 
 class Swarm:
