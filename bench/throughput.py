@@ -7,11 +7,11 @@ For each concurrency C: C streaming clients (aiohttp, OpenAI's SSE format) each 
 number of tokens (``ignore_eos``) after a prompt of their own; aggregate tokens/s is all generated
 tokens over the wall time from the first request to the last [DONE]; time to first token and
 inter-token latency are per client, p50/p95; for each server, the CPU per generated token of
-its process and of each of its threads, and of the clients (``cpu_ms_per_token``, Linux). The server runs in its own process
-(``kvasir serve``), so the clients do not share its interpreter. (a)'s sides (ours,
-``llama-server -np 16`` and the batched decode below) are started once and take turns in
-``--rounds`` rounds per concurrency; each side's figure is its best round (every round is kept
-under ``rounds``).
+its process and of each of its threads, and of the clients (``cpu_ms_per_token``, Linux). The
+server runs in its own process (``kvasir serve``), so the clients do not share its interpreter.
+(a)'s sides (ours, ``llama-server -np 16`` and the batched decode below) are started once and
+take turns in ``--rounds`` rounds per concurrency; each side's figure is its best round (every
+round is kept under ``rounds``).
 
 llama.cpp: one context with C sequences (llama-cpp-python's low-level API, unified KV cache,
 flash attention off as in our engine): each sequence's prompt is evaluated, then every step
