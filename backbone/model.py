@@ -294,7 +294,8 @@ class Sequence:
     lease: Lease | None = None
     _finalizer: object = None
     # what Engine._caches last bound: (cells every attention layer's cache holds, the per-layer
-    # list, the first attention layer), reused while a step fits those cells
+    # list, the first attention layer, the first delta-net layer), reused while a step fits
+    # those cells and the arrays are still the sequence's
     bound: tuple | None = field(default=None, repr=False)
 
     def reserve(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
@@ -690,14 +691,19 @@ class Engine:
         layer (their Python, after a graph has evicted the CPU's caches, is several times
         slower than a warm benchmark of it shows)."""
         bound = seq.bound
-        if bound is not None and end <= bound[0] and (bound[2] is None or seq.k[bound[2]] is bound[1][bound[2]][0]):
+        # still the sequence's arrays: its first attention layer's K (a slot move replaces every
+        # layer's) and its first delta-net layer's states (the per-layer path replaces them all)
+        if bound is not None and end <= bound[0] and (bound[2] is None or seq.k[bound[2]] is bound[1][bound[2]][0]) \
+                and (bound[3] is None or seq.conv[bound[3]] is bound[1][bound[3]][0]
+                     and seq.ssm[bound[3]] is bound[1][bound[3]][1]):
             if seq.lease is not None and end > seq.lease.high:
                 seq.lease.high = end  # cells to zero when the slot comes back, as reserve() notes them
             return bound[1]
         c = self.cfg
         out = [(seq.conv[il], seq.ssm[il]) if c.is_recurrent(il) else seq.reserve(il, end) for il in range(c.n_layer)]
         attn = [il for il in range(c.n_layer) if not c.is_recurrent(il)]
-        seq.bound = (min(out[il][0].shape[0] for il in attn) if attn else end, out, attn[0] if attn else None)
+        recurrent = next((il for il in range(c.n_layer) if c.is_recurrent(il)), None)
+        seq.bound = (min(out[il][0].shape[0] for il in attn) if attn else end, out, attn[0] if attn else None, recurrent)
         return out
 
     def _batch_graphs(self, batch, lengths: list[int], keep: np.ndarray | None) -> list[np.ndarray]:

@@ -229,3 +229,25 @@ def test_batch_graphs_match_the_per_layer_path_in_the_fast_mode_too():
                           "-k", "one_graph_launch"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "3 passed" in out.stdout
+
+
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_kept_bindings_follow_a_delta_net_state_the_per_layer_path_replaced(models, arch):
+    """The per-layer path gives a sequence new conv and recurrent state arrays; the step graphs
+    that follow must bind those, not the ones ``Engine._caches`` kept from an earlier graph step
+    (a batch that outgrows the graphs' state scratch, then shrinks again, goes so)."""
+    def run(switch: bool) -> list[np.ndarray]:
+        engine = Engine(models(arch, "q4_k"))
+        rng = np.random.default_rng(3)
+        V = engine.cfg.n_vocab
+        a, b = engine.new_sequence(), engine.new_sequence()
+        engine.forward([(a, rng.integers(0, V, 7)), (b, rng.integers(0, V, 5))])
+        out = []
+        for k in range(6):
+            engine.batch_graphs = not switch or k % 3 != 1  # step 1 and 4 op by op, the others in a graph
+            engine.step_graphs = engine.batch_graphs or not switch
+            out += engine.forward([(a, rng.integers(0, V, 1)), (b, rng.integers(0, V, 1))], all_logits=False)
+        return out
+
+    mixed, graphs = run(True), run(False)
+    assert all(np.array_equal(x, y) for x, y in zip(mixed, graphs))
