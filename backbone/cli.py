@@ -441,7 +441,7 @@ def cmd_verify(args) -> int:
                                                       "repack_experts": ours.get("repack_experts", ours["repack"]),
                                                       "expert_layout": "plain" if not ours.get("repack_experts") else
                                                       "repacked",
-                                                      "flash_attn": False, "threads": os.cpu_count(),
+                                                      "flash_attn": ref.flash_attn, "threads": os.cpu_count(),
                                                       "eval": "one batch" if batched else "prompt, then one token at a time"}}
     if args.json:
         print(json.dumps(report))
@@ -455,7 +455,7 @@ def cmd_verify(args) -> int:
         print(f"kernels          ours {ours['label']} ({ours['mode']}: tiled matmul "
               f"{'on' if ours['tiled_mm'] else 'off'}, repacking {'on' if ours['repack'] else 'off'}); "
               f"llama.cpp the same switches, "
-              f"flash attention off, {report['settings']['llama_cpp']['eval']}")
+              f"flash attention {'on' if ref.flash_attn else 'off'}, {report['settings']['llama_cpp']['eval']}")
     return 0
 
 

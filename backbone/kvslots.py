@@ -9,6 +9,7 @@ op. Here a *block* holds ``slots`` caches of the same capacity per attention lay
 the other at a fixed stride:
 
     K block: (layers, slots, cells, Hkv*Dh)     V block: (layers, slots, Hkv*Dh, cells)
+                                                (flash attention: as K, llama.cpp's layout then)
 
 so the caches of the sequences in slots lo..hi of one layer are one strided 4-D view
 (``kernels.fused``'s grouped attention, ``StepShape.groups``) and the ops of one sequence alone
@@ -53,16 +54,16 @@ class Lease:
         return self.block.k[row, self.slot]  # (cells, gqa), C-contiguous
 
     def v(self, row: int) -> np.ndarray:
-        return self.block.v[row, self.slot]  # (gqa, cells), C-contiguous
+        return self.block.v[row, self.slot]  # (gqa, cells), or (cells, gqa) as K; C-contiguous
 
 
 class KvBlock:
     """``slots`` caches of ``cells`` cells for ``layers`` attention layers."""
 
-    def __init__(self, layers: int, slots: int, cells: int, gqa: int):
-        self.cells, self.slots = cells, slots
+    def __init__(self, layers: int, slots: int, cells: int, gqa: int, v_trans: bool = True):
+        self.cells, self.slots, self.v_trans = cells, slots, v_trans
         self.k = np.zeros((layers, slots, cells, gqa), dtype=np.float16)
-        self.v = np.zeros((layers, slots, gqa, cells), dtype=np.float16)
+        self.v = np.zeros((layers, slots, gqa, cells) if v_trans else (layers, slots, cells, gqa), dtype=np.float16)
         self._free = list(range(slots))  # a heap: lowest slot first
         self.used = 0
 
@@ -75,18 +76,22 @@ class KvBlock:
     def give(self, slot: int, high: int) -> None:
         if high:
             self.k[:, slot, :high] = 0
-            self.v[:, slot, :, :high] = 0
+            if self.v_trans:
+                self.v[:, slot, :, :high] = 0
+            else:
+                self.v[:, slot, :high] = 0
         heapq.heappush(self._free, slot)
         self.used -= 1
 
 
 class KvSlots:
     """The blocks of one engine, per capacity. ``rows``: the model's attention layers (a
-    delta-net layer has no KV cache); ``gqa``: Hkv*Dh. Thread-safe: a sequence may be dropped
-    (and its slot come back) on any thread."""
+    delta-net layer has no KV cache); ``gqa``: Hkv*Dh; ``v_trans``: V transposed (False: laid
+    out as K, for flash attention). Thread-safe: a sequence may be dropped (and its slot come
+    back) on any thread."""
 
-    def __init__(self, rows: int, gqa: int):
-        self.rows, self.gqa = rows, gqa
+    def __init__(self, rows: int, gqa: int, v_trans: bool = True):
+        self.rows, self.gqa, self.v_trans = rows, gqa, v_trans
         self._blocks: dict[int, list[KvBlock]] = {}
         self._lock = threading.Lock()
 
@@ -107,7 +112,7 @@ class KvSlots:
                 slot = block.take()
                 if slot is not None:
                     return Lease(block, slot)
-            block = KvBlock(self.rows, slots, cells, self.gqa)
+            block = KvBlock(self.rows, slots, cells, self.gqa, self.v_trans)
             blocks.append(block)
             return Lease(block, block.take())
 

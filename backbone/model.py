@@ -272,9 +272,10 @@ def _check_experts(blk: Layer, cfg: ModelConfig, i: int, path: str) -> None:
 
 @dataclass
 class Sequence:
-    """One sequence's KV cache, laid out as llama.cpp's (flash attention off): per layer K of
-    shape (capacity, Hkv*Dh), one row per cell, and V transposed, (Hkv*Dh, capacity), both
-    float16 and zero in the cells not yet written. The capacity grows in whole chunks of 256
+    """One sequence's KV cache, laid out as llama.cpp's: per layer K of shape (capacity,
+    Hkv*Dh), one row per cell, and V transposed, (Hkv*Dh, capacity) (``v_trans``: flash
+    attention off), or as K (flash attention: ``kernels.dense.flash_attn``), both float16 and
+    zero in the cells not yet written. The capacity grows in whole chunks of 256
     cells (llama.cpp pads its context the same way), up to the context size rounded up."""
 
     n_ctx: int
@@ -297,6 +298,7 @@ class Sequence:
     # list, the first attention layer, the first delta-net layer), reused while a step fits
     # those cells and the arrays are still the sequence's
     bound: tuple | None = field(default=None, repr=False)
+    v_trans: bool = True  # V (Hkv*Dh, capacity); False: (capacity, Hkv*Dh), as K
 
     def reserve(self, layer: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         """Make the layer's cache hold cells 0..end-1; returns (K, V)."""
@@ -305,9 +307,13 @@ class Sequence:
             cap = dense.cache_cells_for(max(end, 2 * cache_k.shape[0]), self.n_ctx)
             if not self._move_to_slot(cap):
                 grown_k = np.zeros((cap, cache_k.shape[1]), dtype=np.float16)
-                grown_v = np.zeros((cache_v.shape[0], cap), dtype=np.float16)
                 grown_k[:cache_k.shape[0]] = cache_k
-                grown_v[:, :cache_v.shape[1]] = cache_v
+                if self.v_trans:
+                    grown_v = np.zeros((cache_v.shape[0], cap), dtype=np.float16)
+                    grown_v[:, :cache_v.shape[1]] = cache_v
+                else:
+                    grown_v = np.zeros((cap, cache_v.shape[1]), dtype=np.float16)
+                    grown_v[:cache_v.shape[0]] = cache_v
                 self.k[layer], self.v[layer] = grown_k, grown_v
             cache_k, cache_v = self.k[layer], self.v[layer]
         if self.lease is not None and end > self.lease.high:
@@ -333,7 +339,10 @@ class Sequence:
                 continue
             k, v, old_k, old_v = lease.k(row), lease.v(row), self.k[il], self.v[il]
             k[:old_k.shape[0]] = old_k
-            v[:, :old_v.shape[1]] = old_v
+            if self.v_trans:
+                v[:, :old_v.shape[1]] = old_v
+            else:
+                v[:old_v.shape[0]] = old_v
             self.k[il], self.v[il] = k, v
         self.close()
         self.lease = lease
@@ -354,13 +363,19 @@ class Sequence:
         end = self.n_past + L
         cache_k, cache_v = self.reserve(layer, end)
         cache_k[self.n_past:end] = k.reshape(L, -1)
-        cache_v[:, self.n_past:end] = v.reshape(L, -1).T
+        if self.v_trans:
+            cache_v[:, self.n_past:end] = v.reshape(L, -1).T
+        else:
+            cache_v[self.n_past:end] = v.reshape(L, -1)
 
     def kv_heads(self, layer: int, end: int, n_head_kv: int) -> tuple[np.ndarray, np.ndarray]:
         """Views of cells 0..end-1 as (Hkv, end, Dh) keys and values (for ``ops.attention``)."""
         cache_k, cache_v = self.k[layer], self.v[layer]
         k = cache_k[:end].reshape(end, n_head_kv, -1).transpose(1, 0, 2)
-        v = cache_v[:, :end].reshape(n_head_kv, -1, end).transpose(0, 2, 1)
+        if self.v_trans:
+            v = cache_v[:, :end].reshape(n_head_kv, -1, end).transpose(0, 2, 1)
+        else:
+            v = cache_v[:end].reshape(end, n_head_kv, -1).transpose(1, 0, 2)
         return k, v
 
 
@@ -483,7 +498,8 @@ class Engine:
         # a batch step's graph (fused.KvGroup); env KVASIR_KV_GROUPS=0: each its own, the same bits.
         self.kv_groups = self.batch_graphs and os.environ.get("KVASIR_KV_GROUPS", "1") != "0"
         n_attn = sum(not cfg.is_recurrent(il) for il in range(cfg.n_layer))
-        self.kv_slots = KvSlots(n_attn, cfg.n_head_kv * cfg.head_dim) if self.kv_groups else None
+        self.kv_slots = KvSlots(n_attn, cfg.n_head_kv * cfg.head_dim, v_trans=not dense.flash_attn()) \
+            if self.kv_groups else None
         # per lane thread: the last batch step's blocks (_step_blocks), KV groups' fixed inputs (_kv_groups)
         self._thread = threading.local()
         self.speculation = Speculation(enabled=os.environ.get("KVASIR_SPECULATE", "1") != "0")
@@ -530,7 +546,9 @@ class Engine:
         ssm = (c.ssm_v_heads, c.ssm_head_dim, c.ssm_head_dim)
         rows = tuple(np.cumsum([not r for r in rec]) - 1)
         return Sequence(self.n_ctx, k=[np.zeros((0, gqa), dtype=np.float16) for _ in range(c.n_layer)],
-                        v=[np.zeros((gqa, 0), dtype=np.float16) for _ in range(c.n_layer)],
+                        v=[np.zeros(dense.v_cache_shape(0, gqa) if self.ggml_attention else (gqa, 0),
+                                    dtype=np.float16) for _ in range(c.n_layer)],
+                        v_trans=not (self.ggml_attention and dense.flash_attn()),
                         conv=[np.zeros(conv, dtype=np.float32) if r else None for r in rec],
                         ssm=[np.zeros(ssm, dtype=np.float32) if r else None for r in rec],
                         slots=self.kv_slots, rows=tuple(-1 if r else int(i) for r, i in zip(rec, rows)))
@@ -646,7 +664,7 @@ class Engine:
         c = self.cfg
         if c.traits.delta_net and len(batch) * c.ssm_v_heads * c.ssm_head_dim ** 2 * 4 > MAX_STATE_BYTES:
             return False
-        for seq, ids in batch:
+        for seq, ids in batch if not dense.flash_attn() else ():  # (flash attention: never split)
             end = seq.n_past + len(ids)
             n_kv = dense.n_kv_for(end, dense.cache_cells_for(end, seq.n_ctx))
             if len(ids) > max(2, dense.MAX_KQ_BYTES // (8 * n_kv * self.cfg.n_head)):
@@ -800,6 +818,7 @@ class Engine:
                 by_block.setdefault(id(seq.lease.block), []).append(i)
         groups, inputs, spans = [], [], []
         gqa = self.cfg.n_head_kv * self.cfg.head_dim
+        mask_dtype = dense.mask_dtype()
         known = getattr(self._thread, "groups", None)  # a group's fixed inputs, by its members' places
         if known is None or len(known) > 64:
             known = self._thread.groups = {}
@@ -823,7 +842,7 @@ class Engine:
                 streams[i] = fused.Stream(st.start, st.n_new, st.rows, st.kv_size, n_kv, g)  # (replace(): 5x the time)
             past = [batch[i][0].n_past for i in members]
             n_pasts = np.array(past, dtype=np.int64)
-            mask = np.full((span, rows, n_kv), -np.inf, dtype=np.float32)
+            mask = np.full((span, rows, n_kv), -np.inf, dtype=mask_dtype)
             mask[:, :, 0] = 0  # a slot of no member: one cell seen, its output dropped
             for o, p in zip(places, past):
                 mask[o, :, :p + 1] = 0  # dense.causal_mask's rows: cells 0..n_past seen

@@ -54,17 +54,24 @@ def _stderr_silenced():
 
 class Reference:
     """llama.cpp on one model, as its CPU backend computes by default except for settings that
-    change the kernels, not the model: flash attention off (our engine computes attention the
-    classic way) and, with ``repack=False``, no repacking of dense weights into interleaved
+    change the kernels, not the model: flash attention as this process's engine computes
+    attention (``flash_attn`` None: ``kernels.dense.flash_attn``, on in the fast mode by
+    default, off in the deterministic one) and, with ``repack=False``, no repacking of dense weights into interleaved
     layouts (llama.cpp's default repacks Q4_0/Q4_K/IQ4_NL... weights for other kernels that round
     in another order; our fast mode repacks the same dense weights, the deterministic mode none).
     ``repack_experts``: whether the routed experts are repacked (None: llama.cpp's default with
     ``repack``, this process's setting without it: our deterministic mode repacks them)."""
 
     def __init__(self, path: str | os.PathLike, n_ctx: int, n_threads: int | None = None, n_batch: int = 512,
-                 repack: bool = False, logits_all: bool = True, repack_experts: bool | None = None):
+                 repack: bool = False, logits_all: bool = True, repack_experts: bool | None = None,
+                 flash_attn: bool | None = None):
         llama_cpp = import_llama_cpp()
         self.path = os.fspath(path)
+        if flash_attn is None:  # as this process attends (kernels.dense.flash_attn)
+            from kernels.backend import kernel_settings
+
+            flash_attn = kernel_settings()["flash_attn"]
+        self.flash_attn = bool(flash_attn)
         if not repack and repack_experts is None:  # as this process: the deterministic mode repacks experts
             from kernels.backend import kernel_settings
 
@@ -80,7 +87,7 @@ class Reference:
             fields["tensor_buft_overrides"] = ctypes.addressof(overrides[0])
         with _model_params(llama_cpp, **fields):
             self.llm = quiet_llama(llama_cpp, self.path, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                                   logits_all=logits_all, flash_attn=False,
+                                   logits_all=logits_all, flash_attn=self.flash_attn,
                                    n_threads=n_threads or os.cpu_count(),
                                    n_threads_batch=n_threads or os.cpu_count())
 

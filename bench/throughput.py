@@ -14,7 +14,7 @@ take turns in ``--rounds`` rounds per concurrency; each side's figure is its bes
 round is kept under ``rounds``).
 
 llama.cpp: one context with C sequences (llama-cpp-python's low-level API, unified KV cache,
-flash attention off as in our engine): each sequence's prompt is evaluated, then every step
+flash attention as our engine's fast mode: on unless ``KVASIR_FLASH_ATTN=0``): each sequence's prompt is evaluated, then every step
 decodes C tokens, one per sequence, in one ``llama_decode`` (what llama-server's continuous
 batching does once all slots are busy). The same token counts, timed the same way (prefill
 included); with C = 16 this is the "16-token batch" bound of issue 11.
@@ -146,7 +146,9 @@ class LlamaBatched:
         cp.n_ctx, cp.n_batch, cp.n_ubatch = n_ctx, max(512, n_seq), max(512, n_seq)
         cp.n_seq_max, cp.kv_unified = n_seq, True
         cp.n_threads = cp.n_threads_batch = threads
-        cp.flash_attn_type = 0  # disabled
+        from kernels.ggml import flash_attn_setting  # (reads the environment; loads nothing)
+
+        cp.flash_attn_type = 1 if flash_attn_setting() else 0  # as our fast mode attends
         self.ctx = L.llama_init_from_model(self.model, cp)
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.batch = L.llama_batch_init(max(512, n_seq), 0, n_seq)

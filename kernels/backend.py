@@ -325,9 +325,20 @@ def kernel_settings() -> dict:
     mode = kernel_mode()
     return {"backend": backend_name(), "mode": mode, "label": kernel_label(),
             "tiled_mm": mode == "fast", "one_row_as_two": mode == "deterministic",
+            "flash_attn": _flash_attn_setting(mode),
             "repack": _repack_setting(), "repack_experts": _repack_experts_setting(),  # kernels.ggml.expert_layout
             "expert_layout": _expert_layout_setting(),
             "threads": _threads_setting(), "decode_threads": _decode_threads()}
+
+
+def _flash_attn_setting(mode: str) -> bool:
+    """Whether attention is ggml's flash attention (``kernels.dense.flash_attn``): the fast
+    mode's default, env KVASIR_FLASH_ATTN=0 turns it off; never in the deterministic mode."""
+    from kernels.ggml import _lib, flash_attn_setting
+
+    if _lib is not None:
+        return bool(getattr(_lib, "flash_attn", False))
+    return mode == "fast" and flash_attn_setting()
 
 
 def _decode_threads() -> int:

@@ -38,6 +38,19 @@ alone (``min_rows=1``), the row llama.cpp computes when it decodes that token al
 users' generation does (``kvasir verify`` compares it so). With 2 rows or more a row's result
 does not depend on the other rows, so long chunks run in pieces.
 
+Flash attention (the fast mode's default, as llama-server runs on a CPU; ``KVASIR_FLASH_ATTN=0``
+turns it off; never in the deterministic mode: see ``kernels.ggml.flash_attn_setting``) is
+``build_attn_mha``'s other branch, one op in place of the four above:
+
+    out = flash_attn_ext(q, k, v, mask, 1/sqrt(Dh), 0, 0)   (prec F32)  # (Dh, H, L), contiguous
+    v   = view of the V cache (Dh, Hkv, n_kv) -> permute(0, 2, 1, 3)  # as k: V not transposed
+    mask F16 (n_kv, L)
+
+with llama.cpp's cache layout for it: V (kv_size, Hkv*Dh), as K (``v_trans`` false). ggml
+skips the masked cells, so their number costs a mask read each, but it decides whether one
+query row's cells are split over the threads (from 512 on): the cells seen are llama.cpp's,
+padded to 256 (:func:`n_kv_for`).
+
 The graphs are built with ``kernels/ggml.py``'s :class:`~kernels.ggml.Graph` and run through its
 per-thread graph cache and work buffer (``run_cached``): one binding for every ggml op here. As
 there, ggml aborts the process on a failed assertion, so every input is checked in Python first.
@@ -70,12 +83,31 @@ def available() -> bool:
     return ggml.available()
 
 
+def flash_attn() -> bool:
+    """Whether attention is ggml's flash attention in this process (fixed when ggml loads:
+    ``kernels.ggml.flash_attn_setting``, the fast mode only). Then a V cache is laid out as its
+    K cache, (kv_size, Hkv*Dh) (:func:`v_cache_shape`), and the masks are f16 (:func:`mask_dtype`)."""
+    return ggml.available() and ggml.load().flash_attn
+
+
+def v_cache_shape(kv_size: int, gqa: int) -> tuple[int, int]:
+    """A V cache's shape: (kv_size, gqa) with flash attention, else transposed, (gqa, kv_size)."""
+    return (kv_size, gqa) if flash_attn() else (gqa, kv_size)
+
+
+def mask_dtype() -> type:
+    """The KQ masks' dtype: float16 for flash attention (ggml asks it), else float32."""
+    return np.float16 if flash_attn() else np.float32
+
+
 def n_kv_for(used: int, kv_size: int) -> int:
     """The number of KV cells the attention sees with ``used`` cells occupied in a cache of
     ``kv_size`` cells: ``min(kv_size, max(64, GGML_PAD(used, 64)))``. llama.cpp's graph sees
-    ``GGML_PAD(used, 256)`` cells; the masked cells between add exact zeros (module docstring)."""
-    padded = -(-int(used) // N_KV_SEEN) * N_KV_SEEN
-    return min(int(kv_size), max(N_KV_SEEN, padded))
+    ``GGML_PAD(used, 256)`` cells; the masked cells between add exact zeros (module docstring).
+    With flash attention llama.cpp's own count (the module docstring says why)."""
+    pad = N_KV_PAD if flash_attn() else N_KV_SEEN
+    padded = -(-int(used) // pad) * pad
+    return min(int(kv_size), max(pad, padded))
 
 
 def cache_cells_for(used: int, n_ctx: int | None = None) -> int:
@@ -94,16 +126,17 @@ _masks: "OrderedDict[tuple, np.ndarray]" = OrderedDict()
 
 def causal_mask(q_pos0: int, L: int, n_kv: int, rows: int | None = None, window: int = 0) -> np.ndarray:
     """llama.cpp's KQ mask (``llama_kv_cache::set_input_kq_mask``) for one sequence whose cells
-    0.. hold positions 0..: (rows, n_kv) float32, 0 where query i (at position q_pos0 + i) sees
+    0.. hold positions 0..: (rows, n_kv) float32 (float16 with flash attention), 0 where query i (at position q_pos0 + i) sees
     cell j (j <= q_pos0 + i), -inf elsewhere; rows past L repeat row L-1. ``window`` > 0: a
     sliding-window layer's mask (LLAMA_SWA_TYPE_STANDARD), which also hides the cells j with
     q_pos0 + i - j >= window. Read-only, cached."""
     rows = L if rows is None else rows
-    key = (q_pos0, L, rows, n_kv, window)
+    dtype = mask_dtype()
+    key = (q_pos0, L, rows, n_kv, window, dtype)
     m = _masks.get(key)
     if m is None:
         if L == 1 and window == 0:  # a decode step (a new key every step): no index arrays
-            m = np.full((rows, n_kv), -np.inf, dtype=np.float32)
+            m = np.full((rows, n_kv), -np.inf, dtype=dtype)
             m[:, :q_pos0 + 1] = 0
         else:
             last = q_pos0 + np.minimum(np.arange(rows), L - 1)
@@ -111,7 +144,7 @@ def causal_mask(q_pos0: int, L: int, n_kv: int, rows: int | None = None, window:
             visible = cells <= last[:, None]
             if window > 0:
                 visible &= last[:, None] - cells < window
-            m = np.where(visible, np.float32(0), np.float32(-np.inf)).astype(np.float32)
+            m = np.where(visible, dtype(0), dtype(-np.inf)).astype(dtype)
         m.flags.writeable = False
         _masks[key] = m
         while len(_masks) > 64:
@@ -137,7 +170,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
 
     q: (L, H, Dh) float32 after RoPE, query i at position ``q_pos0 + i``.
     k_cache: (kv_size, Hkv*Dh) float16, cell j holding the key of position j (llama.cpp's K cache).
-    v_cache: (Hkv*Dh, kv_size) float16, the values transposed (llama.cpp's V cache, v_trans).
+    v_cache: (Hkv*Dh, kv_size) float16, the values transposed (llama.cpp's V cache, v_trans);
+    with flash attention (:func:`flash_attn`) (kv_size, Hkv*Dh), as K.
     The cache must already hold this chunk (cells up to ``q_pos0 + L - 1``) and be zero (at
     least finite) in the cells past it. ``n_kv``: the cells the graph sees (default
     :func:`n_kv_for`); ``scale`` defaults to ``1/sqrt(Dh)``; with fewer than ``min_rows`` queries
@@ -158,8 +192,10 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
     Hkv = n_embd_gqa // Dh
     if H % Hkv:
         raise ValueError(f"{H} query heads cannot share {Hkv} KV heads")
-    if v_cache.shape != (n_embd_gqa, kv_size):
-        raise ValueError(f"v_cache: expected shape {(n_embd_gqa, kv_size)} (transposed), got {v_cache.shape}")
+    flash = flash_attn()
+    if v_cache.shape != v_cache_shape(kv_size, n_embd_gqa):
+        raise ValueError(f"v_cache: expected shape {v_cache_shape(kv_size, n_embd_gqa)} "
+                         f"({'as K: flash attention' if flash else 'transposed'}), got {v_cache.shape}")
     q_pos0 = int(q_pos0)
     used = q_pos0 + L
     if q_pos0 < 0 or used > kv_size:
@@ -180,7 +216,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
         min_rows = 2 if ggml.deterministic() else 1
     # Long chunks in pieces (as llama.cpp's ubatches bound its KQ): each query row's result does
     # not depend on the other rows of its piece as long as there are at least 2.
-    max_rows = max(2, int(min_rows), MAX_KQ_BYTES // (8 * n_kv * H))  # KQ and softmax, f32
+    # (flash attention keeps no KQ: a chunk is one op, as llama.cpp runs an ubatch)
+    max_rows = L if flash else max(2, int(min_rows), MAX_KQ_BYTES // (8 * n_kv * H))  # KQ and softmax, f32
     if L > max_rows:
         out = np.empty((L, H * Dh), dtype=np.float32)
         n = -(-L // max_rows)
@@ -204,10 +241,10 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
     lib = ggml.load()
     threads = threads_for(rows * n_kv * H * Dh, L)
     has_sinks = sinks is not None
-    key = ("attn", rows, H, Hkv, Dh, n_kv, kv_size, float(scale), threads, has_sinks)
+    key = ("attn", rows, H, Hkv, Dh, n_kv, kv_size, float(scale), threads, has_sinks, flash)
     arrays = (qx, k_cache, v_cache, mask) + ((sinks,) if has_sinks else ()) + (out,)
-    run_cached(key, lambda: _build_attention(lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads, has_sinks),
-               arrays)
+    build = _build_flash_attention if flash else _build_attention
+    run_cached(key, lambda: build(lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads, has_sinks), arrays)
     return out[:L] if rows > L else out
 
 
@@ -241,6 +278,37 @@ def _build_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, thre
         kqv = g.scratch(lib.ggml_mul_mat(ctx, v, kq))  # (Dh, rows, H)
         cur = g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, rows)
         g.output(lib.ggml_cont_2d(ctx, cur, Dh * H, rows))
+        return g.finish(threads)
+    except BaseException:
+        g.free()
+        raise
+
+
+def _build_flash_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads,
+                           has_sinks=False) -> Graph:
+    """``build_attn_mha``'s flash-attention branch for one stream; inputs as :func:`_build_attention`'s,
+    the V cache laid out as K and the mask f16."""
+    g = Graph(lib, n_tensors=16)
+    try:
+        ctx, gqa = g.ctx, Hkv * Dh
+        f16 = lambda n: lib.ggml_row_size(_F16, n)  # noqa: E731  bytes of n f16 values
+        qt = g.input(_F32, (Dh, H, rows))
+        kc = g.input(_F16, (gqa, kv_size))  # llama.cpp's layers[il].k: ne = (n_embd_k_gqa, kv_size)
+        vc = g.input(_F16, (gqa, kv_size))  # layers[il].v without v_trans: the same
+        mt = g.input(_F16, (n_kv, rows))
+        st = g.input(_F32, (H,)) if has_sinks else None
+        qc = qt.contents
+        q = g.view(lib.ggml_view_4d(ctx, qt, Dh, H, rows, 1, qc.nb[1], qc.nb[2], qc.nb[2] * rows, 0))
+        k = g.view(lib.ggml_view_4d(ctx, kc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
+        v = g.view(lib.ggml_view_4d(ctx, vc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
+        q = g.view(lib.ggml_permute(ctx, q, 0, 2, 1, 3))
+        k = g.view(lib.ggml_permute(ctx, k, 0, 2, 1, 3))
+        v = g.view(lib.ggml_permute(ctx, v, 0, 2, 1, 3))
+        cur = lib.ggml_flash_attn_ext(ctx, q, k, v, mt, float(scale), 0.0, 0.0)  # (Dh, H, rows)
+        if st is not None:
+            lib.ggml_flash_attn_ext_add_sinks(cur, st)
+        lib.ggml_prec_set_acc(cur, GGML_PREC_F32)
+        g.output(cur)  # contiguous: llama.cpp reshapes it to (H*Dh, rows)
         return g.finish(threads)
     except BaseException:
         g.free()

@@ -437,7 +437,8 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
     kn = g.input(T.F32, (Dh,)) if layer.attn_k_norm is not None else None
     if step.streams:  # each sequence's cache inputs, in its order; then each group's span
         caches = [_cache_inputs(g, gqa, s.kv_size, s.n_new) if s.group < 0 else None for s in step.streams]
-        spans = [(g.input(T.F16, (gqa, gr.cells, gr.span)), g.input(T.F16, (gr.cells, gqa, gr.span)))
+        spans = [(g.input(T.F16, (gqa, gr.cells, gr.span)),
+                  g.input(T.F16, (gqa, gr.cells, gr.span) if _flash(lib) else (gr.cells, gqa, gr.span)))
                  for gr in step.groups]
     else:
         kc, vc, kd, vd = _cache_inputs(g, gqa, step.kv_size, L)
@@ -466,7 +467,8 @@ def _attention_part(g: Graph, lib, x, pos, mask, keep, layer, shape: AttentionSh
         # store this step's L keys and values (f32 -> f16, rounded as numpy's astype rounds)
         _store(g, lib, k, v, kd, vd, gqa, 0, L)
         cur = _attend(g, lib, q, kc, vc, mask, shape, step.kv_size, step.n_kv, step.scale)  # (Dh, H, R)
-        attn = g.scratch(lib.ggml_cont_2d(ctx, cur, Dh * H, R))
+        attn = g.view(lib.ggml_reshape_2d(ctx, cur, Dh * H, R)) if _flash(lib) \
+            else g.scratch(lib.ggml_cont_2d(ctx, cur, Dh * H, R))
     if gate is not None:  # the gated attention's output: times sigmoid(gate) (deltanet.sigmoid_gate)
         attn = g.scratch(lib.ggml_mul(ctx, attn, g.scratch(lib.ggml_sigmoid(ctx, gate))))
     y = g.scratch(lib.ggml_mul_mat(ctx, wo, attn))
@@ -570,16 +572,24 @@ def _delta_net_arrays(layer, rps: dict, with_shared: bool = True) -> tuple[list,
     return pre, post
 
 
+def _flash(lib) -> bool:
+    """Whether attention is flash attention (``kernels.dense.flash_attn``; fixed as ggml loads)."""
+    return getattr(lib, "flash_attn", False)
+
+
 def _cache_inputs(g: Graph, gqa: int, kv_size: int, n_new: int):
     """A sequence's four cache inputs, in binding order (``_cache_arrays``): its K (gqa,
-    kv_size) and V (kv_size, gqa) f16 caches, as kernels/dense.py's attention reads them, and
-    where this step's ``n_new`` keys and values go (cells n_past.., bound per call)."""
+    kv_size) and V (kv_size, gqa) f16 caches, as kernels/dense.py's attention reads them (V
+    as K with flash attention), and where this step's ``n_new`` keys and values go (cells
+    n_past.., bound per call)."""
+    flash = _flash(g.lib)
     kc = g.input(T.F16, (gqa, kv_size))
-    vc = g.input(T.F16, (kv_size, gqa))
+    vc = g.input(T.F16, (gqa, kv_size) if flash else (kv_size, gqa))
     kd = g.input(T.F16, (gqa, n_new))  # keys: n_new rows of the K cache from cell n_past
-    vd = g.input(T.F16, (gqa, n_new))  # values, transposed: element (c, j) at V[c, n_past + j]
-    vd.contents.nb[0], vd.contents.nb[1] = 2 * kv_size, 2
-    vd.contents.nb[2] = vd.contents.nb[3] = 2 * kv_size * gqa
+    vd = g.input(T.F16, (gqa, n_new))  # values: the same with flash attention, else transposed:
+    if not flash:  # element (c, j) at V[c, n_past + j]
+        vd.contents.nb[0], vd.contents.nb[1] = 2 * kv_size, 2
+        vd.contents.nb[2] = vd.contents.nb[3] = 2 * kv_size * gqa
     return kc, vc, kd, vd
 
 
@@ -599,6 +609,13 @@ def _attend(g: Graph, lib, q, kc, vc, mask, shape: AttentionShape, kv_size: int,
     f16 = lambda n: 2 * n  # noqa: E731  bytes of n f16 values
     qp = g.view(lib.ggml_permute(ctx, q, 0, 2, 1, 3))
     kv = g.view(lib.ggml_view_4d(ctx, kc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
+    if _flash(lib):  # kernels.dense._build_flash_attention's op: the result is contiguous
+        vv = g.view(lib.ggml_view_4d(ctx, vc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
+        kv = g.view(lib.ggml_permute(ctx, kv, 0, 2, 1, 3))
+        vv = g.view(lib.ggml_permute(ctx, vv, 0, 2, 1, 3))
+        cur = g.scratch(lib.ggml_flash_attn_ext(ctx, qp, kv, vv, mask, float(scale), 0.0, 0.0))
+        lib.ggml_prec_set_acc(cur, 10)  # GGML_PREC_F32
+        return cur  # (Dh, H, rows)
     vv = g.view(lib.ggml_view_4d(ctx, vc, n_kv, Hkv, Dh, 1, f16(kv_size * Dh), f16(kv_size),
                                  f16(kv_size * gqa), 0))
     kv = g.view(lib.ggml_permute(ctx, kv, 0, 2, 1, 3))
@@ -639,7 +656,8 @@ def _attend_streams(g: Graph, lib, q, k, v, caches, masks, shape: AttentionShape
 def _group_inputs(g: Graph, gr: KvGroup, gqa: int) -> tuple:
     """A group's :class:`GroupInputs` as graph inputs, in their binding order."""
     return (g.input(T.I32, (gr.span * gr.rows,)), g.input(T.I32, (gr.members,)), g.input(T.I64, (gr.members,)),
-            g.input(T.I64, (gr.members * gqa,)), g.input(T.F32, (gr.n_kv, gr.rows, gr.span)),
+            g.input(T.I64, (gr.members * gqa,)),
+            g.input(T.F16 if _flash(g.lib) else T.F32, (gr.n_kv, gr.rows, gr.span)),
             g.input(T.I32, (gr.members,)), g.input(T.I64, (gr.members,)))
 
 
@@ -656,20 +674,34 @@ def _attend_group(g: Graph, lib, q, k, v, attn, gr: KvGroup, gin: tuple, ks, vs,
     R = attn.contents.ne[1]
     f16 = lambda m: 2 * m  # noqa: E731  bytes of m f16 values
     # the members' new keys (gqa, n) and values, into cell n_past of their slots
+    flash = _flash(lib)
     km = g.scratch(lib.ggml_get_rows(ctx, g.view(lib.ggml_reshape_2d(ctx, k, gqa, R)), sel))
     g.expand(g.view(lib.ggml_set_rows(ctx, g.view(lib.ggml_reshape_2d(ctx, ks, gqa, cells * span)), km, kidx)))
-    vm = g.scratch(lib.ggml_get_rows(ctx, v, sel))  # (gqa, n): V is stored transposed, one element a row
-    g.expand(g.view(lib.ggml_set_rows(ctx, g.view(lib.ggml_reshape_2d(ctx, vs, 1, gqa * cells * span)),
-                                      g.view(lib.ggml_reshape_2d(ctx, vm, 1, gqa * n)), vidx)))
+    vm = g.scratch(lib.ggml_get_rows(ctx, v, sel))  # (gqa, n)
+    if flash:  # V stored as K
+        g.expand(g.view(lib.ggml_set_rows(ctx, g.view(lib.ggml_reshape_2d(ctx, vs, gqa, cells * span)), vm, kidx)))
+    else:  # V stored transposed: one element a row
+        g.expand(g.view(lib.ggml_set_rows(ctx, g.view(lib.ggml_reshape_2d(ctx, vs, 1, gqa * cells * span)),
+                                          g.view(lib.ggml_reshape_2d(ctx, vm, 1, gqa * n)), vidx)))
     qg = g.scratch(lib.ggml_get_rows(ctx, g.view(lib.ggml_reshape_2d(ctx, q, Dh * H, R)), qidx))
     qp = g.view(lib.ggml_permute(ctx, g.view(lib.ggml_reshape_4d(ctx, qg, Dh, H, rows, span)), 0, 2, 1, 3))
     kv = g.view(lib.ggml_view_4d(ctx, ks, Dh, Hkv, n_kv, span, f16(Dh), f16(gqa), f16(gqa * cells), 0))
+    m4 = g.view(lib.ggml_reshape_4d(ctx, mask, n_kv, rows, 1, span))
+    if flash:  # one op over the span: each slot's rows against its own cells and mask row
+        vv = g.view(lib.ggml_view_4d(ctx, vs, Dh, Hkv, n_kv, span, f16(Dh), f16(gqa), f16(gqa * cells), 0))
+        kv = g.view(lib.ggml_permute(ctx, kv, 0, 2, 1, 3))  # (Dh, n_kv, Hkv, span)
+        vv = g.view(lib.ggml_permute(ctx, vv, 0, 2, 1, 3))
+        cur = g.scratch(lib.ggml_flash_attn_ext(ctx, qp, kv, vv, m4, float(scale), 0.0, 0.0))
+        lib.ggml_prec_set_acc(cur, 10)  # GGML_PREC_F32
+        out = g.view(lib.ggml_reshape_2d(ctx, cur, Dh * H, rows * span))  # (Dh, H, rows, span), contiguous
+        mine = g.scratch(lib.ggml_get_rows(ctx, out, pick))  # (H*Dh, n): each member's first row
+        g.expand(g.view(lib.ggml_set_rows(ctx, attn, mine, dst)))
+        return
     vv = g.view(lib.ggml_view_4d(ctx, vs, n_kv, Hkv, Dh, span, f16(cells * Dh), f16(cells), f16(cells * gqa), 0))
     kv = g.view(lib.ggml_permute(ctx, kv, 0, 2, 1, 3))  # (Dh, n_kv, Hkv, span)
     vv = g.view(lib.ggml_permute(ctx, vv, 0, 2, 1, 3))  # (n_kv, Dh, Hkv, span)
     kq = g.scratch(lib.ggml_mul_mat(ctx, kv, qp))  # (n_kv, rows, H, span)
     lib.ggml_prec_set_acc(kq, 10)  # GGML_PREC_F32
-    m4 = g.view(lib.ggml_reshape_4d(ctx, mask, n_kv, rows, 1, span))
     kq = g.scratch(lib.ggml_soft_max_ext(ctx, kq, m4, float(scale), 0.0))
     kqv = g.scratch(lib.ggml_mul_mat(ctx, vv, kq))  # (Dh, rows, H, span)
     cur = g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, rows, span)
@@ -768,11 +800,13 @@ def _shared_arrays(layer, rps: dict) -> list:
     return out
 
 
-def _cache_arrays(k_cache: np.ndarray, v_cache: np.ndarray, n_past: int) -> list:
+def _cache_arrays(k_cache: np.ndarray, v_cache: np.ndarray, n_past: int, flash: bool) -> list:
     """The cache's four inputs of :func:`_attention_part`: K, V, and where this step's keys and
-    values go (cell n_past of K (kv_size, gqa), column n_past of V (gqa, kv_size), f16)."""
+    values go (cell n_past of K (kv_size, gqa), column n_past of V (gqa, kv_size), f16; with
+    ``flash`` attention, cell n_past of V (kv_size, gqa))."""
     kp, vp = address(k_cache), address(v_cache)
-    return [kp, vp, kp + 2 * k_cache.shape[1] * n_past, vp + 2 * n_past]
+    row = 2 * k_cache.shape[1] * n_past
+    return [kp, vp, kp + row, vp + (row if flash else 2 * n_past)]
 
 
 def _layer_key(layer) -> tuple:
@@ -956,7 +990,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     while the caller uses it.
 
     Several sequences (``step.streams``, each block's ``caches``): ``n_pasts`` and ``masks``
-    ((rows_i, n_kv_i) float32, ``kernels.dense.causal_mask``) per sequence instead of
+    ((rows_i, n_kv_i) float32, float16 with flash attention: ``kernels.dense.causal_mask``) per sequence instead of
     ``n_past`` and ``mask``; every dense op runs on all rows at once, each sequence's
     attention against its own cache (``_attend_streams``), so each gets its bits alone; or, for
     the decode streams of a :class:`KvGroup` (``step.groups``, each block's ``spans``), once for
@@ -968,6 +1002,8 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     checks ``StepOut.ids`` and, where one did, runs the step again the rule's way (the cache
     cells this one wrote are written again; no delta-net state may be in it)."""
     lib = ggml.load()
+    flash = _flash(lib)  # V caches laid out as K, masks f16 (kernels.dense.flash_attn)
+    mask_dtype, mask_type = (np.float16, T.F16) if flash else (np.float32, T.F32)
     R, K, n_new = step.rows, step.n_expert_used, step.n_new
     keep = None if keep is None else np.ascontiguousarray(keep, dtype=np.int32)
     if keep is not None and not 0 < n_kept <= len(keep):
@@ -1008,7 +1044,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
     rps, rp_head, threads = plan.rps, plan.rp_head, threads_for(plan.work, n_new)
     # ggml reads exactly these sizes from the pointers it is given: check them here
     want = {"x": (x, (R, D), np.float32), "positions": (positions, (R,), np.int32),
-            "mask": (mask, (R, step.n_kv), np.float32)} if blocks else {}
+            "mask": (mask, (R, step.n_kv), mask_dtype)} if blocks else {}
     if prev is not None:
         r = prev[0]
         want.update({"prev.x": (r.x, (n_prev, D), np.float32), "prev.shared": (r.shared, (n_prev, D), np.float32),
@@ -1023,7 +1059,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                              f"({len(masks)}, {len(n_pasts)}) and their rows to make the step's {R}")
         want.pop("mask")
         for i, (s, m) in enumerate(zip(streams, masks)):
-            want[f"masks[{i}]"] = (m, (s.rows, s.n_kv), np.float32)
+            want[f"masks[{i}]"] = (m, (s.rows, s.n_kv), mask_dtype)
         if len(groups) != len(step.groups) or any(s.group >= len(groups) for s in streams) \
                 or [sum(s.group == i for s in streams) for i in range(len(groups))] != [gr.members for gr in step.groups]:
             raise ValueError(f"step_graph: {len(step.groups)} KV groups need as many inputs ({len(groups)}) "
@@ -1034,7 +1070,7 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                          f"groups[{i}].sel": (gi.sel, (gr.members,), np.int32),
                          f"groups[{i}].kidx": (gi.kidx, (gr.members,), np.int64),
                          f"groups[{i}].vidx": (gi.vidx, (gr.members * gqa,), np.int64),
-                         f"groups[{i}].mask": (gi.mask, (gr.span, gr.rows, gr.n_kv), np.float32),
+                         f"groups[{i}].mask": (gi.mask, (gr.span, gr.rows, gr.n_kv), mask_dtype),
                          f"groups[{i}].pick": (gi.pick, (gr.members,), np.int32),
                          f"groups[{i}].dst": (gi.dst, (gr.members,), np.int64)})
             # ggml reads and writes where these say: a wrong index is memory outside the span.
@@ -1064,14 +1100,14 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
                     if a.shape != shape or a.dtype != np.float32 or not a.flags.c_contiguous:
                         raise ValueError(f"step_graph: a delta-net state is {a.dtype}{a.shape}, expected "
                                          f"C-contiguous float32{shape}")
-            elif kc.shape[0] != s.kv_size or vc.shape[1] != s.kv_size:
+            elif kc.shape[0] != s.kv_size or vc.shape[0 if flash else 1] != s.kv_size:
                 raise ValueError(f"step_graph: a cache of {kc.shape[0]} cells, the step's has {s.kv_size}")
         if streams and not b.recurrent:
             if len(b.spans) != len(step.groups):
                 raise ValueError(f"step_graph: a block with {len(b.spans)} KV spans for {len(step.groups)} groups")
             gqa = b.shape.n_head_kv * b.shape.head_dim
             for (ks, vs), gr in zip(b.spans, step.groups):
-                if ks.shape != (gr.span, gr.cells, gqa) or vs.shape != (gr.span, gqa, gr.cells) \
+                if ks.shape != (gr.span, gr.cells, gqa) or vs.shape != (ks.shape if flash else (gr.span, gqa, gr.cells)) \
                         or ks.dtype != np.float16 or vs.dtype != np.float16 \
                         or not ks.flags.c_contiguous or not vs.flags.c_contiguous:
                     raise ValueError(f"step_graph: a KV span is {ks.dtype}{ks.shape} / {vs.shape}, expected "
@@ -1102,8 +1138,8 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
             if blocks:
                 pt = g.input(T.I32, (R,))
                 p4 = g.input(T.I32, (4 * R,)) if imrope else None
-                mt = [g.input(T.F32, (s.n_kv, s.rows)) for s in streams] if streams \
-                    else g.input(T.F32, (step.n_kv, R))
+                mt = [g.input(mask_type, (s.n_kv, s.rows)) for s in streams] if streams \
+                    else g.input(mask_type, (step.n_kv, R))
                 kt = g.input(T.I32, (len(keep),)) if keep is not None else None
                 gqa = next((b.shape.n_head_kv * b.shape.head_dim for b in blocks if not b.recurrent), 0)
                 gin = [_group_inputs(g, gr, gqa) for gr in step.groups] if gqa else []
@@ -1164,11 +1200,11 @@ def step_graph(step: StepShape, blocks: list[Block], *, x: np.ndarray | None = N
         elif streams:
             for (kc, vc), p, s in zip(b.caches, n_pasts, streams):
                 if s.group < 0:
-                    arrays += _cache_arrays(kc, vc, p)
+                    arrays += _cache_arrays(kc, vc, p, flash)
             for ks, vs in b.spans:
                 arrays += [ks, vs]
         else:
-            arrays += _cache_arrays(b.cache[0], b.cache[1], n_past)
+            arrays += _cache_arrays(b.cache[0], b.cache[1], n_past, flash)
         arrays += plan.post[i]
         if i == local:
             n = expert_rows[i]

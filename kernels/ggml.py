@@ -189,6 +189,9 @@ class Lib:
         fn(base, "ggml_add_id", _PT, c_ctx, _PT, _PT, _PT)
         fn(base, "ggml_swiglu_oai", _PT, c_ctx, _PT, _PT, f32, f32)
         fn(base, "ggml_soft_max_add_sinks", None, _PT, _PT)
+        # flash attention (the fast mode's, as llama-server's default: kernels.dense.flash_attn)
+        fn(base, "ggml_flash_attn_ext", _PT, c_ctx, _PT, _PT, _PT, _PT, f32, f32, f32)
+        fn(base, "ggml_flash_attn_ext_add_sinks", None, _PT, _PT)
         fn(base, "ggml_view_4d", _PT, c_ctx, _PT, i64, i64, i64, i64, sz, sz, sz, sz)
         fn(base, "ggml_permute", _PT, c_ctx, _PT, i32, i32, i32, i32)
         fn(base, "ggml_prec_set_acc", ctypes.c_bool, _PT, i32)
@@ -289,6 +292,7 @@ def load() -> Lib:
                 # read once, like the mode: repacked() is asked for every dense weight of every call
                 allowed = _lib.repack_buft is not None and os.environ.get(ENV_REPACK, "1") != "0"
                 _lib.repack = mode == "fast" and allowed
+                _lib.flash_attn = mode == "fast" and flash_attn_setting()  # read once, like the mode
                 # the routed experts: a repacked copy in both modes where allowed, used by the
                 # calls of fewer rows than repack_below (expert_layout: every call in the
                 # deterministic mode, those under FAST_REPACK_BELOW rows in the fast mode)
@@ -866,6 +870,22 @@ def expert_layout_setting() -> str:
     if value not in EXPERT_LAYOUTS:
         raise ValueError(f"{ENV_EXPERT_LAYOUT}={value!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
     return value
+
+ENV_FLASH_ATTN = "KVASIR_FLASH_ATTN"  # "0" turns flash attention off in fast mode (see flash_attn_setting)
+
+
+def flash_attn_setting() -> bool:
+    """Whether the fast mode's attention is ggml's flash attention: env KVASIR_FLASH_ATTN,
+    ``1`` (the default, as llama-server runs on a CPU: its ``--flash-attn auto``) or ``0`` (the
+    KQ product, softmax and KQV product of llama.cpp with flash attention off). The
+    deterministic mode never uses it: ggml's flash attention tiles 64 query rows or more and
+    splits one row's cells over the threads from 512 cells on, so a row's bits would depend on
+    its batch and the thread count. Raises ``ValueError`` on another value."""
+    value = os.environ.get(ENV_FLASH_ATTN, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_FLASH_ATTN}={value!r}: expected 0 or 1")
+    return value == "1"
+
 
 ENV_REPACK = "KVASIR_REPACK"  # "0" turns repacking off in fast mode (default on, as llama.cpp: see repack_enabled)
 

@@ -220,10 +220,11 @@ def test_a_chunk_too_long_for_one_attention_graph_takes_the_per_layer_path(model
     assert all(np.array_equal(a, b) for a, b in zip(whole, pieces))
 
 
-def test_batch_graphs_match_the_per_layer_path_in_the_fast_mode_too():
+@pytest.mark.parametrize("flash", ["1", "0"])  # flash attention, the fast mode's default, and off
+def test_batch_graphs_match_the_per_layer_path_in_the_fast_mode_too(flash):
     """The first test in the fast mode (repacked weights, llama.cpp's tiled kernels; one query
     row attends alone): the one-graph step and the per-layer path run the same ops."""
-    env = dict(os.environ, KVASIR_KERNEL_MODE="fast", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, KVASIR_KERNEL_MODE="fast", KVASIR_FLASH_ATTN=flash, PYTHONPATH=str(ROOT))
     env.pop("GGML_CPU_TILED_MM", None)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                           "-k", "one_graph_launch"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -114,8 +114,9 @@ def test_a_block_of_decode_streams_attends_at_once_with_each_ones_own_bits(model
     assert all(np.array_equal(a, b) for a, b in zip(grouped, own))
 
 
-def test_kv_groups_give_each_ones_own_bits_in_the_fast_mode_too():
-    env = dict(os.environ, KVASIR_KERNEL_MODE="fast", PYTHONPATH=str(ROOT))
+@pytest.mark.parametrize("flash", ["1", "0"])  # flash attention, the fast mode's default, and off
+def test_kv_groups_give_each_ones_own_bits_in_the_fast_mode_too(flash):
+    env = dict(os.environ, KVASIR_KERNEL_MODE="fast", KVASIR_FLASH_ATTN=flash, PYTHONPATH=str(ROOT))
     env.pop("GGML_CPU_TILED_MM", None)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
                           "-k", "attends_at_once"], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)

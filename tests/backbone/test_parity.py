@@ -89,7 +89,8 @@ def test_fused_graphs_give_the_bits_of_the_op_by_op_path(models, arch, qtype):
 # whose kernels differ most (repacked Q4_0/Q4_K, tiled F16/Q8_0, gpt-oss's MXFP4). Bit-identical:
 # a decode step's attention runs its one query row alone there (ggml's vec_dot, as llama.cpp
 # decodes a token); as two rows (tinyBLAS, the deterministic mode's batch invariance) it moved
-# the logits by up to 9e-2 (tiny qwen2moe Q4_K).
+# the logits by up to 9e-2 (tiny qwen2moe Q4_K). Attention is flash attention on both sides, the
+# fast mode's default (``kernels.dense.flash_attn``), with gpt-oss's sinks and sliding window.
 FAST_MATRIX = [(arch, qtype) for arch in ("qwen3moe", "qwen2moe", "mixtral", "qwen35moe", "qwen3next")
                for qtype in ("f16", "q8_0", "q4_0", "q4_k")] + [("gpt-oss", "mxfp4"), ("gpt-oss", "q4_k")]
 
@@ -104,13 +105,14 @@ for path in sys.argv[1:]:
 """
 
 
-@pytest.mark.parametrize("layout", ["repacked", "plain"])
-def test_fast_mode_is_bit_identical_to_llama_cpp_with_the_same_kernels_on_every_architecture(models, layout):
+@pytest.mark.parametrize("layout,flash", [("repacked", "1"), ("plain", "1"), ("repacked", "0")])
+def test_fast_mode_is_bit_identical_to_llama_cpp_with_the_same_kernels_on_every_architecture(models, layout, flash):
     """One child process in the fast mode (ggml fixes its mode when it loads) runs ``kvasir
     verify`` on every model of the matrix: max |diff| 0 and the settings both sides ran. Each
     of the two routed-expert layouts serving chooses between by the rows of a call
     (``kernels.ggml.expert_layout``) against llama.cpp with its experts in that layout: its
-    default (repacked where ggml has the kernel) and its experts kept plain."""
+    default (repacked where ggml has the kernel) and its experts kept plain. Attention: flash
+    attention on both sides (the fast mode's default), and off (KVASIR_FLASH_ATTN=0)."""
     import json
     import os
     import subprocess
@@ -121,9 +123,12 @@ def test_fast_mode_is_bit_identical_to_llama_cpp_with_the_same_kernels_on_every_
     paths = [str(models(arch, qtype)) for arch, qtype in matrix]
     root = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items()
-           if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_REPACK", "KVASIR_EXPERT_LAYOUT")}
+           if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_REPACK", "KVASIR_EXPERT_LAYOUT",
+                        "KVASIR_FLASH_ATTN")}
     env["PYTHONPATH"] = str(root)
     env["KVASIR_EXPERT_LAYOUT"] = layout
+    if flash == "0":
+        env["KVASIR_FLASH_ATTN"] = "0"
     done = subprocess.run([sys.executable, "-c", _FAST_VERIFY, *paths], env=env, capture_output=True, text=True,
                           timeout=900, cwd=root)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -136,4 +141,5 @@ def test_fast_mode_is_bit_identical_to_llama_cpp_with_the_same_kernels_on_every_
         assert ours["mode"] == "fast" and not ours["one_row_as_two"] and ours["expert_layout"] == layout
         assert theirs["eval"] == "prompt, then one token at a time" and theirs["repack"] == ours["repack"]
         assert not ours["repack"] or theirs["expert_layout"] == layout
+        assert ours["flash_attn"] == theirs["flash_attn"] == (flash == "1")  # default on, as llama-server's
         assert (arch, qtype, report["max_abs_diff"], report["argmax_agreement"]) == (arch, qtype, 0.0, 1.0)
