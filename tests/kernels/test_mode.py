@@ -39,8 +39,11 @@ print(json.dumps({"label": kernel_label(), "settings": kernel_settings(),
 """
 
 
-def _probe(mode: str | None, repack: str | None = None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_REPACK")}
+def _probe(mode: str | None, repack: str | None = None, flash: str | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KVASIR_KERNEL_MODE", "GGML_CPU_TILED_MM", "KVASIR_REPACK", "KVASIR_FLASH_ATTN")}
+    if flash is not None:
+        env["KVASIR_FLASH_ATTN"] = flash
     if mode:
         env["KVASIR_KERNEL_MODE"] = mode
     if repack is not None:
@@ -61,6 +64,7 @@ def need_ggml():
 def test_default_mode_is_fast_with_repacked_dense_weights_and_tiled_kernels(need_ggml):
     got = _probe(None)
     assert got["settings"]["mode"] == "fast" and got["settings"]["tiled_mm"] is True
+    assert got["settings"]["flash_attn"] is True  # as llama-server attends on a CPU by default
     if not got["settings"]["repack"]:
         pytest.skip("this ggml has no CPU repack buffer type")
     assert got["label"].endswith("-repack")
@@ -83,6 +87,15 @@ def test_deterministic_mode_is_batch_invariant_and_says_so_in_its_label(need_ggm
     # its routed experts repacked where ggml has a kernel for them (kernels.ggml.expert_layout)
     assert got["label"].endswith("-det-repack" if got["settings"]["repack_experts"] else "-det")
     assert got["routed_batch_invariant"] is True and got["one_row_as_in_batch"] is True
+
+
+def test_flash_attention_is_the_fast_modes_switch_and_never_the_deterministic_modes(need_ggml, monkeypatch):
+    assert _probe(None, flash="0")["settings"]["flash_attn"] is False
+    # batch-invariance: ggml's flash attention tiles 64 query rows or more (kernels.ggml.flash_attn_setting)
+    assert _probe("deterministic", flash="1")["settings"]["flash_attn"] is False
+    monkeypatch.setenv("KVASIR_FLASH_ATTN", "yes")
+    with pytest.raises(ValueError, match="KVASIR_FLASH_ATTN='yes': expected 0 or 1"):
+        ggml.flash_attn_setting()
 
 
 def test_deterministic_mode_without_repacking_keeps_its_experts_plain_and_batch_invariant(need_ggml):
