@@ -243,33 +243,46 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, q_pos0: i
     has_sinks = sinks is not None
     key = ("attn", rows, H, Hkv, Dh, n_kv, kv_size, float(scale), threads, has_sinks, flash)
     arrays = (qx, k_cache, v_cache, mask) + ((sinks,) if has_sinks else ()) + (out,)
-    build = _build_flash_attention if flash else _build_attention
-    run_cached(key, lambda: build(lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads, has_sinks), arrays)
+    run_cached(key, lambda: _build_attention(lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads, has_sinks, flash),
+               arrays)
     return out[:L] if rows > L else out
 
 
-def _build_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads, has_sinks=False) -> Graph:
-    """The graph of ``build_attn_mha`` for one stream; inputs q, K cache, V cache, mask, [sinks,] output."""
+def _build_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads, has_sinks=False,
+                     flash=False) -> Graph:
+    """The graph of ``build_attn_mha`` for one stream; inputs q, K cache, V cache, mask, [sinks,]
+    output. ``flash``: its flash-attention branch (V laid out as K, the mask f16)."""
     g = Graph(lib, n_tensors=20)
     try:
         ctx, gqa = g.ctx, Hkv * Dh
         f16 = lambda n: lib.ggml_row_size(_F16, n)  # noqa: E731  bytes of n f16 values
         qt = g.input(_F32, (Dh, H, rows))
         kc = g.input(_F16, (gqa, kv_size))  # llama.cpp's layers[il].k: ne = (n_embd_k_gqa, kv_size)
-        vc = g.input(_F16, (kv_size, gqa))  # layers[il].v with v_trans: ne = (kv_size, n_embd_v_gqa)
-        mt = g.input(_F32, (n_kv, rows))
+        # layers[il].v: with v_trans ne = (kv_size, n_embd_v_gqa); without (flash attention) as k
+        vc = g.input(_F16, (gqa, kv_size) if flash else (kv_size, gqa))
+        mt = g.input(_F16 if flash else _F32, (n_kv, rows))
         st = g.input(_F32, (H,)) if has_sinks else None
         qc = qt.contents
         # build_attn_mha views q per stream (one here) ...
         q = g.view(lib.ggml_view_4d(ctx, qt, Dh, H, rows, 1, qc.nb[1], qc.nb[2], qc.nb[2] * rows, 0))
         # ... and get_k / get_v view the caches (n_kv cells, one stream) ...
         k = g.view(lib.ggml_view_4d(ctx, kc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
-        v = g.view(lib.ggml_view_4d(ctx, vc, n_kv, Hkv, Dh, 1, f16(kv_size * Dh), f16(kv_size),
-                                    f16(kv_size * gqa), 0))
+        if flash:
+            v = g.view(lib.ggml_view_4d(ctx, vc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
+        else:
+            v = g.view(lib.ggml_view_4d(ctx, vc, n_kv, Hkv, Dh, 1, f16(kv_size * Dh), f16(kv_size),
+                                        f16(kv_size * gqa), 0))
         # ... then everything is permuted to (.., tokens or cells, heads).
         q = g.view(lib.ggml_permute(ctx, q, 0, 2, 1, 3))
         k = g.view(lib.ggml_permute(ctx, k, 0, 2, 1, 3))
         v = g.view(lib.ggml_permute(ctx, v, 0, 2, 1, 3))
+        if flash:
+            cur = lib.ggml_flash_attn_ext(ctx, q, k, v, mt, float(scale), 0.0, 0.0)  # (Dh, H, rows)
+            if st is not None:
+                lib.ggml_flash_attn_ext_add_sinks(cur, st)
+            lib.ggml_prec_set_acc(cur, GGML_PREC_F32)
+            g.output(cur)  # contiguous: llama.cpp reshapes it to (H*Dh, rows)
+            return g.finish(threads)
         kq = g.scratch(lib.ggml_mul_mat(ctx, k, q))  # (n_kv, rows, H)
         lib.ggml_prec_set_acc(kq, GGML_PREC_F32)
         kq = g.scratch(lib.ggml_soft_max_ext(ctx, kq, mt, float(scale), 0.0))
@@ -278,37 +291,6 @@ def _build_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, thre
         kqv = g.scratch(lib.ggml_mul_mat(ctx, v, kq))  # (Dh, rows, H)
         cur = g.view(lib.ggml_permute(ctx, kqv, 0, 2, 1, 3))  # (Dh, H, rows)
         g.output(lib.ggml_cont_2d(ctx, cur, Dh * H, rows))
-        return g.finish(threads)
-    except BaseException:
-        g.free()
-        raise
-
-
-def _build_flash_attention(lib: ggml.Lib, rows, H, Hkv, Dh, n_kv, kv_size, scale, threads,
-                           has_sinks=False) -> Graph:
-    """``build_attn_mha``'s flash-attention branch for one stream; inputs as :func:`_build_attention`'s,
-    the V cache laid out as K and the mask f16."""
-    g = Graph(lib, n_tensors=16)
-    try:
-        ctx, gqa = g.ctx, Hkv * Dh
-        f16 = lambda n: lib.ggml_row_size(_F16, n)  # noqa: E731  bytes of n f16 values
-        qt = g.input(_F32, (Dh, H, rows))
-        kc = g.input(_F16, (gqa, kv_size))  # llama.cpp's layers[il].k: ne = (n_embd_k_gqa, kv_size)
-        vc = g.input(_F16, (gqa, kv_size))  # layers[il].v without v_trans: the same
-        mt = g.input(_F16, (n_kv, rows))
-        st = g.input(_F32, (H,)) if has_sinks else None
-        qc = qt.contents
-        q = g.view(lib.ggml_view_4d(ctx, qt, Dh, H, rows, 1, qc.nb[1], qc.nb[2], qc.nb[2] * rows, 0))
-        k = g.view(lib.ggml_view_4d(ctx, kc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
-        v = g.view(lib.ggml_view_4d(ctx, vc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
-        q = g.view(lib.ggml_permute(ctx, q, 0, 2, 1, 3))
-        k = g.view(lib.ggml_permute(ctx, k, 0, 2, 1, 3))
-        v = g.view(lib.ggml_permute(ctx, v, 0, 2, 1, 3))
-        cur = lib.ggml_flash_attn_ext(ctx, q, k, v, mt, float(scale), 0.0, 0.0)  # (Dh, H, rows)
-        if st is not None:
-            lib.ggml_flash_attn_ext_add_sinks(cur, st)
-        lib.ggml_prec_set_acc(cur, GGML_PREC_F32)
-        g.output(cur)  # contiguous: llama.cpp reshapes it to (H*Dh, rows)
         return g.finish(threads)
     except BaseException:
         g.free()

@@ -609,7 +609,7 @@ def _attend(g: Graph, lib, q, kc, vc, mask, shape: AttentionShape, kv_size: int,
     f16 = lambda n: 2 * n  # noqa: E731  bytes of n f16 values
     qp = g.view(lib.ggml_permute(ctx, q, 0, 2, 1, 3))
     kv = g.view(lib.ggml_view_4d(ctx, kc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
-    if _flash(lib):  # kernels.dense._build_flash_attention's op: the result is contiguous
+    if _flash(lib):  # kernels.dense._build_attention's flash op: the result is contiguous
         vv = g.view(lib.ggml_view_4d(ctx, vc, Dh, Hkv, n_kv, 1, f16(Dh), f16(gqa), f16(gqa * kv_size), 0))
         kv = g.view(lib.ggml_permute(ctx, kv, 0, 2, 1, 3))
         vv = g.view(lib.ggml_permute(ctx, vv, 0, 2, 1, 3))
