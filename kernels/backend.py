@@ -334,10 +334,10 @@ def kernel_settings() -> dict:
 def _flash_attn_setting(mode: str) -> bool:
     """Whether attention is ggml's flash attention (``kernels.dense.flash_attn``): the fast
     mode's default, env KVASIR_FLASH_ATTN=0 turns it off; never in the deterministic mode."""
-    from kernels.ggml import _lib, flash_attn_setting
+    from kernels.ggml import flash_attn_setting, load, loaded_mode
 
-    if _lib is not None:
-        return bool(getattr(_lib, "flash_attn", False))
+    if loaded_mode() is not None:  # fixed as ggml loaded
+        return bool(load().flash_attn)
     return mode == "fast" and flash_attn_setting()
 
 
