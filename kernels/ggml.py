@@ -286,20 +286,24 @@ def load() -> Lib:
         if _lib is None and _lib_error is None:
             try:
                 mode = kernel_mode()
+                # the switches read once, like the mode (a bad value raises ValueError before
+                # anything loads: no half-set library is left behind)
+                flash = mode == "fast" and flash_attn_setting()
+                layout = expert_layout_setting()
                 set_kernel_mode(mode)  # ggml reads GGML_CPU_TILED_MM once, as it loads
-                _lib = Lib(lib_dir())
-                _lib.mode = mode
-                # read once, like the mode: repacked() is asked for every dense weight of every call
-                allowed = _lib.repack_buft is not None and os.environ.get(ENV_REPACK, "1") != "0"
-                _lib.repack = mode == "fast" and allowed
-                _lib.flash_attn = mode == "fast" and flash_attn_setting()  # read once, like the mode
+                lib = Lib(lib_dir())
+                lib.mode = mode
+                # repacked() is asked for every dense weight of every call
+                allowed = lib.repack_buft is not None and os.environ.get(ENV_REPACK, "1") != "0"
+                lib.repack = mode == "fast" and allowed
+                lib.flash_attn = flash
                 # the routed experts: a repacked copy in both modes where allowed, used by the
                 # calls of fewer rows than repack_below (expert_layout: every call in the
                 # deterministic mode, those under FAST_REPACK_BELOW rows in the fast mode)
-                layout = expert_layout_setting()  # raises ValueError on a bad KVASIR_EXPERT_LAYOUT
-                _lib.expert_layout = layout
-                _lib.repack_experts = allowed and layout != "plain"
-                _lib.repack_below = _repack_below(mode, allowed, layout)
+                lib.expert_layout = layout
+                lib.repack_experts = allowed and layout != "plain"
+                lib.repack_below = _repack_below(mode, allowed, layout)
+                _lib = lib
             except GgmlUnavailable as exc:
                 _lib_error = exc
     if _lib is None:
@@ -870,6 +874,7 @@ def expert_layout_setting() -> str:
     if value not in EXPERT_LAYOUTS:
         raise ValueError(f"{ENV_EXPERT_LAYOUT}={value!r}: expected one of {', '.join(EXPERT_LAYOUTS)}")
     return value
+
 
 ENV_FLASH_ATTN = "KVASIR_FLASH_ATTN"  # "0" turns flash attention off in fast mode (see flash_attn_setting)
 
