@@ -818,7 +818,8 @@ class Engine:
                 by_block.setdefault(id(seq.lease.block), []).append(i)
         groups, inputs, spans = [], [], []
         gqa = self.cfg.n_head_kv * self.cfg.head_dim
-        mask_dtype = dense.mask_dtype()
+        flash = dense.flash_attn()  # (V stored as K: a group's V cells are its K cells, kidx)
+        mask_dtype = np.float16 if flash else np.float32  # dense.mask_dtype
         known = getattr(self._thread, "groups", None)  # a group's fixed inputs, by its members' places
         if known is None or len(known) > 64:
             known = self._thread.groups = {}
@@ -847,7 +848,7 @@ class Engine:
             for o, p in zip(places, past):
                 mask[o, :, :p + 1] = 0  # dense.causal_mask's rows: cells 0..n_past seen
             inputs.append(fused.GroupInputs(qidx=qidx, sel=sel, kidx=offs * block.cells + n_pasts,
-                                            vidx=(vbase + n_pasts[:, None]).ravel(), mask=mask, pick=pick, dst=dst))
+                                            vidx=vbase.ravel() if flash else (vbase + n_pasts[:, None]).ravel(), mask=mask, pick=pick, dst=dst))
             groups.append(fused.KvGroup(block.cells, span, n_kv, rows, len(members)))
             spans.append((block, lo, span))
         return tuple(groups), tuple(inputs), spans

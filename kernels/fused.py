@@ -383,7 +383,8 @@ class GroupInputs:
     without a member: any row, its output dropped); ``sel`` (members,) int32, each member's row
     of the step; ``kidx`` (members,) int64, each member's new K cell among the span's
     cells*span; ``vidx`` (members*gqa,) int64, each member's new V elements among the span's
-    gqa*cells*span; ``mask`` (span, rows, n_kv) float32; ``pick`` (members,) int32, each
+    gqa*cells*span (unread with flash attention: V is stored at kidx, as K); ``mask`` (span,
+    rows, n_kv) float32 (float16 with flash attention); ``pick`` (members,) int32, each
     member's first row in the group's output; ``dst`` (members,) int64, its row of the step's
     attention output."""
 
